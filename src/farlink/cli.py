@@ -1,0 +1,53 @@
+"""``farlink train | join | swarm | bench | plan | report``.
+
+Each subsystem registers its own commands (``register(app, bench_app)`` in its ``command``
+module), so this file only wires them together and stays import-light: heavy imports (torch,
+hivemind) happen inside the commands.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+
+import typer
+
+app = typer.Typer(
+    name="farlink",
+    help="Train one language model across islands of compute joined by slow links.",
+    no_args_is_help=True,
+    pretty_exceptions_show_locals=False,
+)
+bench_app = typer.Typer(help="Side-by-side scenarios; each writes a JSON table and PNG plots.")
+app.add_typer(bench_app, name="bench")
+
+COMMAND_MODULES = [
+    "farlink.train.command",
+    "farlink.comm.command",
+    "farlink.plan.command",
+    "farlink.bench.command",
+    "farlink.emulate.command",
+]
+
+
+def _register_all() -> None:
+    for module_name in COMMAND_MODULES:
+        try:
+            module = importlib.import_module(module_name)
+        except ModuleNotFoundError as exc:
+            if exc.name == module_name:
+                continue  # subsystem not present in this build
+            raise
+        module.register(app, bench_app)
+
+
+_register_all()
+
+
+def main() -> None:
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(message)s")
+    app()
+
+
+if __name__ == "__main__":
+    main()

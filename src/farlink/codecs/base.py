@@ -1,0 +1,35 @@
+"""The codec interface: how a dense tensor becomes real bytes on the wire and back.
+
+Codecs are pure functions of their input (plus, for error feedback, a residual the caller keeps),
+so any algorithm that sends dense tensors can compose with any codec, and the byte count an
+algorithm reports is simply ``len(payload)`` of what it handed to the collective.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+
+import torch
+
+
+class CodecError(ValueError):
+    """A payload could not be decoded (truncated, corrupt, wrong shape or dtype)."""
+
+
+class Codec(ABC):
+    """Turns a float tensor into bytes and back; lossy codecs may return an approximation."""
+
+    name: str = "abstract"
+
+    @abstractmethod
+    def encode(self, tensor: torch.Tensor) -> bytes:
+        """Serialize ``tensor`` (any shape, floating point) to a self-describing payload."""
+
+    @abstractmethod
+    def decode(self, payload: bytes, shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
+        """Rebuild a tensor of ``shape``/``dtype``; raise :class:`CodecError` on a bad payload."""
+
+    def roundtrip(self, tensor: torch.Tensor) -> tuple[torch.Tensor, int]:
+        """What the receiver will see, and how many bytes it cost: used by error feedback."""
+        payload = self.encode(tensor)
+        return self.decode(payload, tensor.shape, tensor.dtype), len(payload)

@@ -1,0 +1,22 @@
+"""Lossless float32: the reference every lossy codec is measured against."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from farlink.codecs.base import Codec, CodecError
+
+
+class Float32Codec(Codec):
+    name = "fp32"
+
+    def encode(self, tensor: torch.Tensor) -> bytes:
+        return tensor.detach().to(torch.float32).contiguous().numpy().tobytes()
+
+    def decode(self, payload: bytes, shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
+        numel = int(np.prod(shape)) if len(shape) else 1
+        if len(payload) != 4 * numel:
+            raise CodecError(f"fp32 payload has {len(payload)} bytes, expected {4 * numel}")
+        array = np.frombuffer(payload, dtype=np.float32).copy()
+        return torch.from_numpy(array).reshape(shape).to(dtype)

@@ -1,0 +1,83 @@
+"""The collective interface every outer algorithm talks to, whatever the transport.
+
+An outer round is ``begin_round`` -> one or more collectives -> ``commit``. A backend may drop
+peers between rounds (crash, stall, leave) and add newcomers (who are healed from live peers in
+``begin_round``); an algorithm only ever sees the peers of the current round. Collectives never
+raise on a peer failure: the backend records it and ``commit`` returns False, so the caller
+discards the round and nothing half-applied reaches the parameters.
+
+Byte accounting is exact and per worker: every backend counts the bytes *this* worker puts on the
+wire for each collective under the algorithm it really runs (ring all-reduce sends
+``2 (n-1)/n * size``, ring all-gather ``(n-1) * size``), which tests check against payload sizes.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class RoundInfo:
+    """Who takes part in the current outer round."""
+
+    round_id: int  # committed outer steps so far (the same on every participant)
+    rank: int  # this worker's position among the participants
+    world_size: int  # participants in this round
+    healed: bool = False  # this worker just loaded state from a live peer
+    peers: list[str] = field(default_factory=list)  # participant ids, in rank order
+
+
+@dataclass
+class CommStats:
+    """Running totals of what this worker sent, for metrics and benchmarks."""
+
+    bytes_sent: int = 0
+    collectives: int = 0
+    failed_rounds: int = 0
+    comm_seconds: float = 0.0
+
+
+class Collective(ABC):
+    """A fault-tolerant group of peers that runs one outer round at a time."""
+
+    def __init__(self) -> None:
+        self.stats = CommStats()
+
+    @abstractmethod
+    def begin_round(self) -> RoundInfo:
+        """Agree on the participants of the next round; heal this worker if it is behind."""
+
+    @abstractmethod
+    def all_reduce_sum(self, tensors: list[torch.Tensor]) -> None:
+        """Sum float tensors in place across participants (dense, uncompressed)."""
+
+    @abstractmethod
+    def all_gather_bytes(self, payload: bytes) -> list[bytes]:
+        """Every participant's payload, in rank order (this worker's included)."""
+
+    @abstractmethod
+    def commit(self) -> bool:
+        """True when every participant finished the round's collectives without error."""
+
+    @abstractmethod
+    def close(self) -> None:
+        """Leave the group and release sockets and threads."""
+
+    def register_state(self, get_state, set_state) -> None:  # noqa: ANN001 - callables
+        """State a lagging or new peer receives from a live one (params, outer optimizer)."""
+        self._get_state, self._set_state = get_state, set_state
+
+
+def ring_allreduce_bytes(nbytes: int, world_size: int) -> int:
+    """Bytes one worker sends in a ring all-reduce of ``nbytes``: reduce-scatter + all-gather."""
+    if world_size <= 1:
+        return 0
+    return (2 * (world_size - 1) * nbytes) // world_size
+
+
+def ring_allgather_bytes(nbytes: int, world_size: int) -> int:
+    """Bytes one worker sends in a ring all-gather where each peer contributes ``nbytes``."""
+    return max(world_size - 1, 0) * nbytes
