@@ -1,0 +1,105 @@
+"""Peers as threads of one process: the collective interface without sockets.
+
+Used for single-process runs (one member), for fast, exact tests of the outer algorithms with
+several members, and as the transport of in-process link emulation (an optional ``link`` delays
+each collective by ``latency + bytes / bandwidth``). Byte accounting follows the same ring
+formulas as the network backends, so numbers are comparable.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass
+
+import torch
+
+from farlink.comm.base import Collective, RoundInfo, ring_allgather_bytes, ring_allreduce_bytes
+
+
+@dataclass
+class LinkModel:
+    """A link as seen by in-process emulation: one-way latency and bandwidth."""
+
+    bandwidth_bytes_per_s: float = float("inf")
+    latency_s: float = 0.0
+
+    def seconds(self, nbytes: int, hops: int) -> float:
+        return hops * self.latency_s + nbytes / self.bandwidth_bytes_per_s
+
+
+class InProcessGroup:
+    """Shared rendezvous for ``size`` members; ``member(i)`` is rank i's collective."""
+
+    def __init__(self, size: int, link: LinkModel | None = None) -> None:
+        self.size = size
+        self.link = link
+        self.barrier = threading.Barrier(size)
+        self.slots: list[object] = [None] * size
+        self.round = 0
+        self.shared_state: dict | None = None
+        self._members = [InProcessCollective(self, i) for i in range(size)]
+
+    def member(self, rank: int) -> "InProcessCollective":
+        return self._members[rank]
+
+    def exchange(self, rank: int, value: object) -> list[object]:
+        self.barrier.wait()
+        self.slots[rank] = value
+        self.barrier.wait()
+        values = list(self.slots)
+        self.barrier.wait()
+        return values
+
+
+class InProcessCollective(Collective):
+    def __init__(self, group: InProcessGroup, rank: int) -> None:
+        super().__init__()
+        self.group, self.rank = group, rank
+        self.committed_rounds = 0
+        self._get_state = self._set_state = None
+
+    def begin_round(self) -> RoundInfo:
+        steps = self.group.exchange(self.rank, self.committed_rounds)
+        healed = False
+        leader = max(range(self.group.size), key=lambda r: steps[r])
+        states = self.group.exchange(
+            self.rank, self._get_state() if self.rank == leader and self._get_state else None
+        )
+        if steps[self.rank] < steps[leader] and self._set_state is not None:
+            self._set_state(states[leader])
+            self.committed_rounds = steps[leader]
+            healed = True
+        return RoundInfo(self.committed_rounds, self.rank, self.group.size, healed)
+
+    def _delay(self, nbytes: int, hops: int) -> None:
+        if self.group.link is not None:
+            time.sleep(self.group.link.seconds(nbytes, hops))
+
+    def all_reduce_sum(self, tensors: list[torch.Tensor]) -> None:
+        n = self.group.size
+        for tensor in tensors:
+            values = self.group.exchange(self.rank, tensor.detach().clone())
+            total = torch.stack([v for v in values]).sum(0)
+            tensor.copy_(total)
+            sent = ring_allreduce_bytes(tensor.numel() * tensor.element_size(), n)
+            self.stats.bytes_sent += sent
+            self.stats.collectives += 1
+            self._delay(sent, 2 * (n - 1))
+
+    def all_gather_bytes(self, payload: bytes) -> list[bytes]:
+        n = self.group.size
+        values = self.group.exchange(self.rank, bytes(payload))
+        sent = ring_allgather_bytes(len(payload), n)
+        self.stats.bytes_sent += sent
+        self.stats.collectives += 1
+        self._delay(sent, n - 1)
+        return list(values)
+
+    def commit(self) -> bool:
+        self.group.barrier.wait()
+        self.committed_rounds += 1
+        return True
+
+    def close(self) -> None:
+        pass

@@ -1,0 +1,173 @@
+"""Organizational mode: the collective interface on torchft (Lighthouse quorum + Gloo).
+
+Every worker is its own torchft replica group (one rank, its own TCPStore). Each outer round is a
+torchft *step*: ``begin_round`` asks the Lighthouse for a quorum (which drops peers whose heartbeat
+stopped and admits newcomers), reconfigures the Gloo process group to the quorum, and heals this
+worker from a live peer's committed state when it is behind; ``commit`` is torchft's
+``should_commit``, which is False on every participant as soon as any collective failed.
+
+Timeouts are derived from what the round must move: the Gloo timeout of the next process group is
+``round_timeout + safety * (bytes this worker must move) / (measured bytes per second)``, so a link
+that is slow but alive is never cut off, while a stalled peer is dropped after a bounded wait.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from datetime import timedelta
+
+import torch
+
+from farlink.comm.base import Collective, RoundInfo, ring_allgather_bytes, ring_allreduce_bytes
+
+log = logging.getLogger(__name__)
+
+_TIMEOUT_SAFETY = 4.0
+
+
+class TorchftCollective(Collective):
+    def __init__(
+        self,
+        replica_id: str,
+        lighthouse_addr: str,
+        host: str = "127.0.0.1",
+        min_replicas: int = 1,
+        round_timeout: float = 30.0,
+        quorum_timeout: float = 120.0,
+        connect_timeout: float = 30.0,
+    ) -> None:
+        super().__init__()
+        from torch.distributed import TCPStore
+        from torchft import Manager
+        from torchft.process_group import ProcessGroupGloo
+
+        self.replica_id = replica_id
+        self.round_timeout = round_timeout
+        self._healed = False
+        self._get_state = self._set_state = None
+        self._bytes_per_second: float | None = None  # measured on earlier rounds
+        self._round_bytes = 0
+        self._store = TCPStore(host, 0, is_master=True, wait_for_workers=False)
+        self.pg = ProcessGroupGloo(timeout=timedelta(seconds=round_timeout))
+        self.manager = Manager(
+            pg=self.pg,
+            load_state_dict=self._load_state,
+            state_dict=self._state,
+            min_replica_size=min_replicas,
+            use_async_quorum=False,
+            replica_id=replica_id,
+            store_addr=host,
+            store_port=self._store.port,
+            rank=0,
+            world_size=1,
+            lighthouse_addr=lighthouse_addr,
+            hostname=host,
+            timeout=timedelta(seconds=round_timeout),
+            quorum_timeout=timedelta(seconds=quorum_timeout),
+            connect_timeout=timedelta(seconds=connect_timeout),
+            init_sync=False,
+        )
+
+    # --- state transfer (called from torchft's quorum thread / eager heal) ---------------------
+    def _state(self) -> dict:
+        if self._get_state is None:
+            raise RuntimeError("no state registered with the collective")
+        return self._get_state()
+
+    def _load_state(self, state: dict) -> None:
+        if self._set_state is None:
+            raise RuntimeError("no state registered with the collective")
+        self._set_state(state)
+        self._healed = True
+
+    # --- rounds --------------------------------------------------------------------------------
+    def begin_round(self) -> RoundInfo:
+        self._adapt_timeout()
+        self._healed = False
+        self._round_bytes = 0
+        self._round_start = time.perf_counter()
+        self.manager.start_quorum(allow_heal=True)
+        rank = self.manager.participating_rank()
+        return RoundInfo(
+            round_id=self.manager.current_step(),
+            rank=rank if rank is not None else 0,
+            world_size=max(1, self.manager.num_participants()),
+            healed=self._healed,
+        )
+
+    def load_committed_step(self, step: int) -> None:
+        """Restore torchft's step counter on resume so peers do not heal from each other."""
+        self.manager.load_state_dict({"step": step, "batches_committed": step})
+
+    def all_reduce_sum(self, tensors: list[torch.Tensor]) -> None:
+        from torch.distributed import ReduceOp
+
+        n = self.manager.num_participants()
+        start = time.perf_counter()
+        for tensor in tensors:
+            self.manager.allreduce(tensor, reduce_op=ReduceOp.SUM).wait()
+            sent = ring_allreduce_bytes(tensor.numel() * tensor.element_size(), n)
+            self.stats.bytes_sent += sent
+            self._round_bytes += sent
+            self.stats.collectives += 1
+        self.stats.comm_seconds += time.perf_counter() - start
+
+    def _all_gather(self, tensor: torch.Tensor) -> list[torch.Tensor]:
+        from torch.distributed import AllgatherOptions
+
+        n = self.manager.num_participants()
+        if self.manager.errored():
+            return [tensor.clone() for _ in range(n)]
+        outputs = [torch.empty_like(tensor) for _ in range(n)]
+        try:
+            work = self.pg.allgather([outputs], [tensor], AllgatherOptions())
+            fut = self.manager.wrap_future(work.get_future(), [outputs])
+            fut.wait()
+        except Exception as exc:  # noqa: BLE001 - any transport failure fails the round
+            log.warning("all-gather failed: %s", exc)
+            self.manager.report_error(exc)
+        sent = ring_allgather_bytes(tensor.numel() * tensor.element_size(), n)
+        self.stats.bytes_sent += sent
+        self._round_bytes += sent
+        self.stats.collectives += 1
+        return outputs
+
+    def all_gather_bytes(self, payload: bytes) -> list[bytes]:
+        start = time.perf_counter()
+        lengths = self._all_gather(torch.tensor([len(payload)], dtype=torch.int64))
+        if self.manager.errored():
+            self.stats.comm_seconds += time.perf_counter() - start
+            return [payload]
+        sizes = [int(t.item()) for t in lengths]
+        buffer = torch.zeros(max(sizes), dtype=torch.uint8)
+        buffer[: len(payload)] = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+        gathered = self._all_gather(buffer)
+        self.stats.comm_seconds += time.perf_counter() - start
+        if self.manager.errored():
+            return [payload]
+        return [bytes(t[:size].numpy().tobytes()) for t, size in zip(gathered, sizes)]
+
+    def commit(self) -> bool:
+        ok = self.manager.should_commit()
+        elapsed = time.perf_counter() - self._round_start
+        if ok and self._round_bytes > 0 and elapsed > 0:
+            rate = self._round_bytes / elapsed
+            prev = self._bytes_per_second
+            self._bytes_per_second = rate if prev is None else 0.5 * prev + 0.5 * rate
+        return ok
+
+    def _adapt_timeout(self) -> None:
+        """Size the next process group's timeout to the bytes the last round moved."""
+        if self._bytes_per_second is None or self._round_bytes == 0:
+            return
+        expected = self._round_bytes / self._bytes_per_second
+        seconds = self.round_timeout + _TIMEOUT_SAFETY * expected
+        self.pg._timeout = timedelta(seconds=seconds)
+        self.timeout_seconds = seconds
+
+    def close(self) -> None:
+        try:
+            self.manager.shutdown(wait=False)
+        except Exception as exc:  # noqa: BLE001 - best effort on the way out
+            log.debug("manager shutdown: %s", exc)

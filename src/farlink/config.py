@@ -1,0 +1,118 @@
+"""The run configuration: one pydantic model, every field a CLI flag and a TOML key.
+
+Precedence: built-in defaults < ``--config FILE.toml`` < explicit flags. Validation happens once,
+here, so a bad value fails before any process starts, with the field's name in the message.
+"""
+
+from __future__ import annotations
+
+import tomllib
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+
+class ConfigError(ValueError):
+    """A configuration that cannot run; the message names the field and the fix."""
+
+
+class RunConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+    # what to train
+    model: str = Field("tiny", description="model preset (tiny, small, 125m, 350m, 1b)")
+    corpus: str = Field("kjv", description="'kjv' (shipped), a .txt file/dir, or hf:PATH#column")
+    vocab_size: int = Field(4096, ge=260, description="BPE vocabulary size")
+    seq_len: int = Field(128, ge=8, description="tokens per sequence")
+    batch_size: int = Field(8, ge=1, description="sequences per inner step per worker")
+    steps: int = Field(600, ge=1, description="inner steps per worker (the token budget)")
+    seed: int = Field(0, description="seed for init and data order")
+
+    # how to synchronize
+    algorithm: str = Field("diloco", description="ddp, local_sgd, diloco, streaming_diloco, demo")
+    inner_steps: int = Field(50, ge=1, description="H: inner steps between outer syncs")
+    lr: float = Field(3e-3, gt=0, description="inner (AdamW) learning rate")
+    warmup_steps: int = Field(30, ge=0, description="linear warmup of the inner lr")
+    weight_decay: float = Field(0.1, ge=0)
+    grad_clip: float = Field(1.0, ge=0, description="max grad norm, 0 disables")
+    outer_lr: float = Field(0.7, gt=0, description="outer Nesterov SGD learning rate")
+    outer_momentum: float = Field(0.9, ge=0, lt=1)
+    codec: str = Field("none", description="none, fp16, bf16, int8, int4, topk[:f], ...[+ef]")
+    aggregator: str = Field("mean", description="mean, median, trimmed_mean, centered_clip, ...")
+    fragments: int = Field(4, ge=1, description="Streaming DiLoCo: number of fragments P")
+    overlap_steps: int = Field(5, ge=0, description="Streaming DiLoCo: tau, steps of overlap")
+    mix_alpha: float = Field(0.5, ge=0, le=1, description="Streaming DiLoCo: local/global mix")
+    demo_beta: float = Field(0.999, ge=0, lt=1, description="DeMo momentum decay")
+    demo_chunk: int = Field(64, ge=2, description="DeMo DCT chunk size")
+    demo_topk: int = Field(32, ge=1, description="DeMo coefficients kept per chunk")
+    demo_lr: float = Field(1e-3, gt=0, description="DeMo sign-step learning rate")
+
+    # where and with whom
+    workers: int = Field(4, ge=1, description="local worker processes to launch")
+    backend: Literal["torchft"] = Field("torchft", description="torchft (organizational)")
+    min_replicas: int = Field(1, ge=1, description="fewest peers a round may commit with")
+    lighthouse: str | None = Field(None, description="join this Lighthouse instead of starting one")
+    host: str = Field("127.0.0.1", description="address this worker advertises")
+    round_timeout: float = Field(30.0, gt=0, description="floor of a collective's timeout (s)")
+    join_timeout: float = Field(30.0, gt=0, description="Lighthouse: wait for stragglers (s)")
+    heartbeat_timeout: float = Field(5.0, gt=0, description="Lighthouse: a silent peer is dead (s)")
+    quorum_timeout: float = Field(120.0, gt=0, description="wait for a quorum (s)")
+    round_retries: int = Field(2, ge=0, description="retries of a failed round before moving on")
+    secret: str | None = Field(None, description="run secret: every update is MACed with it")
+    threads: int = Field(1, ge=1, description="torch threads per worker")
+
+    # bookkeeping
+    run_dir: Path = Field(Path("runs/latest"), description="metrics, checkpoints, final model")
+    cache_dir: Path = Field(Path.home() / ".cache" / "farlink", description="tokenizer/data cache")
+    eval_every: int = Field(1, ge=1, description="evaluate every N outer steps")
+    eval_batches: int = Field(16, ge=1, description="held-out batches per evaluation")
+    checkpoint_every: int = Field(1, ge=1, description="checkpoint every N outer steps")
+    resume: bool = Field(False, description="continue from the run dir's checkpoints")
+    log_every: int = Field(10, ge=1, description="inner steps between metric lines")
+
+    @model_validator(mode="after")
+    def _check(self) -> "RunConfig":
+        from farlink.sync import ALGORITHMS
+
+        if self.algorithm not in ALGORITHMS:
+            raise ValueError(
+                f"algorithm {self.algorithm!r} unknown; choose from {', '.join(ALGORITHMS)}"
+            )
+        if self.min_replicas > self.workers and self.lighthouse is None:
+            raise ValueError(f"min_replicas={self.min_replicas} exceeds workers={self.workers}")
+        if self.warmup_steps >= self.steps and self.steps > 1:
+            raise ValueError(f"warmup_steps={self.warmup_steps} must be below steps={self.steps}")
+        return self
+
+    @property
+    def sync_every(self) -> int:
+        """Inner steps per outer round (1 for DDP)."""
+        return 1 if self.algorithm == "ddp" else self.inner_steps
+
+
+def load_config(path: Path | None = None, overrides: dict[str, Any] | None = None) -> RunConfig:
+    """Defaults < TOML file < overrides (flags left unset are ``None`` and ignored)."""
+    values: dict[str, Any] = {}
+    if path is not None:
+        path = Path(path)
+        if not path.is_file():
+            raise ConfigError(f"config file {path} does not exist")
+        try:
+            values.update(tomllib.loads(path.read_text()))
+        except tomllib.TOMLDecodeError as exc:
+            raise ConfigError(f"config file {path} is not valid TOML: {exc}") from exc
+        values = values.get("train", values)
+    values.update({k: v for k, v in (overrides or {}).items() if v is not None})
+    try:
+        return RunConfig.model_validate(values)
+    except ValidationError as exc:
+        problems = "; ".join(
+            f"{'.'.join(str(p) for p in e['loc']) or 'config'}: {e['msg']}" for e in exc.errors()
+        )
+        raise ConfigError(f"invalid configuration: {problems}") from None
+
+
+def to_toml_dict(cfg: RunConfig) -> dict[str, Any]:
+    return {k: (str(v) if isinstance(v, Path) else v) for k, v in cfg.model_dump().items()
+            if v is not None}

@@ -1,0 +1,163 @@
+"""The outer-algorithm interface: what happens to the parameters after each backward pass.
+
+An algorithm owns the optimizers (inner and outer) because that is where the families differ:
+DDP averages gradients before every AdamW step, DiLoCo runs AdamW alone for H steps and then takes
+an outer Nesterov step on the averaged pseudo-gradient, DeMo replaces AdamW by a sign step on
+gathered DCT momentum. The training loop only calls :meth:`SyncAlgorithm.step` after
+``loss.backward()``; algorithms talk to peers only through an :class:`~farlink.sync.exchange.Exchange`
+and the :class:`~farlink.comm.base.Collective` it wraps, never through a concrete backend.
+
+Committed state is what every replica agrees on after an outer step (global parameters, outer
+optimizer state, the round counter). It is what a newcomer receives (:meth:`shared_state`) and what
+a checkpoint must restore exactly (:meth:`state_dict`, which adds this worker's private state).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, ClassVar
+
+import torch
+from torch import nn
+
+from farlink.comm.base import Collective, RoundInfo
+from farlink.sync.exchange import Exchange, ExchangeResult
+
+if TYPE_CHECKING:
+    from farlink.config import RunConfig
+
+log = logging.getLogger(__name__)
+
+TensorState = dict[str, torch.Tensor]
+
+
+@dataclass
+class StepOutcome:
+    """What one call to :meth:`SyncAlgorithm.step` did, for metrics."""
+
+    synced: bool = False  # a round was attempted during this step
+    committed: bool = False  # ... and every participant committed it
+    outer_step: int = 0  # committed rounds so far
+    world_size: int = 1
+    comm_seconds: float = 0.0  # time this step spent blocked on communication
+    rejected: int = 0  # peer updates dropped by validation this step
+
+
+def lr_at(step: int, base_lr: float, warmup: int, total: int, min_ratio: float = 0.1) -> float:
+    """Linear warmup then cosine decay to ``min_ratio * base_lr`` (nanoGPT's schedule)."""
+    if step < warmup:
+        return base_lr * (step + 1) / warmup
+    progress = min(1.0, (step - warmup) / max(1, total - warmup))
+    return base_lr * (min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
+
+
+def optimizer_state(opt: torch.optim.Optimizer, prefix: str) -> TensorState:
+    """Flatten an optimizer's per-parameter state into named tensors (safetensors-friendly)."""
+    out: TensorState = {}
+    for index, state in opt.state_dict()["state"].items():
+        for key, value in state.items():
+            tensor = value if torch.is_tensor(value) else torch.tensor(value)
+            out[f"{prefix}.{index}.{key}"] = tensor.detach().clone()
+    return out
+
+
+def load_optimizer_state(opt: torch.optim.Optimizer, tensors: TensorState, prefix: str) -> None:
+    full = opt.state_dict()
+    state: dict[int, dict[str, torch.Tensor]] = {}
+    for name, value in tensors.items():
+        if not name.startswith(prefix + "."):
+            continue
+        index, key = name[len(prefix) + 1 :].split(".", 1)
+        state.setdefault(int(index), {})[key] = value.clone()
+    full["state"] = state
+    opt.load_state_dict(full)
+
+
+class SyncAlgorithm(ABC):
+    name: ClassVar[str]
+
+    def __init__(
+        self, model: nn.Module, cfg: "RunConfig", collective: Collective, exchange: Exchange
+    ) -> None:
+        self.model = model
+        self.cfg = cfg
+        self.collective = collective
+        self.exchange = exchange
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        self.names = [n for n, p in model.named_parameters() if p.requires_grad]
+        self.inner_steps_done = 0
+        self.outer_step = 0
+        self.last_round: RoundInfo | None = None
+        self.last_exchange: ExchangeResult | None = None
+        collective.register_state(self.shared_state, self.load_shared_state)
+
+    # --- the training loop's view -------------------------------------------------------------
+    @abstractmethod
+    def step(self, tokens: int) -> StepOutcome:
+        """Called after ``loss.backward()`` with the number of tokens in the batch."""
+
+    def finish(self) -> StepOutcome | None:
+        """Flush work still in flight (streaming); default: nothing pending."""
+        return None
+
+    # --- state ---------------------------------------------------------------------------------
+    @abstractmethod
+    def shared_state(self) -> TensorState:
+        """Committed state every replica agrees on; what a newcomer downloads."""
+
+    @abstractmethod
+    def load_shared_state(self, state: TensorState) -> None:
+        """Adopt a live peer's committed state (healing)."""
+
+    def state_dict(self) -> TensorState:
+        """Shared state plus this worker's private state, for an exact resume."""
+        return {**self.shared_state(), "counter.inner_steps": torch.tensor(self.inner_steps_done)}
+
+    def load_state_dict(self, state: TensorState) -> None:
+        self.load_shared_state(state)
+        self.inner_steps_done = int(state["counter.inner_steps"])
+
+    # --- helpers -------------------------------------------------------------------------------
+    def current_lr(self) -> float:
+        cfg = self.cfg
+        return lr_at(self.inner_steps_done, cfg.lr, cfg.warmup_steps, cfg.steps)
+
+    def clip_and_step(self, optimizer: torch.optim.Optimizer) -> None:
+        lr = self.current_lr()
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+        if self.cfg.grad_clip > 0:
+            nn.utils.clip_grad_norm_(self.params, self.cfg.grad_clip)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    def run_round(
+        self, build: "callable", apply: "callable", weight: float
+    ) -> tuple[bool, float, RoundInfo | None]:
+        """One fault-tolerant round: quorum, exchange, commit; retried after a failure.
+
+        ``build(info)`` returns the named tensors to send (called after the quorum, so a worker
+        healed in this quorum sends its freshly loaded state's update); ``apply(result, info)`` runs
+        only when every participant committed. Returns (committed, seconds blocked, round info).
+        """
+        start = time.perf_counter()
+        info = None
+        for attempt in range(self.cfg.round_retries + 1):
+            info = self.collective.begin_round()
+            self.last_round = info
+            tensors = build(info)
+            result = self.exchange.average(
+                tensors, 0.0 if info.healed else weight, info.round_id
+            )
+            self.last_exchange = result
+            if self.collective.commit():
+                apply(result, info)
+                self.outer_step = info.round_id + 1
+                return True, time.perf_counter() - start, info
+            log.warning("round %d not committed (attempt %d)", info.round_id, attempt + 1)
+            self.collective.stats.failed_rounds += 1
+        return False, time.perf_counter() - start, info

@@ -1,0 +1,131 @@
+"""DiLoCo (arXiv 2311.08105) and its special case, local SGD.
+
+Each worker runs H inner AdamW steps from the shared parameters θ. The pseudo-gradient
+Δ = θ - θ_local is averaged over the round's participants (weighted by the tokens each worker
+processed, so a slow worker that did fewer steps counts less) and applied by an outer SGD with
+Nesterov momentum (lr 0.7, momentum 0.9). Local SGD is the same loop with the outer step replaced by
+plain averaging (outer lr 1, no momentum).
+
+A failed round (a peer died mid-exchange) leaves θ untouched; local training continues and the
+next round's Δ simply spans more steps, so no committed work is lost and none is applied twice.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from farlink.comm.base import RoundInfo
+from farlink.sync.base import (
+    StepOutcome,
+    SyncAlgorithm,
+    TensorState,
+    load_optimizer_state,
+    optimizer_state,
+)
+from farlink.sync.exchange import ExchangeResult
+
+
+class DiLoCo(SyncAlgorithm):
+    name = "diloco"
+    outer_lr_override: float | None = None
+    outer_momentum_override: float | None = None
+
+    def __init__(self, *args, **kwargs) -> None:  # noqa: ANN002, ANN003
+        super().__init__(*args, **kwargs)
+        cfg = self.cfg
+        self.inner_opt = torch.optim.AdamW(
+            self.params, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay
+        )
+        self.global_params = [p.detach().clone() for p in self.params]
+        lr = self.outer_lr_override if self.outer_lr_override is not None else cfg.outer_lr
+        momentum = (
+            self.outer_momentum_override
+            if self.outer_momentum_override is not None
+            else cfg.outer_momentum
+        )
+        self.outer_opt = torch.optim.SGD(
+            self.global_params, lr=lr, momentum=momentum, nesterov=momentum > 0
+        )
+        self.tokens_since_sync = 0
+
+    def step(self, tokens: int) -> StepOutcome:
+        self.clip_and_step(self.inner_opt)
+        self.inner_steps_done += 1
+        self.tokens_since_sync += tokens
+        if self.inner_steps_done % self.cfg.inner_steps != 0:
+            return StepOutcome(outer_step=self.outer_step)
+        return self.sync()
+
+    def sync(self) -> StepOutcome:
+        committed, seconds, info = self.run_round(
+            self._pseudo_gradient, self._apply, float(self.tokens_since_sync)
+        )
+        result = self.last_exchange
+        return StepOutcome(
+            synced=True,
+            committed=committed,
+            outer_step=self.outer_step,
+            world_size=info.world_size if info else 1,
+            comm_seconds=seconds,
+            rejected=len(result.rejected) if result else 0,
+        )
+
+    def _pseudo_gradient(self, info: RoundInfo) -> dict[str, torch.Tensor]:
+        return {
+            n: (g - p.detach())
+            for n, g, p in zip(self.names, self.global_params, self.params)
+        }
+
+    def _apply(self, result: ExchangeResult, info: RoundInfo) -> None:
+        if result.total_weight > 0:
+            for n, g in zip(self.names, self.global_params):
+                g.grad = result.tensors[n].to(g.dtype)
+            self.outer_opt.step()
+            self.outer_opt.zero_grad(set_to_none=True)
+        with torch.no_grad():
+            for g, p in zip(self.global_params, self.params):
+                p.copy_(g)
+        self.tokens_since_sync = 0
+
+    # --- state -----------------------------------------------------------------------------
+    def shared_state(self) -> TensorState:
+        state = {f"global.{n}": g.detach().clone() for n, g in zip(self.names, self.global_params)}
+        state.update(optimizer_state(self.outer_opt, "outer"))
+        state["counter.outer_step"] = torch.tensor(self.outer_step)
+        return state
+
+    def load_shared_state(self, state: TensorState) -> None:
+        with torch.no_grad():
+            for n, g, p in zip(self.names, self.global_params, self.params):
+                g.copy_(state[f"global.{n}"])
+                p.copy_(g)
+        load_optimizer_state(self.outer_opt, state, "outer")
+        self.outer_step = int(state["counter.outer_step"])
+        self.tokens_since_sync = 0
+
+    def state_dict(self) -> TensorState:
+        state = super().state_dict()
+        state.update(optimizer_state(self.inner_opt, "inner"))
+        state.update({f"local.{n}": p.detach().clone() for n, p in zip(self.names, self.params)})
+        state.update(self.exchange.compressor.state_dict())
+        state["counter.tokens_since_sync"] = torch.tensor(self.tokens_since_sync)
+        return state
+
+    def load_state_dict(self, state: TensorState) -> None:
+        super().load_state_dict(state)
+        load_optimizer_state(self.inner_opt, state, "inner")
+        with torch.no_grad():
+            for n, p in zip(self.names, self.params):
+                p.copy_(state[f"local.{n}"])
+        self.exchange.compressor.load_state_dict(
+            {k: v for k, v in state.items() if k.startswith("residual.")}
+        )
+        self.tokens_since_sync = int(state["counter.tokens_since_sync"])
+
+
+class LocalSGD(DiLoCo):
+    """Parameter averaging every H steps: DiLoCo with outer lr 1 and no momentum."""
+
+    name = "local_sgd"
+    outer_lr_override = 1.0
+    outer_momentum_override = 0.0

@@ -1,0 +1,111 @@
+"""``farlink train`` and ``farlink join``: every RunConfig field becomes a flag.
+
+The flags are generated from the pydantic model, so a new option needs one line in
+:mod:`farlink.config` and nothing here; values given on the command line override the TOML file.
+"""
+
+from __future__ import annotations
+
+import inspect
+from pathlib import Path
+from typing import Any, Optional, get_args, get_origin
+
+import typer
+
+from farlink.config import ConfigError, RunConfig, load_config
+
+
+def _flag_type(annotation: Any) -> Any:
+    origin = get_origin(annotation)
+    args = [a for a in get_args(annotation) if a is not type(None)]
+    if origin is not None and args:
+        if all(isinstance(a, str) for a in args):  # Literal["a", "b"]
+            return str
+        return _flag_type(args[0])
+    return annotation
+
+
+def config_options(func: Any) -> Any:
+    """Give ``func`` one ``--flag`` per RunConfig field (None = not given) plus ``--config``."""
+    params = [
+        inspect.Parameter(
+            "config", inspect.Parameter.KEYWORD_ONLY, annotation=Optional[Path],
+            default=typer.Option(None, "--config", "-c", help="TOML file (keys of a train table, or top-level)"),
+        )
+    ]
+    for name, field in RunConfig.model_fields.items():
+        kind = _flag_type(field.annotation)
+        flag = "--" + name.replace("_", "-")
+        decl = [f"{flag}/--no-{name.replace('_', '-')}"] if kind is bool else [flag]
+        default = field.default
+        params.append(
+            inspect.Parameter(
+                name, inspect.Parameter.KEYWORD_ONLY, annotation=Optional[kind],
+                default=typer.Option(None, *decl, help=f"{field.description or ''} "
+                                     f"(default: {default})", show_default=False),
+            )
+        )
+    original = inspect.signature(func)
+    extra = [p for p in original.parameters.values() if p.kind != inspect.Parameter.VAR_KEYWORD]
+    func.__signature__ = original.replace(parameters=extra + params)
+    return func
+
+
+def _config_from(values: dict[str, Any]) -> RunConfig:
+    config_path = values.pop("config", None)
+    if values.get("resume") and values.get("run_dir") and config_path is None:
+        saved = Path(values["run_dir"]) / "config.toml"
+        config_path = saved if saved.is_file() else None
+    try:
+        return load_config(config_path, values)
+    except ConfigError as exc:
+        typer.secho(f"error: {exc}", fg="red", err=True)
+        raise typer.Exit(2) from None
+
+
+def register(app: typer.Typer, bench_app: typer.Typer) -> None:
+    @app.command(context_settings={"help_option_names": ["-h", "--help"]})
+    @config_options
+    def train(**values: Any) -> None:
+        """Train with N local workers (torchft Lighthouse + one replica group per worker)."""
+        from farlink.data import CorpusError
+        from farlink.train.launcher import console, launch
+
+        cfg = _config_from(values)
+        try:
+            result = launch(cfg)
+        except CorpusError as exc:
+            typer.secho(f"error: {exc}", fg="red", err=True)
+            raise typer.Exit(2) from None
+        s = result.summary
+        if s.get("final_heldout_loss") is not None:
+            console.print(
+                f"held-out loss {s['final_heldout_loss']:.4f} (ppl {s['final_heldout_ppl']:.1f}) "
+                f"after {s['total_tokens']:,} tokens; summary in {cfg.run_dir / 'summary.json'}"
+            )
+        if result.interrupted:
+            raise typer.Exit(130)
+        if any(result.returncodes):
+            raise typer.Exit(1)
+
+    @app.command(context_settings={"help_option_names": ["-h", "--help"]})
+    @config_options
+    def join(
+        index: int = typer.Option(..., "--index", help="this worker's index (its data shard)"),
+        **values: Any,
+    ) -> None:
+        """Start one worker that joins a running job through its Lighthouse (--lighthouse ADDR).
+
+        It downloads the current parameters and outer-optimizer state from a live peer during
+        its first quorum and contributes from the next round on.
+        """
+        from farlink.train.launcher import write_run_config
+        from farlink.train.worker import main as worker_main
+
+        cfg = _config_from(values)
+        if cfg.lighthouse is None:
+            typer.secho("error: --lighthouse ADDR is required to join", fg="red", err=True)
+            raise typer.Exit(2)
+        write_run_config(cfg)
+        argv = [str(cfg.run_dir), str(index), "--lighthouse", cfg.lighthouse]
+        raise typer.Exit(worker_main(argv + (["--resume"] if cfg.resume else [])))

@@ -1,0 +1,194 @@
+"""``farlink train``: a Lighthouse and N local worker processes, watched through their metrics.
+
+The launcher owns no training state. It prepares the data once (so N workers do not all train the
+tokenizer), starts the processes, draws a progress bar from the workers' JSONL metrics, and on
+Ctrl-C asks the workers to stop between steps; their last checkpoints are the committed state and
+``farlink train --resume --run-dir DIR`` continues from them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import tomli_w
+from rich.console import Console
+from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+
+from farlink.config import RunConfig, to_toml_dict
+from farlink.train.lighthouse import Lighthouse
+from farlink.train.metrics import read_metrics
+
+console = Console(stderr=True)
+
+
+@dataclass
+class RunResult:
+    run_dir: Path
+    returncodes: list[int]
+    summary: dict = field(default_factory=dict)
+    interrupted: bool = False
+
+
+def write_run_config(cfg: RunConfig) -> None:
+    cfg.run_dir.mkdir(parents=True, exist_ok=True)
+    (cfg.run_dir / "config.json").write_text(cfg.model_dump_json(indent=1))
+    (cfg.run_dir / "config.toml").write_text(tomli_w.dumps({"train": to_toml_dict(cfg)}))
+
+
+def worker_command(run_dir: Path, index: int, lighthouse: str, resume: bool) -> list[str]:
+    argv = [sys.executable, "-m", "farlink.train.worker", str(run_dir), str(index),
+            "--lighthouse", lighthouse]
+    return argv + (["--resume"] if resume else [])
+
+
+def spawn_worker(cfg: RunConfig, index: int, lighthouse: str, resume: bool,
+                 extra_env: dict[str, str] | None = None) -> subprocess.Popen:
+    logs = cfg.run_dir / "logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    env = {**os.environ, "OMP_NUM_THREADS": str(cfg.threads), **(extra_env or {})}
+    out = open(logs / f"w{index}.log", "ab")
+    return subprocess.Popen(
+        worker_command(cfg.run_dir, index, lighthouse, resume),
+        stdout=out, stderr=subprocess.STDOUT, env=env,
+        start_new_session=True,  # Ctrl-C reaches the launcher only; it stops workers in order
+    )
+
+
+def summarize(cfg: RunConfig) -> dict:
+    """Final figures from the workers' metrics: held-out loss, bytes, utilization."""
+    per_worker, evals = {}, []
+    for path in sorted((cfg.run_dir / "metrics").glob("w*.jsonl")):
+        records = read_metrics(path)
+        evals += [r for r in records if r["kind"] == "eval"]
+        ends = [r for r in records if r["kind"] == "end"]
+        if ends:
+            end = ends[-1]
+            wall = max(end["wall_s"], 1e-9)
+            per_worker[path.stem] = {
+                "tokens": end["tokens"],
+                "bytes_sent": end["bytes_sent"],
+                "bytes_per_token": end["bytes_sent"] / max(end["tokens"], 1),
+                "compute_utilization": end["compute_s"] / wall,
+                "wall_s": end["wall_s"],
+                "failed_rounds": end.get("failed_rounds", 0),
+            }
+    evals.sort(key=lambda r: (r["step"], r["time"]))
+    final = evals[-1] if evals else None
+    return {
+        "algorithm": cfg.algorithm,
+        "codec": cfg.codec,
+        "workers": cfg.workers,
+        "inner_steps": cfg.inner_steps,
+        "steps": cfg.steps,
+        "final_heldout_loss": final["loss"] if final else None,
+        "final_heldout_ppl": final["ppl"] if final else None,
+        "total_tokens": sum(w["tokens"] for w in per_worker.values()),
+        "per_worker": per_worker,
+        "evals": [{k: r[k] for k in ("step", "tokens", "loss", "bytes_sent", "wall_s")}
+                  for r in evals],
+    }
+
+
+def export_model(cfg: RunConfig) -> Path | None:
+    finals = sorted((cfg.run_dir / "final").glob("w*.safetensors"))
+    if not finals:
+        return None
+    target = cfg.run_dir / "model.safetensors"
+    shutil.copyfile(finals[0], target)
+    return target
+
+
+def _progress_state(cfg: RunConfig) -> tuple[int, float | None, float | None]:
+    steps, loss, heldout = 0, None, None
+    for path in (cfg.run_dir / "metrics").glob("w*.jsonl"):
+        records = read_metrics(path)
+        stepped = [r for r in records if "step" in r and r["kind"] in ("step", "sync", "eval")]
+        if stepped:
+            steps += stepped[-1]["step"]
+            loss = next((r["loss"] for r in reversed(stepped) if r["kind"] != "eval"), loss)
+        evals = [r for r in records if r["kind"] == "eval"]
+        if evals:
+            heldout = evals[-1]["loss"]
+    return steps, loss, heldout
+
+
+def _stop_all(procs: list[subprocess.Popen], grace: float = 20.0) -> None:
+    for p in procs:
+        if p.poll() is None:
+            p.send_signal(signal.SIGTERM)
+    deadline = time.time() + grace
+    for p in procs:
+        try:
+            p.wait(timeout=max(0.1, deadline - time.time()))
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+
+
+def launch(cfg: RunConfig, show_progress: bool = True) -> RunResult:
+    from farlink.data import prepare_data
+
+    if not cfg.resume and (cfg.run_dir / "metrics").exists():
+        shutil.rmtree(cfg.run_dir)  # a fresh run never mixes with an old one's metrics
+    write_run_config(cfg)
+    with console.status(f"preparing corpus {cfg.corpus!r} and tokenizer"):
+        data = prepare_data(cfg.corpus, cfg.vocab_size, cfg.cache_dir)
+    console.print(
+        f"[bold]farlink[/] {cfg.algorithm} ({cfg.codec}) | {cfg.workers} workers | "
+        f"model {cfg.model} | corpus {cfg.corpus}: {len(data.train):,} train / "
+        f"{len(data.heldout):,} held-out tokens | run dir {cfg.run_dir}"
+    )
+    lighthouse = None
+    address = cfg.lighthouse
+    if address is None:
+        lighthouse = Lighthouse(
+            cfg.host, min_replicas=cfg.min_replicas, join_timeout=cfg.join_timeout,
+            heartbeat_timeout=cfg.heartbeat_timeout, log_path=cfg.run_dir / "lighthouse.log",
+        ).start()
+        address = lighthouse.address
+    procs = [spawn_worker(cfg, i, address, cfg.resume) for i in range(cfg.workers)]
+    interrupted = False
+    total = cfg.steps * cfg.workers
+    columns = [TextColumn("[bold blue]{task.description}"), BarColumn(),
+               TextColumn("{task.completed}/{task.total} steps"),
+               TextColumn("{task.fields[info]}"), TimeElapsedColumn(), TimeRemainingColumn()]
+    try:
+        with Progress(*columns, console=console, disable=not show_progress) as progress:
+            task = progress.add_task("training", total=total, info="")
+            while any(p.poll() is None for p in procs):
+                steps, loss, heldout = _progress_state(cfg)
+                info = f"loss {loss:.3f}" if loss is not None else ""
+                if heldout is not None:
+                    info += f" | held-out {heldout:.3f}"
+                progress.update(task, completed=min(steps, total), info=info)
+                time.sleep(0.5)
+            steps, loss, heldout = _progress_state(cfg)
+            progress.update(task, completed=min(steps, total))
+    except KeyboardInterrupt:
+        interrupted = True
+        console.print("[yellow]interrupted: stopping workers at their next step boundary[/]")
+        _stop_all(procs)
+    finally:
+        _stop_all(procs)
+        if lighthouse is not None:
+            lighthouse.stop()
+    codes = [p.returncode for p in procs]
+    summary = summarize(cfg)
+    model_path = export_model(cfg)
+    if model_path is not None:
+        summary["model"] = str(model_path)
+    (cfg.run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
+    if interrupted:
+        console.print(f"checkpoints kept under {cfg.run_dir / 'checkpoints'}; continue with "
+                      f"`farlink train --resume --run-dir {cfg.run_dir}`")
+    elif any(codes):
+        console.print(f"[red]workers exited with codes {codes}; logs in {cfg.run_dir / 'logs'}[/]")
+    return RunResult(cfg.run_dir, codes, summary, interrupted)

@@ -1,0 +1,247 @@
+"""One worker process: inner steps on its own data shard, outer rounds through the collective.
+
+Run as ``python -m farlink.train.worker RUN_DIR INDEX`` by the launcher (or ``farlink join``).
+The worker checkpoints after every committed round (atomic), so SIGINT, SIGTERM or SIGKILL at
+any instant loses at most the uncommitted inner steps of the current round; committed progress is
+never lost. On resume it restores parameters, optimizer states, data position and RNG exactly.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import math
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from farlink.config import RunConfig
+from farlink.train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from farlink.train.metrics import MetricsLog
+
+log = logging.getLogger("farlink.worker")
+
+
+class StopRequested:
+    """Turns SIGINT/SIGTERM into a flag checked between steps (never mid-update)."""
+
+    def __init__(self) -> None:
+        self.flag = False
+        signal.signal(signal.SIGINT, self._set)
+        signal.signal(signal.SIGTERM, self._set)
+
+    def _set(self, signum, frame) -> None:  # noqa: ANN001
+        self.flag = True
+
+
+def build_collective(cfg: RunConfig, replica_id: str, lighthouse: str):  # noqa: ANN201
+    if cfg.backend == "torchft":
+        from farlink.comm.torchft_backend import TorchftCollective
+
+        return TorchftCollective(
+            replica_id=replica_id,
+            lighthouse_addr=lighthouse,
+            host=cfg.host,
+            min_replicas=cfg.min_replicas,
+            round_timeout=cfg.round_timeout,
+            quorum_timeout=cfg.quorum_timeout,
+        )
+    raise ValueError(f"unknown backend {cfg.backend!r}")
+
+
+def build_exchange(cfg: RunConfig, collective, sender: str):  # noqa: ANN001, ANN201
+    from farlink.codecs import make_compressor
+    from farlink.robust.aggregators import make_aggregator
+    from farlink.robust.auth import SharedSecretAuth
+    from farlink.sync.exchange import Exchange
+
+    auth = SharedSecretAuth(cfg.secret) if cfg.secret else None
+    return Exchange(
+        collective,
+        make_compressor(cfg.codec),
+        sender=sender,
+        aggregator=make_aggregator(cfg.aggregator),
+        authenticator=auth,
+    )
+
+
+class Worker:
+    def __init__(self, cfg: RunConfig, index: int, lighthouse: str) -> None:
+        from farlink.data import ShardSampler, heldout_batches, prepare_data
+        from farlink.model import GPT, preset_config
+        from farlink.sync import algorithm_class
+
+        self.cfg, self.index = cfg, index
+        torch.set_num_threads(cfg.threads)
+        torch.manual_seed(cfg.seed)
+        self.data = prepare_data(cfg.corpus, cfg.vocab_size, cfg.cache_dir)
+        self.model_cfg = preset_config(cfg.model, vocab_size=self.data.vocab_size,
+                                       seq_len=cfg.seq_len)
+        self.model = GPT(self.model_cfg)
+        self.sampler = ShardSampler(
+            self.data.train, shard=index % cfg.workers, num_shards=cfg.workers,
+            seq_len=cfg.seq_len, batch_size=cfg.batch_size, seed=cfg.seed,
+        )
+        self.heldout = heldout_batches(self.data.heldout, cfg.seq_len, cfg.batch_size,
+                                       cfg.eval_batches)
+        self.replica_id = f"w{index}"
+        self.collective = build_collective(cfg, self.replica_id, lighthouse)
+        self.exchange = build_exchange(cfg, self.collective, self.replica_id)
+        self.algo = algorithm_class(cfg.algorithm)(
+            self.model, cfg, self.collective, self.exchange
+        )
+        self.ckpt_dir = cfg.run_dir / "checkpoints" / self.replica_id
+        self.metrics = MetricsLog(cfg.run_dir / "metrics" / f"{self.replica_id}.jsonl")
+        self.tokens = 0
+        self.compute_s = 0.0
+        self.comm_s = 0.0
+        if cfg.resume:
+            self._resume()
+
+    # --- checkpoints ---------------------------------------------------------------------------
+    def _save(self) -> None:
+        tensors = self.algo.state_dict()
+        tensors["rng.torch"] = torch.get_rng_state()
+        meta = {
+            "inner_steps": self.algo.inner_steps_done,
+            "outer_step": self.algo.outer_step,
+            "tokens": self.tokens,
+            "sampler": self.sampler.state_dict(),
+            "algorithm": self.cfg.algorithm,
+            "model": self.cfg.model,
+            "compute_s": self.compute_s,
+            "comm_s": self.comm_s,
+            "bytes_sent": self.collective.stats.bytes_sent,
+        }
+        save_checkpoint(self.ckpt_dir, self.algo.inner_steps_done, tensors, meta)
+
+    def _resume(self) -> None:
+        path = latest_checkpoint(self.ckpt_dir)
+        if path is None:
+            log.warning("no checkpoint under %s; starting fresh", self.ckpt_dir)
+            return
+        tensors, meta = load_checkpoint(path)
+        if meta["algorithm"] != self.cfg.algorithm:
+            raise SystemExit(
+                f"checkpoint {path} was written by algorithm {meta['algorithm']!r}, "
+                f"not {self.cfg.algorithm!r}"
+            )
+        self.algo.load_state_dict(tensors)
+        torch.set_rng_state(tensors["rng.torch"])
+        self.sampler.load_state_dict(meta["sampler"])
+        self.tokens = meta["tokens"]
+        self.compute_s, self.comm_s = meta["compute_s"], meta["comm_s"]
+        self.collective.stats.bytes_sent = meta["bytes_sent"]
+        if hasattr(self.collective, "load_committed_step"):
+            self.collective.load_committed_step(self.algo.outer_step)
+        self.metrics.write("resume", worker=self.replica_id, path=str(path),
+                           inner_steps=self.algo.inner_steps_done)
+
+    # --- evaluation ----------------------------------------------------------------------------
+    def evaluate(self) -> float:
+        from farlink.data import evaluate
+
+        return evaluate(self.model, self.heldout)
+
+    # --- the loop ------------------------------------------------------------------------------
+    def _at_boundary(self, step: int, start: float) -> None:
+        """Every H inner steps (token-aligned for every algorithm): checkpoint and evaluate."""
+        cfg, algo = self.cfg, self.algo
+        boundary = step // cfg.inner_steps
+        final = step >= cfg.steps
+        if boundary % cfg.checkpoint_every == 0 or final:
+            self._save()
+        rank0 = algo.last_round is None or algo.last_round.rank == 0
+        if rank0 and (boundary % cfg.eval_every == 0 or final):
+            heldout = self.evaluate()
+            self.metrics.write("eval", worker=self.replica_id, step=step, tokens=self.tokens,
+                               loss=round(heldout, 5), ppl=round(math.exp(heldout), 3),
+                               outer_step=algo.outer_step,
+                               bytes_sent=self.collective.stats.bytes_sent,
+                               wall_s=round(time.time() - start, 3))
+
+    def run(self, stop: StopRequested) -> int:
+        cfg, algo = self.cfg, self.algo
+        start = time.time()
+        self.metrics.write("start", worker=self.replica_id, params=self.model.num_parameters(),
+                           inner_steps=algo.inner_steps_done, pid=os.getpid())
+        loss_value = float("nan")
+        while algo.inner_steps_done < cfg.steps and not stop.flag:
+            t0 = time.perf_counter()
+            self.model.train()
+            x, y = self.sampler.next_batch()
+            _, loss = self.model(x, y)
+            loss.backward()
+            tokens = x.numel()
+            outcome = algo.step(tokens)
+            elapsed = time.perf_counter() - t0
+            self.compute_s += elapsed - outcome.comm_seconds
+            self.comm_s += outcome.comm_seconds
+            self.tokens += tokens
+            loss_value = float(loss.detach())
+            step = algo.inner_steps_done
+            fields = dict(
+                worker=self.replica_id, step=step, loss=round(loss_value, 5), tokens=self.tokens,
+                bytes_sent=self.collective.stats.bytes_sent, compute_s=round(self.compute_s, 4),
+                comm_s=round(self.comm_s, 4), wall_s=round(time.time() - start, 3),
+                outer_step=outcome.outer_step, lr=algo.current_lr(),
+            )
+            if outcome.synced and cfg.sync_every > 1:
+                self.metrics.write("sync", committed=outcome.committed,
+                                   world_size=outcome.world_size,
+                                   round_s=round(outcome.comm_seconds, 4),
+                                   rejected=outcome.rejected, **fields)
+            elif step % cfg.log_every == 0 or (outcome.synced and not outcome.committed):
+                self.metrics.write("step", **fields)
+            if step % cfg.inner_steps == 0 or step >= cfg.steps:
+                self._at_boundary(step, start)
+        pending = algo.finish()
+        if pending is not None and not stop.flag:
+            self._save()
+        finished = algo.inner_steps_done >= cfg.steps
+        if finished:
+            from safetensors.torch import save_model
+
+            final = cfg.run_dir / "final"
+            final.mkdir(parents=True, exist_ok=True)
+            save_model(self.model, str(final / f"{self.replica_id}.safetensors"))
+        self.metrics.write("end", worker=self.replica_id, finished=finished,
+                           inner_steps=algo.inner_steps_done, tokens=self.tokens,
+                           bytes_sent=self.collective.stats.bytes_sent,
+                           compute_s=round(self.compute_s, 4), comm_s=round(self.comm_s, 4),
+                           wall_s=round(time.time() - start, 3),
+                           failed_rounds=self.collective.stats.failed_rounds)
+        return 0 if finished or stop.flag else 1
+
+    def close(self) -> None:
+        self.collective.close()
+        self.metrics.close()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="one farlink worker (started by the launcher)")
+    parser.add_argument("run_dir", type=Path)
+    parser.add_argument("index", type=int)
+    parser.add_argument("--lighthouse", required=True)
+    parser.add_argument("--resume", action="store_true")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=os.environ.get("FARLINK_LOG", "WARNING"),
+                        format=f"%(asctime)s w{args.index} %(name)s %(levelname)s %(message)s")
+    cfg = RunConfig.model_validate_json((args.run_dir / "config.json").read_text())
+    if args.resume:
+        cfg = cfg.model_copy(update={"resume": True})
+    stop = StopRequested()
+    worker = Worker(cfg, args.index, args.lighthouse)
+    try:
+        code = worker.run(stop)
+    finally:
+        worker.close()
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

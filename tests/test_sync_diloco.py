@@ -1,0 +1,132 @@
+"""DiLoCo / local SGD / DDP outer steps against hand-computed references (threads as peers)."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+from torch import nn
+
+from farlink.codecs import make_compressor
+from farlink.comm.inprocess import InProcessGroup
+from farlink.config import RunConfig
+from farlink.sync import algorithm_class
+from farlink.sync.exchange import Exchange
+
+
+def run_members(n: int, fn):  # noqa: ANN001, ANN201
+    """Run fn(rank, collective) in n threads; re-raise the first failure."""
+    group = InProcessGroup(n)
+    results, errors = [None] * n, []
+
+    def target(rank: int) -> None:
+        try:
+            results[rank] = fn(rank, group.member(rank))
+        except BaseException as exc:  # noqa: BLE001
+            errors.append(exc)
+            group.barrier.abort()
+
+    threads = [threading.Thread(target=target, args=(r,)) for r in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    if errors:
+        raise errors[0]
+    return results
+
+
+def make_algo(name: str, collective, codec: str = "none", **overrides):  # noqa: ANN001, ANN201
+    model = nn.Linear(2, 1, bias=False)
+    with torch.no_grad():
+        model.weight.copy_(torch.tensor([[1.0, 2.0]]))
+    cfg = RunConfig(algorithm=name, codec=codec, steps=100, warmup_steps=0, **overrides)
+    exchange = Exchange(collective, make_compressor(codec), sender=f"r{id(collective)}")
+    return algorithm_class(name)(model, cfg, collective, exchange)
+
+
+@pytest.mark.parametrize("codec", ["none", "fp32+ef"])
+def test_diloco_outer_step_matches_hand_computed_nesterov(codec: str) -> None:
+    # Two workers drift to different local params with different token counts.
+    local = {0: [[0.0, 1.0], [0.5, 1.0]], 1: [[1.0, 0.0], [1.0, 2.0]]}
+    tokens = {0: 300, 1: 100}
+
+    def member(rank: int, collective):  # noqa: ANN001, ANN202
+        algo = make_algo("diloco", collective, codec=codec)
+        out = []
+        for rnd in range(2):
+            with torch.no_grad():
+                algo.params[0].copy_(torch.tensor([local[rank][rnd]]))
+            algo.tokens_since_sync = tokens[rank]
+            outcome = algo.sync()
+            assert outcome.committed and outcome.outer_step == rnd + 1
+            out.append(algo.params[0].detach().clone())
+        return out
+
+    results = run_members(2, member)
+    # By hand: theta0 = [1, 2]. Round 1: deltas d0 = [1, 1], d1 = [0, 2]; token-weighted mean
+    # (3*d0 + d1)/4 = [0.75, 1.25]. Nesterov SGD (lr .7, mom .9), first step buf = g:
+    # theta1 = theta0 - .7 * (g + .9 g) = [1 - 0.9975, 2 - 1.6625] = [0.0025, 0.3375].
+    theta1 = torch.tensor([[0.0025, 0.3375]])
+    # Round 2: d0 = theta1 - [0.5, 1.0] = [-0.4975, -0.6625]; d1 = theta1 - [1, 2] =
+    # [-0.9975, -1.6625]; g = (3 d0 + d1)/4 = [-0.6225, -0.9125]; buf = .9*[.75,1.25] + g =
+    # [0.0525, 0.2125]; theta2 = theta1 - .7 * (g + .9 buf) = theta1 - .7*[-0.57525, -0.72125]
+    theta2 = theta1 - 0.7 * torch.tensor([[-0.57525, -0.72125]])
+    for per_rank in results:
+        torch.testing.assert_close(per_rank[0], theta1)
+        torch.testing.assert_close(per_rank[1], theta2)
+
+
+def test_local_sgd_is_plain_token_weighted_averaging() -> None:
+    local = {0: [0.0, 1.0], 1: [1.0, 0.0]}
+
+    def member(rank: int, collective):  # noqa: ANN001, ANN202
+        algo = make_algo("local_sgd", collective)
+        with torch.no_grad():
+            algo.params[0].copy_(torch.tensor([local[rank]]))
+        algo.tokens_since_sync = 100
+        algo.sync()
+        return algo.params[0].detach().clone()
+
+    for result in run_members(2, member):
+        torch.testing.assert_close(result, torch.tensor([[0.5, 0.5]]))
+
+
+def test_ddp_averages_gradients_and_replicas_stay_identical() -> None:
+    grads = {0: [1.0, -1.0], 1: [3.0, 1.0]}
+
+    def member(rank: int, collective):  # noqa: ANN001, ANN202
+        algo = make_algo("ddp", collective, grad_clip=0.0, weight_decay=0.0, lr=0.1)
+        algo.params[0].grad = torch.tensor([grads[rank]])
+        outcome = algo.step(tokens=10)
+        assert outcome.committed
+        return algo.params[0].detach().clone()
+
+    a, b = run_members(2, member)
+    torch.testing.assert_close(a, b)
+    # Averaged grad [2, 0]: AdamW's first step moves each coordinate with nonzero grad by lr.
+    torch.testing.assert_close(a, torch.tensor([[1.0 - 0.1, 2.0]]), atol=1e-6, rtol=0)
+
+
+def test_bytes_sent_matches_ring_formula_for_dense_and_gathered_paths() -> None:
+    from farlink.codecs import envelope
+
+    def member(rank: int, collective):  # noqa: ANN001, ANN202
+        algo = make_algo("diloco", collective)
+        algo.tokens_since_sync = 10
+        algo.sync()
+        dense = collective.stats.bytes_sent
+        gathered = make_algo("diloco", collective, codec="fp32+ef")
+        gathered.tokens_since_sync = 10
+        before = collective.stats.bytes_sent
+        gathered.sync()
+        message = envelope.pack(gathered.exchange.sender, 1, 10.0, {"weight": b"\0" * 8},
+                                {"weight": (1, 2)}, {"weight": torch.float32})
+        return dense, collective.stats.bytes_sent - before, len(message)
+
+    for dense, gathered, message_len in run_members(3, member):
+        # 2 params + 1 weight, fp32, ring all-reduce over 3 peers: 2*(3-1)/3 * 12 bytes.
+        assert dense == (2 * 2 * 12) // 3
+        # ring all-gather: each peer forwards (n-1) messages of its own size
+        assert gathered == 2 * message_len
