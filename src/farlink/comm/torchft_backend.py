@@ -114,7 +114,7 @@ class TorchftCollective(Collective):
         self.stats.comm_seconds += time.perf_counter() - start
 
     def _all_gather(self, tensor: torch.Tensor) -> list[torch.Tensor]:
-        from torch.distributed import AllgatherOptions
+        from torch.distributed.distributed_c10d import AllgatherOptions
 
         n = self.manager.num_participants()
         if self.manager.errored():

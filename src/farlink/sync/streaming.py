@@ -1,0 +1,185 @@
+"""Streaming DiLoCo (arXiv 2501.18512): fragments synced in turn, overlapped with compute.
+
+The parameters are split into P fragments (transformer blocks dealt out in a strided way, the
+rest spread over fragments by size). Fragment p starts its outer round every H inner steps, at
+offset ``shift(p) = p*H/P + H/(2P)``, so rounds are staggered and never coincide with the H
+boundaries where checkpoints are taken. A round runs on a background thread: the pseudo-gradient
+snapshot is sent while the worker keeps computing; τ (``overlap_steps``) inner steps later the
+averaged pseudo-gradient is applied by the outer Nesterov step to the fragment's global copy and
+mixed into the local fragment: ``local = α * local + (1 - α) * global`` (α = ``mix_alpha``).
+Peak bandwidth drops by about P (one fragment in flight instead of the whole model), and the
+exposed communication is only what exceeds τ steps of compute.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+
+import torch
+
+from farlink.comm.base import RoundInfo
+from farlink.sync.base import StepOutcome, TensorState
+from farlink.sync.diloco import DiLoCo
+from farlink.sync.exchange import ExchangeResult
+
+
+def assign_fragments(names: list[str], sizes: list[int], fragments: int) -> list[int]:
+    """Fragment index per parameter: block i goes to fragment i % P, others balance by size."""
+    import re
+
+    assignment = [-1] * len(names)
+    load = [0] * fragments
+    for i, name in enumerate(names):
+        match = re.search(r"(?:^|\.)(?:blocks|layers|h)\.(\d+)\.", name)
+        if match:
+            assignment[i] = int(match.group(1)) % fragments
+            load[assignment[i]] += sizes[i]
+    for i in sorted(range(len(names)), key=lambda j: -sizes[j]):
+        if assignment[i] < 0:
+            target = min(range(fragments), key=lambda f: load[f])
+            assignment[i] = target
+            load[target] += sizes[i]
+    return assignment
+
+
+def fragment_shift(fragment: int, fragments: int, inner_steps: int) -> int:
+    """Inner step (mod H) at which ``fragment`` starts its round."""
+    return (fragment * inner_steps) // fragments + max(1, inner_steps // (2 * fragments))
+
+
+@dataclass
+class _InFlight:
+    fragment: int
+    future: Future
+    apply_at: int
+
+
+class StreamingDiLoCo(DiLoCo):
+    name = "streaming_diloco"
+
+    def __init__(self, *args, **kwargs) -> None:  # noqa: ANN002, ANN003
+        super().__init__(*args, **kwargs)
+        cfg = self.cfg
+        self.num_fragments = min(cfg.fragments, len(self.params))
+        self.fragment_of = assign_fragments(
+            self.names, [p.numel() for p in self.params], self.num_fragments
+        )
+        self.shifts = [fragment_shift(f, self.num_fragments, cfg.inner_steps)
+                       for f in range(self.num_fragments)]
+        self.fragment_tokens = [0] * self.num_fragments
+        self.fragment_rounds = [0] * self.num_fragments
+        self._executor = ThreadPoolExecutor(1, thread_name_prefix="farlink-stream")
+        self._inflight: _InFlight | None = None
+        self._lock = threading.Lock()
+        self._pending_heal: TensorState | None = None
+
+    def members(self, fragment: int) -> list[int]:
+        return [i for i, f in enumerate(self.fragment_of) if f == fragment]
+
+    def due(self, step: int) -> list[int]:
+        h = self.cfg.inner_steps
+        return [f for f, s in enumerate(self.shifts) if step % h == s % h]
+
+    # --- the loop ------------------------------------------------------------------------------
+    def step(self, tokens: int) -> StepOutcome:
+        self._apply_heal()
+        self.clip_and_step(self.inner_opt)
+        self.inner_steps_done += 1
+        self.fragment_tokens = [t + tokens for t in self.fragment_tokens]
+        outcome = StepOutcome(outer_step=self.outer_step)
+        t = self.inner_steps_done
+        if self._inflight is not None and t >= self._inflight.apply_at:
+            self._land(outcome)
+        for fragment in self.due(t):
+            if self._inflight is not None:  # tau too long for the schedule: wait, stay correct
+                self._land(outcome)
+            self._launch(fragment, t)
+        return outcome
+
+    def finish(self) -> StepOutcome | None:
+        if self._inflight is None:
+            return None
+        outcome = StepOutcome(outer_step=self.outer_step)
+        self._land(outcome)
+        return outcome
+
+    def _launch(self, fragment: int, step: int) -> None:
+        idx = self.members(fragment)
+        snapshot = {self.names[i]: (self.global_params[i] - self.params[i].detach()).clone()
+                    for i in idx}
+        weight = float(self.fragment_tokens[fragment])
+        self.fragment_tokens[fragment] = 0
+
+        def build(info: RoundInfo) -> dict[str, torch.Tensor]:
+            if info.healed:
+                return {n: torch.zeros_like(t) for n, t in snapshot.items()}
+            return snapshot
+
+        def run() -> tuple[bool, float, RoundInfo | None, ExchangeResult | None]:
+            results: list[ExchangeResult] = []
+            committed, seconds, info = self.run_round(
+                build, lambda result, info: results.append(result), weight
+            )
+            return committed, seconds, info, results[0] if results else None
+
+        future = self._executor.submit(run)
+        self._inflight = _InFlight(fragment, future, step + self.cfg.overlap_steps)
+
+    def _land(self, outcome: StepOutcome) -> None:
+        inflight, self._inflight = self._inflight, None
+        start = time.perf_counter()
+        committed, _, info, result = inflight.future.result()
+        outcome.comm_seconds += time.perf_counter() - start  # only the exposed wait
+        outcome.synced = True
+        outcome.committed = committed
+        outcome.world_size = info.world_size if info else 1
+        if self.last_exchange is not None:
+            outcome.rejected = len(self.last_exchange.rejected)
+        self._apply_heal()
+        if committed and result is not None:
+            self._apply_fragment(inflight.fragment, result)
+            self.fragment_rounds[inflight.fragment] += 1
+        outcome.outer_step = self.outer_step
+
+    def _apply_fragment(self, fragment: int, result: ExchangeResult) -> None:
+        idx = self.members(fragment)
+        alpha = self.cfg.mix_alpha
+        if result.total_weight > 0:
+            for i in idx:
+                self.global_params[i].grad = result.tensors[self.names[i]].to(torch.float32)
+            self.outer_opt.step()  # params without a grad (other fragments) are skipped
+            self.outer_opt.zero_grad(set_to_none=True)
+        with torch.no_grad():
+            for i in idx:
+                self.params[i].mul_(alpha).add_(self.global_params[i], alpha=1 - alpha)
+
+    # --- state ---------------------------------------------------------------------------------
+    def load_shared_state(self, state: TensorState) -> None:
+        """Healing may arrive on the communication thread: defer it to the training thread."""
+        if threading.current_thread() is threading.main_thread():
+            super().load_shared_state(state)
+            self.fragment_tokens = [0] * self.num_fragments
+        else:
+            with self._lock:
+                self._pending_heal = state
+
+    def _apply_heal(self) -> None:
+        with self._lock:
+            state, self._pending_heal = self._pending_heal, None
+        if state is not None:
+            DiLoCo.load_shared_state(self, state)
+            self.fragment_tokens = [0] * self.num_fragments
+
+    def state_dict(self) -> TensorState:
+        if self._inflight is not None:  # land it so the checkpoint is a consistent cut
+            self._land(StepOutcome())
+        state = super().state_dict()
+        state["counter.fragment_tokens"] = torch.tensor(self.fragment_tokens)
+        return state
+
+    def load_state_dict(self, state: TensorState) -> None:
+        super().load_state_dict(state)
+        self.fragment_tokens = [int(t) for t in state["counter.fragment_tokens"]]

@@ -1,0 +1,65 @@
+"""The torchft collective with a real Lighthouse and real worker processes on localhost."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import time
+
+import pytest
+import torch
+
+from farlink.comm.base import ring_allgather_bytes, ring_allreduce_bytes
+from farlink.train.lighthouse import Lighthouse
+
+
+def _peer(index: int, address: str, rounds: int, queue) -> None:  # noqa: ANN001
+    torch.set_num_threads(1)
+    from farlink.comm.torchft_backend import TorchftCollective
+
+    coll = TorchftCollective(f"p{index}", address, min_replicas=2, round_timeout=20)
+    coll.register_state(lambda: {"x": torch.zeros(1)}, lambda s: None)
+    out = []
+    try:
+        for r in range(rounds):
+            info = coll.begin_round()
+            t = torch.full((5,), float(index + 1) * (r + 1))
+            before = coll.stats.bytes_sent
+            coll.all_reduce_sum([t])
+            reduce_bytes = coll.stats.bytes_sent - before
+            payload = bytes([index]) * (10 + index)  # unequal lengths on purpose
+            before = coll.stats.bytes_sent
+            gathered = coll.all_gather_bytes(payload)
+            gather_bytes = coll.stats.bytes_sent - before
+            ok = coll.commit()
+            out.append((info.round_id, info.world_size, t.tolist(), gathered, ok,
+                        reduce_bytes, gather_bytes))
+        queue.put((index, out))
+    finally:
+        coll.close()
+
+
+def test_two_processes_allreduce_and_allgather_exact() -> None:
+    lighthouse = Lighthouse(min_replicas=2, join_timeout=10).start()
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    procs = [ctx.Process(target=_peer, args=(i, lighthouse.address, 3, queue)) for i in range(2)]
+    try:
+        for p in procs:
+            p.start()
+        results = dict(queue.get(timeout=120) for _ in procs)
+        for p in procs:
+            p.join(timeout=30)
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+        lighthouse.stop()
+    for index in range(2):
+        for r, (round_id, world, summed, gathered, ok, rb, gb) in enumerate(results[index]):
+            assert ok and world == 2 and round_id == r
+            assert summed == [3.0 * (r + 1)] * 5  # (1 + 2) * (r + 1)
+            assert gathered == [bytes([0]) * 10, bytes([1]) * 11]
+            assert rb == ring_allreduce_bytes(5 * 4, 2)
+            # lengths (one int64) then payloads padded to the longest (11 bytes)
+            assert gb == ring_allgather_bytes(8, 2) + ring_allgather_bytes(11, 2)
