@@ -1,0 +1,52 @@
+"""``farlink bench algorithms``: every outer algorithm, and DiLoCo with every codec, for one token
+budget on the default model and corpus. Reports held-out loss at equal tokens and bytes sent per
+worker against DDP."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from farlink.bench.report import plot_curves, write_json
+from farlink.bench.runner import run_variant
+
+CODECS = ["fp16", "int8", "int4", "int4+ef", "topk:0.05+ef"]
+
+
+def variants(inner_steps: int) -> list[tuple[str, dict]]:
+    out = [
+        ("ddp", {"algorithm": "ddp"}),
+        (f"local_sgd-H{inner_steps}", {"algorithm": "local_sgd", "inner_steps": inner_steps}),
+        (f"diloco-H{inner_steps}", {"algorithm": "diloco", "inner_steps": inner_steps}),
+        (f"streaming-H{inner_steps}-int4",
+         {"algorithm": "streaming_diloco", "inner_steps": inner_steps, "codec": "int4+ef"}),
+        ("demo", {"algorithm": "demo"}),
+    ]
+    out += [(f"diloco-H{inner_steps}-{c.replace(':', '')}",
+             {"algorithm": "diloco", "inner_steps": inner_steps, "codec": c}) for c in CODECS]
+    return out
+
+
+def run(out: Path, steps: int, inner_steps: int, workers: int, only: list[str] | None) -> dict:
+    base = {"steps": steps, "workers": workers, "eval_every": 1}
+    rows = []
+    for label, overrides in variants(inner_steps):
+        if only and not any(o in label for o in only):
+            continue
+        # DDP and DeMo sync every step: evaluate them at the same token points as the others
+        rows.append(run_variant(label, base, out, **{"inner_steps": inner_steps, **overrides}))
+    ddp = next((r for r in rows if r["algorithm"] == "ddp"), None)
+    for r in rows:
+        if ddp and ddp["bytes_per_worker"] and r["bytes_per_worker"]:
+            r["bytes_reduction_vs_ddp"] = ddp["bytes_per_worker"] / r["bytes_per_worker"]
+        if ddp and ddp["final_heldout_loss"] and r["final_heldout_loss"]:
+            r["loss_vs_ddp"] = r["final_heldout_loss"] / ddp["final_heldout_loss"] - 1
+    write_json(out / "algorithms.json", "algorithms", rows,
+               {"steps_per_worker": steps, "inner_steps": inner_steps, "workers": workers})
+    plot_curves(out / "loss_vs_tokens.png",
+                {r["label"]: [(e["tokens"] * workers, e["loss"]) for e in r["evals"]] for r in rows},
+                "tokens (all workers)", "held-out loss", "held-out loss vs tokens")
+    plot_curves(out / "loss_vs_bytes.png",
+                {r["label"]: [(max(e["bytes_sent"], 1), e["loss"]) for e in r["evals"]]
+                 for r in rows},
+                "bytes sent per worker", "held-out loss", "held-out loss vs bytes sent", logx=True)
+    return {"rows": rows}

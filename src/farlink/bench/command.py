@@ -1,0 +1,56 @@
+"""``farlink bench ...`` subcommands that drive training runs."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+
+def print_rows(rows: list[dict], columns: list[str], title: str) -> None:
+    table = Table(title=title)
+    for c in columns:
+        table.add_column(c)
+    for r in rows:
+        cells = []
+        for c in columns:
+            v = r.get(c)
+            cells.append(f"{v:.4g}" if isinstance(v, float) else str(v))
+        table.add_row(*cells)
+    Console().print(table)
+
+
+def register(app: typer.Typer, bench_app: typer.Typer) -> None:
+    @bench_app.command("algorithms")
+    def algorithms(
+        out: Path = typer.Option(Path("bench/algorithms"), help="output directory"),
+        steps: int = typer.Option(600, help="inner steps per worker (the token budget)"),
+        inner_steps: int = typer.Option(100, help="H for the local-update algorithms"),
+        workers: int = typer.Option(4, help="worker processes"),
+        only: Optional[list[str]] = typer.Option(None, help="run only labels containing this"),
+    ) -> None:
+        """Every algorithm and codec for the same token budget: loss vs tokens and vs bytes."""
+        from farlink.bench.algorithms import run
+
+        result = run(out, steps, inner_steps, workers, only)
+        print_rows(result["rows"], ["label", "final_heldout_loss", "loss_vs_ddp",
+                                    "bytes_per_worker", "bytes_reduction_vs_ddp",
+                                    "compute_utilization", "wall_s"], "farlink bench algorithms")
+
+    @bench_app.command("overhead")
+    def overhead(
+        out: Path = typer.Option(Path("bench/overhead"), help="output directory"),
+        steps: int = typer.Option(300, help="steps per measurement"),
+        repeats: int = typer.Option(3, help="alternating repeats"),
+        model: str = typer.Option("tiny", help="model preset"),
+    ) -> None:
+        """Tokens/s of one farlink worker vs a plain PyTorch loop (framework overhead)."""
+        from farlink.bench.overhead import run
+
+        result = run(out, steps, repeats, model)
+        print_rows(result["rows"], ["repeat", "plain_tokens_per_s", "farlink_tokens_per_s",
+                                    "overhead"], "farlink bench overhead")
+        Console().print(f"median overhead: {result['median_overhead']:.2%}")

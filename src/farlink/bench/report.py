@@ -1,0 +1,55 @@
+"""Writing benchmark results: one JSON table and matplotlib PNGs (Agg, no display needed)."""
+
+from __future__ import annotations
+
+import json
+import platform
+import time
+from pathlib import Path
+from typing import Any
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+
+def write_json(path: Path, name: str, rows: list[dict], extra: dict[str, Any] | None = None) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    doc = {
+        "benchmark": name,
+        "created": time.strftime("%Y-%m-%dT%H:%M:%S"),
+        "machine": {"platform": platform.platform(), "python": platform.python_version()},
+        "rows": rows,
+        **(extra or {}),
+    }
+    path.write_text(json.dumps(doc, indent=1, default=str))
+    return path
+
+
+def plot_curves(
+    path: Path,
+    series: dict[str, list[tuple[float, float]]],
+    xlabel: str,
+    ylabel: str,
+    title: str,
+    logx: bool = False,
+) -> Path:
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for label, points in series.items():
+        if not points:
+            continue
+        xs, ys = zip(*sorted(points))
+        ax.plot(xs, ys, marker="o", markersize=3, label=label)
+    if logx:
+        ax.set_xscale("log")
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path

@@ -1,0 +1,35 @@
+"""Runs one training variant through the real launcher and condenses its metrics into a row."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from farlink.config import RunConfig, load_config
+from farlink.train.launcher import launch
+
+
+def run_variant(label: str, base: dict[str, Any], out: Path, **overrides: Any) -> dict:
+    """Train one variant in ``out/runs/<label>`` and return its summary row."""
+    values = {**base, **overrides, "run_dir": out / "runs" / label}
+    cfg: RunConfig = load_config(None, values)
+    result = launch(cfg, show_progress=True)
+    s = result.summary
+    workers = list(s["per_worker"].values())
+    row = {
+        "label": label,
+        "algorithm": cfg.algorithm,
+        "codec": cfg.codec,
+        "inner_steps": cfg.inner_steps,
+        "workers": cfg.workers,
+        "tokens": s["total_tokens"],
+        "final_heldout_loss": s["final_heldout_loss"],
+        "final_heldout_ppl": s["final_heldout_ppl"],
+        "bytes_per_worker": max((w["bytes_sent"] for w in workers), default=0),
+        "bytes_per_token": max((w["bytes_per_token"] for w in workers), default=0.0),
+        "compute_utilization": min((w["compute_utilization"] for w in workers), default=0.0),
+        "wall_s": max((w["wall_s"] for w in workers), default=0.0),
+        "returncodes": result.returncodes,
+        "evals": s["evals"],
+    }
+    return row
