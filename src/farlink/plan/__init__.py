@@ -1,0 +1,36 @@
+"""Planner: predicted time, utilization, bytes and money for decentralized training runs too big
+to try on one machine. Pure Python + numpy; importing it does not import torch."""
+
+from farlink.plan.model import (
+    ALGORITHMS,
+    PlanResult,
+    RoundPrediction,
+    Scenario,
+    plan,
+    plan_many,
+    predict_round,
+    required_bandwidth,
+    step_seconds,
+)
+from farlink.plan.payload import codec_cost
+from farlink.plan.sizes import parse_model_size
+from farlink.plan.tables import GPU, LinkProfile, PlanInputError, load_hardware, load_links
+
+__all__ = [
+    "ALGORITHMS",
+    "GPU",
+    "LinkProfile",
+    "PlanInputError",
+    "PlanResult",
+    "RoundPrediction",
+    "Scenario",
+    "codec_cost",
+    "load_hardware",
+    "load_links",
+    "parse_model_size",
+    "plan",
+    "plan_many",
+    "predict_round",
+    "required_bandwidth",
+    "step_seconds",
+]

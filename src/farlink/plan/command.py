@@ -1,0 +1,130 @@
+"""``farlink plan`` and ``farlink bench planner``: the planner from the command line.
+
+Bad input (an unknown GPU, profile, codec or model size, a broken table file) ends with one
+clear line on stderr and exit status 2, never a traceback.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+ALGORITHM_CHOICES = "ddp|local_sgd|diloco|streaming_diloco|demo|all"
+
+
+def _fail(message: str) -> None:
+    from rich.console import Console
+
+    Console(stderr=True).print(f"[bold red]error:[/] {message}", highlight=False)
+    raise typer.Exit(2)
+
+
+def _jsonable(value: object) -> object:
+    """JSON has no infinity: an unreachable bandwidth or endless run becomes null."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: _jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_jsonable(v) for v in value]
+    return value
+
+
+def plan_command(
+    model: Annotated[str, typer.Option(help="Parameter count (10B, 1.3b, 125M, 7e9) or a farlink preset (tiny, small, 125m, 350m, 1b, 10b).")],
+    workers: Annotated[int, typer.Option(help="Data-parallel workers (islands).", min=1)],
+    gpu: Annotated[str, typer.Option(help="GPU name from the hardware table.")] = "h100",
+    profile: Annotated[str, typer.Option(help="Link profile from the links table.")] = "intercontinental",
+    algorithm: Annotated[str, typer.Option(help=ALGORITHM_CHOICES)] = "all",
+    inner_steps: Annotated[int, typer.Option(help="H: inner steps per outer round (local_sgd, diloco, streaming_diloco).", min=1)] = 100,
+    codec: Annotated[str, typer.Option(help="Payload codec for all-reduces: fp32, fp16, bf16, int8, int4, topk[:FRACTION].")] = "fp32",
+    demo_codec: Annotated[str, typer.Option(help="DeMo payload: dct_topk[:K/CHUNK].")] = "dct_topk",
+    fragments: Annotated[int, typer.Option(help="P: Streaming DiLoCo fragments.", min=1)] = 4,
+    overlap_steps: Annotated[int | None, typer.Option(help="tau: inner steps a fragment's exchange overlaps (default min(5, H/P)).", min=0)] = None,
+    gpus_per_worker: Annotated[int | None, typer.Option(help="GPUs per worker (default from the hardware table).", min=1)] = None,
+    tokens: Annotated[float | None, typer.Option(help="Token budget (default 20 tokens per parameter).")] = None,
+    batch_tokens: Annotated[float, typer.Option(help="Tokens per worker per inner step.")] = 2**20,
+    mfu: Annotated[float, typer.Option(help="Model FLOPs utilization of the inner steps.")] = 0.4,
+    backend: Annotated[str, typer.Option(help="torchft (ring all-reduce) or hivemind (butterfly).")] = "torchft",
+    straggler_sigma: Annotated[float, typer.Option(help="Log-sd of per-worker speed (lognormal, mean 1).", min=0)] = 0.0,
+    failures_per_hour: Annotated[float, typer.Option(help="Poisson failures per worker-hour.", min=0)] = 0.0,
+    rejoin_seconds: Annotated[float, typer.Option(help="Seconds a failed worker needs to rejoin and heal.", min=0)] = 60.0,
+    target: Annotated[float, typer.Option(help="Utilization the bandwidth requirement is solved for.")] = 0.95,
+    hardware_file: Annotated[Path | None, typer.Option(help="Your own GPU table (TOML, same schema as the built-in).")] = None,
+    links_file: Annotated[Path | None, typer.Option(help="Your own link table (TOML).")] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Print machine-readable JSON instead of a table.")] = False,
+) -> None:
+    """Predict round time, utilization, bytes per token, bandwidth need, wall-clock and cost."""
+    from dataclasses import replace
+
+    from farlink.plan.model import ALGORITHMS, Scenario, plan
+    from farlink.plan.sizes import parse_model_size
+    from farlink.plan.tables import PlanInputError, load_hardware, load_links
+
+    try:
+        hardware = load_hardware(hardware_file)
+        links = load_links(links_file)
+        n_params, model_label = parse_model_size(model)
+        name = algorithm.strip().lower()
+        if name != "all" and name not in ALGORITHMS:
+            raise PlanInputError(f"unknown algorithm {algorithm!r}; choose from {ALGORITHM_CHOICES}")
+        if batch_tokens < 1 or batch_tokens != int(batch_tokens):
+            raise PlanInputError(f"batch-tokens must be a positive whole number, got {batch_tokens:g}")
+        scenario = Scenario(
+            n_params=n_params, n_workers=workers, gpu=gpu.strip().lower(),
+            profile=profile.strip().lower(), inner_steps=inner_steps, codec=codec,
+            demo_codec=demo_codec, fragments=fragments, overlap_steps=overlap_steps,
+            gpus_per_worker=gpus_per_worker, batch_tokens=int(batch_tokens), tokens=tokens,
+            mfu=mfu, backend=backend.strip().lower(), straggler_sigma=straggler_sigma,
+            failures_per_hour=failures_per_hour, rejoin_seconds=rejoin_seconds,
+        )
+        names = ALGORITHMS if name == "all" else (name,)
+        if name == "all" and inner_steps < fragments:
+            names = tuple(a for a in names if a != "streaming_diloco")
+        results = [plan(replace(scenario, algorithm=a), hardware, links, target) for a in names]
+    except PlanInputError as exc:
+        _fail(str(exc))
+        return
+
+    if as_json:
+        payload = {"model": model_label, "results": [r.to_dict() for r in results]}
+        typer.echo(json.dumps(_jsonable(payload), indent=2, allow_nan=False))
+        return
+    from rich.console import Console
+
+    from farlink.plan.render import header, table
+
+    console = Console()
+    if not console.is_terminal:  # piped or captured: do not squeeze the table into 80 columns
+        console = Console(width=160)
+    console.print(header(results[0], model_label), highlight=False)
+    console.print(table(results))
+    for r in results:
+        for note in r.notes:
+            console.print(f"[yellow]note ({r.algorithm}):[/] {note}", highlight=False)
+
+
+def bench_planner_command(
+    out: Annotated[Path, typer.Option(help="Directory for planner_checks.json and .png.")] = Path("bench-out/planner"),
+) -> None:
+    """Planner predictions against published figures (INTELLECT-1, DiLoCo): JSON + PNG."""
+    from farlink.plan.published import write_published_report
+
+    paths = write_published_report(out)
+    checks = json.loads(paths["json"].read_text())["checks"]
+    for c in checks:
+        verdict = "pass" if c["passed"] else "FAIL"
+        typer.echo(f"{verdict}  {c['name']}: predicted {c['predicted']:.4g}, reported "
+                   f"{c['reported_low']:.4g}..{c['reported_high']:.4g}")
+    typer.echo(f"wrote {paths['json']} and {paths['png']}")
+    if not all(c["passed"] for c in checks):
+        raise typer.Exit(1)
+
+
+def register(app: typer.Typer, bench_app: typer.Typer) -> None:
+    app.command("plan")(plan_command)
+    bench_app.command("planner")(bench_planner_command)

@@ -1,0 +1,89 @@
+"""Time and bytes of one collective under the alpha-beta model (latency + size / bandwidth).
+
+These are the collectives farlink's backends really run: the torchft backend uses a ring
+all-reduce (reduce-scatter then all-gather: 2(n-1) sequential hops, each moving S/n), DeMo uses a
+ring all-gather of every peer's compressed payload ((n-1) hops, each moving one payload), and the
+hivemind backend uses a butterfly all-reduce (every peer owns one shard; in one phase it sends the
+other n-1 shards of its tensor to their owners and in a second phase sends its averaged shard back
+to everyone, all in parallel: two latency terms instead of 2(n-1)). Byte counts agree with
+``farlink.comm.base.ring_allreduce_bytes`` / ``ring_allgather_bytes``.
+
+Bandwidth is in bits per second, sizes in bytes, times in seconds.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from farlink.plan.tables import PlanInputError
+
+MSS_BYTES = 1460  # TCP payload per segment on a 1500-byte MTU path
+MATHIS_C = math.sqrt(1.5)  # constant of the Mathis et al. (1997) throughput bound
+
+BACKENDS = ("torchft", "hivemind")
+
+
+@dataclass(frozen=True)
+class CollectiveCost:
+    """What one worker puts on the wire and how long the collective takes."""
+
+    bytes_sent: float
+    seconds: float
+
+
+def tcp_throughput_bps(bandwidth_bps: float, rtt_s: float, loss: float) -> float:
+    """Link rate capped by the loss-limited throughput of one TCP flow (Mathis et al. 1997).
+
+    A lossy long-RTT path cannot fill its pipe however wide it is; with no loss (or no delay) the
+    link rate is what a flow gets.
+    """
+    if loss <= 0 or rtt_s <= 0:
+        return bandwidth_bps
+    return min(bandwidth_bps, 8 * MSS_BYTES * MATHIS_C / (rtt_s * math.sqrt(loss)))
+
+
+def ring_allreduce(size_bytes: float, n: int, bandwidth_bps: float, latency_s: float) -> CollectiveCost:
+    """2(n-1)/n * S / B + 2(n-1) * latency; nothing to do alone."""
+    _check(size_bytes, n, bandwidth_bps, latency_s)
+    if n <= 1:
+        return CollectiveCost(0.0, 0.0)
+    sent = 2 * (n - 1) / n * size_bytes
+    return CollectiveCost(sent, 8 * sent / bandwidth_bps + 2 * (n - 1) * latency_s)
+
+
+def ring_allgather(size_bytes: float, n: int, bandwidth_bps: float, latency_s: float) -> CollectiveCost:
+    """(n-1) * S / B + (n-1) * latency, where S is one peer's contribution."""
+    _check(size_bytes, n, bandwidth_bps, latency_s)
+    if n <= 1:
+        return CollectiveCost(0.0, 0.0)
+    sent = (n - 1) * size_bytes
+    return CollectiveCost(sent, 8 * sent / bandwidth_bps + (n - 1) * latency_s)
+
+
+def butterfly_allreduce(size_bytes: float, n: int, bandwidth_bps: float,
+                        latency_s: float) -> CollectiveCost:
+    """Each peer sends (n-1)/n * S twice, in parallel with everyone else: two latency terms."""
+    _check(size_bytes, n, bandwidth_bps, latency_s)
+    if n <= 1:
+        return CollectiveCost(0.0, 0.0)
+    sent = 2 * (n - 1) / n * size_bytes
+    return CollectiveCost(sent, 8 * sent / bandwidth_bps + 2 * latency_s)
+
+
+def allreduce(backend: str, size_bytes: float, n: int, bandwidth_bps: float,
+              latency_s: float) -> CollectiveCost:
+    """The all-reduce a backend runs: ring for torchft, butterfly for hivemind."""
+    if backend == "torchft":
+        return ring_allreduce(size_bytes, n, bandwidth_bps, latency_s)
+    if backend == "hivemind":
+        return butterfly_allreduce(size_bytes, n, bandwidth_bps, latency_s)
+    raise PlanInputError(f"unknown backend {backend!r}; choose from {', '.join(BACKENDS)}")
+
+
+def _check(size_bytes: float, n: int, bandwidth_bps: float, latency_s: float) -> None:
+    if size_bytes < 0 or n < 1 or bandwidth_bps <= 0 or latency_s < 0:
+        raise PlanInputError(
+            f"collective needs size >= 0, n >= 1, bandwidth > 0, latency >= 0; got "
+            f"size={size_bytes}, n={n}, bandwidth={bandwidth_bps}, latency={latency_s}"
+        )
