@@ -42,7 +42,7 @@ def plan_command(
     algorithm: Annotated[str, typer.Option(help=ALGORITHM_CHOICES)] = "all",
     inner_steps: Annotated[int, typer.Option(help="H: inner steps per outer round (local_sgd, diloco, streaming_diloco).", min=1)] = 100,
     codec: Annotated[str, typer.Option(help="Payload codec for all-reduces: fp32, fp16, bf16, int8, int4, topk[:FRACTION].")] = "fp32",
-    demo_codec: Annotated[str, typer.Option(help="DeMo payload: dct_topk[:K/CHUNK].")] = "dct_topk",
+    demo_codec: Annotated[str, typer.Option(help="DeMo payload: dct_topk[:CHUNK:K].")] = "dct_topk",
     fragments: Annotated[int, typer.Option(help="P: Streaming DiLoCo fragments.", min=1)] = 4,
     overlap_steps: Annotated[int | None, typer.Option(help="tau: inner steps a fragment's exchange overlaps (default min(5, H/P)).", min=0)] = None,
     gpus_per_worker: Annotated[int | None, typer.Option(help="GPUs per worker (default from the hardware table).", min=1)] = None,

@@ -126,7 +126,7 @@ def predict_round(
         raise PlanInputError("straggler sigma, failure rate, rejoin time and jitter must be >= 0")
     cost = codec_cost(codec)
     if algorithm == "demo" and cost.name != "dct_topk" and payload_bytes is None:
-        raise PlanInputError(f"demo sends DCT top-k coefficients; codec must be dct_topk[:K/CHUNK], got {codec!r}")
+        raise PlanInputError(f"demo sends DCT top-k coefficients; codec must be dct_topk[:CHUNK:K], got {codec!r}")
     if payload_bytes is None:
         if n_params is None or n_params <= 0:
             raise PlanInputError("give n_params (with a codec) or a measured payload_bytes")

@@ -47,20 +47,21 @@ def _topk(arg: str | None) -> float:
 
 
 def _dct_topk(arg: str | None) -> float:
-    """``dct_topk[:K/CHUNK]``: K coefficients kept out of every CHUNK values.
+    """``dct_topk[:CHUNK:K]`` (the spec DeMo builds): K coefficients kept out of CHUNK values.
 
     The DeMo reference implementation (bloc97/DeMo, ``compression_chunk=64``) applies a 2-D DCT
     to 64x64 blocks of each weight matrix and keeps the top 32 of those 4096 coefficients, so the
-    default is 32/4096; 1-D tensors (norms) are a negligible share of a large model.
+    default is CHUNK=4096, K=32; 1-D tensors (norms) are a negligible share of a large model.
+    A codec that chunks flat vectors of 64 values is ``dct_topk:64:32``.
     """
     k, chunk = DEFAULT_DCT_TOPK, DEFAULT_DCT_CHUNK
     if arg is not None:
-        left, sep, right = arg.partition("/")
+        left, sep, right = arg.partition(":")
         if not sep:
-            raise PlanInputError(f"dct_topk argument must look like K/CHUNK (e.g. 32/64), got {arg!r}")
-        k, chunk = int(_number(left, "dct k")), int(_number(right, "dct chunk"))
+            raise PlanInputError(f"dct_topk argument must look like CHUNK:K (e.g. 4096:32), got {arg!r}")
+        chunk, k = int(_number(left, "dct chunk")), int(_number(right, "dct k"))
     if not 0 < k <= chunk:
-        raise PlanInputError(f"dct_topk needs 0 < k <= chunk, got k={k}, chunk={chunk}")
+        raise PlanInputError(f"dct_topk needs 0 < k <= chunk, got chunk={chunk}, k={k}")
     return k / chunk * (DCT_VALUE_BYTES + DCT_INDEX_BYTES)
 
 

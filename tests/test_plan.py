@@ -1,0 +1,435 @@
+"""Planner: formulas against hand computation, monotonicity, tables, CLI, published checks."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+from typer.testing import CliRunner
+
+from farlink.plan import (
+    PlanInputError,
+    Scenario,
+    codec_cost,
+    load_hardware,
+    load_links,
+    parse_model_size,
+    plan,
+    plan_many,
+    predict_round,
+    required_bandwidth,
+)
+from farlink.plan.network import butterfly_allreduce, ring_allgather, ring_allreduce
+from farlink.plan.published import published_checks, write_published_report
+from farlink.plan.validate import compare, write_validation_report
+from farlink.plan.variability import churn_factor, slowest_link_factor, straggler_factor
+
+# --- collectives -----------------------------------------------------------------------------
+
+
+def test_ring_allreduce_by_hand():
+    # 4 workers, 1 GB, 1 Gbit/s, 10 ms: sends 2*3/4 GB = 1.5 GB -> 12 s + 6 hops * 10 ms
+    c = ring_allreduce(1e9, 4, 1e9, 0.01)
+    assert c.bytes_sent == pytest.approx(1.5e9)
+    assert c.seconds == pytest.approx(12.0 + 0.06)
+
+
+def test_ring_bytes_match_comm_base_accounting():
+    from farlink.comm.base import ring_allgather_bytes, ring_allreduce_bytes
+
+    for n in (2, 3, 7, 14):
+        assert ring_allreduce(1_000_003, n, 1e9, 0).bytes_sent == pytest.approx(
+            ring_allreduce_bytes(1_000_003, n), abs=1)
+        assert ring_allgather(1_000_003, n, 1e9, 0).bytes_sent == ring_allgather_bytes(1_000_003, n)
+
+
+def test_allgather_and_butterfly_by_hand():
+    g = ring_allgather(1e6, 5, 8e6, 0.1)  # 4 MB at 1 MB/s + 4 hops
+    assert g.bytes_sent == 4e6 and g.seconds == pytest.approx(4.0 + 0.4)
+    b = butterfly_allreduce(1e6, 5, 8e6, 0.1)  # 1.6 MB at 1 MB/s + 2 phases
+    assert b.bytes_sent == pytest.approx(1.6e6) and b.seconds == pytest.approx(1.6 + 0.2)
+    assert ring_allreduce(1e6, 1, 8e6, 0.1).seconds == 0.0
+
+
+def test_collective_rejects_bad_input():
+    with pytest.raises(PlanInputError):
+        ring_allreduce(1e6, 4, 0.0, 0.01)
+
+
+# --- payloads --------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "spec,per_param",
+    [("fp32", 4.0), ("none", 4.0), ("fp16", 2.0), ("bf16", 2.0),
+     ("int8", 1 + 4 / 64), ("int4", 0.5 + 4 / 64), ("int8+ef", 1 + 4 / 64),
+     ("topk", 0.01 * 8), ("topk:0.05", 0.05 * 8),
+     ("dct_topk", 32 / 4096 * 4), ("dct_topk:64:32", 32 / 64 * 4)],
+)
+def test_payload_bytes_per_codec(spec, per_param):
+    assert codec_cost(spec).bytes_per_param == pytest.approx(per_param)
+    assert codec_cost(spec).payload_bytes(1000) == pytest.approx(1000 * per_param)
+
+
+@pytest.mark.parametrize("spec", ["zip", "topk:2", "topk:x", "dct_topk:64", "dct_topk:8:32"])
+def test_bad_codec_specs(spec):
+    with pytest.raises(PlanInputError):
+        codec_cost(spec)
+
+
+# --- rounds ----------------------------------------------------------------------------------
+
+
+def test_diloco_round_by_hand():
+    # 1e9 params fp32 = 4 GB; 8 workers; 1 Gbit/s; 50 ms; 100 steps of 2 s.
+    r = predict_round("diloco", 8, 2.0, 1e9, 0.05, n_params=1e9, inner_steps=100)
+    comm = 2 * 7 / 8 * 4e9 * 8 / 1e9 + 14 * 0.05
+    assert r.compute_seconds == 200.0
+    assert r.comm_seconds == pytest.approx(comm)
+    assert r.round_seconds == pytest.approx(200.0 + comm)
+    assert r.utilization == pytest.approx(200.0 / (200.0 + comm))
+    assert r.bytes_sent_per_round == pytest.approx(2 * 7 / 8 * 4e9)
+
+
+def test_ddp_and_demo_sync_every_step():
+    ddp = predict_round("ddp", 4, 1.0, 1e9, 0.0, n_params=1e8, inner_steps=50)
+    assert ddp.steps_per_round == 1
+    assert ddp.comm_seconds == pytest.approx(2 * 3 / 4 * 4e8 * 8 / 1e9)
+    demo = predict_round("demo", 4, 1.0, 1e9, 0.01, n_params=1e8, codec="dct_topk")
+    s = 1e8 * 32 / 4096 * 4
+    assert demo.bytes_sent_per_round == pytest.approx(3 * s)
+    assert demo.comm_seconds == pytest.approx(3 * s * 8 / 1e9 + 3 * 0.01)
+    with pytest.raises(PlanInputError):
+        predict_round("demo", 4, 1.0, 1e9, 0.0, n_params=1e8, codec="int8")
+
+
+def test_streaming_overlap_by_hand():
+    # fragment payload 1e8 params * 4 B / 4 = 1e8 B; 2 workers -> sends 1e8 B = 0.8 s at 1 Gbit/s
+    kw = dict(n_params=1e8, inner_steps=100, fragments=4, codec="fp32")
+    frag = 2 * 1 / 2 * 1e8 * 8 / 1e9 + 2 * 0.0
+    hidden = predict_round("streaming_diloco", 2, 1.0, 1e9, 0.0, overlap_steps=1, **kw)
+    assert hidden.comm_seconds == pytest.approx(4 * frag)
+    assert hidden.exposed_comm_seconds == pytest.approx(0.0)  # 0.8 s hides under one 1 s step
+    assert hidden.utilization == pytest.approx(1.0)
+    partly = predict_round("streaming_diloco", 2, 0.5, 1e9, 0.0, overlap_steps=1, **kw)
+    assert partly.exposed_comm_seconds == pytest.approx(4 * (frag - 0.5))
+    assert partly.round_seconds == pytest.approx(50.0 + 4 * (frag - 0.5))
+    assert partly.hidden_comm_seconds == pytest.approx(4 * 0.5)
+    none = predict_round("streaming_diloco", 2, 0.5, 1e9, 0.0, overlap_steps=0, **kw)
+    blocking = predict_round("diloco", 2, 0.5, 1e9, 0.0, n_params=1e8, inner_steps=100)
+    assert none.round_seconds == pytest.approx(blocking.round_seconds)
+
+
+def test_streaming_link_saturation_bounds_round():
+    # fragments take 30 s each, overlap window is 5 s, compute per round 100 s: the link needs
+    # 4 * 30 = 120 s per round, which no overlap can hide.
+    r = predict_round("streaming_diloco", 2, 1.0, 8e6, 0.0, payload_bytes=120e6,
+                      inner_steps=100, fragments=4, overlap_steps=5)
+    assert r.comm_seconds == pytest.approx(120.0)
+    assert r.round_seconds == pytest.approx(max(100 + 4 * 25, 120.0))
+
+
+def test_measured_payload_overrides_codec_estimate():
+    r = predict_round("diloco", 3, 1.0, 8e6, 0.0, payload_bytes=3e6, inner_steps=10)
+    assert r.payload_bytes == 3e6
+    assert r.comm_seconds == pytest.approx(2 * 2 / 3 * 3e6 * 8 / 8e6)
+
+
+def test_hivemind_backend_has_fewer_latency_terms():
+    ring = predict_round("diloco", 16, 1.0, 1e9, 0.1, n_params=1e6, inner_steps=10)
+    bfly = predict_round("diloco", 16, 1.0, 1e9, 0.1, n_params=1e6, inner_steps=10,
+                         backend="hivemind")
+    assert ring.comm_seconds - bfly.comm_seconds == pytest.approx((30 - 2) * 0.1)
+
+
+# --- required bandwidth ----------------------------------------------------------------------
+
+
+def test_required_bandwidth_matches_closed_form_and_round_trips():
+    kw = dict(algorithm="diloco", n_workers=14, step_seconds=22.8, latency_s=0.1,
+              n_params=10e9, codec="int8", inner_steps=100)
+    b = required_bandwidth(0.95, **kw)
+    compute = 2280.0
+    sent = 2 * 13 / 14 * 10e9 * (1 + 4 / 64)
+    closed = 8 * sent / (compute * (1 / 0.95 - 1) - 26 * 0.1)
+    assert b == pytest.approx(closed, rel=1e-6)
+    assert predict_round(bandwidth_bps=b, **kw).utilization == pytest.approx(0.95, abs=1e-6)
+
+
+@pytest.mark.parametrize("algorithm", ["diloco", "streaming_diloco", "ddp"])
+def test_required_bandwidth_inverse_with_stragglers_and_churn(algorithm):
+    kw = dict(algorithm=algorithm, n_workers=8, step_seconds=5.0, latency_s=0.02,
+              n_params=1e8, inner_steps=100, fragments=4, straggler_sigma=0.01,
+              failures_per_hour=0.01, rejoin_seconds=30.0)
+    b = required_bandwidth(0.9, **kw)
+    assert math.isfinite(b)
+    assert predict_round(bandwidth_bps=b, **kw).utilization == pytest.approx(0.9, abs=1e-6)
+
+
+def test_required_bandwidth_unreachable_when_latency_dominates():
+    # DDP with 0.5 s steps and 26 hops of 120 ms: latency alone exceeds the 5% budget.
+    b = required_bandwidth(0.95, algorithm="ddp", n_workers=14, step_seconds=0.5,
+                           latency_s=0.12, n_params=1e9)
+    assert b == math.inf
+
+
+# --- monotonicity ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("algorithm", ["ddp", "diloco", "streaming_diloco", "demo"])
+def test_more_bandwidth_never_lowers_utilization(algorithm):
+    codec = "dct_topk" if algorithm == "demo" else "int8"
+    utils = [predict_round(algorithm, 8, 2.0, bps, 0.03, n_params=1e9, codec=codec,
+                           inner_steps=100, fragments=4).utilization
+             for bps in (1e7, 1e8, 1e9, 1e10, 1e11)]
+    assert utils == sorted(utils)
+    assert utils[-1] > utils[0]
+
+
+def test_bigger_h_sends_fewer_bytes_per_token():
+    base = Scenario(n_params=1e9, n_workers=8, profile="cross-region")
+    from dataclasses import replace
+
+    per_token = [plan(replace(base, inner_steps=h)).bytes_per_token for h in (1, 10, 100, 500)]
+    assert per_token == sorted(per_token, reverse=True)
+    assert per_token[0] / per_token[-1] == pytest.approx(500)
+
+
+# --- variability -----------------------------------------------------------------------------
+
+
+def test_straggler_factor_properties():
+    assert straggler_factor(1, 0.5) == 1.0 and straggler_factor(8, 0.0) == 1.0
+    f8, f64 = straggler_factor(8, 0.2), straggler_factor(64, 0.2)
+    assert 1.0 < f8 < f64
+    assert straggler_factor(8, 0.2) == straggler_factor(8, 0.2)  # fixed seed
+    # two workers: E[max] of two mean-1 lognormals = 1 + E|X1 - X2| / 2 (here via Phi):
+    # E[max(X1,X2)] = 2 * Phi(sigma / sqrt 2) for mean-1 lognormals.
+    from statistics import NormalDist
+
+    sigma = 0.3
+    assert straggler_factor(2, sigma) == pytest.approx(2 * NormalDist().cdf(sigma / math.sqrt(2)),
+                                                       rel=0.01)
+
+
+def test_slowest_link_factor_single_link_mean():
+    # one link log-uniform in [r, 1]: E[1/B] = (1/r - 1) / ln(1/r)
+    r = 0.125
+    assert slowest_link_factor(1, r) == pytest.approx((1 / r - 1) / math.log(1 / r), rel=0.02)
+    assert slowest_link_factor(14, r) > slowest_link_factor(2, r)
+    assert slowest_link_factor(14, None) == 1.0
+
+
+def test_churn_factor_by_hand():
+    # 1 failure per worker-hour, 600 s rounds, 60 s exposed, 120 s rejoin, 4 workers
+    lam = 1 / 3600
+    expect = 1 - lam * (300 + 120) - 4 * lam * 60**2 / (2 * 600)
+    assert churn_factor(4, 1.0, 600, 60, 120) == pytest.approx(expect)
+    assert churn_factor(4, 0.0, 600, 60, 120) == 1.0
+
+
+# --- tables ----------------------------------------------------------------------------------
+
+
+def test_builtin_tables_have_the_documented_entries():
+    hw, links = load_hardware(), load_links()
+    assert {"h100", "a100", "rtx3080", "rtx4090", "cpu-core"} <= set(hw)
+    assert {"datacenter", "cross-region", "intercontinental", "home", "loopback"} <= set(links)
+    assert links["intercontinental"].bandwidth_bps == 200e6
+    assert links["intercontinental"].latency_s == pytest.approx(0.12)
+    assert links["datacenter"].bandwidth_bps == 10e9 and links["datacenter"].latency_ms == 0.5
+    assert links["cross-region"].bandwidth_bps == 1e9 and links["cross-region"].latency_ms == 40
+    assert links["home"].bandwidth_bps == 50e6 and links["home"].latency_ms == 60
+    assert all(g.spot_usd_per_hour <= g.on_demand_usd_per_hour for g in hw.values())
+
+
+def test_bad_table_files_give_clear_errors(tmp_path):
+    bad = tmp_path / "hw.toml"
+    bad.write_text('[gpu.x]\nbf16_tflops = -1\nmemory_gib = 8\non_demand_usd_per_hour = 1\n')
+    with pytest.raises(PlanInputError) as err:
+        load_hardware(bad)
+    text = str(err.value)
+    assert "gpu.x.bf16_tflops" in text and "spot_usd_per_hour" in text and str(bad) in text
+    broken = tmp_path / "links.toml"
+    broken.write_text("[link.a\nbandwidth_mbit = 1")
+    with pytest.raises(PlanInputError, match="not valid TOML"):
+        load_links(broken)
+    inverted = tmp_path / "inv.toml"
+    inverted.write_text("[link.a]\nbandwidth_mbit = 10\nbandwidth_min_mbit = 20\nlatency_ms = 1\n")
+    with pytest.raises(PlanInputError, match="bandwidth_min_mbit"):
+        load_links(inverted)
+    with pytest.raises(PlanInputError, match="cannot read"):
+        load_links(tmp_path / "missing.toml")
+
+
+# --- model sizes and plan() ------------------------------------------------------------------
+
+
+def test_model_sizes():
+    assert parse_model_size("1.3b")[0] == pytest.approx(1.3e9)
+    assert parse_model_size("150M")[0] == pytest.approx(150e6)
+    assert parse_model_size("7e9")[0] == 7e9
+    assert parse_model_size(3_000_000)[0] == 3e6
+    from farlink.model.config import PRESETS
+
+    assert parse_model_size("10B")[0] == PRESETS["10b"].num_parameters()
+    assert parse_model_size("tiny")[0] == PRESETS["tiny"].num_parameters()
+    assert parse_model_size("125M")[0] == PRESETS["125m"].num_parameters()  # presets win
+    for bad in ("banana", "-5B", "0"):
+        with pytest.raises(PlanInputError):
+            parse_model_size(bad)
+
+
+def test_plan_compute_time_cost_and_wall_clock():
+    s = Scenario(n_params=1e9, n_workers=4, gpu="a100", profile="datacenter", inner_steps=50,
+                 gpus_per_worker=2, batch_tokens=1000, tokens=4e6, mfu=0.5)
+    r = plan(s)
+    step = 6 * 1e9 * 1000 / (312e12 * 0.5 * 2)
+    assert r.round.step_seconds == pytest.approx(step)
+    rounds = 4e6 / (4 * 1000 * 50)
+    assert r.wall_clock_seconds == pytest.approx(rounds * r.round.round_seconds)
+    assert r.gpu_hours == pytest.approx(r.wall_clock_seconds / 3600 * 8)
+    assert r.cost_on_demand_usd == pytest.approx(r.gpu_hours * 1.79)
+    assert r.cost_spot_usd < r.cost_on_demand_usd
+    assert r.bytes_per_token == pytest.approx(r.round.bytes_sent_per_round / (1000 * 50))
+
+
+def test_plan_flags_models_that_do_not_fit():
+    r = plan(Scenario(n_params=10e9, n_workers=50, gpu="rtx3080", profile="home"))
+    assert not r.fits_memory and r.notes
+
+
+def test_plan_unknown_names():
+    with pytest.raises(PlanInputError, match="unknown gpu"):
+        plan(Scenario(n_params=1e9, n_workers=2, gpu="tpu9"))
+    with pytest.raises(PlanInputError, match="unknown link profile"):
+        plan(Scenario(n_params=1e9, n_workers=2, profile="mars"))
+    with pytest.raises(PlanInputError, match="unknown algorithm"):
+        plan(Scenario(n_params=1e9, n_workers=2, algorithm="gossip"))
+
+
+def test_plan_many_orders_algorithms_sensibly_over_slow_links():
+    results = {r.algorithm: r for r in plan_many(
+        Scenario(n_params=10e9, n_workers=14, profile="intercontinental", codec="int8"))}
+    assert results["ddp"].round.utilization < results["diloco"].round.utilization
+    assert results["diloco"].round.utilization <= results["streaming_diloco"].round.utilization
+    assert results["local_sgd"].round.round_seconds == results["diloco"].round.round_seconds
+
+
+# --- CLI -------------------------------------------------------------------------------------
+
+
+def _cli(*args):
+    from farlink.cli import app
+
+    return CliRunner().invoke(app, list(args))
+
+
+def test_cli_table():
+    res = _cli("plan", "--model", "10B", "--workers", "14", "--gpu", "h100", "--profile",
+               "intercontinental", "--algorithm", "all", "--codec", "int8")
+    assert res.exit_code == 0, res.output
+    for word in ("ddp", "diloco", "streaming_diloco", "demo", "compute utilization",
+                 "bandwidth for 95% utilization", "cost spot"):
+        assert word in res.output
+
+
+def test_cli_json_matches_api():
+    res = _cli("plan", "--model", "1.3b", "--workers", "4", "--profile", "cross-region",
+               "--algorithm", "diloco", "--inner-steps", "50", "--tokens", "1e11", "--json")
+    assert res.exit_code == 0, res.output
+    data = json.loads(res.stdout)
+    (row,) = data["results"]
+    api = plan(Scenario(n_params=1.3e9, n_workers=4, profile="cross-region", inner_steps=50,
+                        tokens=1e11))
+    assert row["algorithm"] == "diloco"
+    assert row["round"]["utilization"] == pytest.approx(api.round.utilization)
+    assert row["cost_spot_usd"] == pytest.approx(api.cost_spot_usd)
+
+
+def test_cli_json_encodes_unreachable_bandwidth_as_null():
+    res = _cli("plan", "--model", "10B", "--workers", "14", "--algorithm", "ddp", "--json")
+    assert res.exit_code == 0, res.output
+    assert json.loads(res.stdout)["results"][0]["bandwidth_for_target_bps"] is None
+
+
+@pytest.mark.parametrize(
+    "args,message",
+    [(("--gpu", "tpu9"), "unknown gpu"),
+     (("--profile", "mars"), "unknown link profile"),
+     (("--model", "banana"), "cannot read model size"),
+     (("--codec", "zip"), "unknown codec"),
+     (("--algorithm", "gossip"), "unknown algorithm")],
+)
+def test_cli_clear_errors(args, message):
+    options = {"--model": "1b", "--workers": "4"} | dict(zip(args[::2], args[1::2]))
+    argv = ["plan"] + [item for pair in options.items() for item in pair]
+    res = _cli(*argv)
+    assert res.exit_code == 2
+    assert message in res.stderr
+    assert "Traceback" not in res.output
+
+
+def test_cli_user_table_files(tmp_path):
+    links = tmp_path / "links.toml"
+    links.write_text('[link.lab]\nbandwidth_mbit = 100\nlatency_ms = 5\n')
+    res = _cli("plan", "--model", "125M", "--workers", "2", "--profile", "lab", "--links-file",
+               str(links), "--algorithm", "diloco", "--json")
+    assert res.exit_code == 0, res.output
+    assert json.loads(res.stdout)["results"][0]["link"]["bandwidth_mbit"] == 100
+    bad = tmp_path / "bad.toml"
+    bad.write_text('[link.lab]\nbandwidth_mbit = "fast"\nlatency_ms = 5\n')
+    res = _cli("plan", "--model", "125M", "--workers", "2", "--links-file", str(bad))
+    assert res.exit_code == 2 and "link.lab.bandwidth_mbit" in res.stderr
+
+
+# --- published figures and validation reports ------------------------------------------------
+
+
+def test_intellect1_lands_in_reported_range():
+    checks = {c["name"]: c for c in published_checks()}
+    util = checks["intellect1_compute_utilization"]
+    assert 0.83 <= util["predicted"] <= 0.96 and util["passed"]
+    assert checks["intellect1_allreduce_seconds"]["passed"]
+    # bracketing: all links at 4 Gbit/s is better, all at 0.5 Gbit/s is worse
+    d = util["details"]
+    assert d["utilization_all_links_0.5gbit"] < util["predicted"] < d["utilization_all_links_4gbit"]
+
+
+def test_communication_reduction_checks():
+    checks = {c["name"]: c for c in published_checks()}
+    assert checks["diloco_500x_less_communication"]["predicted"] == pytest.approx(500)
+    assert checks["intellect1_bandwidth_reduction"]["predicted"] == pytest.approx(4 / (1 + 4 / 64) * 100)
+    assert all(c["passed"] for c in checks.values())
+
+
+def test_bench_planner_cli_writes_json_and_png(tmp_path):
+    res = _cli("bench", "planner", "--out", str(tmp_path))
+    assert res.exit_code == 0, res.output
+    data = json.loads((tmp_path / "planner_checks.json").read_text())
+    assert {c["name"] for c in data["checks"]} >= {"intellect1_compute_utilization"}
+    assert (tmp_path / "planner_checks.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_compare_relative_errors_by_hand(tmp_path):
+    measured = [{"name": "a", "round_seconds": 10.0, "utilization": 0.5},
+                {"name": "b", "round_seconds": 20.0, "utilization": 0.8}]
+    predicted = [{"name": "b", "round_seconds": 22.0, "utilization": 0.8},
+                 {"name": "a", "round_seconds": 9.0, "utilization": 0.55}]
+    out = compare(measured, predicted)
+    rs = out["metrics"]["round_seconds"]
+    assert rs["n"] == 2
+    assert rs["mean_abs_relative_error"] == pytest.approx((0.1 + 0.1) / 2)
+    assert rs["mean_relative_error"] == pytest.approx((-0.1 + 0.1) / 2)
+    assert out["metrics"]["utilization"]["max_abs_relative_error"] == pytest.approx(0.1)
+    paths = write_validation_report(measured, predicted, tmp_path)
+    assert json.loads(paths["json"].read_text())["metrics"]["round_seconds"]["n"] == 2
+    assert paths["png"].read_bytes()[:4] == b"\x89PNG"
+    with pytest.raises(ValueError, match="no prediction"):
+        compare(measured, predicted[:1])
+
+
+def test_published_report_files(tmp_path):
+    paths = write_published_report(tmp_path)
+    assert paths["json"].exists() and paths["png"].stat().st_size > 1000
