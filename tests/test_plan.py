@@ -106,7 +106,7 @@ def test_ddp_and_demo_sync_every_step():
 
 def test_streaming_overlap_by_hand():
     # fragment payload 1e8 params * 4 B / 4 = 1e8 B; 2 workers -> sends 1e8 B = 0.8 s at 1 Gbit/s
-    kw = dict(n_params=1e8, inner_steps=100, fragments=4, codec="fp32")
+    kw = {"n_params": 1e8, "inner_steps": 100, "fragments": 4, "codec": "fp32"}
     frag = 2 * 1 / 2 * 1e8 * 8 / 1e9 + 2 * 0.0
     hidden = predict_round("streaming_diloco", 2, 1.0, 1e9, 0.0, overlap_steps=1, **kw)
     assert hidden.comm_seconds == pytest.approx(4 * frag)
@@ -147,8 +147,8 @@ def test_hivemind_backend_has_fewer_latency_terms():
 
 
 def test_required_bandwidth_matches_closed_form_and_round_trips():
-    kw = dict(algorithm="diloco", n_workers=14, step_seconds=22.8, latency_s=0.1,
-              n_params=10e9, codec="int8", inner_steps=100)
+    kw = {"algorithm": "diloco", "n_workers": 14, "step_seconds": 22.8, "latency_s": 0.1,
+              "n_params": 10e9, "codec": "int8", "inner_steps": 100}
     b = required_bandwidth(0.95, **kw)
     compute = 2280.0
     sent = 2 * 13 / 14 * 10e9 * (1 + 4 / 64)
@@ -159,9 +159,9 @@ def test_required_bandwidth_matches_closed_form_and_round_trips():
 
 @pytest.mark.parametrize("algorithm", ["diloco", "streaming_diloco", "ddp"])
 def test_required_bandwidth_inverse_with_stragglers_and_churn(algorithm):
-    kw = dict(algorithm=algorithm, n_workers=8, step_seconds=5.0, latency_s=0.02,
-              n_params=1e8, inner_steps=100, fragments=4, straggler_sigma=0.01,
-              failures_per_hour=0.01, rejoin_seconds=30.0)
+    kw = {"algorithm": algorithm, "n_workers": 8, "step_seconds": 5.0, "latency_s": 0.02,
+              "n_params": 1e8, "inner_steps": 100, "fragments": 4, "straggler_sigma": 0.01,
+              "failures_per_hour": 0.01, "rejoin_seconds": 30.0}
     b = required_bandwidth(0.9, **kw)
     assert math.isfinite(b)
     assert predict_round(bandwidth_bps=b, **kw).utilization == pytest.approx(0.9, abs=1e-6)

@@ -326,24 +326,24 @@ def plan(
     algorithm = scenario.algorithm.strip().lower()
     codec = scenario.demo_codec if algorithm == "demo" else scenario.codec
     step = step_seconds(scenario.n_params, scenario.batch_tokens, gpu, scenario.mfu, gpus)
-    inputs = dict(
-        algorithm=algorithm,
-        n_workers=scenario.n_workers,
-        step_seconds=step,
-        latency_s=link.latency_s,
-        n_params=scenario.n_params,
-        inner_steps=scenario.inner_steps,
-        codec=codec,
-        fragments=scenario.fragments,
-        overlap_steps=scenario.overlap_steps,
-        backend=scenario.backend,
-        jitter_s=link.jitter_s,
-        loss=link.loss,
-        straggler_sigma=scenario.straggler_sigma,
-        failures_per_hour=scenario.failures_per_hour,
-        rejoin_seconds=scenario.rejoin_seconds,
-        seed=scenario.seed,
-    )
+    inputs = {
+        "algorithm": algorithm,
+        "n_workers": scenario.n_workers,
+        "step_seconds": step,
+        "latency_s": link.latency_s,
+        "n_params": scenario.n_params,
+        "inner_steps": scenario.inner_steps,
+        "codec": codec,
+        "fragments": scenario.fragments,
+        "overlap_steps": scenario.overlap_steps,
+        "backend": scenario.backend,
+        "jitter_s": link.jitter_s,
+        "loss": link.loss,
+        "straggler_sigma": scenario.straggler_sigma,
+        "failures_per_hour": scenario.failures_per_hour,
+        "rejoin_seconds": scenario.rejoin_seconds,
+        "seed": scenario.seed,
+    }
     rnd = predict_round(bandwidth_bps=link.bandwidth_bps, bandwidth_min_bps=link.bandwidth_min_bps,
                         **inputs)
     ratio = None if link.bandwidth_min_bps is None else link.bandwidth_min_bps / link.bandwidth_bps

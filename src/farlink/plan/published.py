@@ -18,7 +18,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from farlink.plan.model import predict_round
+from farlink.plan.model import RoundPrediction, predict_round
 
 INTELLECT1 = {
     "n_params": 10e9,
@@ -47,8 +47,8 @@ def _check(name: str, source: str, quantity: str, predicted: float, low: float, 
     }
 
 
-def _intellect1_round(**overrides):  # noqa: ANN202 - RoundPrediction
-    inputs = {k: v for k, v in INTELLECT1.items()} | overrides
+def _intellect1_round(**overrides: float | None) -> RoundPrediction:
+    inputs = INTELLECT1 | overrides
     return predict_round("diloco", **inputs)
 
 

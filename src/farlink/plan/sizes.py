@@ -25,7 +25,7 @@ def _presets() -> dict[str, int]:
     return {name.lower(): cfg.num_parameters() for name, cfg in PRESETS.items()}
 
 
-def parse_model_size(text: str | int | float) -> tuple[float, str]:
+def parse_model_size(text: str | float) -> tuple[float, str]:
     """(parameter count, how it was read) for a preset name or a count; bad input raises."""
     if isinstance(text, (int, float)) and not isinstance(text, bool):
         if text <= 0:

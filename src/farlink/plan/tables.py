@@ -128,7 +128,7 @@ def load_links(path: str | Path | None = None) -> dict[str, LinkProfile]:
         raise _explain(origin, exc) from None
 
 
-def lookup(table: dict, name: str, kind: str):  # noqa: ANN201 - GPU or LinkProfile
+def lookup(table: dict, name: str, kind: str):
     """``table[name]`` with an error that lists what exists instead of a bare KeyError."""
     key = name.strip().lower()
     if key not in table:
