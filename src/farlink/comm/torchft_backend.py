@@ -26,6 +26,10 @@ log = logging.getLogger(__name__)
 _TIMEOUT_SAFETY = 4.0
 
 
+class QuorumUnavailable(RuntimeError):
+    """The Lighthouse gave no quorum in time (down, unreachable, or too few peers)."""
+
+
 class TorchftCollective(Collective):
     def __init__(
         self,
@@ -36,6 +40,7 @@ class TorchftCollective(Collective):
         round_timeout: float = 30.0,
         quorum_timeout: float = 120.0,
         connect_timeout: float = 30.0,
+        join_timeout: float = 30.0,
     ) -> None:
         super().__init__()
         from torch.distributed import TCPStore
@@ -43,6 +48,11 @@ class TorchftCollective(Collective):
         from torchft.process_group import ProcessGroupGloo
 
         self.replica_id = replica_id
+        self.lighthouse_addr = lighthouse_addr
+        self.quorum_timeout = quorum_timeout
+        # The Lighthouse answers within join_timeout whenever enough peers are alive; a request
+        # that outlives that is stuck (e.g. on a Lighthouse that restarted) and is retried.
+        self.attempt_timeout = min(quorum_timeout, join_timeout + 10.0)
         self.round_timeout = round_timeout
         self._healed = False
         self._get_state = self._set_state = None
@@ -87,7 +97,7 @@ class TorchftCollective(Collective):
         self._healed = False
         self._round_bytes = 0
         self._round_start = time.perf_counter()
-        self.manager.start_quorum(allow_heal=True)
+        self._start_quorum()
         rank = self.manager.participating_rank()
         return RoundInfo(
             round_id=self.manager.current_step(),
@@ -95,6 +105,32 @@ class TorchftCollective(Collective):
             world_size=max(1, self.manager.num_participants()),
             healed=self._healed,
         )
+
+    def _start_quorum(self) -> None:
+        """Ask for a quorum; ride out a Lighthouse restart by retrying until quorum_timeout.
+
+        torchft keeps the failed quorum future and re-raises it on every later call, so it is
+        dropped before retrying; the Manager's own client reconnects to the new Lighthouse.
+        """
+        deadline = time.monotonic() + self.quorum_timeout
+        delay = 0.5
+        while True:
+            try:
+                self.manager.start_quorum(
+                    allow_heal=True, timeout=timedelta(seconds=self.attempt_timeout)
+                )
+                return
+            except Exception as exc:  # noqa: BLE001 - gRPC/timeout errors from the quorum RPC
+                self.manager._quorum_future = None
+                if time.monotonic() + delay > deadline:
+                    raise QuorumUnavailable(
+                        f"no quorum from the Lighthouse at {self.lighthouse_addr} within "
+                        f"{self.quorum_timeout:.0f}s ({exc}); is it running? Restart it on the "
+                        "same address and the workers reconnect."
+                    ) from exc
+                log.warning("quorum failed (%s); retrying in %.1fs", exc, delay)
+                time.sleep(delay)
+                delay = min(delay * 2, 5.0)
 
     def load_committed_step(self, step: int) -> None:
         """Restore torchft's step counter on resume so peers do not heal from each other."""

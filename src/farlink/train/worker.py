@@ -49,6 +49,7 @@ def build_collective(cfg: RunConfig, replica_id: str, lighthouse: str):  # noqa:
             min_replicas=cfg.min_replicas,
             round_timeout=cfg.round_timeout,
             quorum_timeout=cfg.quorum_timeout,
+            join_timeout=cfg.join_timeout,
         )
     raise ValueError(f"unknown backend {cfg.backend!r}")
 
