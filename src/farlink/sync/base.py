@@ -113,6 +113,16 @@ class SyncAlgorithm(ABC):
     def load_shared_state(self, state: TensorState) -> None:
         """Adopt a live peer's committed state (healing)."""
 
+    def fingerprint(self) -> str:
+        """Hash of the committed state: equal on every replica after a committed round."""
+        import hashlib
+
+        digest = hashlib.sha256()
+        for name, tensor in sorted(self.shared_state().items()):
+            digest.update(name.encode())
+            digest.update(tensor.detach().contiguous().cpu().numpy().tobytes())
+        return digest.hexdigest()[:16]
+
     def state_dict(self) -> TensorState:
         """Shared state plus this worker's private state, for an exact resume."""
         return {**self.shared_state(), "counter.inner_steps": torch.tensor(self.inner_steps_done)}

@@ -193,6 +193,7 @@ class Worker:
             )
             if outcome.synced and cfg.sync_every > 1:
                 self.metrics.write("sync", committed=outcome.committed,
+                                   fingerprint=algo.fingerprint() if outcome.committed else None,
                                    world_size=outcome.world_size,
                                    round_s=round(outcome.comm_seconds, 4),
                                    rejected=outcome.rejected, **fields)
