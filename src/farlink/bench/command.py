@@ -54,3 +54,19 @@ def register(app: typer.Typer, bench_app: typer.Typer) -> None:
         print_rows(result["rows"], ["repeat", "plain_tokens_per_s", "farlink_tokens_per_s",
                                     "overhead"], "farlink bench overhead")
         Console().print(f"median overhead: {result['median_overhead']:.2%}")
+
+    @bench_app.command("churn")
+    def churn(
+        out: Path = typer.Option(Path("bench/churn"), help="output directory"),
+        rates: list[float] = typer.Option([0.0, 1.0, 4.0], help="kills per 100 outer steps"),
+        steps: int = typer.Option(2000, help="inner steps per worker"),
+        inner_steps: int = typer.Option(20, help="H"),
+        workers: int = typer.Option(4, help="worker processes"),
+    ) -> None:
+        """Loss vs tokens with workers SIGKILLed and restarted; audits lost committed progress."""
+        from farlink.bench.churn import run
+
+        result = run(out, rates, steps, inner_steps, workers)
+        print_rows(result["rows"], ["kills_per_100_outer_steps", "kills", "outer_steps",
+                                    "consistent", "lost_committed_tokens", "final_heldout_loss"],
+                   "farlink bench churn")

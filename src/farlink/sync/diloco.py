@@ -92,6 +92,8 @@ class DiLoCo(SyncAlgorithm):
         state = {f"global.{n}": g.detach().clone() for n, g in zip(self.names, self.global_params)}
         state.update(optimizer_state(self.outer_opt, "outer"))
         state["counter.outer_step"] = torch.tensor(self.outer_step)
+        # where the sender is in the schedule (lr, end of run): a healed peer adopts it
+        state["schedule.inner_steps"] = torch.tensor(self.inner_steps_done)
         return state
 
     def load_shared_state(self, state: TensorState) -> None:
@@ -101,6 +103,7 @@ class DiLoCo(SyncAlgorithm):
                 p.copy_(g)
         load_optimizer_state(self.outer_opt, state, "outer")
         self.outer_step = int(state["counter.outer_step"])
+        self.inner_steps_done = int(state["schedule.inner_steps"])
         self.tokens_since_sync = 0
 
     def state_dict(self) -> TensorState:

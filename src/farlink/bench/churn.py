@@ -1,0 +1,96 @@
+"""Churn: real worker processes killed with SIGKILL at a given rate and restarted with --resume.
+
+``ChaosDriver`` runs a job like ``farlink train`` does, but watches committed outer steps and, at
+the requested rate (kills per 100 outer steps), SIGKILLs a random live worker and restarts it; the
+restarted worker loads its last checkpoint and heals from a live peer in its first quorum. The
+audit afterwards says whether replicas agreed at every step and how much committed progress was
+lost (target: none). ``farlink bench churn`` compares kill rates side by side.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import time
+from pathlib import Path
+
+from farlink.bench.report import plot_curves, write_json
+from farlink.config import RunConfig, load_config
+from farlink.train.audit import audit_run
+from farlink.train.launcher import _stop_all, spawn_worker, summarize, write_run_config
+from farlink.train.lighthouse import Lighthouse
+from farlink.train.metrics import read_metrics
+
+
+def committed_outer_steps(run_dir: Path) -> int:
+    best = 0
+    for path in (run_dir / "metrics").glob("w*.jsonl"):
+        for r in read_metrics(path):
+            if r["kind"] == "sync" and r.get("committed"):
+                best = max(best, r["outer_step"])
+    return best
+
+
+def run_with_churn(cfg: RunConfig, kills_per_100: float, max_kills: int, seed: int = 0,
+                   timeout: float = 1800.0) -> dict:
+    from farlink.data import prepare_data
+
+    write_run_config(cfg)
+    prepare_data(cfg.corpus, cfg.vocab_size, cfg.cache_dir)
+    rng = random.Random(seed)
+    lighthouse = Lighthouse(cfg.host, min_replicas=cfg.min_replicas, join_timeout=cfg.join_timeout,
+                            heartbeat_timeout=cfg.heartbeat_timeout,
+                            log_path=cfg.run_dir / "lighthouse.log").start()
+    procs = {i: spawn_worker(cfg, i, lighthouse.address, resume=False) for i in range(cfg.workers)}
+    every = 100.0 / kills_per_100 if kills_per_100 > 0 else float("inf")
+    next_kill, kills, events = every, 0, []
+    deadline = time.time() + timeout
+    try:
+        while any(p.poll() is None for p in procs.values()):
+            if time.time() > deadline:
+                raise TimeoutError(f"churn run did not finish within {timeout:.0f}s")
+            step = committed_outer_steps(cfg.run_dir)
+            total_rounds = cfg.steps // cfg.inner_steps
+            if kills < max_kills and step >= next_kill and step < total_rounds - 1:
+                alive = [i for i, p in procs.items() if p.poll() is None]
+                victim = rng.choice(alive)
+                os.kill(procs[victim].pid, signal.SIGKILL)
+                procs[victim].wait()
+                events.append({"kill": victim, "outer_step": step, "time": time.time()})
+                kills += 1
+                next_kill += every
+                procs[victim] = spawn_worker(cfg, victim, lighthouse.address, resume=True)
+            time.sleep(0.3)
+    finally:
+        _stop_all(list(procs.values()))
+        lighthouse.stop()
+    audit = audit_run(cfg.run_dir)
+    return {"kills": kills, "events": events, "audit": audit, "summary": summarize(cfg),
+            "returncodes": [p.returncode for p in procs.values()]}
+
+
+def run(out: Path, rates: list[float], steps: int, inner_steps: int, workers: int) -> dict:
+    rows, series = [], {}
+    for rate in rates:
+        cfg = load_config(None, {
+            "steps": steps, "inner_steps": inner_steps, "workers": workers, "min_replicas": 2,
+            "join_timeout": 10, "heartbeat_timeout": 3, "round_timeout": 20,
+            "run_dir": out / "runs" / f"kills-{rate:g}",
+        })
+        rounds = steps // inner_steps
+        result = run_with_churn(cfg, rate, max_kills=max(0, int(rate * rounds / 100 + 0.999)))
+        a = result["audit"]
+        rows.append({"kills_per_100_outer_steps": rate, "kills": result["kills"],
+                     "outer_steps": a["outer_steps"], "consistent": a["consistent"],
+                     "lost_committed_steps": a["lost_committed_steps"],
+                     "lost_committed_tokens": a["lost_committed_steps"] * inner_steps
+                     * cfg.batch_size * cfg.seq_len * workers,
+                     "final_heldout_loss": result["summary"]["final_heldout_loss"],
+                     "returncodes": result["returncodes"]})
+        series[f"{rate:g} kills/100 rounds"] = [
+            (e["tokens"], e["loss"]) for e in result["summary"]["evals"]]
+    write_json(out / "churn.json", "churn", rows, {"steps": steps, "inner_steps": inner_steps})
+    plot_curves(out / "churn_loss_vs_tokens.png", series, "tokens (evaluating worker)",
+                "held-out loss", "held-out loss under churn")
+    return {"rows": rows}
