@@ -10,6 +10,7 @@ single number reaches the parameters.
 from __future__ import annotations
 
 import json
+import math
 import struct
 from dataclasses import dataclass, field
 
@@ -19,6 +20,9 @@ from farlink.codecs.base import CodecError
 
 MAGIC = b"FLK1"
 _MAX_HEADER = 1 << 24
+_MAX_INT = (1 << 63) - 1
+_MAX_DIMS = 16
+_MAX_NUMEL = 1 << 40  # a trillion elements: far above any real tensor, far below int64 overflow
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
@@ -56,11 +60,39 @@ def pack(
         for n, p in payloads.items()
     ]
     header = json.dumps(
-        {"sender": sender, "round": round_id, "weight": weight, "tensors": entries,
+        {"sender": str(sender), "round": int(round_id), "weight": float(weight),
+         "tensors": entries,
          "meta": meta or {}},
         separators=(",", ":"),
     ).encode()
     return MAGIC + struct.pack("<I", len(header)) + header + b"".join(payloads.values())
+
+
+def _reject_constant(name: str) -> float:
+    raise CodecError(f"non-finite number {name} in header")
+
+
+def _int(value: object, what: str, low: int = 0, high: int = _MAX_INT) -> int:
+    """A JSON integer in ``[low, high]``: floats, bools and huge numbers are corrupt headers."""
+    if not isinstance(value, int) or isinstance(value, bool) or not low <= value <= high:
+        raise CodecError(f"{what} must be an integer in [{low}, {high}], got {value!r:.40}")
+    return value
+
+
+def _entry(e: object, seen: dict[str, bytes]) -> tuple[str, int, tuple[int, ...], torch.dtype]:
+    if not isinstance(e, dict):
+        raise CodecError("tensor table entry is not an object")
+    name, shape, dtype = e.get("name"), e.get("shape"), e.get("dtype")
+    if not isinstance(name, str) or name in seen:
+        raise CodecError(f"tensor name {name!r:.40} is missing, not a string or repeated")
+    if not isinstance(shape, list) or len(shape) > _MAX_DIMS:
+        raise CodecError(f"bad shape for {name!r}")
+    dims = tuple(_int(d, f"dimension of {name!r}") for d in shape)
+    if math.prod(dims) > _MAX_NUMEL:
+        raise CodecError(f"{name!r} announces {math.prod(dims)} elements (limit {_MAX_NUMEL})")
+    if not isinstance(dtype, str) or dtype not in _DTYPES:
+        raise CodecError(f"unsupported dtype {dtype!r:.40} for {name!r}")
+    return name, _int(e.get("nbytes"), f"nbytes of {name!r}"), dims, _DTYPES[dtype]
 
 
 def unpack(message: bytes) -> Envelope:
@@ -70,31 +102,39 @@ def unpack(message: bytes) -> Envelope:
     if hlen > _MAX_HEADER or 8 + hlen > len(message):
         raise CodecError(f"truncated header ({hlen} bytes announced, {len(message) - 8} present)")
     try:
-        header = json.loads(message[8 : 8 + hlen])
-        entries = header["tensors"]
-        sender, round_id = str(header["sender"]), int(header["round"])
-        weight = float(header["weight"])
-    except (ValueError, KeyError, TypeError) as exc:
-        raise CodecError(f"corrupt header: {exc}") from exc
+        header = json.loads(message[8 : 8 + hlen], parse_constant=_reject_constant)
+    except (ValueError, RecursionError) as exc:  # UnicodeDecodeError is a ValueError
+        raise CodecError(f"corrupt header: {str(exc)[:80]}") from exc
+    if not isinstance(header, dict):
+        raise CodecError("corrupt header: not a JSON object")
+    sender, entries, meta = header.get("sender"), header.get("tensors"), header.get("meta", {})
+    if not isinstance(sender, str):
+        raise CodecError("corrupt header: sender is not a string")
+    round_id = _int(header.get("round"), "round")
+    weight = header.get("weight")
+    if isinstance(weight, bool) or not isinstance(weight, (int, float)):
+        raise CodecError(f"invalid weight {weight!r:.40}")
+    try:
+        weight = float(weight)
+    except OverflowError as exc:
+        raise CodecError("invalid weight (too large)") from exc
     if not (weight >= 0.0) or weight == float("inf"):
         raise CodecError(f"invalid weight {weight}")
+    if not isinstance(entries, list):
+        raise CodecError("corrupt header: tensors is not a list")
+    if not isinstance(meta, dict):
+        raise CodecError("corrupt header: meta is not an object")
     offset = 8 + hlen
-    payloads, shapes, dtypes = {}, {}, {}
-    try:
-        for e in entries:
-            name, n = str(e["name"]), int(e["nbytes"])
-            shape = tuple(int(s) for s in e["shape"])
-            if n < 0 or any(s < 0 for s in shape) or e["dtype"] not in _DTYPES:
-                raise CodecError(f"bad entry for {name!r}")
-            payloads[name] = message[offset : offset + n]
-            if len(payloads[name]) != n:
-                raise CodecError(f"truncated payload for {name!r}")
-            shapes[name], dtypes[name] = shape, _DTYPES[e["dtype"]]
-            offset += n
-    except (KeyError, TypeError, ValueError) as exc:
-        if isinstance(exc, CodecError):
-            raise
-        raise CodecError(f"corrupt tensor table: {exc}") from exc
+    payloads: dict[str, bytes] = {}
+    shapes: dict[str, tuple[int, ...]] = {}
+    dtypes: dict[str, torch.dtype] = {}
+    for e in entries:
+        name, n, shape, dtype = _entry(e, payloads)
+        payloads[name] = message[offset : offset + n]
+        if len(payloads[name]) != n:
+            raise CodecError(f"truncated payload for {name!r}")
+        shapes[name], dtypes[name] = shape, dtype
+        offset += n
     if offset != len(message):
         raise CodecError(f"{len(message) - offset} trailing bytes after payloads")
-    return Envelope(sender, round_id, weight, payloads, shapes, dtypes, header.get("meta", {}))
+    return Envelope(sender, round_id, weight, payloads, shapes, dtypes, meta)

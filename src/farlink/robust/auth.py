@@ -1,9 +1,43 @@
-"""Message authentication: every update carries proof that a member of the run sent it."""
+"""Message authentication and membership proofs: every update carries proof a member sent it.
+
+Three kinds, chosen by ``make_authenticator``:
+
+- ``none``: trusted, organizational runs; messages pass unchanged, a joiner's claimed id is taken
+  at its word (the challenge is still single-use, so the join protocol is the same everywhere);
+- ``secret``: HMAC-SHA256 with one run secret; proves membership, not which member;
+- ``ed25519``: each peer signs with its own private key and is named by its key id, so a receiver
+  knows *which* member sent a message and the run can admit or drop members one by one.
+
+Join-time proof: the admitting side calls :meth:`Authenticator.make_challenge`, the joiner answers
+with :meth:`Authenticator.prove`, and :meth:`Authenticator.check_proof` returns the joiner's peer id.
+A challenge carries a random nonce and a timestamp; it is accepted only by the instance that
+issued it, only once, and only within ``challenge_window`` seconds, so a recorded proof cannot be
+replayed. Message MACs and join proofs use different domain prefixes, so neither can stand in for
+the other.
+"""
 
 from __future__ import annotations
 
 import hashlib
 import hmac
+import os
+import struct
+import threading
+import time
+from pathlib import Path
+
+from cryptography.exceptions import InvalidSignature
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
+
+from farlink.robust import keys as keyfiles
+
+_MSG_DOMAIN = b"farlink-msg\x00"
+_JOIN_DOMAIN = b"farlink-join\x00"
+_CHALLENGE_MAGIC = b"FLJ1"
+_NONCE_BYTES = 16
+_CHALLENGE_LEN = len(_CHALLENGE_MAGIC) + _NONCE_BYTES + 8
+_MAX_PEER_ID = 256
+_SIG_BYTES = 64
 
 
 class AuthError(ValueError):
@@ -16,11 +50,96 @@ class Authenticator:
     name = "none"
     overhead = 0
 
+    def __init__(self, peer_id: str = "anonymous", challenge_window: float = 30.0) -> None:
+        self._peer_id = peer_id
+        self.challenge_window = challenge_window
+        self._pending: dict[bytes, float] = {}
+        self._lock = threading.Lock()
+
+    @property
+    def peer_id(self) -> str:
+        """The id this peer presents when it joins (the key id for ``ed25519``)."""
+        return self._peer_id
+
+    # -- messages ---------------------------------------------------------------------------
     def sign(self, message: bytes) -> bytes:
         return message
 
     def verify(self, message: bytes) -> bytes:
         return message
+
+    def open(self, message: bytes) -> tuple[str | None, bytes]:
+        """Verify and return ``(signer id or None when the kind cannot tell, body)``."""
+        return None, self.verify(message)
+
+    # -- membership proof -------------------------------------------------------------------
+    def make_challenge(self) -> bytes:
+        """A fresh single-use challenge for one joiner; expires after ``challenge_window``."""
+        nonce = os.urandom(_NONCE_BYTES)
+        now = time.time()
+        with self._lock:
+            self._prune(now)
+            self._pending[nonce] = now
+        return _CHALLENGE_MAGIC + nonce + struct.pack("<Q", int(now * 1000))
+
+    def prove(self, challenge: bytes) -> bytes:
+        """The joiner's answer to ``challenge``: its peer id (and, for real kinds, a MAC/sig)."""
+        _parse_challenge(challenge)
+        return _pack_id(self.peer_id)
+
+    def check_proof(self, challenge: bytes, proof: bytes) -> str:
+        """The joiner's peer id if ``proof`` answers a live challenge of ours; else AuthError."""
+        self._consume(challenge)
+        peer_id, rest = _unpack_id(proof)
+        if rest:
+            raise AuthError("membership proof has trailing bytes")
+        return peer_id
+
+    def _consume(self, challenge: bytes) -> None:
+        nonce, issued_ms = _parse_challenge(challenge)
+        now = time.time()
+        with self._lock:
+            issued = self._pending.pop(nonce, None)
+            self._prune(now)
+        if issued is None:
+            raise AuthError("challenge was not issued here or was already answered (replay)")
+        if int(issued * 1000) != issued_ms:
+            raise AuthError("challenge timestamp was altered")
+        if now - issued > self.challenge_window:
+            raise AuthError(f"challenge expired ({now - issued:.1f}s old, window "
+                            f"{self.challenge_window:g}s)")
+
+    def _prune(self, now: float) -> None:
+        stale = [n for n, t in self._pending.items() if now - t > self.challenge_window]
+        for n in stale:
+            del self._pending[n]
+
+
+def _parse_challenge(challenge: bytes) -> tuple[bytes, int]:
+    if len(challenge) != _CHALLENGE_LEN or not challenge.startswith(_CHALLENGE_MAGIC):
+        raise AuthError("not a farlink join challenge")
+    nonce = challenge[len(_CHALLENGE_MAGIC) : len(_CHALLENGE_MAGIC) + _NONCE_BYTES]
+    (issued_ms,) = struct.unpack_from("<Q", challenge, len(_CHALLENGE_MAGIC) + _NONCE_BYTES)
+    return nonce, issued_ms
+
+
+def _pack_id(peer_id: str) -> bytes:
+    raw = peer_id.encode()
+    if not raw or len(raw) > _MAX_PEER_ID:
+        raise AuthError(f"peer id must be 1-{_MAX_PEER_ID} bytes, got {len(raw)}")
+    return struct.pack("<H", len(raw)) + raw
+
+
+def _unpack_id(data: bytes) -> tuple[str, bytes]:
+    if len(data) < 2:
+        raise AuthError("membership proof too short")
+    (n,) = struct.unpack_from("<H", data)
+    if n == 0 or n > _MAX_PEER_ID or len(data) < 2 + n:
+        raise AuthError("membership proof has a malformed peer id")
+    try:
+        return data[2 : 2 + n].decode(), data[2 + n :]
+    except UnicodeDecodeError as exc:
+        raise AuthError("membership proof peer id is not UTF-8") from exc
 
 
 class SharedSecretAuth(Authenticator):
@@ -29,18 +148,150 @@ class SharedSecretAuth(Authenticator):
     name = "secret"
     overhead = 32
 
-    def __init__(self, secret: str | bytes) -> None:
+    def __init__(
+        self, secret: str | bytes, peer_id: str = "anonymous", challenge_window: float = 30.0
+    ) -> None:
+        super().__init__(peer_id, challenge_window)
         if not secret:
             raise ValueError("an empty secret authenticates nobody")
-        self._key = secret.encode() if isinstance(secret, str) else secret
+        self._key = secret.encode() if isinstance(secret, str) else bytes(secret)
+
+    def _mac(self, domain: bytes, data: bytes) -> bytes:
+        return hmac.new(self._key, domain + data, hashlib.sha256).digest()
 
     def sign(self, message: bytes) -> bytes:
-        return message + hmac.new(self._key, message, hashlib.sha256).digest()
+        return message + self._mac(_MSG_DOMAIN, message)
 
     def verify(self, message: bytes) -> bytes:
         if len(message) < self.overhead:
             raise AuthError("message shorter than its MAC")
         body, tag = message[: -self.overhead], message[-self.overhead :]
-        if not hmac.compare_digest(tag, hmac.new(self._key, body, hashlib.sha256).digest()):
+        if not hmac.compare_digest(tag, self._mac(_MSG_DOMAIN, body)):
             raise AuthError("MAC does not verify (wrong run secret or tampered message)")
         return body
+
+    def prove(self, challenge: bytes) -> bytes:
+        _parse_challenge(challenge)
+        ident = _pack_id(self.peer_id)
+        return ident + self._mac(_JOIN_DOMAIN, challenge + ident)
+
+    def check_proof(self, challenge: bytes, proof: bytes) -> str:
+        self._consume(challenge)
+        peer_id, tag = _unpack_id(proof)
+        if len(tag) != self.overhead:
+            raise AuthError("membership proof has no MAC")
+        ident = proof[: len(proof) - self.overhead]
+        if not hmac.compare_digest(tag, self._mac(_JOIN_DOMAIN, challenge + ident)):
+            raise AuthError(f"membership proof of {peer_id!r} does not verify (wrong run secret)")
+        return peer_id
+
+
+class Ed25519Auth(Authenticator):
+    """Per-peer Ed25519 keys: a message ends with the signer's key id and its signature.
+
+    ``allowed`` is the run's member list (peer id -> public key, or a path for
+    :func:`farlink.robust.keys.load_allowed_keys`). ``private_key`` may be omitted on a node that
+    only verifies (a coordinator); such a node cannot sign or prove.
+    """
+
+    name = "ed25519"
+    overhead = keyfiles.KEY_ID_BYTES + _SIG_BYTES
+
+    def __init__(
+        self,
+        allowed: dict[str, Ed25519PublicKey] | Path,
+        private_key: Ed25519PrivateKey | Path | None = None,
+        challenge_window: float = 30.0,
+    ) -> None:
+        if isinstance(allowed, (str, Path)):
+            allowed = keyfiles.load_allowed_keys(Path(allowed))
+        if not allowed:
+            raise ValueError("an empty allowed-keys list admits nobody")
+        self._allowed = {bytes.fromhex(k): v for k, v in allowed.items()}
+        if isinstance(private_key, (str, Path)):
+            private_key = keyfiles.load_private_key(Path(private_key))
+        self._private = private_key
+        self._kid = keyfiles.key_id_bytes(private_key.public_key()) if private_key else b""
+        super().__init__(self._kid.hex() if private_key else "verifier", challenge_window)
+
+    @property
+    def members(self) -> list[str]:
+        return sorted(k.hex() for k in self._allowed)
+
+    def _signer(self) -> Ed25519PrivateKey:
+        if self._private is None:
+            raise AuthError("this node has no private key, so it cannot sign")
+        return self._private
+
+    def _check(self, kid: bytes, sig: bytes, data: bytes, what: str) -> str:
+        public = self._allowed.get(kid)
+        if public is None:
+            raise AuthError(f"{what} signed by unknown key {kid.hex()} (not a member of this run)")
+        try:
+            public.verify(sig, data)
+        except InvalidSignature as exc:
+            raise AuthError(f"bad signature on {what} from {kid.hex()} "
+                            f"(tampered or forged)") from exc
+        return kid.hex()
+
+    def sign(self, message: bytes) -> bytes:
+        sig = self._signer().sign(_MSG_DOMAIN + message + self._kid)
+        return message + self._kid + sig
+
+    def open(self, message: bytes) -> tuple[str | None, bytes]:
+        if len(message) < self.overhead:
+            raise AuthError("message shorter than its key id and signature")
+        body = message[: -self.overhead]
+        kid = message[-self.overhead : -_SIG_BYTES]
+        sig = message[-_SIG_BYTES:]
+        return self._check(kid, sig, _MSG_DOMAIN + body + kid, "message"), body
+
+    def verify(self, message: bytes) -> bytes:
+        return self.open(message)[1]
+
+    def prove(self, challenge: bytes) -> bytes:
+        _parse_challenge(challenge)
+        return self._kid + self._signer().sign(_JOIN_DOMAIN + challenge + self._kid)
+
+    def check_proof(self, challenge: bytes, proof: bytes) -> str:
+        self._consume(challenge)
+        if len(proof) != self.overhead:
+            raise AuthError(f"membership proof has {len(proof)} bytes, expected {self.overhead}")
+        kid, sig = proof[: keyfiles.KEY_ID_BYTES], proof[keyfiles.KEY_ID_BYTES :]
+        return self._check(kid, sig, _JOIN_DOMAIN + challenge + kid, "membership proof")
+
+
+AUTH_KINDS = ("none", "secret", "ed25519")
+
+
+def make_authenticator(
+    kind: str,
+    secret: str | None = None,
+    key_file: Path | None = None,
+    allowed_keys: Path | None = None,
+    peer_id: str | None = None,
+) -> Authenticator:
+    """Build the authenticator a run was configured with; bad settings fail here, not mid-run.
+
+    ``peer_id`` names this peer for ``none``/``secret`` (``ed25519`` peers are named by key id).
+    Missing or unreadable key files raise :class:`~farlink.robust.keys.KeyFileError`
+    (a ValueError) naming the file.
+    """
+    kind = (kind or "none").strip().lower()
+    name = peer_id or "anonymous"
+    if kind == "none":
+        return Authenticator(name)
+    if kind == "secret":
+        if not secret:
+            raise ValueError("auth 'secret' needs a non-empty run secret")
+        return SharedSecretAuth(secret, name)
+    if kind == "ed25519":
+        if allowed_keys is None:
+            raise ValueError("auth 'ed25519' needs allowed_keys (a file of public keys or a "
+                             "directory of *.pub files)")
+        auth = Ed25519Auth(Path(allowed_keys), Path(key_file) if key_file else None)
+        if key_file is not None and auth.peer_id not in auth.members:
+            raise ValueError(f"this peer's key {auth.peer_id} is not in {allowed_keys}; the "
+                             f"run would refuse it")
+        return auth
+    raise ValueError(f"unknown auth kind {kind!r}; choose from {', '.join(AUTH_KINDS)}")
