@@ -26,7 +26,7 @@ class RunConfig(BaseModel):
     vocab_size: int = Field(4096, ge=260, description="BPE vocabulary size")
     seq_len: int = Field(128, ge=8, description="tokens per sequence")
     batch_size: int = Field(8, ge=1, description="sequences per inner step per worker")
-    steps: int = Field(600, ge=1, description="inner steps per worker (the token budget)")
+    steps: int = Field(500, ge=1, description="inner steps per worker (the token budget)")
     seed: int = Field(0, description="seed for init and data order")
 
     # how to synchronize
@@ -79,6 +79,11 @@ class RunConfig(BaseModel):
             raise ValueError(
                 f"algorithm {self.algorithm!r} unknown; choose from {', '.join(ALGORITHMS)}"
             )
+        from farlink.codecs import make_compressor
+        from farlink.robust.aggregators import make_aggregator
+
+        make_compressor(self.codec)  # raises ValueError naming the valid codecs
+        make_aggregator(self.aggregator)
         if self.min_replicas > self.workers and self.lighthouse is None:
             raise ValueError(f"min_replicas={self.min_replicas} exceeds workers={self.workers}")
         if self.warmup_steps >= self.steps and self.steps > 1:
