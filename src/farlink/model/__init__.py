@@ -6,8 +6,8 @@ from farlink.model.rotary import apply_rotary, rotary_tables
 
 __all__ = [
     "GPT",
-    "GPTConfig",
     "PRESETS",
+    "GPTConfig",
     "apply_rotary",
     "preset_config",
     "rotary_tables",
