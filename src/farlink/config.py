@@ -48,6 +48,12 @@ class RunConfig(BaseModel):
     demo_topk: int = Field(32, ge=1, description="DeMo coefficients kept per chunk")
     demo_lr: float = Field(1e-3, gt=0, description="DeMo sign-step learning rate")
 
+    round_seconds: float | None = Field(
+        None, gt=0, description="time-budgeted DiLoCo: each round lasts this long and every "
+        "worker runs as many inner steps as fit (rounds = steps / inner_steps)")
+    slowdown: str = Field("", description="emulated device speeds, per-worker slowdown factors "
+                          "such as '1,1,2,4' (worker i sleeps (f-1) x its step time)")
+
     # where and with whom
     workers: int = Field(4, ge=1, description="local worker processes to launch")
     backend: Literal["torchft"] = Field("torchft", description="torchft (organizational)")
@@ -88,7 +94,23 @@ class RunConfig(BaseModel):
             raise ValueError(f"min_replicas={self.min_replicas} exceeds workers={self.workers}")
         if self.warmup_steps >= self.steps and self.steps > 1:
             raise ValueError(f"warmup_steps={self.warmup_steps} must be below steps={self.steps}")
+        if self.slowdown:
+            try:
+                factors = [float(f) for f in self.slowdown.split(",")]
+            except ValueError:
+                raise ValueError(f"slowdown {self.slowdown!r} is not a comma list of numbers")
+            if any(f < 1 for f in factors):
+                raise ValueError("slowdown factors must be >= 1 (1 = full speed)")
+        if self.round_seconds is not None and self.algorithm not in ("diloco", "local_sgd"):
+            raise ValueError("round_seconds (time-budgeted rounds) applies to diloco/local_sgd")
         return self
+
+    def slowdown_of(self, index: int) -> float:
+        """Emulated slowdown of worker ``index`` (cycled when fewer factors than workers)."""
+        if not self.slowdown:
+            return 1.0
+        factors = [float(f) for f in self.slowdown.split(",")]
+        return factors[index % len(factors)]
 
     @property
     def sync_every(self) -> int:

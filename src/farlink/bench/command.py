@@ -70,3 +70,18 @@ def register(app: typer.Typer, bench_app: typer.Typer) -> None:
         print_rows(result["rows"], ["kills_per_100_outer_steps", "kills", "outer_steps",
                                     "consistent", "lost_committed_tokens", "final_heldout_loss"],
                    "farlink bench churn")
+
+    @bench_app.command("hetero")
+    def hetero(
+        out: Path = typer.Option(Path("bench/hetero"), help="output directory"),
+        slowdown: str = typer.Option("1,1,2,4", help="per-worker slowdown factors"),
+        steps: int = typer.Option(300, help="inner steps per worker for the fixed-H run"),
+        inner_steps: int = typer.Option(30, help="H"),
+    ) -> None:
+        """Fixed-H DiLoCo vs time-budgeted rounds with emulated slow workers."""
+        from farlink.bench.hetero import run
+
+        result = run(out, slowdown, steps, inner_steps)
+        print_rows(result["rows"], ["label", "final_heldout_loss", "wall_s",
+                                    "utilization_per_worker", "wall_to_fixed_final_loss",
+                                    "speedup_to_target"], "farlink bench hetero")

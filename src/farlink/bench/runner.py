@@ -30,6 +30,8 @@ def run_variant(label: str, base: dict[str, Any], out: Path, **overrides: Any) -
         "compute_utilization": min((w["compute_utilization"] for w in workers), default=0.0),
         "wall_s": max((w["wall_s"] for w in workers), default=0.0),
         "returncodes": result.returncodes,
+        "tokens_per_step": cfg.batch_size * cfg.seq_len,
+        "per_worker": s["per_worker"],
         "evals": s["evals"],
     }
     return row

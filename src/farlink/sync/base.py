@@ -100,6 +100,13 @@ class SyncAlgorithm(ABC):
     def step(self, tokens: int) -> StepOutcome:
         """Called after ``loss.backward()`` with the number of tokens in the batch."""
 
+    def at_boundary(self, outcome: StepOutcome) -> bool:
+        """Whether the loop should checkpoint/evaluate now (every H steps by default)."""
+        return self.inner_steps_done % self.cfg.inner_steps == 0
+
+    def finished(self) -> bool:
+        return self.inner_steps_done >= self.cfg.steps
+
     def finish(self) -> StepOutcome | None:
         """Flush work still in flight (streaming); default: nothing pending."""
         return None

@@ -12,6 +12,8 @@ next round's Δ simply spans more steps, so no committed work is lost and none i
 
 from __future__ import annotations
 
+import time
+
 import torch
 
 from farlink.comm.base import RoundInfo
@@ -47,14 +49,42 @@ class DiLoCo(SyncAlgorithm):
             self.global_params, lr=lr, momentum=momentum, nesterov=momentum > 0
         )
         self.tokens_since_sync = 0
+        self.round_started = time.monotonic()
+        self.total_rounds = max(1, cfg.steps // cfg.inner_steps)
+
+    # --- time-budgeted rounds (heterogeneous devices) -------------------------------------------
+    @property
+    def timed(self) -> bool:
+        return self.cfg.round_seconds is not None
+
+    def round_due(self) -> bool:
+        if self.timed:
+            return time.monotonic() - self.round_started >= self.cfg.round_seconds
+        return self.inner_steps_done % self.cfg.inner_steps == 0
+
+    def at_boundary(self, outcome: StepOutcome) -> bool:
+        return outcome.synced if self.timed else super().at_boundary(outcome)
+
+    def finished(self) -> bool:
+        return self.outer_step >= self.total_rounds if self.timed else super().finished()
+
+    def current_lr(self) -> float:
+        if not self.timed:
+            return super().current_lr()
+        from farlink.sync.base import lr_at
+
+        virtual_step = int(self.outer_step / self.total_rounds * self.cfg.steps)
+        return lr_at(virtual_step, self.cfg.lr, self.cfg.warmup_steps, self.cfg.steps)
 
     def step(self, tokens: int) -> StepOutcome:
         self.clip_and_step(self.inner_opt)
         self.inner_steps_done += 1
         self.tokens_since_sync += tokens
-        if self.inner_steps_done % self.cfg.inner_steps != 0:
+        if not self.round_due():
             return StepOutcome(outer_step=self.outer_step)
-        return self.sync()
+        outcome = self.sync()
+        self.round_started = time.monotonic()
+        return outcome
 
     def sync(self) -> StepOutcome:
         committed, seconds, info = self.run_round(

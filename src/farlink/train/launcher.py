@@ -71,13 +71,17 @@ def summarize(cfg: RunConfig) -> dict:
         ends = [r for r in records if r["kind"] == "end"]
         if ends:
             end = ends[-1]
-            wall = max(end["wall_s"], 1e-9)
+            # utilization: inner compute over wall-clock, evaluation/checkpoint time set aside
+            wall = max(end["wall_s"] - end.get("bookkeeping_s", 0.0), 1e-9)
             per_worker[path.stem] = {
                 "tokens": end["tokens"],
                 "bytes_sent": end["bytes_sent"],
                 "bytes_per_token": end["bytes_sent"] / max(end["tokens"], 1),
                 "compute_utilization": end["compute_s"] / wall,
                 "wall_s": end["wall_s"],
+                "compute_s": end["compute_s"],
+                "comm_s": end["comm_s"],
+                "bookkeeping_s": end.get("bookkeeping_s", 0.0),
                 "failed_rounds": end.get("failed_rounds", 0),
             }
     evals.sort(key=lambda r: (r["step"], r["time"]))

@@ -100,6 +100,9 @@ class Worker:
         self.tokens = 0
         self.compute_s = 0.0
         self.comm_s = 0.0
+        self.wall_offset = 0.0  # wall-clock of earlier lives of this worker (resume)
+        self.loop_start = time.time()
+        self.bookkeeping_s = 0.0  # evaluation and checkpoints: neither compute nor communication
         if cfg.resume:
             self._resume()
 
@@ -116,6 +119,8 @@ class Worker:
             "model": self.cfg.model,
             "compute_s": self.compute_s,
             "comm_s": self.comm_s,
+            "bookkeeping_s": self.bookkeeping_s,
+            "wall_s": self.wall(),
             "bytes_sent": self.collective.stats.bytes_sent,
         }
         save_checkpoint(self.ckpt_dir, self.algo.inner_steps_done, tensors, meta)
@@ -136,6 +141,8 @@ class Worker:
         self.sampler.load_state_dict(meta["sampler"])
         self.tokens = meta["tokens"]
         self.compute_s, self.comm_s = meta["compute_s"], meta["comm_s"]
+        self.bookkeeping_s = meta.get("bookkeeping_s", 0.0)
+        self.wall_offset = meta.get("wall_s", 0.0)
         self.collective.stats.bytes_sent = meta["bytes_sent"]
         if hasattr(self.collective, "load_committed_step"):
             self.collective.load_committed_step(self.algo.outer_step)
@@ -152,8 +159,9 @@ class Worker:
     def _at_boundary(self, step: int, start: float) -> None:
         """Every H inner steps (token-aligned for every algorithm): checkpoint and evaluate."""
         cfg, algo = self.cfg, self.algo
-        boundary = step // cfg.inner_steps
-        final = step >= cfg.steps
+        t0 = time.perf_counter()
+        boundary = step // cfg.inner_steps if cfg.round_seconds is None else algo.outer_step
+        final = algo.finished()
         if boundary % cfg.checkpoint_every == 0 or final:
             self._save()
         rank0 = algo.last_round is None or algo.last_round.rank == 0
@@ -163,20 +171,27 @@ class Worker:
                                loss=round(heldout, 5), ppl=round(math.exp(heldout), 3),
                                outer_step=algo.outer_step,
                                bytes_sent=self.collective.stats.bytes_sent,
-                               wall_s=round(time.time() - start, 3))
+                               wall_s=round(self.wall(), 3))
+        self.bookkeeping_s += time.perf_counter() - t0
+
+    def wall(self) -> float:
+        return self.wall_offset + time.time() - self.loop_start
 
     def run(self, stop: StopRequested) -> int:
         cfg, algo = self.cfg, self.algo
-        start = time.time()
+        start = self.loop_start = time.time()
         self.metrics.write("start", worker=self.replica_id, params=self.model.num_parameters(),
                            inner_steps=algo.inner_steps_done, pid=os.getpid())
         loss_value = float("nan")
-        while algo.inner_steps_done < cfg.steps and not stop.flag:
+        slowdown = cfg.slowdown_of(self.index)
+        while not algo.finished() and not stop.flag:
             t0 = time.perf_counter()
             self.model.train()
             x, y = self.sampler.next_batch()
             _, loss = self.model(x, y)
             loss.backward()
+            if slowdown > 1:  # emulated slower device: stretch this step's compute
+                time.sleep((slowdown - 1) * (time.perf_counter() - t0))
             tokens = x.numel()
             outcome = algo.step(tokens)
             elapsed = time.perf_counter() - t0
@@ -188,7 +203,7 @@ class Worker:
             fields = dict(
                 worker=self.replica_id, step=step, loss=round(loss_value, 5), tokens=self.tokens,
                 bytes_sent=self.collective.stats.bytes_sent, compute_s=round(self.compute_s, 4),
-                comm_s=round(self.comm_s, 4), wall_s=round(time.time() - start, 3),
+                comm_s=round(self.comm_s, 4), wall_s=round(self.wall(), 3),
                 outer_step=outcome.outer_step, lr=algo.current_lr(),
             )
             if outcome.synced and cfg.sync_every > 1:
@@ -199,12 +214,12 @@ class Worker:
                                    rejected=outcome.rejected, **fields)
             elif step % cfg.log_every == 0 or (outcome.synced and not outcome.committed):
                 self.metrics.write("step", **fields)
-            if step % cfg.inner_steps == 0 or step >= cfg.steps:
+            if algo.at_boundary(outcome) or algo.finished():
                 self._at_boundary(step, start)
         pending = algo.finish()
         if pending is not None and not stop.flag:
             self._save()
-        finished = algo.inner_steps_done >= cfg.steps
+        finished = algo.finished()
         if finished:
             from safetensors.torch import save_model
 
@@ -215,7 +230,8 @@ class Worker:
                            inner_steps=algo.inner_steps_done, tokens=self.tokens,
                            bytes_sent=self.collective.stats.bytes_sent,
                            compute_s=round(self.compute_s, 4), comm_s=round(self.comm_s, 4),
-                           wall_s=round(time.time() - start, 3),
+                           bookkeeping_s=round(self.bookkeeping_s, 4),
+                           wall_s=round(self.wall(), 3),
                            failed_rounds=self.collective.stats.failed_rounds)
         return 0 if finished or stop.flag else 1
 
