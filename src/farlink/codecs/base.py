@@ -33,3 +33,11 @@ class Codec(ABC):
         """What the receiver will see, and how many bytes it cost: used by error feedback."""
         payload = self.encode(tensor)
         return self.decode(payload, tensor.shape, tensor.dtype), len(payload)
+
+    def max_payload_nbytes(self, shape: tuple[int, ...]) -> int:
+        """Bytes a tensor of ``shape`` costs on the wire, for planning without encoding.
+
+        Exact for every codec whose size depends only on the shape; an upper bound for codecs
+        that pick the smaller of several layouts per message (``topk``).
+        """
+        raise NotImplementedError(f"{type(self).__name__} does not predict its payload size")

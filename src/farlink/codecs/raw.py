@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from farlink.codecs._util import numel_of
 from farlink.codecs.base import Codec, CodecError
 
 
@@ -12,11 +13,14 @@ class Float32Codec(Codec):
     name = "fp32"
 
     def encode(self, tensor: torch.Tensor) -> bytes:
-        return tensor.detach().to(torch.float32).contiguous().numpy().tobytes()
+        return tensor.detach().to(device="cpu", dtype=torch.float32).contiguous().numpy().tobytes()
 
     def decode(self, payload: bytes, shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
-        numel = int(np.prod(shape)) if len(shape) else 1
+        numel = numel_of(shape)
         if len(payload) != 4 * numel:
             raise CodecError(f"fp32 payload has {len(payload)} bytes, expected {4 * numel}")
         array = np.frombuffer(payload, dtype=np.float32).copy()
-        return torch.from_numpy(array).reshape(shape).to(dtype)
+        return torch.from_numpy(array).reshape(tuple(shape)).to(dtype)
+
+    def max_payload_nbytes(self, shape: tuple[int, ...]) -> int:
+        return 4 * numel_of(shape)
