@@ -1,0 +1,150 @@
+"""Who contributed what: tokens claimed, updates accepted and rejected (with reasons), per peer.
+
+A community run needs a record it can show: which peers did work that reached the model, which
+were turned away and why. The ledger is written from the receive path (possibly several threads),
+so every method takes one lock; it saves to JSON atomically (write, then rename) so a crash never
+leaves half a file.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from rich.table import Table
+
+from farlink.robust.validate import reason_kind
+
+
+@dataclass
+class PeerRecord:
+    """One peer's totals."""
+
+    tokens_claimed: float = 0.0  # over all updates it sent, accepted or not
+    tokens_accepted: float = 0.0  # only in accepted updates: what reached the model
+    updates_accepted: int = 0
+    updates_rejected: int = 0
+    rejections: dict[str, int] = field(default_factory=dict)  # reason kind -> count
+    rounds: int = 0  # distinct rounds it took part in
+    first_round: int | None = None
+    last_round: int | None = None
+
+    @property
+    def acceptance(self) -> float:
+        total = self.updates_accepted + self.updates_rejected
+        return self.updates_accepted / total if total else 0.0
+
+
+class ContributionLedger:
+    def __init__(self) -> None:
+        self._peers: dict[str, PeerRecord] = {}
+        self._seen: dict[str, set[int]] = {}
+        self._lock = threading.Lock()
+
+    def _touch(self, peer: str, round_id: int, tokens: float) -> PeerRecord:
+        if tokens < 0 or tokens != tokens:
+            raise ValueError(f"tokens must be a number >= 0, got {tokens}")
+        rec = self._peers.setdefault(peer, PeerRecord())
+        seen = self._seen.setdefault(peer, set())
+        if round_id not in seen:
+            seen.add(round_id)
+            rec.rounds += 1
+        rec.first_round = round_id if rec.first_round is None else min(rec.first_round, round_id)
+        rec.last_round = round_id if rec.last_round is None else max(rec.last_round, round_id)
+        rec.tokens_claimed += tokens
+        return rec
+
+    def record_accepted(self, peer: str, round_id: int, tokens: float) -> None:
+        with self._lock:
+            rec = self._touch(peer, round_id, tokens)
+            rec.updates_accepted += 1
+            rec.tokens_accepted += tokens
+
+    def record_rejected(self, peer: str, round_id: int, tokens: float, reason: str) -> None:
+        """``reason`` is counted by its kind (text before the first colon, e.g. ``norm``)."""
+        with self._lock:
+            rec = self._touch(peer, round_id, tokens)
+            rec.updates_rejected += 1
+            kind = reason_kind(reason)
+            rec.rejections[kind] = rec.rejections.get(kind, 0) + 1
+
+    def record_screen(
+        self,
+        round_id: int,
+        accepted: Mapping[str, object],
+        rejected: Mapping[str, str],
+        tokens: Mapping[str, float],
+    ) -> None:
+        """Record the outcome of :func:`~farlink.robust.validate.screen_updates` for a round."""
+        for peer in accepted:
+            self.record_accepted(peer, round_id, float(tokens.get(peer, 0.0)))
+        for peer, reason in rejected.items():
+            self.record_rejected(peer, round_id, float(tokens.get(peer, 0.0)), reason)
+
+    def get(self, peer: str) -> PeerRecord:
+        with self._lock:
+            rec = self._peers.get(peer)
+            if rec is None:
+                raise KeyError(f"no record for peer {peer!r}")
+            return PeerRecord(**{**asdict(rec), "rejections": dict(rec.rejections)})
+
+    def peers(self) -> list[str]:
+        with self._lock:
+            return sorted(self._peers)
+
+    def to_dict(self) -> dict:
+        with self._lock:
+            return {"version": 1, "peers": {
+                p: {**asdict(r), "round_ids": sorted(self._seen[p])}
+                for p, r in sorted(self._peers.items())
+            }}
+
+    @classmethod
+    def from_dict(cls, data: Mapping) -> ContributionLedger:
+        if not isinstance(data, Mapping) or data.get("version") != 1:
+            raise ValueError("not a version-1 contribution ledger")
+        ledger = cls()
+        try:
+            for peer, fields in data["peers"].items():
+                fields = dict(fields)
+                ledger._seen[peer] = set(int(r) for r in fields.pop("round_ids", []))
+                ledger._peers[peer] = PeerRecord(**fields)
+        except (KeyError, TypeError, AttributeError) as exc:
+            raise ValueError(f"corrupt contribution ledger: {exc}") from exc
+        return ledger
+
+    def save(self, path: Path) -> None:
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text(json.dumps(self.to_dict(), indent=1))
+        os.replace(tmp, path)
+
+    @classmethod
+    def load(cls, path: Path) -> ContributionLedger:
+        try:
+            data = json.loads(Path(path).read_text())
+        except OSError as exc:
+            raise ValueError(f"cannot read ledger {path}: {exc.strerror or exc}") from exc
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"ledger {path} is not JSON: {exc}") from exc
+        return cls.from_dict(data)
+
+    def summary(self) -> Table:
+        """A rich table, one row per peer, most accepted tokens first."""
+        with self._lock:
+            rows = sorted(self._peers.items(), key=lambda kv: -kv[1].tokens_accepted)
+            table = Table(title="Contributions")
+            for col in ("peer", "rounds", "tokens claimed", "tokens accepted", "accepted",
+                        "rejected", "reasons"):
+                table.add_column(col, justify="left" if col in ("peer", "reasons") else "right")
+            for peer, r in rows:
+                reasons = ", ".join(f"{k} x{n}" for k, n in sorted(r.rejections.items()))
+                table.add_row(peer, str(r.rounds), f"{r.tokens_claimed:,.0f}",
+                              f"{r.tokens_accepted:,.0f}", str(r.updates_accepted),
+                              str(r.updates_rejected), reasons or "-")
+            return table
