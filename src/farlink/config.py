@@ -74,6 +74,8 @@ class RunConfig(BaseModel):
     eval_every: int = Field(1, ge=1, description="evaluate every N outer steps")
     eval_batches: int = Field(16, ge=1, description="held-out batches per evaluation")
     checkpoint_every: int = Field(1, ge=1, description="checkpoint every N outer steps")
+    stop_at_step: int | None = Field(
+        None, ge=1, description="stop cleanly after this inner step, as a preemption would")
     resume: bool = Field(False, description="continue from the run dir's checkpoints")
     log_every: int = Field(10, ge=1, description="inner steps between metric lines")
 

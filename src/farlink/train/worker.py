@@ -216,6 +216,8 @@ class Worker:
                 self.metrics.write("step", **fields)
             if algo.at_boundary(outcome) or algo.finished():
                 self._at_boundary(step, start)
+            if cfg.stop_at_step is not None and step >= cfg.stop_at_step:
+                stop.flag = True
         pending = algo.finish()
         if pending is not None and not stop.flag:
             self._save()
