@@ -62,9 +62,9 @@ def make_compressor(spec: str) -> Compressor:
 
 
 __all__ = [
+    "CODECS",
     "BFloat16Codec",
     "BlockQuantCodec",
-    "CODECS",
     "Codec",
     "CodecError",
     "Compressor",

@@ -38,9 +38,15 @@ def as_flat_float32(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.detach().to(device="cpu", dtype=torch.float32).reshape(-1).contiguous()
 
 
+def all_finite(values: torch.Tensor) -> bool:
+    """True when no element is NaN or Inf (``amax`` propagates NaN and is far cheaper than
+    ``isfinite(...).all()`` on large tensors)."""
+    return values.numel() == 0 or bool(torch.isfinite(values.abs().amax()))
+
+
 def require_finite(flat: torch.Tensor, codec: str) -> None:
     """Scale- and rank-based codecs are undefined on NaN/Inf; refuse rather than send garbage."""
-    if flat.numel() and not bool(torch.isfinite(flat).all()):
+    if not all_finite(flat):
         raise CodecError(f"{codec}: cannot encode a tensor with NaN or Inf values")
 
 
@@ -79,7 +85,8 @@ def to_wire(values: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     saturating keeps the message valid and error feedback carries the clipped excess.
     """
     if dtype == torch.float16:
-        values = torch.where(torch.isfinite(values), values.clamp(-_FP16_MAX, _FP16_MAX), values)
+        clamped = values.clamp(-_FP16_MAX, _FP16_MAX)
+        values = clamped if all_finite(values) else torch.where(torch.isinf(values), values, clamped)
     return values.to(dtype)
 
 
@@ -99,6 +106,17 @@ def wire_floats(buffer: bytes | memoryview, dtype: torch.dtype, count: int) -> t
     np_dtype = np.float16 if dtype == torch.float16 else np.float32
     raw = np.frombuffer(buffer, dtype=np_dtype, count=count).copy()
     return torch.from_numpy(raw).float()
+
+
+def top_indices(magnitude: np.ndarray, k: int) -> np.ndarray:
+    """Positions of the ``k`` largest entries along the last axis, sorted ascending.
+
+    ``np.argpartition`` (introselect) is about ten times faster than ``torch.topk`` on CPU for
+    the sizes codecs see; ties are broken arbitrarily but deterministically.
+    """
+    n = magnitude.shape[-1]
+    picked = np.argpartition(magnitude, n - k, axis=-1)[..., n - k :]
+    return np.sort(picked, axis=-1)
 
 
 def itemsize(dtype: torch.dtype) -> int:

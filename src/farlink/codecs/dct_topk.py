@@ -24,14 +24,17 @@ import numpy as np
 import torch
 
 from farlink.codecs._util import (
+    all_finite,
     as_flat_float32,
     float_name,
     itemsize,
     numel_of,
     parse_positive_int,
     parse_wire_float,
+    require_finite,
     split_args,
     to_wire,
+    top_indices,
     wire_bytes,
     wire_floats,
 )
@@ -98,11 +101,10 @@ class DctTopKCodec(Codec):
         """Chunked DCT of ``tensor`` and its top-k coefficients per chunk."""
         layout = self.layout(tensor.shape)
         flat = as_flat_float32(tensor)
-        if flat.numel() and not bool(torch.isfinite(flat).all()):
-            raise CodecError(f"{self.name}: cannot encode a tensor with NaN or Inf values")
+        require_finite(flat, self.name)
         coeffs = dct_chunks(to_chunks(flat, layout), layout).reshape(layout.n_chunks, -1)
         k = self.k_for(layout)
-        indices = torch.topk(coeffs.abs(), k, dim=1, sorted=False).indices.sort(dim=1).values
+        indices = torch.from_numpy(top_indices(coeffs.abs().numpy(), k))
         values = to_wire(torch.gather(coeffs, 1, indices), self.value_dtype).float()
         return SparseDct(layout, indices, values)
 
@@ -133,7 +135,7 @@ class DctTopKCodec(Codec):
             raise CodecError(f"{self.name} coefficient index >= {cpc} (chunk size)")
         if k > 1 and not bool((indices[:, 1:] > indices[:, :-1]).all()):
             raise CodecError(f"{self.name} indices within a chunk are not strictly increasing")
-        if not bool(torch.isfinite(values).all()):
+        if not all_finite(values):
             raise CodecError(f"{self.name} payload has NaN or Inf values")
         return SparseDct(layout, indices, values)
 

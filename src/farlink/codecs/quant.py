@@ -24,6 +24,7 @@ import numpy as np
 import torch
 
 from farlink.codecs._util import (
+    all_finite,
     as_flat_float32,
     float_name,
     itemsize,
@@ -128,7 +129,7 @@ class BlockQuantCodec(Codec):
         scale_len = nb * itemsize(self.scale_dtype)
         view = memoryview(payload)
         scales = wire_floats(view[:scale_len], self.scale_dtype, nb)
-        if not bool(torch.isfinite(scales).all()) or bool((scales < 0).any()):
+        if not all_finite(scales) or (nb and float(scales.min()) < 0):
             raise CodecError(f"{self.name} payload has a NaN, Inf or negative block scale")
         codes = self._parse_codes(view[scale_len:], numel)
         padded = torch.nn.functional.pad(codes, (0, nb * self.block - numel))
@@ -138,12 +139,12 @@ class BlockQuantCodec(Codec):
     def _parse_codes(self, buffer: memoryview, numel: int) -> torch.Tensor:
         if self.bits == 8:
             codes = torch.from_numpy(np.frombuffer(buffer, dtype=np.int8).copy())
-            if bool((codes == -128).any()):
+            if codes.numel() and int(codes.min()) == -128:
                 raise CodecError(f"{self.name} payload has code -128, outside [-127, 127]")
             return codes.float()
         packed = torch.from_numpy(np.frombuffer(buffer, dtype=np.uint8).copy())
         nibbles = torch.stack([packed & 0xF, packed >> 4], dim=1).reshape(-1)
-        if bool((nibbles == 0).any()):
+        if nibbles.numel() and int(nibbles.min()) == 0:
             raise CodecError(f"{self.name} payload has code -8, outside [-7, 7]")
         if nibbles.numel() > numel and int(nibbles[-1]) != 8:
             raise CodecError(f"{self.name} payload has a non-zero padding nibble")

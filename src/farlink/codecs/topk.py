@@ -22,6 +22,7 @@ import numpy as np
 import torch
 
 from farlink.codecs._util import (
+    all_finite,
     as_flat_float32,
     float_name,
     itemsize,
@@ -30,6 +31,7 @@ from farlink.codecs._util import (
     require_finite,
     split_args,
     to_wire,
+    top_indices,
     wire_bytes,
     wire_floats,
 )
@@ -81,7 +83,7 @@ class TopKCodec(Codec):
         k = self.k_for(flat.numel())
         if k == 0:
             return torch.zeros(0, dtype=torch.int64), torch.zeros(0)
-        indices = torch.topk(flat.abs(), k, sorted=False).indices.sort().values
+        indices = torch.from_numpy(top_indices(flat.abs().numpy(), k))
         values = to_wire(flat[indices], self.value_dtype).float()
         return indices, values
 
@@ -134,6 +136,6 @@ class TopKCodec(Codec):
             raise CodecError(f"{self.name} payload has unknown index format {fmt}")
         if idx.size and (int(idx[-1]) >= numel or int(idx[0]) < 0):
             raise CodecError(f"{self.name} index out of range for {numel} elements")
-        if not bool(torch.isfinite(values).all()):
+        if not all_finite(values):
             raise CodecError(f"{self.name} payload has NaN or Inf values")
         return torch.from_numpy(idx), values
