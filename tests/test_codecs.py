@@ -137,7 +137,8 @@ def test_quant_payload_length_formula(spec: str, numel: int, scale_bytes: int,
 def test_compression_ratios_against_fp32() -> None:
     x = randn(64 * 1024)
     fp32 = 4 * x.numel()
-    ratio = {s: fp32 / len(make_codec(s).encode(x)) for s in ["fp16", "int8", "int4", "int8:64:fp32"]}
+    specs = ["fp16", "int8", "int4", "int8:64:fp32"]
+    ratio = {s: fp32 / len(make_codec(s).encode(x)) for s in specs}
     assert ratio["fp16"] == 2.0
     assert ratio["int8"] == pytest.approx(256 / 66)  # 3.88x
     assert ratio["int4"] == pytest.approx(256 / 34)  # 7.53x
@@ -212,7 +213,8 @@ def test_varints_roundtrip_at_byte_boundaries() -> None:
 def test_error_feedback_conserves_mass(spec: str) -> None:
     comp = make_compressor(spec + "+ef")
     shape = (40, 24)
-    total_in, total_out = torch.zeros(shape, dtype=torch.float64), torch.zeros(shape, dtype=torch.float64)
+    total_in = torch.zeros(shape, dtype=torch.float64)
+    total_out = torch.zeros(shape, dtype=torch.float64)
     for step in range(12):
         g = randn(*shape, seed=step)
         total_in += g.double()
@@ -354,7 +356,8 @@ def test_property_roundtrip_shape_size_and_bound(shape: tuple[int, ...], spec: s
         assert (y - x).abs().max().item() <= absmax * 2**-8 + 1e-7
     elif spec.startswith("topk"):
         kept = y != 0
-        assert torch.equal(y[kept], x[kept].to(torch.float16).float() if "fp16" in spec else x[kept])
+        wire = x[kept].to(torch.float16).float() if "fp16" in spec else x[kept]
+        assert torch.equal(y[kept], wire)
     else:  # dct_topk: a projection onto fewer coefficients never adds energy
         assert y.pow(2).sum().item() <= x.pow(2).sum().item() * (1 + 1e-3) + 1e-9
     with pytest.raises(CodecError):

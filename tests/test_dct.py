@@ -118,7 +118,8 @@ def test_average_of_peers_before_one_inverse() -> None:
     summed = codec.decode_coefficients(sparse, reduce="sum")
     assert torch.allclose(summed, 3 * one_inverse, atol=1e-5)
     # contributors: a coefficient sent by one peer only keeps its full value
-    dense = codec.dense_coefficients(sparse, reduce="contributors").reshape(len(sparse[0].indices), -1)
+    n_chunks = len(sparse[0].indices)
+    dense = codec.dense_coefficients(sparse, reduce="contributors").reshape(n_chunks, -1)
     only_first = torch.zeros_like(dense, dtype=torch.bool).scatter_(1, sparse[0].indices, True)
     for other in sparse[1:]:
         only_first.scatter_(1, other.indices, False)

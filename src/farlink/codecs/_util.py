@@ -7,12 +7,16 @@ way, and a bad spec or payload always surfaces as a ``ValueError``/``CodecError`
 from __future__ import annotations
 
 import math
+import sys
 from collections.abc import Sequence
 
 import numpy as np
 import torch
 
 from farlink.codecs.base import CodecError
+
+if sys.byteorder != "little":  # payloads are numpy's native bytes, documented little-endian
+    raise ImportError("farlink codecs require a little-endian host")
 
 # Wire dtypes a codec may use for its floats (scales or values), keyed by their spec spelling.
 WIRE_FLOATS: dict[str, torch.dtype] = {
@@ -86,7 +90,9 @@ def to_wire(values: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """
     if dtype == torch.float16:
         clamped = values.clamp(-_FP16_MAX, _FP16_MAX)
-        values = clamped if all_finite(values) else torch.where(torch.isinf(values), values, clamped)
+        if not all_finite(values):
+            clamped = torch.where(torch.isinf(values), values, clamped)
+        values = clamped
     return values.to(dtype)
 
 

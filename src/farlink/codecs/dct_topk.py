@@ -93,7 +93,8 @@ class DctTopKCodec(Codec):
 
     def max_payload_nbytes(self, shape: tuple[int, ...]) -> int:
         layout = self.layout(shape)
-        per = itemsize(self.value_dtype) + np.dtype(_index_dtype(layout.coefficients_per_chunk)).itemsize
+        index_bytes = np.dtype(_index_dtype(layout.coefficients_per_chunk)).itemsize
+        per = itemsize(self.value_dtype) + index_bytes
         return layout.n_chunks * self.k_for(layout) * per
 
     # -- coefficient-level API ------------------------------------------------------------------
