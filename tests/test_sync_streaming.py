@@ -42,11 +42,12 @@ def test_fragment_schedule_is_staggered_and_avoids_h_boundaries() -> None:
 def _run(n: int, cfg: RunConfig, link: LinkModel | None, steps: int):  # noqa: ANN202
     group = InProcessGroup(n, link)
     out, errors = [None] * n, []
+    init_lock = threading.Lock()  # the global RNG is shared by threads: seed+init atomically
 
     def member(rank: int) -> None:
         try:
-            torch.manual_seed(0)
-            model = Blocks()
+            with init_lock:
+                model = Blocks()
             coll = group.member(rank)
             ex = Exchange(coll, make_compressor(cfg.codec), sender=f"p{rank}")
             algo = StreamingDiLoCo(model, cfg, coll, ex)
