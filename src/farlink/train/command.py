@@ -109,3 +109,14 @@ def register(app: typer.Typer, bench_app: typer.Typer) -> None:
         write_run_config(cfg)
         argv = [str(cfg.run_dir), str(index), "--lighthouse", cfg.lighthouse]
         raise typer.Exit(worker_main(argv + (["--resume"] if cfg.resume else [])))
+
+    @app.command("report")
+    def report_cmd(run_dir: Path = typer.Argument(..., help="a run directory")) -> None:
+        """Per-worker tokens, bytes, utilization, held-out loss and replica agreement of a run."""
+        from farlink.train.report import report
+
+        try:
+            report(run_dir)
+        except FileNotFoundError as exc:
+            typer.secho(f"error: {exc}", fg="red", err=True)
+            raise typer.Exit(2) from None
