@@ -6,6 +6,7 @@ here, so a bad value fails before any process starts, with the field's name in t
 
 from __future__ import annotations
 
+import os
 import tomllib
 from pathlib import Path
 from typing import Any, Literal
@@ -65,7 +66,15 @@ class RunConfig(BaseModel):
     heartbeat_timeout: float = Field(5.0, gt=0, description="Lighthouse: a silent peer is dead (s)")
     quorum_timeout: float = Field(120.0, gt=0, description="wait for a quorum (s)")
     round_retries: int = Field(2, ge=0, description="retries of a failed round before moving on")
+    auth: str = Field("none", description="none, secret (HMAC with --secret) or ed25519")
     secret: str | None = Field(None, description="run secret: every update is MACed with it")
+    key_file: Path | None = Field(None, description="ed25519: this peer's private key file")
+    allowed_keys: Path | None = Field(None, description="ed25519: file/dir of members' keys")
+    screen_ratio: float | None = Field(
+        10.0, gt=1, description="reject an update whose norm exceeds this x the round's median")
+    attack: str = Field("none", description="emulated attack of the --attackers: sign_flip, "
+                        "scale:100, noise:STD, nan, free_rider[:stale]")
+    attackers: str = Field("", description="comma list of worker indices that attack (emulation)")
     threads: int = Field(1, ge=1, description="torch threads per worker")
 
     # bookkeeping
@@ -90,8 +99,15 @@ class RunConfig(BaseModel):
         from farlink.codecs import make_compressor
         from farlink.robust.aggregators import make_aggregator
 
+        from farlink.robust.attacks import make_attack
+
         make_compressor(self.codec)  # raises ValueError naming the valid codecs
         make_aggregator(self.aggregator)
+        make_attack(self.attack)
+        if self.auth == "secret" and not (self.secret or os.environ.get("FARLINK_SECRET")):
+            raise ValueError("auth 'secret' needs --secret or FARLINK_SECRET")
+        if self.auth not in ("none", "secret", "ed25519"):
+            raise ValueError(f"auth {self.auth!r} unknown; choose none, secret or ed25519")
         if self.min_replicas > self.workers and self.lighthouse is None:
             raise ValueError(f"min_replicas={self.min_replicas} exceeds workers={self.workers}")
         if self.warmup_steps >= self.steps and self.steps > 1:
@@ -106,6 +122,9 @@ class RunConfig(BaseModel):
         if self.round_seconds is not None and self.algorithm not in ("diloco", "local_sgd"):
             raise ValueError("round_seconds (time-budgeted rounds) applies to diloco/local_sgd")
         return self
+
+    def is_attacker(self, index: int) -> bool:
+        return str(index) in {a.strip() for a in self.attackers.split(",") if a.strip()}
 
     def slowdown_of(self, index: int) -> float:
         """Emulated slowdown of worker ``index`` (cycled when fewer factors than workers)."""

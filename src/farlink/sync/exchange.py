@@ -46,8 +46,9 @@ class Exchange:
         aggregator: Aggregator = weighted_mean,
         authenticator: Authenticator | None = None,
         max_update_norm: float | None = None,
-        ledger=None,  # noqa: ANN001 - farlink.robust.ledger.Ledger, optional
+        ledger=None,  # noqa: ANN001 - farlink.robust.ledger.ContributionLedger, optional
         tamper=None,  # noqa: ANN001 - attack emulation hook: (tensors, round) -> tensors
+        screen_ratio: float | None = None,
     ) -> None:
         self.collective = collective
         self.compressor = compressor
@@ -57,6 +58,7 @@ class Exchange:
         self.max_update_norm = max_update_norm
         self.ledger = ledger
         self.tamper = tamper
+        self.screen_ratio = screen_ratio  # reject updates with norm > ratio x the round's median
 
     @property
     def dense(self) -> bool:
@@ -65,8 +67,7 @@ class Exchange:
             and not self.compressor.error_feedback
             and self.aggregator is weighted_mean
             and self.authenticator.name == "none"
-            and self.tamper is None
-        )
+        )  # decided by the run's configuration alone, so every peer takes the same path
 
     def average(
         self, tensors: dict[str, torch.Tensor], weight: float, round_id: int
@@ -84,6 +85,10 @@ class Exchange:
         flat = torch.cat([flat, torch.tensor([weight], dtype=torch.float32)])
         self.collective.all_reduce_sum([flat])
         total = float(flat[-1])
+        if not torch.isfinite(flat).all():
+            # a peer sent NaN/Inf: a sum cannot say who, so the whole round is dropped everywhere
+            log.warning("round dropped: the all-reduced update is not finite")
+            return ExchangeResult({}, 0.0, rejected={"aggregate": "nonfinite: all-reduced sum"})
         out, offset = {}, 0
         for n in names:
             numel = tensors[n].numel()
@@ -102,45 +107,71 @@ class Exchange:
             {n: torch.float32 for n in tensors},
         )
         received = self.collective.all_gather_bytes(self.authenticator.sign(message))
-        updates: dict[str, list[torch.Tensor]] = {n: [] for n in tensors}
-        weights: list[float] = []
+        decoded: dict[str, dict[str, torch.Tensor]] = {}
+        claimed: dict[str, float] = {}
         result = ExchangeResult({}, 0.0)
         for index, raw in enumerate(received):
             peer = f"rank{index}"
             try:
-                env = envelope.unpack(self.authenticator.verify(raw))
-                peer = env.sender
-                decoded = self._decode(env, tensors, round_id)
+                signer, body = self.authenticator.open(raw)
+                env = envelope.unpack(body)
+                peer = signer or env.sender
+                if peer in decoded:
+                    raise UpdateRejected(f"second update from {peer} in one round", "duplicate")
+                claimed[peer] = env.weight
+                decoded[peer] = self._decode(env, tensors, round_id)
             except (CodecError, AuthError, UpdateRejected) as exc:
-                result.rejected[peer] = f"{type(exc).__name__}: {exc}"
-                log.warning("rejected update from %s: %s", peer, exc)
-                if self.ledger is not None:
-                    self.ledger.record_rejected(peer, str(exc))
-                continue
-            for n, t in decoded.items():
-                updates[n].append(t)
-            weights.append(env.weight)
+                self._reject(result, peer, round_id, claimed.get(peer, 0.0), exc)
+        for peer, reason in self._screen_norms(decoded).items():
+            del decoded[peer]
+            self._reject(result, peer, round_id, claimed[peer], UpdateRejected(reason, "norm"))
+        for peer in decoded:
             result.accepted.append(peer)
             if self.ledger is not None:
-                self.ledger.record_accepted(peer, env.weight)
-        result.total_weight = float(sum(weights))
-        if not weights:
+                self.ledger.record_accepted(peer, round_id, claimed[peer])
+        if not decoded:
             return result
-        w = torch.tensor(weights, dtype=torch.float32)
-        result.tensors = {n: self.aggregator(torch.stack(updates[n]), w) for n in tensors}
+        peers = list(decoded)
+        w = torch.tensor([claimed[p] for p in peers], dtype=torch.float32)
+        result.total_weight = float(w.sum())
+        result.tensors = {
+            n: self.aggregator(torch.stack([decoded[p][n] for p in peers]), w) for n in tensors
+        }
         return result
+
+    def _reject(self, result: ExchangeResult, peer: str, round_id: int, tokens: float,
+                exc: Exception) -> None:
+        reason = getattr(exc, "reason", None) or f"{type(exc).__name__}: {exc}"
+        result.rejected[peer] = reason
+        log.warning("rejected update from %s in round %d: %s", peer, round_id, reason)
+        if self.ledger is not None:
+            self.ledger.record_rejected(peer, round_id, tokens, reason)
+
+    def _screen_norms(self, decoded: dict[str, dict[str, torch.Tensor]]) -> dict[str, str]:
+        """Peers whose whole update is ``screen_ratio`` x longer than the round's median."""
+        if self.screen_ratio is None or len(decoded) < 3:
+            return {}
+        norms = {p: float(torch.sqrt(sum((t.double() ** 2).sum() for t in u.values())))
+                 for p, u in decoded.items()}
+        median = float(torch.tensor(list(norms.values())).median())
+        if median <= 0:
+            return {}
+        return {p: f"update norm {n:.3g} > {self.screen_ratio:g} x round median {median:.3g}"
+                for p, n in norms.items() if n > self.screen_ratio * median}
 
     def _decode(
         self, env: envelope.Envelope, expected: dict[str, torch.Tensor], round_id: int
     ) -> dict[str, torch.Tensor]:
         if env.round_id != round_id:
-            raise UpdateRejected(f"update is for round {env.round_id}, this is round {round_id}")
+            raise UpdateRejected(
+                f"update is for round {env.round_id}, this is round {round_id}", "stale")
         if set(env.payloads) != set(expected):
-            raise UpdateRejected("update names a different set of tensors")
+            raise UpdateRejected("update names a different set of tensors", "shape")
         out = {}
         for name, ref in expected.items():
             if tuple(env.shapes[name]) != tuple(ref.shape):
-                raise UpdateRejected(f"{name}: shape {env.shapes[name]} != {tuple(ref.shape)}")
+                raise UpdateRejected(
+                    f"{name}: shape {env.shapes[name]} != {tuple(ref.shape)}", "shape")
             tensor = self.compressor.decode(env.payloads[name], ref.shape, torch.float32)
             check_update(name, tensor, tuple(ref.shape), self.max_update_norm)
             out[name] = tensor

@@ -54,19 +54,26 @@ def build_collective(cfg: RunConfig, replica_id: str, lighthouse: str):  # noqa:
     raise ValueError(f"unknown backend {cfg.backend!r}")
 
 
-def build_exchange(cfg: RunConfig, collective, sender: str):  # noqa: ANN001, ANN201
+def build_exchange(cfg: RunConfig, collective, sender: str, index: int, ledger=None):  # noqa: ANN001, ANN201
     from farlink.codecs import make_compressor
     from farlink.robust.aggregators import make_aggregator
-    from farlink.robust.auth import SharedSecretAuth
+    from farlink.robust.attacks import make_attack
+    from farlink.robust.auth import make_authenticator
     from farlink.sync.exchange import Exchange
 
-    auth = SharedSecretAuth(cfg.secret) if cfg.secret else None
+    secret = os.environ.get("FARLINK_SECRET") or cfg.secret  # keeps secrets out of config files
+    auth = make_authenticator(cfg.auth, secret=secret, key_file=cfg.key_file,
+                              allowed_keys=cfg.allowed_keys, peer_id=sender)
+    tamper = make_attack(cfg.attack, seed=index) if cfg.is_attacker(index) else None
     return Exchange(
         collective,
         make_compressor(cfg.codec),
         sender=sender,
         aggregator=make_aggregator(cfg.aggregator),
         authenticator=auth,
+        ledger=ledger,
+        tamper=tamper,
+        screen_ratio=cfg.screen_ratio,
     )
 
 
@@ -91,7 +98,10 @@ class Worker:
                                        cfg.eval_batches)
         self.replica_id = f"w{index}"
         self.collective = build_collective(cfg, self.replica_id, lighthouse)
-        self.exchange = build_exchange(cfg, self.collective, self.replica_id)
+        from farlink.robust.ledger import ContributionLedger
+
+        self.ledger = ContributionLedger()
+        self.exchange = build_exchange(cfg, self.collective, self.replica_id, index, self.ledger)
         self.algo = algorithm_class(cfg.algorithm)(
             self.model, cfg, self.collective, self.exchange
         )
@@ -164,6 +174,7 @@ class Worker:
         final = algo.finished()
         if boundary % cfg.checkpoint_every == 0 or final:
             self._save()
+            self.ledger.save(cfg.run_dir / "ledger" / f"{self.replica_id}.json")
         rank0 = algo.last_round is None or algo.last_round.rank == 0
         if rank0 and (boundary % cfg.eval_every == 0 or final):
             heldout = self.evaluate()
