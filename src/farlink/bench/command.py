@@ -85,3 +85,22 @@ def register(app: typer.Typer, bench_app: typer.Typer) -> None:
         print_rows(result["rows"], ["label", "final_heldout_loss", "wall_s",
                                     "utilization_per_worker", "wall_to_fixed_final_loss",
                                     "speedup_to_target"], "farlink bench hetero")
+
+    @bench_app.command("attack")
+    def attack(
+        out: Path = typer.Option(Path("bench/attack"), help="output directory"),
+        attacks: list[str] = typer.Option(["sign_flip", "scale:100", "noise:0.1", "free_rider"],
+                                          help="emulated attacks"),
+        setups: list[str] = typer.Option(["4:1", "8:2"], help="WORKERS:MALICIOUS"),
+        rules: list[str] = typer.Option(["mean", "median", "trimmed_mean", "centered_clip",
+                                         "norm_bounded"], help="aggregation rules"),
+        steps: int = typer.Option(200, help="inner steps per worker"),
+        inner_steps: int = typer.Option(20, help="H"),
+    ) -> None:
+        """Loss for clean, attacked + plain mean, and attacked + each robust rule."""
+        from farlink.bench.attack import run
+
+        parsed = [tuple(int(x) for x in s.split(":")) for s in setups]
+        result = run(out, attacks, parsed, steps, inner_steps, rules)
+        print_rows(result["rows"], ["label", "final_heldout_loss", "loss_vs_clean"],
+                   "farlink bench attack")
