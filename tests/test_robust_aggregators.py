@@ -8,8 +8,15 @@ import torch
 from scipy import stats
 
 from farlink.robust.aggregators import (
-    AGGREGATORS, cap_weights, centered_clip, coordinate_median, krum, make_aggregator,
-    norm_bounded, trimmed_mean, weighted_mean,
+    AGGREGATORS,
+    cap_weights,
+    centered_clip,
+    coordinate_median,
+    krum,
+    make_aggregator,
+    norm_bounded,
+    trimmed_mean,
+    weighted_mean,
 )
 from farlink.robust.attacks import make_attack
 

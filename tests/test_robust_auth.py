@@ -13,10 +13,19 @@ from typer.testing import CliRunner
 
 from farlink.robust import command
 from farlink.robust.auth import (
-    Authenticator, AuthError, Ed25519Auth, SharedSecretAuth, make_authenticator,
+    Authenticator,
+    AuthError,
+    Ed25519Auth,
+    SharedSecretAuth,
+    make_authenticator,
 )
 from farlink.robust.keys import (
-    KeyFileError, generate_keypair, key_id, load_allowed_keys, load_private_key, parse_public_key,
+    KeyFileError,
+    generate_keypair,
+    key_id,
+    load_allowed_keys,
+    load_private_key,
+    parse_public_key,
 )
 
 
@@ -137,7 +146,7 @@ def test_challenge_expiry_and_tampering(keydir):
 
 
 def test_join_proof_is_not_a_message_signature(keydir):
-    for kind, (hub, joiner, _) in _all_kinds(keydir).items():
+    for hub, joiner, _ in _all_kinds(keydir).values():
         challenge = hub.make_challenge()
         proof = joiner.prove(challenge)
         # the proof is a tag over (domain, challenge, id): replayed as a message it must fail

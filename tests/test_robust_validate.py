@@ -8,7 +8,11 @@ import pytest
 import torch
 
 from farlink.robust.validate import (
-    UpdateRejected, check_update, reason_kind, screen_peer_updates, screen_updates,
+    UpdateRejected,
+    check_update,
+    reason_kind,
+    screen_peer_updates,
+    screen_updates,
 )
 
 torch.set_num_threads(1)

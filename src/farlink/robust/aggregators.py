@@ -87,7 +87,7 @@ def trimmed_mean(updates: torch.Tensor, weights: torch.Tensor, trim: float = 0.2
     if not 0.0 <= trim < 0.5:
         raise ValueError(f"trim fraction must be in [0, 0.5), got {trim}")
     n = updates.shape[0]
-    k = int(math.floor(trim * n))
+    k = math.floor(trim * n)
     x = updates.double()
     s, order = x.sort(dim=0)
     w = cap_weights(weights).to(x.device)

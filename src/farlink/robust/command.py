@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Annotated
 
 import typer
 
@@ -12,9 +13,9 @@ def register(app: typer.Typer, bench_app: typer.Typer) -> None:
 
     @keys_app.command("generate")
     def generate(
-        out: Path = typer.Option(..., "--out", help="Directory for NAME.key and NAME.key.pub."),
-        name: str = typer.Option("peer", "--name", help="File stem for this peer's key."),
-        force: bool = typer.Option(False, "--force", help="Replace an existing key."),
+        out: Annotated[Path, typer.Option("--out", help="Directory for NAME.key, NAME.key.pub.")],
+        name: Annotated[str, typer.Option("--name", help="File stem for this peer's key.")] = "peer",
+        force: Annotated[bool, typer.Option("--force", help="Replace an existing key.")] = False,
     ) -> None:
         """Create a private key (mode 0600) and its public key; send only the .pub file."""
         from farlink.robust.keys import KeyFileError, generate_keypair, key_id, parse_public_key
@@ -31,15 +32,19 @@ def register(app: typer.Typer, bench_app: typer.Typer) -> None:
 
     @keys_app.command("show")
     def show(
-        path: Path = typer.Argument(..., help="A private key, a .pub file, an allowed-keys file "
-                                              "or a directory of .pub files."),
+        path: Annotated[Path, typer.Argument(help="A private key, a .pub file, an allowed-keys "
+                                                  "file or a directory of .pub files.")],
     ) -> None:
         """List the key ids and public keys a file or directory holds."""
         from rich.console import Console
         from rich.table import Table
 
         from farlink.robust.keys import (
-            KeyFileError, key_id, load_private_key, load_public_keys, public_key_text,
+            KeyFileError,
+            key_id,
+            load_private_key,
+            load_public_keys,
+            public_key_text,
         )
 
         try:

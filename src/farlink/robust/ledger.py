@@ -46,7 +46,7 @@ class ContributionLedger:
         self._lock = threading.Lock()
 
     def _touch(self, peer: str, round_id: int, tokens: float) -> PeerRecord:
-        if tokens < 0 or tokens != tokens:
+        if not tokens >= 0:  # also refuses NaN
             raise ValueError(f"tokens must be a number >= 0, got {tokens}")
         rec = self._peers.setdefault(peer, PeerRecord())
         seen = self._seen.setdefault(peer, set())
@@ -111,7 +111,7 @@ class ContributionLedger:
         try:
             for peer, fields in data["peers"].items():
                 fields = dict(fields)
-                ledger._seen[peer] = set(int(r) for r in fields.pop("round_ids", []))
+                ledger._seen[peer] = {int(r) for r in fields.pop("round_ids", [])}
                 ledger._peers[peer] = PeerRecord(**fields)
         except (KeyError, TypeError, AttributeError) as exc:
             raise ValueError(f"corrupt contribution ledger: {exc}") from exc
