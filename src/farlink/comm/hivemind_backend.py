@@ -1,0 +1,656 @@
+"""Community-mode collective on hivemind: DHT discovery, Moshpit matchmaking, butterfly all-reduce.
+
+One :class:`HivemindCollective` per worker. Its asyncio event loop runs in a background thread and
+shares the p2p daemon of a ``hivemind.DHT`` (which runs in its own process). Per outer round:
+
+* ``begin_round`` runs hivemind's :class:`~hivemind.averaging.matchmaking.Matchmaking` under the
+  run's group key: peers that are looking at the same time form a group (of up to
+  ``target_group_size``, Moshpit-style; all peers when None), the leader fixes the rank order and
+  every member receives every member's metadata (committed round, client mode, bandwidth). The
+  round id is the largest committed round in the group; a member that is behind (a newcomer, or one
+  whose last commit failed) downloads the state of an up-to-date member, checks its SHA-256 and
+  adopts it through ``set_state`` before the round goes on (``RoundInfo.healed``).
+* ``all_reduce_sum`` runs hivemind's butterfly :class:`AllReduceRunner` with shards proportional to
+  the announced bandwidths (client-mode peers reduce nothing) and turns its average into a sum.
+* ``all_gather_bytes`` pushes the (signed, if an authenticator is set) payload to every member that
+  accepts connections; client-mode members fetch the full list from one of them.
+* ``commit`` is an all-gather of one-byte votes. A member that failed anything (timeout, dead
+  peer, bad state hash) votes no, and a member that is gone does not vote, so **a peer failing
+  mid-round makes the round's ``commit()`` return False for the survivors**; their next
+  ``begin_round`` forms a group without it. Commits are not atomic across peers (a vote can be lost
+  after others counted it): a peer that did not commit a round its groupmates committed is behind
+  in the next round and heals, so no divergence survives a round.
+
+Byte accounting (``stats.bytes_sent``, per worker, payload bytes without protobuf/libp2p framing):
+
+* all-reduce of N float32 elements in a group of S senders where this worker reduces ``e_me``
+  elements: ``4 * ((N - e_me) + (S - 1) * e_me)`` (= ``2 (S-1)/S * 4N`` for equal shards), counted
+  from the messages the runner writes (:mod:`farlink.comm.hivemind_allreduce`);
+* all-gather of a payload of P bytes (after signing) with K members that accept connections:
+  ``P * (K - [this worker accepts connections])``, plus, for a member serving client-mode peers,
+  the payloads it sends them (everything except the client's own).
+Votes go to ``control_bytes_sent`` and state transfers to ``state_bytes_sent``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+import re
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator, Callable, Sequence
+
+import msgpack
+import torch
+from hivemind.averaging.allreduce import AveragingMode
+from hivemind.averaging.control import StepControl
+from hivemind.averaging.matchmaking import Matchmaking
+from hivemind.p2p import P2PContext, PeerID, ServicerBase
+from hivemind.proto import averaging_pb2
+from hivemind.utils import MPFuture, get_dht_time
+from hivemind.utils.asyncio import achain, anext, as_aiter, azip
+
+from farlink.comm.base import Collective, RoundInfo
+from farlink.comm.errors import CommError, RoundTimeout
+from farlink.comm.hivemind_allreduce import (
+    CountingAllReduceRunner,
+    part_size_bytes,
+    shard_fractions,
+)
+from farlink.comm.hivemind_net import dht_options, start_dht, tcp_maddr
+from farlink.comm.hivemind_wire import pack_state, recv_message, send_message, unpack_state
+from farlink.robust.auth import Authenticator, AuthError
+
+log = logging.getLogger(__name__)
+
+VOTE_YES, VOTE_NO = b"\x01", b"\x00"
+
+
+def group_prefix(run_id: str) -> str:
+    """hivemind group keys are ``prefix.0bBITS``: the prefix may not contain dots."""
+    if not run_id:
+        raise ValueError("run_id must be a non-empty string")
+    return "farlink_" + re.sub(r"[^A-Za-z0-9_-]", "_", run_id)
+
+
+class _Servicer(ServicerBase):
+    """The protobuf RPCs hivemind's matchmaking and all-reduce call on a groupmate."""
+
+    def __init__(self, owner: "HivemindCollective") -> None:
+        self.owner = owner
+
+    async def rpc_join_group(
+        self, request: averaging_pb2.JoinRequest, context: P2PContext
+    ) -> AsyncIterator[averaging_pb2.MessageFromLeader]:
+        async for response in self.owner._matchmaking.rpc_join_group(request, context):
+            yield response
+
+    async def rpc_aggregate_part(
+        self, stream: AsyncIterator[averaging_pb2.AveragingData], context: P2PContext
+    ) -> AsyncIterator[averaging_pb2.AveragingData]:
+        request = await anext(stream)
+        runner = await self.owner._wait_runner(request.group_id)
+        if runner is None:
+            yield averaging_pb2.AveragingData(code=averaging_pb2.BAD_GROUP_ID)
+            return
+        async for message in runner.rpc_aggregate_part(achain(as_aiter(request), stream), context):
+            yield message
+
+
+@dataclass
+class _Group:
+    """This round's group as every member sees it."""
+
+    group_id: bytes
+    peers: list[PeerID]
+    client: list[bool]
+    bandwidth: list[float]
+    committed: list[int]
+    me: int
+    round_id: int
+    seq: int = 0
+    ok: bool = True
+    dead: set[int] = field(default_factory=set)
+
+    @property
+    def size(self) -> int:
+        return len(self.peers)
+
+    def servers(self) -> list[int]:
+        return [r for r in range(self.size) if not self.client[r]]
+
+    def next_key(self, kind: bytes) -> bytes:
+        self.seq += 1
+        return self.group_id + b"/" + kind + str(self.seq).encode()
+
+
+class _Mailbox:
+    """Payloads received for a collective, keyed by (collective key, sender rank)."""
+
+    def __init__(self) -> None:
+        self.slots: dict[bytes, dict[int, bytes]] = {}
+        self.changed = asyncio.Event()
+
+    def put(self, key: bytes, rank: int, data: bytes) -> None:
+        self.slots.setdefault(key, {})[rank] = data
+        self.changed.set()
+
+    async def wait(
+        self, key: bytes, ranks: set[int], deadline: float, dead: set[int] | None = None
+    ) -> dict[int, bytes]:
+        """Wait until every rank in ``ranks`` delivered (or is known dead), or the deadline."""
+        while True:
+            got = self.slots.get(key, {})
+            missing = ranks - set(got) - (dead or set())
+            remaining = deadline - time.monotonic()
+            if not missing or remaining <= 0:
+                return {r: got[r] for r in ranks if r in got}
+            self.changed.clear()
+            try:
+                await asyncio.wait_for(self.changed.wait(), timeout=min(remaining, 0.5))
+            except asyncio.TimeoutError:
+                pass
+
+    def clear(self) -> None:
+        self.slots.clear()
+
+
+class HivemindCollective(Collective):
+    """A worker of a community run; see the module docstring for the protocol and byte formula."""
+
+    def __init__(
+        self,
+        run_id: str,
+        initial_peers: Sequence[str] = (),
+        *,
+        host_maddrs: Sequence[str] = (tcp_maddr("127.0.0.1", 0),),
+        announce_maddrs: Sequence[str] | None = None,
+        client_mode: bool = False,
+        target_group_size: int | None = None,
+        min_group_size: int = 2,
+        matchmaking_time: float = 3.0,
+        request_timeout: float = 2.0,
+        round_timeout: float = 60.0,
+        allreduce_timeout: float = 30.0,
+        gather_timeout: float = 30.0,
+        commit_timeout: float = 15.0,
+        state_timeout: float = 60.0,
+        bandwidth: float = 1.0,
+        authenticator: Authenticator | None = None,
+        identity_path: str | None = None,
+        public: bool = False,
+        startup_timeout: float = 30.0,
+    ) -> None:
+        super().__init__()
+        if min_group_size < 1:
+            raise ValueError("min_group_size must be >= 1")
+        if target_group_size is not None and target_group_size < min_group_size:
+            raise ValueError("target_group_size must be >= min_group_size")
+        if bandwidth <= 0:
+            raise ValueError("bandwidth must be positive (client_mode peers reduce nothing anyway)")
+        self.run_id, self.prefix = run_id, group_prefix(run_id)
+        self.client_mode, self.bandwidth = client_mode, float(bandwidth)
+        self.target_group_size, self.min_group_size = target_group_size, min_group_size
+        self.matchmaking_time, self.request_timeout = matchmaking_time, request_timeout
+        self.round_timeout, self.allreduce_timeout = round_timeout, allreduce_timeout
+        self.gather_timeout, self.commit_timeout = gather_timeout, commit_timeout
+        self.state_timeout = state_timeout
+        self.authenticator = authenticator
+        self.round_id = 0  # rounds this worker has committed (or adopted by healing)
+        self.control_bytes_sent = 0
+        self.state_bytes_sent = 0
+        self.last_failure: CommError | None = None  # why the last round did not commit
+        self.rejected: dict[int, str] = {}  # rank -> reason, for the last all-gather
+        self.last_shards: list[int] = []  # elements each rank reduced in the last all-reduce
+        self._get_state: Callable[[], dict[str, torch.Tensor]] | None = None
+        self._set_state: Callable[[dict[str, torch.Tensor]], None] | None = None
+        self._group: _Group | None = None
+        self._info: RoundInfo | None = None
+        self._closed = False
+
+        opts = dht_options(host_maddrs, announce_maddrs, client_mode, public, identity_path)
+        self.dht = start_dht(list(initial_peers), startup_timeout=startup_timeout, **opts)
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, daemon=True, name="hivemind-comm")
+        self._thread.start()
+        try:
+            self._call(self._setup(), timeout=startup_timeout)
+        except BaseException:
+            self.close()
+            raise
+
+    # --- event loop plumbing -------------------------------------------------------------------
+    def _call(self, coro, timeout: float) -> Any:  # noqa: ANN001 - a coroutine
+        future = asyncio.run_coroutine_threadsafe(coro, self._loop)
+        try:
+            return future.result(timeout)
+        except TimeoutError:
+            future.cancel()
+            raise
+
+    async def _setup(self) -> None:
+        self._p2p = await self.dht.replicate_p2p()
+        self.peer_id: PeerID = self._p2p.peer_id
+        self._mailbox = _Mailbox()
+        self._runners: dict[bytes, asyncio.Future] = {}
+        self._snapshots: dict[bytes, asyncio.Future] = {}
+        self._servicer = _Servicer(self)
+        self._matchmaking = Matchmaking(
+            self._p2p,
+            hashlib.sha256(self.prefix.encode()).digest(),
+            self.dht,
+            servicer_type=_Servicer,
+            prefix=self.prefix,
+            target_group_size=self.target_group_size,
+            min_group_size=self.min_group_size,
+            min_matchmaking_time=self.matchmaking_time,
+            request_timeout=self.request_timeout,
+            client_mode=self.client_mode,
+        )
+        if not self.client_mode:  # client-mode peers accept no incoming streams
+            await self._servicer.add_p2p_handlers(self._p2p, namespace=self.prefix)
+            await self._p2p.add_binary_stream_handler(f"{self.prefix}.put", self._handle_put)
+            await self._p2p.add_binary_stream_handler(f"{self.prefix}.fetch", self._handle_fetch)
+            await self._p2p.add_binary_stream_handler(f"{self.prefix}.state", self._handle_state)
+
+    def register_state(self, get_state, set_state) -> None:  # noqa: ANN001 - callables
+        self._get_state, self._set_state = get_state, set_state
+
+    @property
+    def maddrs(self) -> list[str]:
+        """This peer's full multiaddresses (what another peer passes as ``initial_peers``)."""
+        return [str(m) for m in self.dht.get_visible_maddrs()]
+
+    # --- rounds --------------------------------------------------------------------------------
+    def begin_round(self) -> RoundInfo:
+        if self._closed:
+            raise CommError("begin_round on a closed collective")
+        start = time.perf_counter()
+        self._call(self._reset_round(), timeout=10)
+        meta = msgpack.packb([self.round_id, int(self.client_mode), self.bandwidth])
+        deadline = get_dht_time() + self.round_timeout
+        group_info = None
+        while group_info is None:
+            remaining = deadline - get_dht_time()
+            if remaining <= self.matchmaking_time:
+                raise RoundTimeout(
+                    f"no group of at least {self.min_group_size} peers formed for run "
+                    f"{self.run_id!r} within {self.round_timeout:.0f} s (round {self.round_id}). "
+                    "Fix: start more peers with the same run id and initial peers, check that they "
+                    "can reach each other, or lower min_group_size / raise round_timeout."
+                )
+            step = StepControl(
+                scheduled_time=get_dht_time() + self.matchmaking_time,
+                deadline=deadline,
+                allow_retries=True,
+                weight=1.0,
+                data_for_gather=meta,
+            )
+            step.attach(MPFuture(), MPFuture())  # hivemind's averager does this; no trigger here
+            step.allow_allreduce()
+            try:
+                group_info = self._call(
+                    self._matchmaking.look_for_group(step), timeout=remaining + 30
+                )
+            except Exception as exc:  # noqa: BLE001 - matchmaking errors: retry until deadline
+                log.info("matchmaking attempt failed: %r", exc)
+                time.sleep(min(1.0, self.request_timeout))
+            finally:
+                if not step.done():
+                    step.set_result(None)
+        group = self._make_group(group_info)
+        self._group = group
+        healed = self._heal(group)
+        self._info = RoundInfo(
+            round_id=group.round_id,
+            rank=group.me,
+            world_size=group.size,
+            healed=healed,
+            peers=[str(p) for p in group.peers],
+        )
+        self.stats.comm_seconds += time.perf_counter() - start
+        return self._info
+
+    async def _reset_round(self) -> None:
+        self._mailbox.clear()
+        self._runners.clear()
+        self._snapshots.clear()
+
+    def _make_group(self, info) -> _Group:  # noqa: ANN001 - hivemind GroupInfo
+        metas = [msgpack.unpackb(g) for g in info.gathered]
+        committed = [int(m[0]) for m in metas]
+        return _Group(
+            group_id=bytes(info.group_id),
+            peers=list(info.peer_ids),
+            client=[bool(m[1]) for m in metas],
+            bandwidth=[float(m[2]) for m in metas],
+            committed=committed,
+            me=list(info.peer_ids).index(self.peer_id),
+            round_id=max(committed),
+        )
+
+    def _heal(self, group: _Group) -> bool:
+        """Bring members that are behind up to the group's round; True if this worker healed."""
+        behind = [r for r in range(group.size) if group.committed[r] < group.round_id]
+        if not behind:
+            return False
+        sources = [r for r in group.servers() if group.committed[r] == group.round_id]
+        key = group.group_id + b"/state"
+        if group.me in sources and self._get_state is not None:
+            blob, digest = pack_state(self._get_state())
+            self._call(self._publish_snapshot(key, blob, digest, group.round_id), timeout=10)
+        if group.me not in behind:
+            return False
+        if not sources or self._set_state is None:
+            return self._fail(
+                CommError(
+                    f"this worker is at round {group.committed[group.me]} but the group is at "
+                    f"{group.round_id} and no up-to-date member can serve state (all client-mode, "
+                    "or no state registered). Fix: register_state on every worker and keep at "
+                    "least one peer that accepts connections."
+                )
+            )
+        source = sources[behind.index(group.me) % len(sources)]
+        try:
+            header, bodies = self._call(
+                self._request(group.peers[source], "state", {"key": key}, []),
+                timeout=self.state_timeout + 5,
+            )
+            if header.get("error"):
+                raise CommError(str(header["error"]))
+            state = unpack_state(bodies[0], header["sha256"])
+        except Exception as exc:  # noqa: BLE001 - download, hash or peer errors fail the round
+            return self._fail(
+                RoundTimeout(
+                    f"could not load state from peer {group.peers[source]}: {exc!r}. Fix: the "
+                    "round is retried; raise state_timeout if the state is large."
+                )
+            )
+        self._set_state(state)
+        log.info("healed to round %d from %s (%s)", group.round_id, group.peers[source], header["sha256"][:12])
+        self.round_id = group.round_id
+        return True
+
+    def _fail(self, error: CommError) -> bool:
+        if self._group is not None:
+            self._group.ok = False
+        self.last_failure = error
+        log.warning("%s", error)
+        return False
+
+    async def _publish_snapshot(self, key: bytes, blob: bytes, digest: str, round_id: int) -> None:
+        future = self._snapshots.setdefault(key, self._loop.create_future())
+        if not future.done():
+            future.set_result((blob, digest, round_id))
+
+    # --- collectives ---------------------------------------------------------------------------
+    def _current(self) -> _Group:
+        if self._group is None:
+            raise CommError("collective called outside a round: call begin_round() first")
+        return self._group
+
+    def all_reduce_sum(self, tensors: list[torch.Tensor]) -> None:
+        group = self._current()
+        self.stats.collectives += 1
+        key = group.next_key(b"r")
+        if group.size == 1 or not tensors or not group.ok:
+            if not group.ok:
+                log.info("skipping all-reduce of a failed round")
+            return
+        start = time.perf_counter()
+        work = [
+            t.detach()
+            if t.dtype == torch.float32 and t.is_contiguous() and t.device.type == "cpu"
+            else t.detach().to("cpu", torch.float32).contiguous()
+            for t in tensors
+        ]
+        total = sum(w.numel() for w in work)
+        bandwidths = [0.0 if c else b for c, b in zip(group.client, group.bandwidth)]
+        fractions = shard_fractions(total, bandwidths)
+        timeout = self.allreduce_timeout
+        try:
+            sent = self._call(self._all_reduce(group, key, work, fractions), timeout=3 * timeout + 5)
+            self.stats.bytes_sent += sent
+            for tensor, summed in zip(tensors, work):
+                summed.mul_(group.size)
+                if summed is not tensor:
+                    tensor.copy_(summed)
+        except Exception as exc:  # noqa: BLE001 - a failed peer or timeout fails the round
+            self._fail(
+                RoundTimeout(
+                    f"all-reduce in round {group.round_id} failed: {exc!r}. A peer left or is too "
+                    "slow; the round is discarded. Fix if it persists: raise allreduce_timeout."
+                )
+            )
+        self.stats.comm_seconds += time.perf_counter() - start
+
+    async def _all_reduce(self, group: _Group, key: bytes, work, fractions) -> int:  # noqa: ANN001
+        reducers = sum(1 for f in fractions if f > 0)
+        runner = CountingAllReduceRunner(
+            p2p=self._p2p,
+            servicer_type=_Servicer,
+            prefix=self.prefix,
+            group_id=key,
+            tensors=work,
+            weight=1.0,
+            ordered_peer_ids=group.peers,
+            peer_fractions=fractions,
+            modes=[AveragingMode.CLIENT if f == 0 else AveragingMode.NODE for f in fractions],
+            sender_timeout=self.allreduce_timeout,
+            reducer_timeout=2 * self.allreduce_timeout,
+            part_size_bytes=part_size_bytes(sum(w.numel() for w in work), reducers),
+        )
+        future = self._runners.setdefault(key, self._loop.create_future())
+        future.set_result(runner)
+        self.last_shards = runner.shard_sizes()
+        try:
+            async for tensor, delta in azip(as_aiter(*work), runner):
+                tensor.add_(delta)  # delta = average - local: hivemind returns differences
+            await asyncio.wait_for(runner.all_served.wait(), timeout=2 * self.allreduce_timeout)
+        finally:
+            self._runners.pop(key, None)
+        if runner.banned_senders:
+            raise CommError(f"senders dropped during all-reduce: {sorted(map(str, runner.banned_senders))}")
+        return runner.bytes_sent
+
+    async def _wait_runner(self, key: bytes):  # noqa: ANN202 - runner or None
+        future = self._runners.setdefault(key, self._loop.create_future())
+        try:
+            return await asyncio.wait_for(asyncio.shield(future), timeout=self.allreduce_timeout)
+        except asyncio.TimeoutError:
+            return None
+
+    def all_gather_bytes(self, payload: bytes) -> list[bytes]:
+        group = self._current()
+        self.stats.collectives += 1
+        key = group.next_key(b"g")
+        if not isinstance(payload, (bytes, bytearray, memoryview)):
+            raise TypeError(f"all_gather_bytes takes bytes, not {type(payload).__name__}")
+        payload = bytes(payload)
+        if group.size == 1:
+            return [payload]
+        start = time.perf_counter()
+        wire = self.authenticator.sign(payload) if self.authenticator else payload
+        got, sent = self._call(self._exchange(group, key, wire, self.gather_timeout), timeout=self.gather_timeout + 10)
+        self.stats.bytes_sent += sent
+        self.rejected = {}
+        out: list[bytes] = []
+        for rank in range(group.size):
+            if rank == group.me:
+                out.append(payload)
+            elif rank not in got:
+                out.append(b"")
+                self.rejected[rank] = "missing"
+            elif self.authenticator is not None:
+                try:
+                    out.append(self.authenticator.verify(got[rank]))
+                except AuthError as exc:
+                    log.warning("all-gather payload from rank %d rejected: %s", rank, exc)
+                    self.rejected[rank] = f"auth: {exc}"
+                    out.append(b"")
+            else:
+                out.append(got[rank])
+        missing = [r for r, why in self.rejected.items() if why == "missing"]
+        if missing:
+            self._fail(
+                RoundTimeout(
+                    f"all-gather in round {group.round_id}: no payload from ranks {missing} within "
+                    f"{self.gather_timeout:.0f} s; the round is discarded. Fix if it persists: "
+                    "raise gather_timeout."
+                )
+            )
+        self.stats.comm_seconds += time.perf_counter() - start
+        return out
+
+    async def _exchange(
+        self, group: _Group, key: bytes, data: bytes, timeout: float, kind: str = "data"
+    ) -> tuple[dict[int, bytes], int]:
+        """Everyone's ``data`` for ``key``: push to servers; clients fetch from one server."""
+        deadline = time.monotonic() + timeout
+        self._mailbox.put(key, group.me, data)
+        others = {r for r in range(group.size) if r != group.me}
+        targets = [r for r in group.servers() if r != group.me]
+
+        async def push(rank: int) -> int:
+            try:
+                header, _ = await asyncio.wait_for(
+                    self._request(group.peers[rank], "put", {"key": key, "rank": group.me}, [data]),
+                    timeout=max(0.1, deadline - time.monotonic()),
+                )
+                return len(data)
+            except Exception as exc:  # noqa: BLE001 - unreachable groupmate
+                log.info("push to rank %d failed: %r", rank, exc)
+                group.dead.add(rank)
+                self._mailbox.changed.set()
+                return 0
+
+        pushes = asyncio.gather(*(push(r) for r in targets))
+        if not group.client[group.me]:
+            got = await self._mailbox.wait(key, others, deadline, group.dead)
+        else:
+            servers = group.servers()
+            server = servers[group.me % len(servers)]
+            got = {}
+            try:
+                header, bodies = await asyncio.wait_for(
+                    self._request(
+                        group.peers[server],
+                        "fetch",
+                        {"key": key, "ranks": sorted(others), "timeout": timeout, "kind": kind},
+                        [],
+                    ),
+                    timeout=max(0.1, deadline - time.monotonic() + 5),
+                )
+                got = dict(zip(header["ranks"], bodies))
+            except Exception as exc:  # noqa: BLE001
+                log.info("fetch from rank %d failed: %r", server, exc)
+        sent = sum(await pushes)
+        return got, sent
+
+    async def _request(
+        self, peer: PeerID, handler: str, header: dict, bodies: list[bytes]
+    ) -> tuple[dict, list[bytes]]:
+        _, reader, writer = await self._p2p.call_binary_stream_handler(peer, f"{self.prefix}.{handler}")
+        try:
+            await send_message(writer, header, bodies)
+            return await recv_message(reader)
+        finally:
+            writer.close()
+
+    # --- handlers (run on the event loop for incoming streams) --------------------------------
+    async def _handle_put(self, _info, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:  # noqa: ANN001
+        try:
+            header, bodies = await recv_message(reader)
+            self._mailbox.put(bytes(header["key"]), int(header["rank"]), bodies[0])
+            await send_message(writer, {"ok": True}, [])
+        except Exception as exc:  # noqa: BLE001 - a broken stream from one peer
+            log.info("bad put: %r", exc)
+        finally:
+            writer.close()
+
+    async def _handle_fetch(self, _info, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:  # noqa: ANN001
+        try:
+            header, _ = await recv_message(reader)
+            ranks = set(int(r) for r in header["ranks"])
+            deadline = time.monotonic() + min(float(header["timeout"]), 600.0)
+            group = self._group
+            got = await self._mailbox.wait(bytes(header["key"]), ranks, deadline, group.dead if group else None)
+            order = sorted(got)
+            sent = await send_message(writer, {"ranks": order}, [got[r] for r in order])
+            if header.get("kind") == "data":
+                self.stats.bytes_sent += sent
+            else:
+                self.control_bytes_sent += sent
+        except Exception as exc:  # noqa: BLE001
+            log.info("bad fetch: %r", exc)
+        finally:
+            writer.close()
+
+    async def _handle_state(self, _info, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:  # noqa: ANN001
+        try:
+            header, _ = await recv_message(reader)
+            key = bytes(header["key"])
+            future = self._snapshots.setdefault(key, self._loop.create_future())
+            try:
+                blob, digest, round_id = await asyncio.wait_for(asyncio.shield(future), self.state_timeout)
+            except asyncio.TimeoutError:
+                await send_message(writer, {"error": "no state snapshot for this round"}, [])
+                return
+            self.state_bytes_sent += await send_message(
+                writer, {"sha256": digest, "round_id": round_id}, [blob]
+            )
+        except Exception as exc:  # noqa: BLE001
+            log.info("bad state request: %r", exc)
+        finally:
+            writer.close()
+
+    # --- commit / close ------------------------------------------------------------------------
+    def commit(self) -> bool:
+        group = self._current()
+        start = time.perf_counter()
+        if group.size == 1:
+            ok = group.ok
+        else:
+            vote = VOTE_YES if group.ok else VOTE_NO
+            key = group.group_id + b"/vote"
+            got, sent = self._call(
+                self._exchange(group, key, vote, self.commit_timeout, kind="control"),
+                timeout=self.commit_timeout + 10,
+            )
+            self.control_bytes_sent += sent
+            votes = [got.get(r) for r in range(group.size) if r != group.me]
+            ok = group.ok and all(v == VOTE_YES for v in votes)
+            if group.ok and not ok:
+                absent = [r for r in range(group.size) if r != group.me and got.get(r) is None]
+                self.last_failure = RoundTimeout(
+                    f"round {group.round_id} not committed: ranks {absent} did not vote (left "
+                    "or timed out) or some member voted no. The next round forms without them."
+                )
+        if ok:
+            self.round_id = group.round_id + 1
+            self.last_failure = None
+        self._group = None
+        self.stats.comm_seconds += time.perf_counter() - start
+        return ok
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            if hasattr(self, "_p2p"):
+                self._call(self._p2p.shutdown(), timeout=10)
+        except Exception as exc:  # noqa: BLE001 - best effort on the way out
+            log.debug("p2p replica shutdown: %r", exc)
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(timeout=10)
+        self.dht.shutdown()
+
+    def __enter__(self) -> "HivemindCollective":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,144 @@
+"""Starting hivemind's DHT safely and turning its startup failures into actionable errors.
+
+hivemind's defaults reach out to the internet (UPnP/NAT-PMP port mapping, AutoNAT probes, circuit
+relays, IPFS bootstrap). A local or test run must never do that, so every DHT this project starts
+goes through :func:`dht_options`, which switches all of them off unless the user asked for a
+public peer explicitly.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from importlib import resources
+from typing import Any, Sequence
+
+from farlink.comm.errors import DaemonFailed, PeerUnreachable
+
+log = logging.getLogger(__name__)
+
+# Everything that would send packets off the machine, off.
+LOCAL_ONLY = dict(
+    nat_port_map=False, auto_nat=False, use_relay=False, use_auto_relay=False, use_ipfs=False
+)
+# --public: peers behind NAT may be reached through relays and port mapping (never IPFS bootstrap).
+PUBLIC = dict(
+    nat_port_map=True, auto_nat=True, use_relay=True, use_auto_relay=True, use_ipfs=False
+)
+
+
+def p2pd_path() -> str:
+    import hivemind.hivemind_cli as cli
+
+    with resources.path(cli, "p2pd") as path:
+        return str(path)
+
+
+def check_p2pd(path: str | None = None) -> str:
+    """Fail early, with a fix, when the p2pd binary shipped in the hivemind wheel is unusable."""
+    path = path or p2pd_path()
+    if not os.path.isfile(path):
+        raise DaemonFailed(
+            f"hivemind's p2p daemon binary is missing at {path}. "
+            "Fix: reinstall hivemind (pip install --force-reinstall hivemind==1.1.12)."
+        )
+    if not os.access(path, os.X_OK):
+        raise DaemonFailed(
+            f"hivemind's p2p daemon binary at {path} is not executable. "
+            f"Fix: chmod +x {path} (or reinstall hivemind)."
+        )
+    return path
+
+
+def tcp_maddr(host: str, port: int = 0) -> str:
+    kind = "ip6" if ":" in host else "ip4"
+    return f"/{kind}/{host}/tcp/{port}"
+
+
+def validate_initial_peers(initial_peers: Sequence[str]) -> list[str]:
+    """Reject malformed multiaddrs before the daemon does (its message names no fix)."""
+    from hivemind.utils.multiaddr import Multiaddr
+
+    out = []
+    for addr in initial_peers:
+        try:
+            maddr = Multiaddr(str(addr))
+        except Exception as exc:  # noqa: BLE001 - multiaddr raises several parse error types
+            raise PeerUnreachable(
+                f"initial peer {addr!r} is not a valid multiaddress ({exc}). Fix: pass the full "
+                "address printed by `farlink swarm start`, e.g. /ip4/127.0.0.1/tcp/PORT/p2p/PEERID."
+            ) from exc
+        if "p2p" not in [p.name for p in maddr.protocols()]:
+            raise PeerUnreachable(
+                f"initial peer {addr!r} has no /p2p/PEERID part, so it cannot be dialed securely. "
+                "Fix: copy the full address printed by `farlink swarm start`."
+            )
+        out.append(str(maddr))
+    return out
+
+
+def dht_options(
+    host_maddrs: Sequence[str],
+    announce_maddrs: Sequence[str] | None = None,
+    client_mode: bool = False,
+    public: bool = False,
+    identity_path: str | None = None,
+) -> dict[str, Any]:
+    opts: dict[str, Any] = dict(PUBLIC if public else LOCAL_ONLY)
+    opts.update(host_maddrs=list(host_maddrs), client_mode=client_mode)
+    if announce_maddrs:
+        opts["announce_maddrs"] = list(announce_maddrs)
+    if identity_path:
+        opts["identity_path"] = identity_path
+    return opts
+
+
+def start_dht(initial_peers: Sequence[str], startup_timeout: float = 30.0, **opts: Any):
+    """A running ``hivemind.DHT``, or a :class:`CommError` subclass that says what to fix."""
+    import hivemind
+    from hivemind.p2p import P2PDaemonError
+
+    check_p2pd()
+    peers = validate_initial_peers(initial_peers)
+    try:
+        return hivemind.DHT(
+            initial_peers=peers or None, start=True, startup_timeout=startup_timeout, **opts
+        )
+    except P2PDaemonError as exc:
+        raise translate_daemon_error(str(exc), peers, opts.get("host_maddrs")) from exc
+    except TimeoutError as exc:
+        raise DaemonFailed(
+            f"hivemind's DHT did not become ready within {startup_timeout:.0f} s. Fix: check that "
+            "the machine is not overloaded and that initial peers are alive; raise the timeout."
+        ) from exc
+
+
+def translate_daemon_error(text: str, peers: Sequence[str], host_maddrs) -> Exception:  # noqa: ANN001
+    if "address already in use" in text:
+        return DaemonFailed(
+            f"the p2p daemon could not listen on {list(host_maddrs or [])}: port already in use. "
+            "Fix: pick another --port, or --port 0 for a free one. (daemon said: "
+            f"{text.strip()})"
+        )
+    if "failed to connect to bootstrap peers" in text:
+        return PeerUnreachable(
+            f"none of the initial peers {list(peers)} answered. Fix: check that `farlink swarm "
+            "start` is running there, that the address (port and peer id) is the one it printed, "
+            "and that no firewall blocks the port."
+        )
+    if "failed to parse multiaddr" in text:
+        return PeerUnreachable(
+            f"a multiaddress was rejected by the p2p daemon ({text.strip()}). Fix: use the form "
+            "/ip4/HOST/tcp/PORT/p2p/PEERID."
+        )
+    return DaemonFailed(
+        f"hivemind's p2p daemon failed to start: {text.strip()}. Fix: check host/port settings "
+        "and that the p2pd binary runs on this machine."
+    )
+
+
+def start_bootstrap_peer(host: str = "127.0.0.1", port: int = 0, public: bool = False):
+    """A DHT peer others can join, and the full multiaddresses to give them."""
+    opts = dht_options([tcp_maddr(host, port)], public=public)
+    dht = start_dht([], **opts)
+    return dht, [str(m) for m in dht.get_visible_maddrs()]

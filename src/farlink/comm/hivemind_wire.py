@@ -1,0 +1,47 @@
+"""Framed byte messages between peers over libp2p streams, and state snapshots with their hash.
+
+A frame is hivemind's own length-prefixed raw data (``P2P.send_raw_data``); a message is a small
+msgpack header frame followed by zero or more body frames. That keeps arbitrary payloads (encoded
+updates, safetensors state) as bytes end to end, with no protobuf re-encoding.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+
+import msgpack
+import torch
+from hivemind.p2p import P2P
+from safetensors.torch import load as st_load
+from safetensors.torch import save as st_save
+
+
+async def send_message(writer: asyncio.StreamWriter, header: dict, bodies: list[bytes]) -> int:
+    """Write header + bodies; returns body bytes written (what byte accounting counts)."""
+    await P2P.send_raw_data(msgpack.packb({**header, "n": len(bodies)}), writer)
+    sent = 0
+    for body in bodies:
+        await P2P.send_raw_data(body, writer)
+        sent += len(body)
+    return sent
+
+
+async def recv_message(reader: asyncio.StreamReader) -> tuple[dict, list[bytes]]:
+    header = msgpack.unpackb(await P2P.receive_raw_data(reader))
+    bodies = [await P2P.receive_raw_data(reader) for _ in range(int(header.get("n", 0)))]
+    return header, bodies
+
+
+def pack_state(state: dict[str, torch.Tensor]) -> tuple[bytes, str]:
+    """Serialized state and its SHA-256, so a receiver can check it before adopting it."""
+    tensors = {k: v.detach().cpu().contiguous().clone() for k, v in state.items()}
+    blob = st_save(tensors)
+    return blob, hashlib.sha256(blob).hexdigest()
+
+
+def unpack_state(blob: bytes, expected_sha256: str) -> dict[str, torch.Tensor]:
+    actual = hashlib.sha256(blob).hexdigest()
+    if actual != expected_sha256:
+        raise ValueError(f"state hash mismatch: got {actual[:16]}, expected {expected_sha256[:16]}")
+    return st_load(blob)
