@@ -27,6 +27,8 @@ COMMAND_MODULES = [
     "farlink.plan.command",
     "farlink.bench.command",
     "farlink.emulate.command",
+    "farlink.robust.command",
+    "farlink.comm.swarm_command",
 ]
 
 

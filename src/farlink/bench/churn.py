@@ -60,7 +60,8 @@ def run_with_churn(cfg: RunConfig, kills_per_100: float, max_kills: int, seed: i
                 events.append({"kill": victim, "outer_step": step, "time": time.time()})
                 kills += 1
                 next_kill += every
-                procs[victim] = spawn_worker(cfg, victim, lighthouse.address, resume=True)
+                procs[victim] = spawn_worker(cfg, victim, lighthouse.address, resume=True,
+                                             join=True)
             time.sleep(0.3)
     finally:
         _stop_all(list(procs.values()))

@@ -77,6 +77,24 @@ def load_optimizer_state(opt: torch.optim.Optimizer, tensors: TensorState, prefi
     opt.load_state_dict(full)
 
 
+class StateTransferError(RuntimeError):
+    """A state received from a peer that fails verification."""
+
+
+def state_digest(state: TensorState, include_schedule: bool = False) -> bytes:
+    """SHA-256 over names, dtypes, shapes and bytes of a state, in name order."""
+    import hashlib
+
+    digest = hashlib.sha256()
+    for name, tensor in sorted(state.items()):
+        if name.startswith("schedule.") and not include_schedule:
+            continue
+        t = tensor.detach().contiguous().cpu()
+        digest.update(f"{name}|{t.dtype}|{tuple(t.shape)}".encode())
+        digest.update(t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+    return digest.digest()
+
+
 class SyncAlgorithm(ABC):
     name: ClassVar[str]
 
@@ -93,7 +111,7 @@ class SyncAlgorithm(ABC):
         self.outer_step = 0
         self.last_round: RoundInfo | None = None
         self.last_exchange: ExchangeResult | None = None
-        collective.register_state(self.shared_state, self.load_shared_state)
+        collective.register_state(self.export_state, self.import_state)
 
     # --- the training loop's view -------------------------------------------------------------
     @abstractmethod
@@ -106,6 +124,12 @@ class SyncAlgorithm(ABC):
 
     def finished(self) -> bool:
         return self.inner_steps_done >= self.cfg.steps
+
+    def join(self) -> StepOutcome | None:
+        """A newcomer's first round, before any inner step: heal from live peers now rather
+        than after H wasted steps. Algorithms without a cheap zero-weight round return None
+        (their newcomers heal in their first regular round)."""
+        return None
 
     def finish(self) -> StepOutcome | None:
         """Flush work still in flight (streaming); default: nothing pending."""
@@ -122,15 +146,25 @@ class SyncAlgorithm(ABC):
 
     def fingerprint(self) -> str:
         """Hash of the committed state: equal on every replica after a committed round."""
-        import hashlib
+        return state_digest(self.shared_state()).hex()[:16]
 
-        digest = hashlib.sha256()
-        for name, tensor in sorted(self.shared_state().items()):
-            if name.startswith("schedule."):
-                continue
-            digest.update(name.encode())
-            digest.update(tensor.detach().contiguous().cpu().numpy().tobytes())
-        return digest.hexdigest()[:16]
+    def export_state(self) -> TensorState:
+        """Committed state for a healing peer, sealed with its SHA-256 (checked on arrival)."""
+        state = self.shared_state()
+        state["integrity.sha256"] = torch.frombuffer(
+            bytearray(state_digest(state, include_schedule=True)), dtype=torch.uint8)
+        return state
+
+    def import_state(self, state: TensorState) -> None:
+        """Adopt a transferred state only if it hashes to what the sender sealed."""
+        state = dict(state)
+        seal = state.pop("integrity.sha256", None)
+        if seal is None:
+            raise StateTransferError("transferred state carries no integrity hash")
+        if bytes(seal.numpy().tobytes()) != state_digest(state, include_schedule=True):
+            raise StateTransferError("transferred state does not match its hash; not loaded")
+        log.info("healed from a live peer: state verified (%s)", bytes(seal[:8].numpy()).hex())
+        self.load_shared_state(state)
 
     def state_dict(self) -> TensorState:
         """Shared state plus this worker's private state, for an exact resume."""

@@ -86,6 +86,12 @@ class DiLoCo(SyncAlgorithm):
         self.round_started = time.monotonic()
         return outcome
 
+    def join(self) -> StepOutcome:
+        self.tokens_since_sync = 0  # a zero-weight pseudo-gradient: it only receives
+        outcome = self.sync()
+        self.round_started = time.monotonic()
+        return outcome
+
     def sync(self) -> StepOutcome:
         committed, seconds, info = self.run_round(
             self._pseudo_gradient, self._apply, float(self.tokens_since_sync)

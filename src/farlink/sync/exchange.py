@@ -115,6 +115,9 @@ class Exchange:
             try:
                 signer, body = self.authenticator.open(raw)
                 env = envelope.unpack(body)
+                if signer is not None and signer != env.sender:
+                    raise UpdateRejected(
+                        f"signed by {signer} but claims to be {env.sender}", "impersonation")
                 peer = signer or env.sender
                 if peer in decoded:
                     raise UpdateRejected(f"second update from {peer} in one round", "duplicate")

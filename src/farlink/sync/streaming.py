@@ -99,6 +99,9 @@ class StreamingDiLoCo(DiLoCo):
             self._launch(fragment, t)
         return outcome
 
+    def join(self) -> None:
+        return None  # fragment rounds are scheduled by step: heal in the first one
+
     def finish(self) -> StepOutcome | None:
         if self._inflight is None:
             return None

@@ -107,7 +107,7 @@ def register(app: typer.Typer, bench_app: typer.Typer) -> None:
             typer.secho("error: --lighthouse ADDR is required to join", fg="red", err=True)
             raise typer.Exit(2)
         write_run_config(cfg)
-        argv = [str(cfg.run_dir), str(index), "--lighthouse", cfg.lighthouse]
+        argv = [str(cfg.run_dir), str(index), "--lighthouse", cfg.lighthouse, "--join"]
         raise typer.Exit(worker_main(argv + (["--resume"] if cfg.resume else [])))
 
     @app.command("report")

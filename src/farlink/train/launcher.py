@@ -43,20 +43,21 @@ def write_run_config(cfg: RunConfig) -> None:
     (cfg.run_dir / "config.toml").write_text(tomli_w.dumps({"train": to_toml_dict(cfg)}))
 
 
-def worker_command(run_dir: Path, index: int, lighthouse: str, resume: bool) -> list[str]:
+def worker_command(run_dir: Path, index: int, lighthouse: str, resume: bool,
+                   join: bool = False) -> list[str]:
     argv = [sys.executable, "-m", "farlink.train.worker", str(run_dir), str(index),
             "--lighthouse", lighthouse]
-    return argv + (["--resume"] if resume else [])
+    return argv + (["--resume"] if resume else []) + (["--join"] if join else [])
 
 
 def spawn_worker(cfg: RunConfig, index: int, lighthouse: str, resume: bool,
-                 extra_env: dict[str, str] | None = None) -> subprocess.Popen:
+                 extra_env: dict[str, str] | None = None, join: bool = False) -> subprocess.Popen:
     logs = cfg.run_dir / "logs"
     logs.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, "OMP_NUM_THREADS": str(cfg.threads), **(extra_env or {})}
     out = open(logs / f"w{index}.log", "ab")
     return subprocess.Popen(
-        worker_command(cfg.run_dir, index, lighthouse, resume),
+        worker_command(cfg.run_dir, index, lighthouse, resume, join),
         stdout=out, stderr=subprocess.STDOUT, env=env,
         start_new_session=True,  # Ctrl-C reaches the launcher only; it stops workers in order
     )

@@ -68,7 +68,7 @@ def build_exchange(cfg: RunConfig, collective, sender: str, index: int, ledger=N
     return Exchange(
         collective,
         make_compressor(cfg.codec),
-        sender=sender,
+        sender=auth.peer_id if auth.name == "ed25519" else sender,
         aggregator=make_aggregator(cfg.aggregator),
         authenticator=auth,
         ledger=ledger,
@@ -78,7 +78,7 @@ def build_exchange(cfg: RunConfig, collective, sender: str, index: int, ledger=N
 
 
 class Worker:
-    def __init__(self, cfg: RunConfig, index: int, lighthouse: str) -> None:
+    def __init__(self, cfg: RunConfig, index: int, lighthouse: str, joining: bool = False) -> None:
         from farlink.data import ShardSampler, heldout_batches, prepare_data
         from farlink.model import GPT, preset_config
         from farlink.sync import algorithm_class
@@ -107,6 +107,10 @@ class Worker:
         )
         self.ckpt_dir = cfg.run_dir / "checkpoints" / self.replica_id
         self.metrics = MetricsLog(cfg.run_dir / "metrics" / f"{self.replica_id}.jsonl")
+        self.joining = joining
+        if joining and hasattr(self.collective, "quorum_timeout"):
+            # a newcomer waits for the others' next round, however long their rounds are
+            self.collective.quorum_timeout = max(self.collective.quorum_timeout, 3600.0)
         self.tokens = 0
         self.compute_s = 0.0
         self.comm_s = 0.0
@@ -194,6 +198,14 @@ class Worker:
         self.metrics.write("start", worker=self.replica_id, params=self.model.num_parameters(),
                            inner_steps=algo.inner_steps_done, pid=os.getpid())
         loss_value = float("nan")
+        if self.joining:
+            outcome = algo.join()
+            if outcome is not None:
+                self.metrics.write("join", worker=self.replica_id, committed=outcome.committed,
+                                   healed=bool(algo.last_round and algo.last_round.healed),
+                                   outer_step=algo.outer_step, step=algo.inner_steps_done,
+                                   fingerprint=algo.fingerprint(), world_size=outcome.world_size,
+                                   comm_s=round(outcome.comm_seconds, 4))
         slowdown = cfg.slowdown_of(self.index)
         while not algo.finished() and not stop.flag:
             t0 = time.perf_counter()
@@ -259,6 +271,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("index", type=int)
     parser.add_argument("--lighthouse", required=True)
     parser.add_argument("--resume", action="store_true")
+    parser.add_argument("--join", action="store_true",
+                        help="heal from live peers in a first zero-weight round")
     args = parser.parse_args(argv)
     logging.basicConfig(level=os.environ.get("FARLINK_LOG", "WARNING"),
                         format=f"%(asctime)s w{args.index} %(name)s %(levelname)s %(message)s")
@@ -266,7 +280,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.resume:
         cfg = cfg.model_copy(update={"resume": True})
     stop = StopRequested()
-    worker = Worker(cfg, args.index, args.lighthouse)
+    worker = Worker(cfg, args.index, args.lighthouse, joining=args.join)
     try:
         code = worker.run(stop)
     finally:
