@@ -530,16 +530,25 @@ class HivemindCollective(Collective):
         pushes = asyncio.gather(*(push(r) for r in targets))
         if not group.client[group.me]:
             got = await self._mailbox.wait(key, others, deadline, group.dead)
+            # wait until the client-mode members assigned to us fetched, so bytes are final
+            mine = {c for c in others if group.client[c] and self._server_for(group, c) == group.me}
+            if mine:
+                await self._mailbox.wait(key + b"/served", mine, deadline, group.dead)
         else:
-            servers = group.servers()
-            server = servers[group.me % len(servers)]
+            server = self._server_for(group, group.me)
             got = {}
             try:
                 header, bodies = await asyncio.wait_for(
                     self._request(
                         group.peers[server],
                         "fetch",
-                        {"key": key, "ranks": sorted(others), "timeout": timeout, "kind": kind},
+                        {
+                            "key": key,
+                            "rank": group.me,
+                            "ranks": sorted(others),
+                            "timeout": timeout,
+                            "kind": kind,
+                        },
                         [],
                     ),
                     timeout=max(0.1, deadline - time.monotonic() + 5),
@@ -549,6 +558,12 @@ class HivemindCollective(Collective):
                 log.info("fetch from rank %d failed: %r", server, exc)
         sent = sum(await pushes)
         return got, sent
+
+    @staticmethod
+    def _server_for(group: _Group, client_rank: int) -> int:
+        """The member that answers a client-mode member's fetches (spread over servers)."""
+        servers = group.servers()
+        return servers[client_rank % len(servers)]
 
     async def _request(
         self, peer: PeerID, handler: str, header: dict, bodies: list[bytes]
@@ -584,6 +599,7 @@ class HivemindCollective(Collective):
                 self.stats.bytes_sent += sent
             else:
                 self.control_bytes_sent += sent
+            self._mailbox.put(bytes(header["key"]) + b"/served", int(header["rank"]), b"")
         except Exception as exc:  # noqa: BLE001
             log.info("bad fetch: %r", exc)
         finally:
