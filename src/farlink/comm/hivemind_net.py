@@ -30,8 +30,7 @@ PUBLIC = dict(
 def p2pd_path() -> str:
     import hivemind.hivemind_cli as cli
 
-    with resources.path(cli, "p2pd") as path:
-        return str(path)
+    return str(resources.files(cli) / "p2pd")
 
 
 def check_p2pd(path: str | None = None) -> str:
