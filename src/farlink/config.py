@@ -57,7 +57,11 @@ class RunConfig(BaseModel):
 
     # where and with whom
     workers: int = Field(4, ge=1, description="local worker processes to launch")
-    backend: Literal["torchft"] = Field("torchft", description="torchft (organizational)")
+    backend: Literal["torchft", "hivemind"] = Field(
+        "torchft", description="torchft (organizational) or hivemind (community, DHT)")
+    initial_peers: str = Field("", description="hivemind: comma list of multiaddrs to join")
+    group_size: int | None = Field(
+        None, ge=2, description="hivemind: Moshpit group size per round (default: everyone)")
     min_replicas: int = Field(1, ge=1, description="fewest peers a round may commit with")
     lighthouse: str | None = Field(None, description="join this Lighthouse instead of starting one")
     host: str = Field("127.0.0.1", description="address this worker advertises")

@@ -151,9 +151,17 @@ def launch(cfg: RunConfig, show_progress: bool = True) -> RunResult:
         f"model {cfg.model} | corpus {cfg.corpus}: {len(data.train):,} train / "
         f"{len(data.heldout):,} held-out tokens | run dir {cfg.run_dir}"
     )
-    lighthouse = None
+    lighthouse = bootstrap = None
     address = cfg.lighthouse
-    if address is None:
+    if cfg.backend == "hivemind":
+        address = cfg.initial_peers
+        if not address:
+            from farlink.comm.hivemind_net import start_bootstrap_peer
+
+            bootstrap, maddrs = start_bootstrap_peer(cfg.host)
+            address = ",".join(maddrs)
+            console.print(f"swarm bootstrap peer: {maddrs[0]}")
+    elif address is None:
         lighthouse = Lighthouse(
             cfg.host, min_replicas=cfg.min_replicas, join_timeout=cfg.join_timeout,
             heartbeat_timeout=cfg.heartbeat_timeout, log_path=cfg.run_dir / "lighthouse.log",
@@ -185,6 +193,8 @@ def launch(cfg: RunConfig, show_progress: bool = True) -> RunResult:
         _stop_all(procs)
         if lighthouse is not None:
             lighthouse.stop()
+        if bootstrap is not None:
+            bootstrap.shutdown()
     codes = [p.returncode for p in procs]
     summary = summarize(cfg)
     model_path = export_model(cfg)

@@ -51,6 +51,21 @@ def build_collective(cfg: RunConfig, replica_id: str, lighthouse: str):  # noqa:
             quorum_timeout=cfg.quorum_timeout,
             join_timeout=cfg.join_timeout,
         )
+    if cfg.backend == "hivemind":
+        from farlink.comm.hivemind_backend import HivemindCollective
+        from farlink.comm.hivemind_net import tcp_maddr
+
+        peers = [p for p in lighthouse.split(",") if p] if lighthouse else []
+        return HivemindCollective(
+            run_id=f"farlink-{cfg.run_dir.name}",
+            initial_peers=peers,
+            host_maddrs=[tcp_maddr(cfg.host, 0)],
+            min_group_size=cfg.min_replicas,
+            target_group_size=cfg.group_size,
+            round_timeout=cfg.quorum_timeout,
+            allreduce_timeout=cfg.round_timeout,
+            gather_timeout=cfg.round_timeout,
+        )
     raise ValueError(f"unknown backend {cfg.backend!r}")
 
 
@@ -160,6 +175,8 @@ class Worker:
         self.collective.stats.bytes_sent = meta["bytes_sent"]
         if hasattr(self.collective, "load_committed_step"):
             self.collective.load_committed_step(self.algo.outer_step)
+        elif hasattr(self.collective, "round_id"):
+            self.collective.round_id = self.algo.outer_step
         self.metrics.write("resume", worker=self.replica_id, path=str(path),
                            inner_steps=self.algo.inner_steps_done)
 
@@ -269,7 +286,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="one farlink worker (started by the launcher)")
     parser.add_argument("run_dir", type=Path)
     parser.add_argument("index", type=int)
-    parser.add_argument("--lighthouse", required=True)
+    parser.add_argument("--lighthouse", "--coordinator", dest="lighthouse", required=True,
+                        help="torchft Lighthouse address, or hivemind initial peers (comma list)")
     parser.add_argument("--resume", action="store_true")
     parser.add_argument("--join", action="store_true",
                         help="heal from live peers in a first zero-weight round")
