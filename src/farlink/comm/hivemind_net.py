@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from importlib import resources
 from typing import Any, Sequence
 
@@ -92,19 +93,34 @@ def dht_options(
     return opts
 
 
-def start_dht(initial_peers: Sequence[str], startup_timeout: float = 30.0, **opts: Any):
-    """A running ``hivemind.DHT``, or a :class:`CommError` subclass that says what to fix."""
+def start_dht(
+    initial_peers: Sequence[str],
+    startup_timeout: float = 30.0,
+    connect_attempts: int = 3,
+    **opts: Any,
+):
+    """A running ``hivemind.DHT``, or a :class:`CommError` subclass that says what to fix.
+
+    Reaching the bootstrap peers is retried (``connect_attempts``): on a loaded machine or link a
+    live peer can miss the daemon's short dial window, and a joiner should not give up on that.
+    """
     import hivemind
     from hivemind.p2p import P2PDaemonError
 
     check_p2pd()
     peers = validate_initial_peers(initial_peers)
     try:
-        return hivemind.DHT(
-            initial_peers=peers or None, start=True, startup_timeout=startup_timeout, **opts
-        )
-    except P2PDaemonError as exc:
-        raise translate_daemon_error(str(exc), peers, opts.get("host_maddrs")) from exc
+        for attempt in range(1, connect_attempts + 1):
+            try:
+                return hivemind.DHT(
+                    initial_peers=peers or None, start=True, startup_timeout=startup_timeout, **opts
+                )
+            except P2PDaemonError as exc:
+                error = translate_daemon_error(str(exc), peers, opts.get("host_maddrs"))
+                if not isinstance(error, PeerUnreachable) or attempt == connect_attempts:
+                    raise error from exc
+                log.warning("initial peers unreachable (attempt %d), retrying", attempt)
+                time.sleep(1.0 * attempt)
     except TimeoutError as exc:
         raise DaemonFailed(
             f"hivemind's DHT did not become ready within {startup_timeout:.0f} s. Fix: check that "
