@@ -64,6 +64,9 @@ class RunConfig(BaseModel):
         None, ge=2, description="hivemind: Moshpit group size per round (default: everyone)")
     min_replicas: int = Field(1, ge=1, description="fewest peers a round may commit with")
     lighthouse: str | None = Field(None, description="join this Lighthouse instead of starting one")
+    emulate_link: str | None = Field(
+        None, description="in-process WAN emulation: a link profile (datacenter, cross-region, "
+        "intercontinental, home) delays every collective by latency + bytes/bandwidth")
     host: str = Field("127.0.0.1", description="address this worker advertises")
     round_timeout: float = Field(30.0, gt=0, description="floor of a collective's timeout (s)")
     join_timeout: float = Field(30.0, gt=0, description="Lighthouse: wait for stragglers (s)")
@@ -116,6 +119,13 @@ class RunConfig(BaseModel):
             raise ValueError(f"min_replicas={self.min_replicas} exceeds workers={self.workers}")
         if self.warmup_steps >= self.steps and self.steps > 1:
             raise ValueError(f"warmup_steps={self.warmup_steps} must be below steps={self.steps}")
+        if self.emulate_link is not None:
+            from farlink.plan import load_links
+
+            links = load_links()
+            if self.emulate_link not in links:
+                raise ValueError(f"link profile {self.emulate_link!r} unknown; choose from "
+                                 f"{', '.join(links)}")
         if self.slowdown:
             try:
                 factors = [float(f) for f in self.slowdown.split(",")]

@@ -104,3 +104,21 @@ def register(app: typer.Typer, bench_app: typer.Typer) -> None:
         result = run(out, attacks, parsed, steps, inner_steps, rules)
         print_rows(result["rows"], ["label", "final_heldout_loss", "loss_vs_clean"],
                    "farlink bench attack")
+
+    @bench_app.command("wan")
+    def wan(
+        profile: str = typer.Option("intercontinental", help="link profile"),
+        out: Path = typer.Option(Path("bench/wan"), help="output directory"),
+        steps: int = typer.Option(200, help="inner steps per worker"),
+        inner_steps: int = typer.Option(50, help="H"),
+        workers: int = typer.Option(4, help="worker processes"),
+        fragments: int = typer.Option(4, help="Streaming DiLoCo fragments"),
+        only: Optional[list[str]] = typer.Option(None, help="run only labels containing this"),
+    ) -> None:
+        """DDP vs DiLoCo vs Streaming DiLoCo vs DeMo on an emulated WAN link."""
+        from farlink.bench.wan import run
+
+        result = run(out, profile, steps, inner_steps, workers, fragments, only)
+        print_rows(result["rows"], ["label", "final_heldout_loss", "bytes_per_token",
+                                    "peak_round_bytes", "compute_utilization", "wall_s"],
+                   f"farlink bench wan --profile {profile}")

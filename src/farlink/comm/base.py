@@ -45,6 +45,18 @@ class Collective(ABC):
 
     def __init__(self) -> None:
         self.stats = CommStats()
+        # in-process link emulation: (bytes/s, one-way seconds) or None for the real link only
+        self.emulated_link: tuple[float, float] | None = None
+
+    def emulate_transfer(self, nbytes: int, hops: int) -> None:
+        """Hold the caller as long as ``nbytes`` over ``hops`` latencies take on the emulated
+        link (used where network namespaces are not available; labelled as such in reports)."""
+        if self.emulated_link is None:
+            return
+        import time
+
+        bandwidth, latency = self.emulated_link
+        time.sleep(hops * latency + nbytes / bandwidth)
 
     @abstractmethod
     def begin_round(self) -> RoundInfo:

@@ -144,6 +144,7 @@ class TorchftCollective(Collective):
         for tensor in tensors:
             self.manager.allreduce(tensor, reduce_op=ReduceOp.SUM).wait()
             sent = ring_allreduce_bytes(tensor.numel() * tensor.element_size(), n)
+            self.emulate_transfer(sent, 2 * (n - 1))
             self.stats.bytes_sent += sent
             self._round_bytes += sent
             self.stats.collectives += 1
@@ -164,6 +165,7 @@ class TorchftCollective(Collective):
             log.warning("all-gather failed: %s", exc)
             self.manager.report_error(exc)
         sent = ring_allgather_bytes(tensor.numel() * tensor.element_size(), n)
+        self.emulate_transfer(sent, n - 1)
         self.stats.bytes_sent += sent
         self._round_bytes += sent
         self.stats.collectives += 1

@@ -113,6 +113,12 @@ class Worker:
                                        cfg.eval_batches)
         self.replica_id = f"w{index}"
         self.collective = build_collective(cfg, self.replica_id, lighthouse)
+        if cfg.emulate_link is not None:
+            from farlink.plan import load_links
+
+            link = load_links()[cfg.emulate_link]
+            self.collective.emulated_link = (link.bandwidth_mbit * 1e6 / 8,
+                                             link.latency_ms / 1000)
         from farlink.robust.ledger import ContributionLedger
 
         self.ledger = ContributionLedger()
