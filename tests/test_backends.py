@@ -17,8 +17,10 @@ BASE = {"vocab_size": 512, "seq_len": 64, "batch_size": 4, "eval_batches": 2, "w
 
 
 @pytest.mark.parametrize("backend", ["torchft", "hivemind"])
-@pytest.mark.parametrize("algorithm,codec", [("diloco", "int8"),
-                                             ("streaming_diloco", "int4+ef")])
+@pytest.mark.parametrize("algorithm,codec", [
+    ("diloco", "int8"),
+    pytest.param("streaming_diloco", "int4+ef", marks=pytest.mark.slow),
+])
 def test_three_peers_agree_and_learn_on_each_backend(tmp_path: Path, cache_dir: Path,
                                                      backend: str, algorithm: str,
                                                      codec: str) -> None:
