@@ -96,7 +96,7 @@ class RunConfig(BaseModel):
     log_every: int = Field(10, ge=1, description="inner steps between metric lines")
 
     @model_validator(mode="after")
-    def _check(self) -> "RunConfig":
+    def _check(self) -> RunConfig:
         from farlink.sync import ALGORITHMS
 
         if self.algorithm not in ALGORITHMS:
@@ -105,7 +105,6 @@ class RunConfig(BaseModel):
             )
         from farlink.codecs import make_compressor
         from farlink.robust.aggregators import make_aggregator
-
         from farlink.robust.attacks import make_attack
 
         make_compressor(self.codec)  # raises ValueError naming the valid codecs

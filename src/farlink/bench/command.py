@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Optional
 
 import typer
 from rich.console import Console
@@ -30,7 +29,7 @@ def register(app: typer.Typer, bench_app: typer.Typer) -> None:
         steps: int = typer.Option(600, help="inner steps per worker (the token budget)"),
         inner_steps: int = typer.Option(100, help="H for the local-update algorithms"),
         workers: int = typer.Option(4, help="worker processes"),
-        only: Optional[list[str]] = typer.Option(None, help="run only labels containing this"),
+        only: list[str] | None = typer.Option(None, help="run only labels containing this"),
     ) -> None:
         """Every algorithm and codec for the same token budget: loss vs tokens and vs bytes."""
         from farlink.bench.algorithms import run
@@ -113,7 +112,7 @@ def register(app: typer.Typer, bench_app: typer.Typer) -> None:
         inner_steps: int = typer.Option(50, help="H"),
         workers: int = typer.Option(4, help="worker processes"),
         fragments: int = typer.Option(4, help="Streaming DiLoCo fragments"),
-        only: Optional[list[str]] = typer.Option(None, help="run only labels containing this"),
+        only: list[str] | None = typer.Option(None, help="run only labels containing this"),
     ) -> None:
         """DDP vs DiLoCo vs Streaming DiLoCo vs DeMo on an emulated WAN link."""
         from farlink.bench.wan import run

@@ -11,7 +11,7 @@ from typing import Any
 import matplotlib
 
 matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
+import matplotlib.pyplot as plt
 
 
 def write_json(path: Path, name: str, rows: list[dict], extra: dict[str, Any] | None = None) -> Path:

@@ -99,7 +99,7 @@ class SyncAlgorithm(ABC):
     name: ClassVar[str]
 
     def __init__(
-        self, model: nn.Module, cfg: "RunConfig", collective: Collective, exchange: Exchange
+        self, model: nn.Module, cfg: RunConfig, collective: Collective, exchange: Exchange
     ) -> None:
         self.model = model
         self.cfg = cfg
@@ -175,6 +175,32 @@ class SyncAlgorithm(ABC):
         self.inner_steps_done = int(state["counter.inner_steps"])
 
     # --- helpers -------------------------------------------------------------------------------
+    def round_outcome(self, committed: bool, seconds: float, info: RoundInfo | None) -> StepOutcome:
+        """The outcome of a step that ran a round (see :meth:`run_round`)."""
+        result = self.last_exchange
+        return StepOutcome(
+            synced=True,
+            committed=committed,
+            outer_step=self.outer_step,
+            world_size=info.world_size if info else 1,
+            comm_seconds=seconds,
+            rejected=len(result.rejected) if result else 0,
+        )
+
+    def replica_state(self) -> TensorState:
+        """Parameters and counters, for algorithms whose replicas hold no separate global copy."""
+        state = {f"param.{n}": p.detach().clone() for n, p in zip(self.names, self.params)}
+        state["counter.outer_step"] = torch.tensor(self.outer_step)
+        state["counter.inner_steps"] = torch.tensor(self.inner_steps_done)
+        return state
+
+    def load_replica_state(self, state: TensorState) -> None:
+        with torch.no_grad():
+            for n, p in zip(self.names, self.params):
+                p.copy_(state[f"param.{n}"])
+        self.outer_step = int(state["counter.outer_step"])
+        self.inner_steps_done = int(state["counter.inner_steps"])
+
     def current_lr(self) -> float:
         cfg = self.cfg
         return lr_at(self.inner_steps_done, cfg.lr, cfg.warmup_steps, cfg.steps)
@@ -189,7 +215,7 @@ class SyncAlgorithm(ABC):
         optimizer.zero_grad(set_to_none=True)
 
     def run_round(
-        self, build: "callable", apply: "callable", weight: float
+        self, build: callable, apply: callable, weight: float
     ) -> tuple[bool, float, RoundInfo | None]:
         """One fault-tolerant round: quorum, exchange, commit; retried after a failure.
 

@@ -23,7 +23,7 @@ from farlink.sync.exchange import ExchangeResult
 class DDP(SyncAlgorithm):
     name = "ddp"
 
-    def __init__(self, *args, **kwargs) -> None:  # noqa: ANN002, ANN003
+    def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         cfg = self.cfg
         self.optimizer = torch.optim.AdamW(
@@ -33,15 +33,7 @@ class DDP(SyncAlgorithm):
     def step(self, tokens: int) -> StepOutcome:
         committed, seconds, info = self.run_round(self._gradients, self._apply, float(tokens))
         self.inner_steps_done += 1
-        result = self.last_exchange
-        return StepOutcome(
-            synced=True,
-            committed=committed,
-            outer_step=self.outer_step,
-            world_size=info.world_size if info else 1,
-            comm_seconds=seconds,
-            rejected=len(result.rejected) if result else 0,
-        )
+        return self.round_outcome(committed, seconds, info)
 
     def _gradients(self, info: RoundInfo) -> dict[str, torch.Tensor]:
         return {
@@ -58,19 +50,11 @@ class DDP(SyncAlgorithm):
         self.clip_and_step(self.optimizer)
 
     def shared_state(self) -> TensorState:
-        state = {f"param.{n}": p.detach().clone() for n, p in zip(self.names, self.params)}
-        state.update(optimizer_state(self.optimizer, "inner"))
-        state["counter.outer_step"] = torch.tensor(self.outer_step)
-        state["counter.inner_steps"] = torch.tensor(self.inner_steps_done)
-        return state
+        return {**self.replica_state(), **optimizer_state(self.optimizer, "inner")}
 
     def load_shared_state(self, state: TensorState) -> None:
-        with torch.no_grad():
-            for n, p in zip(self.names, self.params):
-                p.copy_(state[f"param.{n}"])
+        self.load_replica_state(state)
         load_optimizer_state(self.optimizer, state, "inner")
-        self.outer_step = int(state["counter.outer_step"])
-        self.inner_steps_done = int(state["counter.inner_steps"])
 
     def state_dict(self) -> TensorState:
         return {**self.shared_state(), **self.exchange.compressor.state_dict()}

@@ -21,7 +21,7 @@ from farlink.sync.exchange import ExchangeResult
 class DeMo(SyncAlgorithm):
     name = "demo"
 
-    def __init__(self, *args, **kwargs) -> None:  # noqa: ANN002, ANN003
+    def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         cfg = self.cfg
         self.extractor = make_compressor(f"dct_topk:{cfg.demo_chunk}:{cfg.demo_topk}")
@@ -51,12 +51,7 @@ class DeMo(SyncAlgorithm):
         self.inner_steps_done += 1
         for p in self.params:
             p.grad = None
-        result = self.last_exchange
-        return StepOutcome(
-            synced=True, committed=committed, outer_step=self.outer_step,
-            world_size=info.world_size if info else 1, comm_seconds=seconds,
-            rejected=len(result.rejected) if result else 0,
-        )
+        return self.round_outcome(committed, seconds, info)
 
     def _build(self, info: RoundInfo) -> dict[str, torch.Tensor]:
         if info.healed:
@@ -73,17 +68,10 @@ class DeMo(SyncAlgorithm):
                 p.add_(torch.sign(result.tensors[name]).to(p.dtype), alpha=-lr)
 
     def shared_state(self) -> TensorState:
-        state = {f"param.{n}": p.detach().clone() for n, p in zip(self.names, self.params)}
-        state["counter.outer_step"] = torch.tensor(self.outer_step)
-        state["counter.inner_steps"] = torch.tensor(self.inner_steps_done)
-        return state
+        return self.replica_state()
 
     def load_shared_state(self, state: TensorState) -> None:
-        with torch.no_grad():
-            for n, p in zip(self.names, self.params):
-                p.copy_(state[f"param.{n}"])
-        self.outer_step = int(state["counter.outer_step"])
-        self.inner_steps_done = int(state["counter.inner_steps"])
+        self.load_replica_state(state)
 
     def state_dict(self) -> TensorState:
         state = self.shared_state()

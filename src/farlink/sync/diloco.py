@@ -32,7 +32,7 @@ class DiLoCo(SyncAlgorithm):
     outer_lr_override: float | None = None
     outer_momentum_override: float | None = None
 
-    def __init__(self, *args, **kwargs) -> None:  # noqa: ANN002, ANN003
+    def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         cfg = self.cfg
         self.inner_opt = torch.optim.AdamW(
@@ -96,15 +96,7 @@ class DiLoCo(SyncAlgorithm):
         committed, seconds, info = self.run_round(
             self._pseudo_gradient, self._apply, float(self.tokens_since_sync)
         )
-        result = self.last_exchange
-        return StepOutcome(
-            synced=True,
-            committed=committed,
-            outer_step=self.outer_step,
-            world_size=info.world_size if info else 1,
-            comm_seconds=seconds,
-            rejected=len(result.rejected) if result else 0,
-        )
+        return self.round_outcome(committed, seconds, info)
 
     def _pseudo_gradient(self, info: RoundInfo) -> dict[str, torch.Tensor]:
         return {

@@ -17,8 +17,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from farlink.codecs import Compressor, CodecError
-from farlink.codecs import envelope
+from farlink.codecs import CodecError, Compressor, envelope
 from farlink.comm.base import Collective
 from farlink.robust.aggregators import Aggregator, weighted_mean
 from farlink.robust.auth import Authenticator, AuthError
@@ -46,8 +45,8 @@ class Exchange:
         aggregator: Aggregator = weighted_mean,
         authenticator: Authenticator | None = None,
         max_update_norm: float | None = None,
-        ledger=None,  # noqa: ANN001 - farlink.robust.ledger.ContributionLedger, optional
-        tamper=None,  # noqa: ANN001 - attack emulation hook: (tensors, round) -> tensors
+        ledger=None,
+        tamper=None,
         screen_ratio: float | None = None,
     ) -> None:
         self.collective = collective

@@ -60,7 +60,7 @@ class _InFlight:
 class StreamingDiLoCo(DiLoCo):
     name = "streaming_diloco"
 
-    def __init__(self, *args, **kwargs) -> None:  # noqa: ANN002, ANN003
+    def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         cfg = self.cfg
         self.num_fragments = min(cfg.fragments, len(self.params))

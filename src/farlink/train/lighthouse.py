@@ -41,7 +41,7 @@ class Lighthouse:
     def address(self) -> str:
         return f"http://{self.host}:{self.port}"
 
-    def start(self, wait: float = 60.0) -> "Lighthouse":
+    def start(self, wait: float = 60.0) -> Lighthouse:
         binary = shutil.which("torchft_lighthouse") or str(
             Path(sys.executable).with_name("torchft_lighthouse")
         )

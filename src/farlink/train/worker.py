@@ -34,11 +34,11 @@ class StopRequested:
         signal.signal(signal.SIGINT, self._set)
         signal.signal(signal.SIGTERM, self._set)
 
-    def _set(self, signum, frame) -> None:  # noqa: ANN001
+    def _set(self, signum, frame) -> None:
         self.flag = True
 
 
-def build_collective(cfg: RunConfig, replica_id: str, lighthouse: str):  # noqa: ANN201
+def build_collective(cfg: RunConfig, replica_id: str, lighthouse: str):
     if cfg.backend == "torchft":
         from farlink.comm.torchft_backend import TorchftCollective
 
@@ -69,7 +69,7 @@ def build_collective(cfg: RunConfig, replica_id: str, lighthouse: str):  # noqa:
     raise ValueError(f"unknown backend {cfg.backend!r}")
 
 
-def build_exchange(cfg: RunConfig, collective, sender: str, index: int, ledger=None):  # noqa: ANN001, ANN201
+def build_exchange(cfg: RunConfig, collective, sender: str, index: int, ledger=None):
     from farlink.codecs import make_compressor
     from farlink.robust.aggregators import make_aggregator
     from farlink.robust.attacks import make_attack
