@@ -39,7 +39,7 @@ def payload_for(k: int, round_id: int) -> bytes:
     return f"peer{k}-round{round_id}-".encode() * 3
 
 
-def _peer(k: int, initial_peers: list[str], q, stop, plan: dict) -> None:  # noqa: ANN001 - mp
+def _peer(k: int, initial_peers: list[str], q, stop, plan: dict) -> None:
     torch.set_num_threads(1)
     from farlink.comm.hivemind_backend import HivemindCollective
 
@@ -130,7 +130,7 @@ class Swarm:
         elif kind == "done":
             self.done.add(k)
 
-    def wait(self, cond, timeout: float, what: str) -> None:  # noqa: ANN001
+    def wait(self, cond, timeout: float, what: str) -> None:
         deadline = time.monotonic() + timeout
         while not cond():
             if time.monotonic() > deadline:
@@ -175,10 +175,9 @@ def check_round(swarm: Swarm, reports: list[dict]) -> None:
         n, me, shards = len(peers), rep["rank"], rep["shards"]
         assert sum(shards) == N1 + N2
         assert rep["ar_bytes"] == 4 * ((N1 + N2 - shards[me]) + (n - 1) * shards[me])
-    return None
 
 
-def committed_by_round(swarm: Swarm, ks) -> dict[int, list[dict]]:  # noqa: ANN001
+def committed_by_round(swarm: Swarm, ks) -> dict[int, list[dict]]:
     out: dict[int, list[dict]] = {}
     for k in ks:
         for rep in swarm.rounds[k]:

@@ -18,7 +18,7 @@ LAUNCH = (
 ADDR = re.compile(r"^/ip4/127\.0\.0\.1/tcp/\d+/p2p/\w+$")
 
 
-def swarm(*args: str, **kw) -> subprocess.Popen:  # noqa: ANN003
+def swarm(*args: str, **kw) -> subprocess.Popen:
     return subprocess.Popen(
         [sys.executable, "-c", LAUNCH, "swarm", *args],
         stdout=subprocess.PIPE,
@@ -71,7 +71,11 @@ def test_two_joiners_run_demo_rounds() -> None:
             lines = [line for line in out.splitlines() if line.startswith("round ")]
             assert len(lines) == 2, out
             for line in lines:
-                assert "group of 2" in line and "sum of ones = 2" in line and "NOT committed" not in line
+                assert (
+                    "group of 2" in line
+                    and "sum of ones = 2" in line
+                    and "NOT committed" not in line
+                )
     finally:
         boot.send_signal(signal.SIGINT)
         boot.communicate(timeout=30)

@@ -58,7 +58,7 @@ def test_nobody_listening_is_peer_unreachable() -> None:
         HivemindCollective("x", maddrs, startup_timeout=20)
 
 
-def test_p2pd_missing_or_not_executable(tmp_path) -> None:  # noqa: ANN001
+def test_p2pd_missing_or_not_executable(tmp_path) -> None:
     with pytest.raises(DaemonFailed, match="missing"):
         check_p2pd(str(tmp_path / "p2pd"))
     binary = tmp_path / "p2pd"
@@ -110,7 +110,7 @@ def test_two_peers_in_one_process_round_trip() -> None:
         for t in threads:
             t.join(90)
         assert set(results) == {"a", "b"}
-        for name, (info, x, gather_bytes, gathered, ok, ar_bytes) in results.items():
+        for info, x, gather_bytes, gathered, ok, ar_bytes in results.values():
             assert ok and info.world_size == 2 and info.round_id == 0
             torch.testing.assert_close(x[0], torch.full((300,), 3.0))
             torch.testing.assert_close(x[1], 2 * torch.arange(5, dtype=torch.float32))

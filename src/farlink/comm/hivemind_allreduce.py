@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import math
-from typing import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Sequence
 
 from hivemind.averaging.allreduce import AllReduceRunner
 from hivemind.averaging.load_balancing import load_balance_peers
@@ -28,7 +28,7 @@ MAX_PART_BYTES = 2**19  # hivemind's default streaming part size
 class CountingAllReduceRunner(AllReduceRunner):
     """AllReduceRunner that tallies the tensor bytes it sends (inputs to reducers, results back)."""
 
-    def __init__(self, **kwargs) -> None:  # noqa: ANN003 - AllReduceRunner's keyword arguments
+    def __init__(self, **kwargs) -> None:
         super().__init__(**kwargs)
         self.bytes_sent = 0
         # As a reducer this worker answers every other sender; its own outputs can be complete
@@ -53,7 +53,7 @@ class CountingAllReduceRunner(AllReduceRunner):
             self.bytes_sent += len(msg.tensor_part.buffer)
             yield msg
 
-    async def rpc_aggregate_part(self, stream, context):  # noqa: ANN001, ANN201
+    async def rpc_aggregate_part(self, stream, context):
         try:
             async for msg in super().rpc_aggregate_part(stream, context):
                 yield msg
@@ -62,7 +62,7 @@ class CountingAllReduceRunner(AllReduceRunner):
             if self.served >= self.expected_served:
                 self.all_served.set()
 
-    async def _accumulate_parts_streaming(self, stream, sender_index: int):  # noqa: ANN001
+    async def _accumulate_parts_streaming(self, stream, sender_index: int):
         async for msg in super()._accumulate_parts_streaming(stream, sender_index):
             self.bytes_sent += len(msg.tensor_part.buffer)
             yield msg

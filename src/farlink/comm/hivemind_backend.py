@@ -40,8 +40,13 @@ import logging
 import re
 import threading
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, Callable, Sequence
+from typing import Any
+
+# hivemind's ServicerBase recognises streaming RPCs only by typing.AsyncIterator (its ``_name``),
+# not collections.abc.AsyncIterator: keep this import from typing.
+from typing import AsyncIterator  # noqa: UP035
 
 import msgpack
 import torch
@@ -79,7 +84,7 @@ def group_prefix(run_id: str) -> str:
 class _Servicer(ServicerBase):
     """The protobuf RPCs hivemind's matchmaking and all-reduce call on a groupmate."""
 
-    def __init__(self, owner: "HivemindCollective") -> None:
+    def __init__(self, owner: HivemindCollective) -> None:
         self.owner = owner
 
     async def rpc_join_group(
@@ -151,7 +156,7 @@ class _Mailbox:
             self.changed.clear()
             try:
                 await asyncio.wait_for(self.changed.wait(), timeout=min(remaining, 0.5))
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 pass
 
     def clear(self) -> None:
@@ -214,7 +219,9 @@ class HivemindCollective(Collective):
         opts = dht_options(host_maddrs, announce_maddrs, client_mode, public, identity_path)
         self.dht = start_dht(list(initial_peers), startup_timeout=startup_timeout, **opts)
         self._loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self._loop.run_forever, daemon=True, name="hivemind-comm")
+        self._thread = threading.Thread(
+            target=self._loop.run_forever, daemon=True, name="hivemind-comm"
+        )
         self._thread.start()
         try:
             self._call(self._setup(), timeout=startup_timeout)
@@ -223,7 +230,7 @@ class HivemindCollective(Collective):
             raise
 
     # --- event loop plumbing -------------------------------------------------------------------
-    def _call(self, coro, timeout: float) -> Any:  # noqa: ANN001 - a coroutine
+    def _call(self, coro, timeout: float) -> Any:
         future = asyncio.run_coroutine_threadsafe(coro, self._loop)
         try:
             return future.result(timeout)
@@ -256,7 +263,7 @@ class HivemindCollective(Collective):
             await self._p2p.add_binary_stream_handler(f"{self.prefix}.fetch", self._handle_fetch)
             await self._p2p.add_binary_stream_handler(f"{self.prefix}.state", self._handle_state)
 
-    def register_state(self, get_state, set_state) -> None:  # noqa: ANN001 - callables
+    def register_state(self, get_state, set_state) -> None:
         self._get_state, self._set_state = get_state, set_state
 
     @property
@@ -319,7 +326,7 @@ class HivemindCollective(Collective):
         self._runners.clear()
         self._snapshots.clear()
 
-    def _make_group(self, info) -> _Group:  # noqa: ANN001 - hivemind GroupInfo
+    def _make_group(self, info) -> _Group:
         metas = [msgpack.unpackb(g) for g in info.gathered]
         committed = [int(m[0]) for m in metas]
         return _Group(
@@ -370,7 +377,12 @@ class HivemindCollective(Collective):
                 )
             )
         self._set_state(state)
-        log.info("healed to round %d from %s (%s)", group.round_id, group.peers[source], header["sha256"][:12])
+        log.info(
+            "healed to round %d from %s (%s)",
+            group.round_id,
+            group.peers[source],
+            header["sha256"][:12],
+        )
         self.round_id = group.round_id
         return True
 
@@ -412,7 +424,9 @@ class HivemindCollective(Collective):
         fractions = shard_fractions(total, bandwidths)
         timeout = self.allreduce_timeout
         try:
-            sent = self._call(self._all_reduce(group, key, work, fractions), timeout=3 * timeout + 5)
+            sent = self._call(
+                self._all_reduce(group, key, work, fractions), timeout=3 * timeout + 5
+            )
             self.stats.bytes_sent += sent
             for tensor, summed in zip(tensors, work):
                 summed.mul_(group.size)
@@ -427,7 +441,7 @@ class HivemindCollective(Collective):
             )
         self.stats.comm_seconds += time.perf_counter() - start
 
-    async def _all_reduce(self, group: _Group, key: bytes, work, fractions) -> int:  # noqa: ANN001
+    async def _all_reduce(self, group: _Group, key: bytes, work, fractions) -> int:
         reducers = sum(1 for f in fractions if f > 0)
         runner = CountingAllReduceRunner(
             p2p=self._p2p,
@@ -453,14 +467,16 @@ class HivemindCollective(Collective):
         finally:
             self._runners.pop(key, None)
         if runner.banned_senders:
-            raise CommError(f"senders dropped during all-reduce: {sorted(map(str, runner.banned_senders))}")
+            raise CommError(
+                f"senders dropped during all-reduce: {sorted(map(str, runner.banned_senders))}"
+            )
         return runner.bytes_sent
 
-    async def _wait_runner(self, key: bytes):  # noqa: ANN202 - runner or None
+    async def _wait_runner(self, key: bytes):
         future = self._runners.setdefault(key, self._loop.create_future())
         try:
             return await asyncio.wait_for(asyncio.shield(future), timeout=self.allreduce_timeout)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             return None
 
     def all_gather_bytes(self, payload: bytes) -> list[bytes]:
@@ -474,7 +490,9 @@ class HivemindCollective(Collective):
             return [payload]
         start = time.perf_counter()
         wire = self.authenticator.sign(payload) if self.authenticator else payload
-        got, sent = self._call(self._exchange(group, key, wire, self.gather_timeout), timeout=self.gather_timeout + 10)
+        got, sent = self._call(
+            self._exchange(group, key, wire, self.gather_timeout), timeout=self.gather_timeout + 10
+        )
         self.stats.bytes_sent += sent
         self.rejected = {}
         out: list[bytes] = []
@@ -516,7 +534,7 @@ class HivemindCollective(Collective):
 
         async def push(rank: int) -> int:
             try:
-                header, _ = await asyncio.wait_for(
+                await asyncio.wait_for(
                     self._request(group.peers[rank], "put", {"key": key, "rank": group.me}, [data]),
                     timeout=max(0.1, deadline - time.monotonic()),
                 )
@@ -568,7 +586,9 @@ class HivemindCollective(Collective):
     async def _request(
         self, peer: PeerID, handler: str, header: dict, bodies: list[bytes]
     ) -> tuple[dict, list[bytes]]:
-        _, reader, writer = await self._p2p.call_binary_stream_handler(peer, f"{self.prefix}.{handler}")
+        _, reader, writer = await self._p2p.call_binary_stream_handler(
+            peer, f"{self.prefix}.{handler}"
+        )
         try:
             await send_message(writer, header, bodies)
             return await recv_message(reader)
@@ -576,7 +596,9 @@ class HivemindCollective(Collective):
             writer.close()
 
     # --- handlers (run on the event loop for incoming streams) --------------------------------
-    async def _handle_put(self, _info, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:  # noqa: ANN001
+    async def _handle_put(
+        self, _info, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+    ) -> None:
         try:
             header, bodies = await recv_message(reader)
             self._mailbox.put(bytes(header["key"]), int(header["rank"]), bodies[0])
@@ -586,13 +608,17 @@ class HivemindCollective(Collective):
         finally:
             writer.close()
 
-    async def _handle_fetch(self, _info, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:  # noqa: ANN001
+    async def _handle_fetch(
+        self, _info, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+    ) -> None:
         try:
             header, _ = await recv_message(reader)
-            ranks = set(int(r) for r in header["ranks"])
+            ranks = {int(r) for r in header["ranks"]}
             deadline = time.monotonic() + min(float(header["timeout"]), 600.0)
             group = self._group
-            got = await self._mailbox.wait(bytes(header["key"]), ranks, deadline, group.dead if group else None)
+            got = await self._mailbox.wait(
+                bytes(header["key"]), ranks, deadline, group.dead if group else None
+            )
             order = sorted(got)
             sent = await send_message(writer, {"ranks": order}, [got[r] for r in order])
             if header.get("kind") == "data":
@@ -605,14 +631,18 @@ class HivemindCollective(Collective):
         finally:
             writer.close()
 
-    async def _handle_state(self, _info, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:  # noqa: ANN001
+    async def _handle_state(
+        self, _info, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+    ) -> None:
         try:
             header, _ = await recv_message(reader)
             key = bytes(header["key"])
             future = self._snapshots.setdefault(key, self._loop.create_future())
             try:
-                blob, digest, round_id = await asyncio.wait_for(asyncio.shield(future), self.state_timeout)
-            except asyncio.TimeoutError:
+                blob, digest, round_id = await asyncio.wait_for(
+                    asyncio.shield(future), self.state_timeout
+                )
+            except TimeoutError:
                 await send_message(writer, {"error": "no state snapshot for this round"}, [])
                 return
             self.state_bytes_sent += await send_message(
@@ -665,7 +695,7 @@ class HivemindCollective(Collective):
         self._thread.join(timeout=10)
         self.dht.shutdown()
 
-    def __enter__(self) -> "HivemindCollective":
+    def __enter__(self) -> HivemindCollective:
         return self
 
     def __exit__(self, *exc: object) -> None:

@@ -11,8 +11,9 @@ from __future__ import annotations
 import logging
 import os
 import time
+from collections.abc import Sequence
 from importlib import resources
-from typing import Any, Sequence
+from typing import Any
 
 from farlink.comm.errors import DaemonFailed, PeerUnreachable
 
@@ -23,9 +24,7 @@ LOCAL_ONLY = dict(
     nat_port_map=False, auto_nat=False, use_relay=False, use_auto_relay=False, use_ipfs=False
 )
 # --public: peers behind NAT may be reached through relays and port mapping (never IPFS bootstrap).
-PUBLIC = dict(
-    nat_port_map=True, auto_nat=True, use_relay=True, use_auto_relay=True, use_ipfs=False
-)
+PUBLIC = dict(nat_port_map=True, auto_nat=True, use_relay=True, use_auto_relay=True, use_ipfs=False)
 
 
 def p2pd_path() -> str:
@@ -63,7 +62,7 @@ def validate_initial_peers(initial_peers: Sequence[str]) -> list[str]:
     for addr in initial_peers:
         try:
             maddr = Multiaddr(str(addr))
-        except Exception as exc:  # noqa: BLE001 - multiaddr raises several parse error types
+        except Exception as exc:
             raise PeerUnreachable(
                 f"initial peer {addr!r} is not a valid multiaddress ({exc}). Fix: pass the full "
                 "address printed by `farlink swarm start`, e.g. /ip4/127.0.0.1/tcp/PORT/p2p/PEERID."
@@ -128,7 +127,7 @@ def start_dht(
         ) from exc
 
 
-def translate_daemon_error(text: str, peers: Sequence[str], host_maddrs) -> Exception:  # noqa: ANN001
+def translate_daemon_error(text: str, peers: Sequence[str], host_maddrs) -> Exception:
     if "address already in use" in text:
         return DaemonFailed(
             f"the p2p daemon could not listen on {list(host_maddrs or [])}: port already in use. "

@@ -25,7 +25,7 @@ def make_hivemind_collective(
     public: bool = False,
     port: int = 0,
     **timeouts: Any,
-):  # noqa: ANN201 - HivemindCollective (imported lazily: the CLI stays import-light)
+):
     """The collective a training entry uses; ``timeouts`` go to HivemindCollective as is."""
     from farlink.comm.hivemind_backend import HivemindCollective
 
@@ -39,7 +39,7 @@ def make_hivemind_collective(
     )
 
 
-def register(app: typer.Typer, bench_app: typer.Typer) -> None:  # noqa: ARG001
+def register(app: typer.Typer, bench_app: typer.Typer) -> None:
     swarm = typer.Typer(help="Community mode: a hivemind DHT swarm of volunteer peers.")
     app.add_typer(swarm, name="swarm")
 
@@ -82,7 +82,9 @@ def register(app: typer.Typer, bench_app: typer.Typer) -> None:  # noqa: ARG001
         ] = False,
         public: Annotated[bool, typer.Option(help="Allow NAT traversal and relays.")] = False,
         rounds: Annotated[int, typer.Option(help="Demo rounds to run (0 = until Ctrl-C).")] = 5,
-        min_group_size: Annotated[int, typer.Option(help="Smallest group a round may run with.")] = 2,
+        min_group_size: Annotated[
+            int, typer.Option(help="Smallest group a round may run with.")
+        ] = 2,
         pause: Annotated[float, typer.Option(help="Seconds between rounds.")] = 1.0,
     ) -> None:
         """Join a swarm and run a demo of the collective on small tensors."""
