@@ -31,6 +31,8 @@ def run_variant(label: str, base: dict[str, Any], out: Path, **overrides: Any) -
         "wall_s": max((w["wall_s"] for w in workers), default=0.0),
         "returncodes": result.returncodes,
         "tokens_per_step": cfg.batch_size * cfg.seq_len,
+        "fragments": cfg.fragments if cfg.algorithm == "streaming_diloco" else 1,
+        "overlap_steps": cfg.overlap_steps if cfg.algorithm == "streaming_diloco" else None,
         "per_worker": s["per_worker"],
         "evals": s["evals"],
     }

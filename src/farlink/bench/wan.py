@@ -55,11 +55,45 @@ def run(out: Path, profile: str, steps: int, inner_steps: int, workers: int, fra
         row["utilization_per_worker"] = {w: round(v["compute_utilization"], 3)
                                          for w, v in row["per_worker"].items()}
         rows.append(row)
+    validation = validate_planner(rows, profile, base)
     write_json(out / f"wan-{profile}.json", "wan",
                [{k: v for k, v in r.items() if k != "per_worker"} for r in rows],
                {"profile": profile, "emulation": "in-process: collectives held for "
-                "latency + bytes/bandwidth of the profile (network namespaces not used)"})
+                "latency + bytes/bandwidth of the profile (network namespaces not used)",
+                "planner_validation": validation})
     plot_curves(out / f"wan-{profile}-loss_vs_wall.png",
                 {r["label"]: [(e["wall_s"], e["loss"]) for e in r["evals"]] for r in rows},
                 "wall-clock (s)", "held-out loss", f"{profile} (in-process emulation)")
-    return {"rows": rows}
+    return {"rows": rows, "planner_validation": validation}
+
+
+def validate_planner(rows: list[dict], profile: str, base: dict) -> dict:
+    """The planner's round time and utilization for each measured run, from the run's own
+    measured step time, model size and link profile: predicted vs measured, relative errors."""
+    from farlink.model import preset_config
+    from farlink.plan import load_links, predict_round
+    from farlink.plan.validate import compare
+
+    link = load_links()[profile]
+    n_params = preset_config("tiny").num_parameters()
+    measured, predicted = [], []
+    for r in rows:
+        fastest = min(r["per_worker"].values(), key=lambda w: w["compute_s"] / max(w["tokens"], 1))
+        steps = fastest["tokens"] / r["tokens_per_step"]
+        step_s = fastest["compute_s"] / steps
+        sync_every = 1 if r["algorithm"] in ("ddp", "demo") else r["inner_steps"]
+        rounds = steps / sync_every
+        slowest = max(r["per_worker"].values(), key=lambda w: w["wall_s"] - w["bookkeeping_s"])
+        measured.append({"label": r["label"],
+                         "round_seconds": (slowest["wall_s"] - slowest["bookkeeping_s"]) / rounds,
+                         "utilization": r["compute_utilization"]})
+        codec = {"demo": "dct_topk:64:32"}.get(r["algorithm"], r["codec"].removesuffix("+ef"))
+        codec = "fp32" if codec == "none" else codec
+        pred = predict_round(
+            r["algorithm"], r["workers"], step_s, link.bandwidth_mbit * 1e6, link.latency_ms / 1e3,
+            n_params=n_params, inner_steps=r["inner_steps"], codec=codec,
+            fragments=r.get("fragments", 1), overlap_steps=r.get("overlap_steps"))
+        predicted.append({"label": r["label"], "round_seconds": pred.round_seconds,
+                          "utilization": pred.utilization})
+    result = compare(measured, predicted, ("round_seconds", "utilization"))
+    return {"measured": measured, "predicted": predicted, "errors": result}
