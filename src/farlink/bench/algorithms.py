@@ -26,14 +26,16 @@ def variants(inner_steps: int) -> list[tuple[str, dict]]:
     return out
 
 
-def run(out: Path, steps: int, inner_steps: int, workers: int, only: list[str] | None) -> dict:
+def run(out: Path, steps: int, inner_steps: int, workers: int, only: list[str] | None,
+        reuse: bool = False) -> dict:
     base = {"steps": steps, "workers": workers, "eval_every": 1}
     rows = []
     for label, overrides in variants(inner_steps):
         if only and not any(o in label for o in only):
             continue
         # DDP and DeMo sync every step: evaluate them at the same token points as the others
-        rows.append(run_variant(label, base, out, **{"inner_steps": inner_steps, **overrides}))
+        rows.append(run_variant(label, base, out, reuse=reuse,
+                                **{"inner_steps": inner_steps, **overrides}))
     ddp = next((r for r in rows if r["algorithm"] == "ddp"), None)
     for r in rows:
         if ddp and ddp["bytes_per_worker"] and r["bytes_per_worker"]:

@@ -9,12 +9,33 @@ from farlink.config import RunConfig, load_config
 from farlink.train.launcher import launch
 
 
-def run_variant(label: str, base: dict[str, Any], out: Path, **overrides: Any) -> dict:
-    """Train one variant in ``out/runs/<label>`` and return its summary row."""
+def _finished_summary(cfg: RunConfig) -> dict | None:
+    """A finished run's summary under the same configuration, if there is one (for --reuse)."""
+    import json
+
+    path, saved = cfg.run_dir / "summary.json", cfg.run_dir / "config.json"
+    if not (path.is_file() and saved.is_file()):
+        return None
+    if RunConfig.model_validate_json(saved.read_text()) != cfg:
+        return None
+    summary = json.loads(path.read_text())
+    done = len(summary.get("per_worker", {})) == cfg.workers and summary.get("returncodes") == [
+        0] * cfg.workers
+    return summary if done else None
+
+
+def run_variant(label: str, base: dict[str, Any], out: Path, reuse: bool = False,
+                **overrides: Any) -> dict:
+    """Train one variant in ``out/runs/<label>`` and return its summary row; with ``reuse``, a
+    finished run of the identical configuration is read back instead of trained again."""
     values = {**base, **overrides, "run_dir": out / "runs" / label}
     cfg: RunConfig = load_config(None, values)
-    result = launch(cfg, show_progress=True)
-    s = result.summary
+    s = _finished_summary(cfg) if reuse else None
+    if s is None:
+        result = launch(cfg, show_progress=True)
+        s, codes = result.summary, result.returncodes
+    else:
+        codes = s["returncodes"]
     workers = list(s["per_worker"].values())
     row = {
         "label": label,
@@ -29,7 +50,7 @@ def run_variant(label: str, base: dict[str, Any], out: Path, **overrides: Any) -
         "bytes_per_token": max((w["bytes_per_token"] for w in workers), default=0.0),
         "compute_utilization": min((w["compute_utilization"] for w in workers), default=0.0),
         "wall_s": max((w["wall_s"] for w in workers), default=0.0),
-        "returncodes": result.returncodes,
+        "returncodes": codes,
         "tokens_per_step": cfg.batch_size * cfg.seq_len,
         "fragments": cfg.fragments if cfg.algorithm == "streaming_diloco" else 1,
         "overlap_steps": cfg.overlap_steps if cfg.algorithm == "streaming_diloco" else None,

@@ -197,6 +197,7 @@ def launch(cfg: RunConfig, show_progress: bool = True) -> RunResult:
             bootstrap.shutdown()
     codes = [p.returncode for p in procs]
     summary = summarize(cfg)
+    summary["returncodes"] = codes
     model_path = export_model(cfg)
     if model_path is not None:
         summary["model"] = str(model_path)
