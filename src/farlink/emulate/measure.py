@@ -1,0 +1,71 @@
+"""Measure what an emulated link really delivers, with a real TCP transfer between namespaces.
+
+The probe's server runs in worker ``b``, its client in worker ``a``: RTT is the median of
+one-byte ping-pongs (TCP_NODELAY, so no Nagle or delayed-ACK wait), throughput is ``a`` -> ``b``
+goodput counted at the receiver over a window that starts after a warm-up long enough for TCP
+slow start on that path (about 8 round trips), so the number reflects the link, not the ramp.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import subprocess
+import sys
+from dataclasses import dataclass
+
+from farlink.emulate.probe import LISTENING
+from farlink.emulate.profiles import EmulationError
+from farlink.emulate.topology import Topology
+
+
+@dataclass(frozen=True)
+class LinkMeasurement:
+    throughput_mbit: float  # TCP goodput a -> b
+    rtt_ms: float  # median application-level ping-pong
+    connect_ms: float  # TCP handshake (one round trip plus setup)
+    rtt_samples_ms: tuple[float, ...]
+    expected_throughput_mbit: float | None  # the profile's rate (None: unshaped)
+    expected_rtt_ms: float  # 2 x the path's one-way delay
+
+
+def measure_link(topology: Topology, a: int, b: int, window_s: float = 3.0, pings: int = 10,
+                 port: int | None = None, timeout_s: float = 120.0) -> LinkMeasurement:
+    """RTT and throughput from worker ``a`` to worker ``b`` of a started topology."""
+    if a == b:
+        raise EmulationError("measure_link needs two different workers")
+    topology.check()
+    expected_rtt = 2 * topology.expected_one_way_ms(a, b)
+    warmup = max(0.5, min(4.0, 8 * expected_rtt / 1000))
+    port = port or random.randint(20000, 60000)
+    host = topology.address(b)
+    py = [sys.executable, "-m", "farlink.emulate.probe"]
+    server = topology.spawn(b, [*py, "server", "--host", host, "--port", str(port),
+                                "--warmup", str(warmup), "--window", str(window_s)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert server.stdout is not None
+        line = server.stdout.readline().strip()
+        if line != LISTENING:
+            raise EmulationError(f"probe server did not start: {line} {server.stderr.read()}")
+        client = topology.spawn(a, [*py, "client", "--host", host, "--port", str(port),
+                                    "--seconds", str(warmup + window_s + 1.0),
+                                    "--pings", str(pings)],
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        c_out, c_err = client.communicate(timeout=timeout_s)
+        s_out, s_err = server.communicate(timeout=timeout_s)
+    finally:
+        for proc in (server,):
+            if proc.poll() is None:
+                proc.kill()
+    if client.returncode or server.returncode:
+        raise EmulationError(f"probe failed: client {client.returncode} {c_err.strip()} | "
+                             f"server {server.returncode} {s_err.strip()}")
+    topology.check()
+    c, s = json.loads(c_out.splitlines()[-1]), json.loads(s_out.splitlines()[-1])
+    return LinkMeasurement(
+        throughput_mbit=s["throughput_mbit"], rtt_ms=c["rtt_ms"], connect_ms=c["connect_ms"],
+        rtt_samples_ms=tuple(c["rtt_samples_ms"]),
+        expected_throughput_mbit=topology.expected_throughput_mbit(a, b),
+        expected_rtt_ms=expected_rtt,
+    )
