@@ -1,0 +1,35 @@
+"""Wide-area links on one machine.
+
+Two levels, clearly distinct in reports:
+
+* namespace emulation (:class:`Topology`): real packets through veth pairs, tbf shaping and an
+  NFQUEUE delayer, between processes in per-worker network namespaces (needs root);
+* in-process emulation (:class:`ShapedLink`, :class:`ShapedCollective`): callers are held as
+  long as their bytes would take; for fast tests and machines without namespaces.
+
+Names resolve lazily so ``farlink --help`` does not import torch.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+_EXPORTS = {
+    "LinkProfile": "profiles", "PROFILES": "profiles", "get_profile": "profiles",
+    "scaled": "profiles", "EmulationError": "profiles",
+    "Capabilities": "capabilities", "detect_capabilities": "capabilities",
+    "Topology": "topology",
+    "LinkMeasurement": "measure", "measure_link": "measure",
+    "cleanup_stale": "registry", "ForeignResourceError": "registry",
+    "WorkerHandle": "launch", "launch_workers": "launch", "start_lighthouse": "launch",
+    "wait_for_port": "launch", "wait_all": "launch",
+    "ShapedLink": "shaper", "ShapedCollective": "shaper",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> object:
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'farlink.emulate' has no attribute {name!r}")
+    return getattr(importlib.import_module(f"farlink.emulate.{_EXPORTS[name]}"), name)
