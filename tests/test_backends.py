@@ -35,11 +35,13 @@ def test_three_peers_agree_and_learn_on_each_backend(tmp_path: Path, cache_dir: 
     assert result.summary["final_heldout_loss"] < 6.0  # from ln(512) = 6.24 at init
 
 
-def test_hivemind_dense_allreduce_keeps_replicas_within_rounding(tmp_path: Path,
-                                                                 cache_dir: Path) -> None:
+def test_hivemind_fp32_run_keeps_replicas_bit_identical(tmp_path: Path, cache_dir: Path) -> None:
     cfg = load_config(None, {**BASE, "backend": "hivemind", "workers": 2, "min_replicas": 2,
                              "run_dir": tmp_path / "run", "cache_dir": cache_dir})
     assert launch(cfg, show_progress=False).returncodes == [0, 0]
+    # hivemind's butterfly all-reduce is exact only up to rounding, so plain fp32 updates go
+    # through the gathered path there: every replica decodes the same bytes
+    audit = audit_run(cfg.run_dir)
+    assert audit["consistent"] and audit["outer_steps"] >= 3, audit
     a, b = (load_file(str(cfg.run_dir / "final" / f"w{i}.safetensors")) for i in range(2))
-    # butterfly all-reduce hands each peer avg - own as a delta: equal up to float rounding
-    assert max(float((a[k] - b[k]).abs().max()) for k in a) < 1e-6
+    assert all((a[k] == b[k]).all() for k in a)

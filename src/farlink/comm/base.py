@@ -43,6 +43,11 @@ class CommStats:
 class Collective(ABC):
     """A fault-tolerant group of peers that runs one outer round at a time."""
 
+    #: whether ``all_reduce_sum`` returns bit-identical sums on every participant; when not
+    #: (hivemind's butterfly hands out averages as deltas), exchanges use the gathered path so
+    #: replicas stay bit-identical
+    exact_all_reduce: bool = True
+
     def __init__(self) -> None:
         self.stats = CommStats()
         # in-process link emulation: (bytes/s, one-way seconds) or None for the real link only

@@ -166,6 +166,8 @@ class _Mailbox:
 class HivemindCollective(Collective):
     """A worker of a community run; see the module docstring for the protocol and byte formula."""
 
+    exact_all_reduce = False  # the butterfly hands each peer its average as a delta
+
     def __init__(
         self,
         run_id: str,

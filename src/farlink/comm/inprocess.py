@@ -40,7 +40,7 @@ class InProcessGroup:
         self.shared_state: dict | None = None
         self._members = [InProcessCollective(self, i) for i in range(size)]
 
-    def member(self, rank: int) -> "InProcessCollective":
+    def member(self, rank: int) -> InProcessCollective:
         return self._members[rank]
 
     def exchange(self, rank: int, value: object) -> list[object]:

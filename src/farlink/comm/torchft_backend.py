@@ -120,7 +120,7 @@ class TorchftCollective(Collective):
                     allow_heal=True, timeout=timedelta(seconds=self.attempt_timeout)
                 )
                 return
-            except Exception as exc:  # noqa: BLE001 - gRPC/timeout errors from the quorum RPC
+            except Exception as exc:
                 self.manager._quorum_future = None
                 if time.monotonic() + delay > deadline:
                     raise QuorumUnavailable(
