@@ -31,7 +31,7 @@ def run(out: Path, steps: int, inner_steps: int, workers: int, only: list[str] |
     base = {"steps": steps, "workers": workers, "eval_every": 1}
     rows = []
     for label, overrides in variants(inner_steps):
-        if only and not any(o in label for o in only):
+        if only and not any(label == o[1:] if o.startswith("=") else o in label for o in only):
             continue
         # DDP and DeMo sync every step: evaluate them at the same token points as the others
         rows.append(run_variant(label, base, out, reuse=reuse,

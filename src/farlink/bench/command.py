@@ -29,12 +29,14 @@ def register(app: typer.Typer, bench_app: typer.Typer) -> None:
         steps: int = typer.Option(600, help="inner steps per worker (the token budget)"),
         inner_steps: int = typer.Option(100, help="H for the local-update algorithms"),
         workers: int = typer.Option(4, help="worker processes"),
-        only: list[str] | None = typer.Option(None, help="run only labels containing this"),
+        only: list[str] | None = typer.Option(
+            None, help="run only labels containing this (=LABEL: exactly this label)"),
+        reuse: bool = typer.Option(False, help="read back finished runs of the same config"),
     ) -> None:
         """Every algorithm and codec for the same token budget: loss vs tokens and vs bytes."""
         from farlink.bench.algorithms import run
 
-        result = run(out, steps, inner_steps, workers, only)
+        result = run(out, steps, inner_steps, workers, only, reuse)
         print_rows(result["rows"], ["label", "final_heldout_loss", "loss_vs_ddp",
                                     "bytes_per_worker", "bytes_reduction_vs_ddp",
                                     "compute_utilization", "wall_s"], "farlink bench algorithms")
