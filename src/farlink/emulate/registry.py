@@ -136,13 +136,14 @@ def _stop_processes_in(namespace: str, grace_s: float = 2.0) -> None:
                 pass
         deadline = time.monotonic() + grace_s
         while pids and time.monotonic() < deadline:
-            pids = [p for p in pids if process_start_ticks(p) is not None and _not_zombie(p)]
+            pids = [p for p in pids if process_running(p)]
             time.sleep(0.05)
         if not pids:
             return
 
 
-def _not_zombie(pid: int) -> bool:
+def process_running(pid: int) -> bool:
+    """Exists and is not a zombie (an orphan's exit is reaped by init, maybe later)."""
     try:
         stat = Path(f"/proc/{pid}/stat").read_text()
     except FileNotFoundError:
