@@ -123,3 +123,19 @@ def register(app: typer.Typer, bench_app: typer.Typer) -> None:
         print_rows(result["rows"], ["label", "final_heldout_loss", "bytes_per_token",
                                     "peak_round_bytes", "compute_utilization", "wall_s"],
                    f"farlink bench wan --profile {profile}")
+
+    @bench_app.command("backends")
+    def backends(
+        out: Path = typer.Option(Path("bench/backends"), help="output directory"),
+        steps: int = typer.Option(200, help="inner steps per worker"),
+        inner_steps: int = typer.Option(20, help="H"),
+        workers: int = typer.Option(3, help="worker processes"),
+        codec: str = typer.Option("int8", help="codec of the pseudo-gradients"),
+    ) -> None:
+        """The same DiLoCo scenario on torchft and on hivemind, side by side."""
+        from farlink.bench.backends import run
+
+        result = run(out, steps, inner_steps, workers, codec)
+        print_rows(result["rows"], ["label", "mean_round_s", "bytes_per_worker",
+                                    "compute_utilization", "final_heldout_loss", "wall_s"],
+                   "farlink bench backends")
