@@ -92,11 +92,11 @@ def test_cleanup_on_exit_and_on_exception() -> None:
         delayers = list(topo._delayers.values())
     assert not namespaces_with(prefix) and not marker.exists()
     assert all(p.poll() is not None for p in delayers)
-    with pytest.raises(RuntimeError, match="boom"):
-        with Topology(2, scaled("intercontinental", 20)) as topo:
-            prefix = topo.prefix
-            topo.spawn(0, ["sleep", "60"])
-            raise RuntimeError("boom")
+    with pytest.raises(RuntimeError, match="boom"), \
+            Topology(2, scaled("intercontinental", 20)) as topo:
+        prefix = topo.prefix
+        topo.spawn(0, ["sleep", "60"])
+        raise RuntimeError("boom")
     assert not namespaces_with(prefix)
     assert host_state() == before
 

@@ -26,7 +26,13 @@ _EXPORTS = {
     "ShapedLink": "shaper", "ShapedCollective": "shaper",
 }
 
-__all__ = sorted(_EXPORTS)
+__all__ = [  # noqa: RUF022 - grouped by module, like _EXPORTS
+    "LinkProfile", "PROFILES", "get_profile", "scaled", "EmulationError",
+    "Capabilities", "detect_capabilities", "Topology", "LinkMeasurement", "measure_link",
+    "cleanup_stale", "ForeignResourceError", "WorkerHandle", "launch_workers",
+    "start_lighthouse", "wait_for_port", "wait_all", "ShapedLink", "ShapedCollective",
+]
+assert set(__all__) == set(_EXPORTS)
 
 
 def __getattr__(name: str) -> object:

@@ -37,9 +37,10 @@ class Capabilities:
 
 def _effective_caps() -> int:
     try:
-        for line in open("/proc/self/status"):
-            if line.startswith("CapEff:"):
-                return int(line.split()[1], 16)
+        with open("/proc/self/status") as status:
+            for line in status:
+                if line.startswith("CapEff:"):
+                    return int(line.split()[1], 16)
     except OSError:
         pass
     return 0

@@ -36,7 +36,7 @@ def parse_rules(text: str) -> dict[bytes, tuple[float, float, float]]:
     """``{"a.b.c.d": [delay_s, jitter_s, loss]}`` -> packed address -> tuple, validated."""
     raw = json.loads(text)
     if not isinstance(raw, dict):
-        raise ValueError("rules must be a JSON object of address -> [delay_s, jitter_s, loss]")
+        raise TypeError("rules must be a JSON object of address -> [delay_s, jitter_s, loss]")
     rules: dict[bytes, tuple[float, float, float]] = {}
     for addr, spec in raw.items():
         delay, jitter, loss = (float(x) for x in spec)
@@ -55,7 +55,7 @@ def serve(queue_num: int, rules: dict[bytes, tuple[float, float, float]], seed: 
     seq = 0
     clock = time.monotonic
 
-    def on_packet(packet) -> None:  # noqa: ANN001 - netfilterqueue.Packet
+    def on_packet(packet) -> None:
         nonlocal seq
         header = packet.get_payload()
         rule = rules.get(header[12:16]) if len(header) >= 20 else None
@@ -84,7 +84,7 @@ def serve(queue_num: int, rules: dict[bytes, tuple[float, float, float]], seed: 
     parent = os.getppid()
     stop = False
 
-    def on_term(signum, frame) -> None:  # noqa: ANN001
+    def on_term(signum, frame) -> None:
         nonlocal stop
         stop = True
 

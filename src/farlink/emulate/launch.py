@@ -84,7 +84,7 @@ def start_lighthouse(topology: Topology, min_replicas: int, port: int = 29510,
     if not Path(binary).exists():
         raise EmulationError("torchft_lighthouse not found (pip install torchft)")
     host = topology.router_address
-    out = open(log_path, "ab") if log_path else subprocess.DEVNULL
+    out = open(log_path, "ab") if log_path else subprocess.DEVNULL  # noqa: SIM115 - child keeps it
     proc = topology.spawn_router(
         [binary, "--bind", f"{host}:{port}", "--min_replicas", str(min_replicas),
          "--join_timeout_ms", str(int(join_timeout_s * 1000)),

@@ -27,7 +27,7 @@ KIND = "in-process emulation"
 SPIN_S = 0.002
 
 
-def sleep_until(deadline: float, clock=time.perf_counter) -> None:  # noqa: ANN001
+def sleep_until(deadline: float, clock=time.perf_counter) -> None:
     """Block until ``clock() >= deadline``: ``time.sleep`` overshoots by up to a scheduler tick,
     so sleep short and spin for the last couple of milliseconds."""
     while True:
@@ -126,6 +126,6 @@ class ShapedCollective(Collective):
     def close(self) -> None:
         self.inner.close()
 
-    def register_state(self, get_state, set_state) -> None:  # noqa: ANN001
+    def register_state(self, get_state, set_state) -> None:
         super().register_state(get_state, set_state)
         self.inner.register_state(get_state, set_state)

@@ -28,7 +28,7 @@ APT = {"ip": "iproute2", "tc": "iproute2", "iptables": "iptables"}
 
 def run(argv: list[str], check: bool = True, timeout: float = 30.0) -> subprocess.CompletedProcess:
     log.debug("run %s", " ".join(argv))
-    proc = subprocess.run(argv, capture_output=True, text=True, timeout=timeout)
+    proc = subprocess.run(argv, capture_output=True, text=True, timeout=timeout, check=False)
     if check and proc.returncode != 0:
         raise EmulationError(f"`{' '.join(argv)}` failed ({proc.returncode}): {proc.stderr.strip()}")
     return proc
@@ -81,6 +81,6 @@ def ip_batch(ns: str, lines: list[str]) -> None:
         return
     argv = [tool("ip"), "-n", ns, "-batch", "-"]
     proc = subprocess.run(argv, input="\n".join(lines) + "\n", capture_output=True, text=True,
-                          timeout=60)
+                          timeout=60, check=False)
     if proc.returncode != 0:
         raise EmulationError(f"`{' '.join(argv)}` failed: {proc.stderr.strip()}")

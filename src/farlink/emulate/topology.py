@@ -47,6 +47,9 @@ MAX_WORKERS = 250
 BRIDGE = "flkbr0"
 MIN_BURST_BYTES = 96 * 1024  # above one 64 KiB GSO segment, so tbf never has to split one
 TCP_BUFFER_MAX = 64 << 20  # socket autotuning headroom for large bandwidth-delay products
+# Every delayed packet passes through a Python callback: measured 100-300 Mbit/s per receiving
+# namespace depending on machine load. Above this, shaped rates are not what arrives.
+DELAYER_CEILING_MBIT = 150.0
 
 
 def _mac(kind: int, index: int) -> str:
@@ -143,7 +146,7 @@ class Topology:
         }
 
     # ---- lifecycle ----------------------------------------------------------------------
-    def __enter__(self) -> Topology:
+    def __enter__(self) -> Topology:  # noqa: PYI034 - subclasses are not expected
         self.start()
         return self
 
@@ -298,6 +301,12 @@ class Topology:
         plans = [p for p in plans if p[2]]
         if not plans:
             return
+        fast = [f"w{i} ({p.name})" for i, p in enumerate(self.profiles)
+                if (p.download_mbit or float("inf")) > DELAYER_CEILING_MBIT]
+        if fast:
+            log.warning("delayed links faster than ~%g Mbit/s are capped by the user-space "
+                        "delayer: %s; use profiles.scaled() for rate-accurate runs",
+                        DELAYER_CEILING_MBIT, ", ".join(fast))
         from farlink.emulate.capabilities import nfqueue_problem
 
         problem = nfqueue_problem()
