@@ -24,7 +24,7 @@ def within(measured: float, expected: float, tol: float = 0.2) -> bool:
     return abs(measured - expected) <= tol * expected
 
 
-@pytest.mark.parametrize("nbytes,hops", [(1_000_000, 1), (250_000, 4), (0, 2)])
+@pytest.mark.parametrize("nbytes,hops", [(1_000_000, 1), (250_000, 4), (0, 5)])
 def test_send_takes_latency_plus_serialization(nbytes: int, hops: int) -> None:
     link = ShapedLink(LinkProfile(80, 20.0))
     expected = hops * 0.020 + nbytes * 8 / 80e6
