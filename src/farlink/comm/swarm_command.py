@@ -59,10 +59,10 @@ def register(app: typer.Typer, bench_app: typer.Typer) -> None:
         except CommError as exc:
             typer.echo(f"error: {exc}", err=True)
             raise typer.Exit(2) from exc
-        typer.echo("bootstrap peer running; join with --initial-peers and one of:")
-        for addr in maddrs:
-            typer.echo(addr)
-        try:
+        try:  # Ctrl-C may arrive while the addresses are still being printed
+            typer.echo("bootstrap peer running; join with --initial-peers and one of:")
+            for addr in maddrs:
+                typer.echo(addr)
             while dht.is_alive():
                 time.sleep(1.0)
         except KeyboardInterrupt:
