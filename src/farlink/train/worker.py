@@ -193,7 +193,7 @@ class Worker:
         return evaluate(self.model, self.heldout)
 
     # --- the loop ------------------------------------------------------------------------------
-    def _at_boundary(self, step: int, start: float) -> None:
+    def _at_boundary(self, step: int) -> None:
         """Every H inner steps (token-aligned for every algorithm): checkpoint and evaluate."""
         cfg, algo = self.cfg, self.algo
         t0 = time.perf_counter()
@@ -217,7 +217,7 @@ class Worker:
 
     def run(self, stop: StopRequested) -> int:
         cfg, algo = self.cfg, self.algo
-        start = self.loop_start = time.time()
+        self.loop_start = time.time()
         self.metrics.write("start", worker=self.replica_id, params=self.model.num_parameters(),
                            inner_steps=algo.inner_steps_done, pid=os.getpid())
         loss_value = float("nan")
@@ -261,7 +261,7 @@ class Worker:
             elif step % cfg.log_every == 0 or (outcome.synced and not outcome.committed):
                 self.metrics.write("step", **fields)
             if algo.at_boundary(outcome) or algo.finished():
-                self._at_boundary(step, start)
+                self._at_boundary(step)
             if cfg.stop_at_step is not None and step >= cfg.stop_at_step:
                 stop.flag = True
         pending = algo.finish()
