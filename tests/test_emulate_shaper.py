@@ -64,7 +64,7 @@ def test_downlink_and_loss_are_charged() -> None:
 def test_unshaped_link_does_not_wait() -> None:
     t = time.perf_counter()
     ShapedLink("loopback").send(10**9)
-    assert time.perf_counter() - t < 0.01
+    assert time.perf_counter() - t < 0.2  # 1 GB through a shaped link would take seconds
 
 
 def test_shaped_collective_on_inprocess_backend() -> None:
