@@ -164,15 +164,7 @@ def test_codec_decode_survives_mutation(codec_name, tensor, data):
         assert out.shape == tensor.shape and out.dtype == tensor.dtype
 
 
-# Known bug, reported to the codec owners: DctTopKCodec.encode_coefficients reshapes a
-# 0-element tensor with reshape(n_chunks, -1) and raises RuntimeError.
-_EMPTY_ENCODE_BUGS = {"dct_topk"}
-
-
-@pytest.mark.parametrize("codec_name", [
-    pytest.param(n, marks=pytest.mark.xfail(raises=RuntimeError, reason="encode of an empty "
-                                            "tensor crashes (reported)"))
-    if n in _EMPTY_ENCODE_BUGS else n for n in CODEC_NAMES])
+@pytest.mark.parametrize("codec_name", CODEC_NAMES)
 @pytest.mark.parametrize("shape", [(0,), (3, 0), (0, 4, 2)])
 def test_codec_roundtrips_empty_tensors(codec_name, shape):
     codec = CODECS[codec_name](None)

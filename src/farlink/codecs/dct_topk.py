@@ -103,7 +103,9 @@ class DctTopKCodec(Codec):
         layout = self.layout(tensor.shape)
         flat = as_flat_float32(tensor)
         require_finite(flat, self.name)
-        coeffs = dct_chunks(to_chunks(flat, layout), layout).reshape(layout.n_chunks, -1)
+        coeffs = dct_chunks(to_chunks(flat, layout), layout).reshape(
+            layout.n_chunks, layout.coefficients_per_chunk
+        )
         k = self.k_for(layout)
         indices = torch.from_numpy(top_indices(coeffs.abs().numpy(), k))
         values = to_wire(torch.gather(coeffs, 1, indices), self.value_dtype).float()
