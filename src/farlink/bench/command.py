@@ -115,11 +115,20 @@ def register(app: typer.Typer, bench_app: typer.Typer) -> None:
         workers: int = typer.Option(4, help="worker processes"),
         fragments: int = typer.Option(4, help="Streaming DiLoCo fragments"),
         only: list[str] | None = typer.Option(None, help="run only labels containing this"),
+        emulation: str = typer.Option(
+            "auto", help="netns (namespaces, tc, NFQUEUE delay), inprocess, or auto: netns "
+            "where permitted, else in-process with a message"),
+        bandwidth_mbit: float | None = typer.Option(
+            None, help="netns: the profile's delay at this rate (the user-space delayer tops out "
+            "near 150 Mbit/s)"),
     ) -> None:
         """DDP vs DiLoCo vs Streaming DiLoCo vs DeMo on an emulated WAN link."""
         from farlink.bench.wan import run
 
-        result = run(out, profile, steps, inner_steps, workers, fragments, only)
+        if emulation not in ("auto", "netns", "inprocess"):
+            raise typer.BadParameter("choose auto, netns or inprocess", param_hint="--emulation")
+        result = run(out, profile, steps, inner_steps, workers, fragments, only, emulation,
+                     bandwidth_mbit)
         print_rows(result["rows"], ["label", "final_heldout_loss", "bytes_per_token",
                                     "peak_round_bytes", "compute_utilization", "wall_s"],
                    f"farlink bench wan --profile {profile}")

@@ -25,14 +25,15 @@ def _finished_summary(cfg: RunConfig) -> dict | None:
 
 
 def run_variant(label: str, base: dict[str, Any], out: Path, reuse: bool = False,
-                **overrides: Any) -> dict:
+                network: Any = None, **overrides: Any) -> dict:
     """Train one variant in ``out/runs/<label>`` and return its summary row; with ``reuse``, a
-    finished run of the identical configuration is read back instead of trained again."""
+    finished run of the identical configuration is read back instead of trained again; with
+    ``network`` (a started emulate.Topology), the workers run inside its namespaces."""
     values = {**base, **overrides, "run_dir": out / "runs" / label}
     cfg: RunConfig = load_config(None, values)
     s = _finished_summary(cfg) if reuse else None
     if s is None:
-        result = launch(cfg, show_progress=True)
+        result = launch(cfg, show_progress=True, network=network)
         s, codes = result.summary, result.returncodes
     else:
         codes = s["returncodes"]

@@ -1,11 +1,14 @@
 """``farlink bench wan --profile NAME``: DDP, DiLoCo, Streaming DiLoCo and DeMo on one emulated
 wide-area link, same token budget, side by side.
 
-The link is emulated in-process (every collective is held for ``hops x latency + bytes /
-bandwidth`` of the named profile on top of the real loopback transfer); the report says so. It
-reports per worker: compute utilization (inner compute / wall-clock, evaluation and checkpoints
-set aside), bytes sent per token, wall-clock, held-out loss, and the peak bytes a single round put
-on the wire (Streaming DiLoCo's point: about 1/P of DiLoCo's).
+Where the machine allows it (root, namespaces, tc, NFQUEUE), every variant runs with each worker in
+its own network namespace behind the profile's shaped, delayed link and the Lighthouse in the
+router namespace: real packets on a real (emulated) WAN. Elsewhere it falls back, with a message,
+to in-process emulation (every collective is held for ``hops x latency + bytes / bandwidth`` on
+top of the loopback transfer). The report names the emulation used. It reports per worker:
+compute utilization (inner compute / wall-clock, evaluation and checkpoints set aside), bytes sent
+per token, wall-clock, held-out loss, and the peak bytes a single round put on the wire
+(Streaming DiLoCo's point: about 1/P of DiLoCo's).
 """
 
 from __future__ import annotations
@@ -41,40 +44,76 @@ def variants(inner_steps: int, fragments: int) -> list[tuple[str, dict]]:
     ]
 
 
+def choose_emulation(requested: str) -> tuple[str, str]:
+    """("netns" or "inprocess", why): namespaces when asked or when ``auto`` finds them usable."""
+    if requested == "inprocess":
+        return "inprocess", "requested"
+    from farlink.emulate import detect_capabilities
+
+    caps = detect_capabilities()
+    if caps.full:
+        return "netns", "namespaces, tc and NFQUEUE available"
+    if requested == "netns":
+        raise SystemExit(f"network namespace emulation unavailable: {caps.reason}")
+    return "inprocess", caps.reason
+
+
 def run(out: Path, profile: str, steps: int, inner_steps: int, workers: int, fragments: int,
-        only: list[str] | None = None) -> dict:
-    base = {"workers": workers, "steps": steps, "inner_steps": inner_steps,
-            "emulate_link": profile, "eval_batches": 8}
+        only: list[str] | None = None, emulation: str = "auto",
+        bandwidth_mbit: float | None = None) -> dict:
+    from rich.console import Console
+
+    from farlink.emulate import get_profile, scaled
+
+    link = scaled(profile, bandwidth_mbit) if bandwidth_mbit else get_profile(profile)
+    mode, why = choose_emulation(emulation)
+    if mode == "inprocess" and emulation == "auto":
+        Console(stderr=True).print(f"[yellow]namespaces not usable ({why}); emulating the link "
+                                   "in-process on loopback instead[/]")
+    if mode == "inprocess" and bandwidth_mbit:
+        raise SystemExit("--bandwidth-mbit applies to namespace emulation only")
+    base = {"workers": workers, "steps": steps, "inner_steps": inner_steps, "eval_batches": 8,
+            "emulate_link": profile if mode == "inprocess" else None}
     rows = []
     for label, overrides in variants(inner_steps, fragments):
         if only and not any(o in label for o in only):
             continue
-        row = run_variant(f"{profile}-{label}", base, out, **overrides)
-        row["profile"] = profile
-        row["peak_round_bytes"] = peak_round_bytes(out / "runs" / f"{profile}-{label}")
+        run_label = f"{link.name}-{label}"
+        if mode == "netns":
+            from farlink.emulate import Topology
+
+            with Topology(workers, link) as network:
+                row = run_variant(run_label, base, out, network=network, **overrides)
+        else:
+            row = run_variant(run_label, base, out, **overrides)
+        row["profile"] = link.name
+        row["peak_round_bytes"] = peak_round_bytes(out / "runs" / run_label)
         row["utilization_per_worker"] = {w: round(v["compute_utilization"], 3)
                                          for w, v in row["per_worker"].items()}
         rows.append(row)
-    validation = validate_planner(rows, profile, base)
-    write_json(out / f"wan-{profile}.json", "wan",
+    described = (f"network namespaces: each worker behind a veth with tc tbf at "
+                 f"{link.bandwidth_mbit:g} Mbit/s and {link.delay_ms:g} ms one-way delay "
+                 "(NFQUEUE), Lighthouse in the router namespace" if mode == "netns" else
+                 "in-process: collectives held for latency + bytes/bandwidth of the profile "
+                 f"(network namespaces not used: {why})")
+    validation = validate_planner(rows, link.bandwidth_mbit or 0.0, link.delay_ms)
+    write_json(out / f"wan-{link.name}.json", "wan",
                [{k: v for k, v in r.items() if k != "per_worker"} for r in rows],
-               {"profile": profile, "emulation": "in-process: collectives held for "
-                "latency + bytes/bandwidth of the profile (network namespaces not used)",
+               {"profile": link.name, "emulation": described, "emulation_mode": mode,
                 "planner_validation": validation})
-    plot_curves(out / f"wan-{profile}-loss_vs_wall.png",
+    plot_curves(out / f"wan-{link.name}-loss_vs_wall.png",
                 {r["label"]: [(e["wall_s"], e["loss"]) for e in r["evals"]] for r in rows},
-                "wall-clock (s)", "held-out loss", f"{profile} (in-process emulation)")
-    return {"rows": rows, "planner_validation": validation}
+                "wall-clock (s)", "held-out loss", f"{link.name} ({mode} emulation)")
+    return {"rows": rows, "planner_validation": validation, "emulation": mode}
 
 
-def validate_planner(rows: list[dict], profile: str, base: dict) -> dict:
+def validate_planner(rows: list[dict], bandwidth_mbit: float, latency_ms: float) -> dict:
     """The planner's round time and utilization for each measured run, from the run's own
     measured step time, model size and link profile: predicted vs measured, relative errors."""
     from farlink.model import preset_config
-    from farlink.plan import load_links, predict_round
+    from farlink.plan import predict_round
     from farlink.plan.validate import compare
 
-    link = load_links()[profile]
     n_params = preset_config("tiny").num_parameters()
     measured, predicted = [], []
     for r in rows:
@@ -90,7 +129,7 @@ def validate_planner(rows: list[dict], profile: str, base: dict) -> dict:
         codec = {"demo": "dct_topk:64:32"}.get(r["algorithm"], r["codec"].removesuffix("+ef"))
         codec = "fp32" if codec == "none" else codec
         pred = predict_round(
-            r["algorithm"], r["workers"], step_s, link.bandwidth_mbit * 1e6, link.latency_ms / 1e3,
+            r["algorithm"], r["workers"], step_s, bandwidth_mbit * 1e6, latency_ms / 1e3,
             n_params=n_params, inner_steps=r["inner_steps"], codec=codec,
             fragments=r.get("fragments", 1), overlap_steps=r.get("overlap_steps"))
         predicted.append({"label": r["label"], "round_seconds": pred.round_seconds,

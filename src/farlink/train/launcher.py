@@ -17,6 +17,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import tomli_w
 from rich.console import Console
@@ -25,6 +26,9 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, Ti
 from farlink.config import RunConfig, to_toml_dict
 from farlink.train.lighthouse import Lighthouse
 from farlink.train.metrics import read_metrics
+
+if TYPE_CHECKING:
+    from farlink.emulate.topology import Topology
 
 console = Console(stderr=True)
 
@@ -51,16 +55,21 @@ def worker_command(run_dir: Path, index: int, lighthouse: str, resume: bool,
 
 
 def spawn_worker(cfg: RunConfig, index: int, lighthouse: str, resume: bool,
-                 extra_env: dict[str, str] | None = None, join: bool = False) -> subprocess.Popen:
+                 extra_env: dict[str, str] | None = None, join: bool = False,
+                 network: Topology | None = None) -> subprocess.Popen:
+    """Start worker ``index``; with ``network``, inside its namespace of the emulated WAN (its
+    environment then names the veth Gloo must bind and the address peers reach it at)."""
     logs = cfg.run_dir / "logs"
     logs.mkdir(parents=True, exist_ok=True)
-    env = {**os.environ, "OMP_NUM_THREADS": str(cfg.threads), **(extra_env or {})}
+    env = {"OMP_NUM_THREADS": str(cfg.threads), **(extra_env or {})}
     out = open(logs / f"w{index}.log", "ab")
-    return subprocess.Popen(
-        worker_command(cfg.run_dir, index, lighthouse, resume, join),
-        stdout=out, stderr=subprocess.STDOUT, env=env,
-        start_new_session=True,  # Ctrl-C reaches the launcher only; it stops workers in order
-    )
+    argv = worker_command(cfg.run_dir, index, lighthouse, resume, join)
+    # a new session: Ctrl-C reaches the launcher only, and it stops workers in order
+    if network is not None:
+        return network.spawn(index, argv, {**network.worker_env(index), **env}, stdout=out,
+                             stderr=subprocess.STDOUT, start_new_session=True)
+    return subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT,
+                            env={**os.environ, **env}, start_new_session=True)
 
 
 def summarize(cfg: RunConfig) -> dict:
@@ -138,7 +147,12 @@ def _stop_all(procs: list[subprocess.Popen], grace: float = 20.0) -> None:
             p.wait()
 
 
-def launch(cfg: RunConfig, show_progress: bool = True) -> RunResult:
+def launch(cfg: RunConfig, show_progress: bool = True,
+           network: Topology | None = None) -> RunResult:
+    """Run ``cfg`` to the end (or Ctrl-C). With ``network`` (a started
+    :class:`~farlink.emulate.Topology`), every worker runs in its own namespace behind the
+    emulated WAN and the Lighthouse in the router namespace, so all traffic crosses real shaped,
+    delayed links."""
     from farlink.data import prepare_data
 
     if not cfg.resume and (cfg.run_dir / "metrics").exists():
@@ -151,7 +165,9 @@ def launch(cfg: RunConfig, show_progress: bool = True) -> RunResult:
         f"model {cfg.model} | corpus {cfg.corpus}: {len(data.train):,} train / "
         f"{len(data.heldout):,} held-out tokens | run dir {cfg.run_dir}"
     )
-    lighthouse = bootstrap = None
+    if network is not None and cfg.backend != "torchft":
+        raise ValueError("runs inside emulated namespaces use the torchft backend")
+    lighthouse = bootstrap = router_lighthouse = None
     address = cfg.lighthouse
     if cfg.backend == "hivemind":
         address = cfg.initial_peers
@@ -161,13 +177,20 @@ def launch(cfg: RunConfig, show_progress: bool = True) -> RunResult:
             bootstrap, maddrs = start_bootstrap_peer(cfg.host)
             address = ",".join(maddrs)
             console.print(f"swarm bootstrap peer: {maddrs[0]}")
+    elif address is None and network is not None:
+        from farlink.emulate.launch import start_lighthouse
+
+        router_lighthouse, address = start_lighthouse(
+            network, cfg.min_replicas, join_timeout_s=cfg.join_timeout,
+            heartbeat_timeout_s=cfg.heartbeat_timeout, log_path=cfg.run_dir / "lighthouse.log")
     elif address is None:
         lighthouse = Lighthouse(
             cfg.host, min_replicas=cfg.min_replicas, join_timeout=cfg.join_timeout,
             heartbeat_timeout=cfg.heartbeat_timeout, log_path=cfg.run_dir / "lighthouse.log",
         ).start()
         address = lighthouse.address
-    procs = [spawn_worker(cfg, i, address, cfg.resume) for i in range(cfg.workers)]
+    procs = [spawn_worker(cfg, i, address, cfg.resume, network=network)
+             for i in range(cfg.workers)]
     interrupted = False
     total = cfg.steps * cfg.workers
     columns = [TextColumn("[bold blue]{task.description}"), BarColumn(),
@@ -193,6 +216,8 @@ def launch(cfg: RunConfig, show_progress: bool = True) -> RunResult:
         _stop_all(procs)
         if lighthouse is not None:
             lighthouse.stop()
+        if router_lighthouse is not None:
+            _stop_all([router_lighthouse], grace=5.0)
         if bootstrap is not None:
             bootstrap.shutdown()
     codes = [p.returncode for p in procs]

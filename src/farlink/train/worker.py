@@ -38,6 +38,12 @@ class StopRequested:
         self.flag = True
 
 
+def advertised_host(cfg: RunConfig) -> str:
+    """The address peers reach this worker at: inside an emulated WAN namespace, the
+    namespace's own address (the launcher sets ``FARLINK_EMULATED_HOST``), else ``--host``."""
+    return os.environ.get("FARLINK_EMULATED_HOST") or cfg.host
+
+
 def build_collective(cfg: RunConfig, replica_id: str, lighthouse: str):
     if cfg.backend == "torchft":
         from farlink.comm.torchft_backend import TorchftCollective
@@ -45,7 +51,7 @@ def build_collective(cfg: RunConfig, replica_id: str, lighthouse: str):
         return TorchftCollective(
             replica_id=replica_id,
             lighthouse_addr=lighthouse,
-            host=cfg.host,
+            host=advertised_host(cfg),
             min_replicas=cfg.min_replicas,
             round_timeout=cfg.round_timeout,
             quorum_timeout=cfg.quorum_timeout,
@@ -59,7 +65,7 @@ def build_collective(cfg: RunConfig, replica_id: str, lighthouse: str):
         return HivemindCollective(
             run_id=f"farlink-{cfg.run_dir.name}",
             initial_peers=peers,
-            host_maddrs=[tcp_maddr(cfg.host, 0)],
+            host_maddrs=[tcp_maddr(advertised_host(cfg), 0)],
             min_group_size=cfg.min_replicas,
             target_group_size=cfg.group_size,
             round_timeout=cfg.quorum_timeout,
