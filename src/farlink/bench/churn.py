@@ -44,7 +44,9 @@ def run_with_churn(cfg: RunConfig, kills_per_100: float, max_kills: int, seed: i
                             log_path=cfg.run_dir / "lighthouse.log").start()
     procs = {i: spawn_worker(cfg, i, lighthouse.address, resume=False) for i in range(cfg.workers)}
     every = 100.0 / kills_per_100 if kills_per_100 > 0 else float("inf")
-    next_kill, kills, events = every, 0, []
+    # kills fall in the middle of each interval of `every` rounds, so a run of exactly
+    # 100 / rate rounds still sees its kill (at the interval's end it would be past the last)
+    next_kill, kills, events = every / 2, 0, []
     deadline = time.time() + timeout
     try:
         while any(p.poll() is None for p in procs.values()):
