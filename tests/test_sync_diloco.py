@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import threading
 
 import pytest
 import torch
@@ -17,24 +16,7 @@ from farlink.sync.exchange import Exchange
 
 def run_members(n: int, fn):  # noqa: ANN001, ANN201
     """Run fn(rank, collective) in n threads; re-raise the first failure."""
-    group = InProcessGroup(n)
-    results, errors = [None] * n, []
-
-    def target(rank: int) -> None:
-        try:
-            results[rank] = fn(rank, group.member(rank))
-        except BaseException as exc:  # noqa: BLE001
-            errors.append(exc)
-            group.barrier.abort()
-
-    threads = [threading.Thread(target=target, args=(r,)) for r in range(n)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=60)
-    if errors:
-        raise errors[0]
-    return results
+    return InProcessGroup(n).run(fn)
 
 
 def make_algo(name: str, collective, codec: str = "none", **overrides):  # noqa: ANN001, ANN201

@@ -41,43 +41,30 @@ def test_fragment_schedule_is_staggered_and_avoids_h_boundaries() -> None:
 
 def _run(n: int, cfg: RunConfig, link: LinkModel | None, steps: int):  # noqa: ANN202
     group = InProcessGroup(n, link)
-    out, errors = [None] * n, []
     init_lock = threading.Lock()  # the global RNG is shared by threads: seed+init atomically
 
-    def member(rank: int) -> None:
-        try:
-            with init_lock:
-                model = Blocks()
-            coll = group.member(rank)
-            ex = Exchange(coll, make_compressor(cfg.codec), sender=f"p{rank}")
-            algo = StreamingDiLoCo(model, cfg, coll, ex)
-            gen = torch.Generator().manual_seed(rank + 1)
-            snapshots, compute, comm = [], 0.0, 0.0
-            for _ in range(steps):
-                t0 = time.perf_counter()
-                x = torch.randn(16, 8, generator=gen)
-                loss = (model(x) - x).pow(2).mean()
-                loss.backward()
-                time.sleep(0.01)  # a step of "compute"
-                outcome = algo.step(16)
-                comm += outcome.comm_seconds
-                compute += time.perf_counter() - t0 - outcome.comm_seconds
-                if outcome.synced:
-                    snapshots.append([g.clone() for g in algo.global_params])
-            algo.finish()
-            out[rank] = (snapshots, compute, comm, coll.stats.bytes_sent)
-        except BaseException as exc:  # noqa: BLE001
-            errors.append(exc)
-            group.barrier.abort()
+    def member(rank: int, coll):  # noqa: ANN001, ANN202
+        with init_lock:
+            model = Blocks()
+        ex = Exchange(coll, make_compressor(cfg.codec), sender=f"p{rank}")
+        algo = StreamingDiLoCo(model, cfg, coll, ex)
+        gen = torch.Generator().manual_seed(rank + 1)
+        snapshots, compute, comm = [], 0.0, 0.0
+        for _ in range(steps):
+            t0 = time.perf_counter()
+            x = torch.randn(16, 8, generator=gen)
+            loss = (model(x) - x).pow(2).mean()
+            loss.backward()
+            time.sleep(0.01)  # a step of "compute"
+            outcome = algo.step(16)
+            comm += outcome.comm_seconds
+            compute += time.perf_counter() - t0 - outcome.comm_seconds
+            if outcome.synced:
+                snapshots.append([g.clone() for g in algo.global_params])
+        algo.finish()
+        return snapshots, compute, comm, coll.stats.bytes_sent
 
-    threads = [threading.Thread(target=member, args=(r,)) for r in range(n)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=120)
-    if errors:
-        raise errors[0]
-    return out
+    return group.run(member, timeout=120)
 
 
 def test_replicas_agree_on_global_fragments_after_every_round() -> None:

@@ -10,11 +10,15 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TypeVar
 
 import torch
 
 from farlink.comm.base import Collective, RoundInfo, ring_allgather_bytes, ring_allreduce_bytes
+
+T = TypeVar("T")
 
 
 @dataclass
@@ -42,6 +46,31 @@ class InProcessGroup:
 
     def member(self, rank: int) -> InProcessCollective:
         return self._members[rank]
+
+    def run(self, fn: Callable[[int, InProcessCollective], T], timeout: float = 60.0) -> list[T]:
+        """``fn(rank, member)`` for every member, each in its own thread; their results in rank
+        order. The first failure aborts the rendezvous (so no member waits forever on a dead
+        one) and is re-raised here."""
+        results: list = [None] * self.size
+        errors: list[BaseException] = []
+
+        def target(rank: int) -> None:
+            try:
+                results[rank] = fn(rank, self.member(rank))
+            except BaseException as exc:  # noqa: BLE001 - handed to the caller below
+                errors.append(exc)
+                self.barrier.abort()
+
+        threads = [threading.Thread(target=target, args=(r,)) for r in range(self.size)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=timeout)
+        if errors:
+            raise errors[0]
+        if any(t.is_alive() for t in threads):
+            raise TimeoutError(f"in-process members still running after {timeout:.0f}s")
+        return results
 
     def exchange(self, rank: int, value: object) -> list[object]:
         self.barrier.wait()
