@@ -93,7 +93,8 @@ def run(out: Path, profile: str, steps: int, inner_steps: int, workers: int, fra
         rows.append(row)
     described = (f"network namespaces: each worker behind a veth with tc tbf at "
                  f"{link.bandwidth_mbit:g} Mbit/s and {link.delay_ms:g} ms one-way delay "
-                 "(NFQUEUE), Lighthouse in the router namespace" if mode == "netns" else
+                 "(NFQUEUE), Lighthouse in the router namespace, WAN-tuned TCP (buffers for the "
+                 "bandwidth-delay product, no slow start after idle)" if mode == "netns" else
                  "in-process: collectives held for latency + bytes/bandwidth of the profile "
                  f"(network namespaces not used: {why})")
     validation = validate_planner(rows, link.bandwidth_mbit or 0.0, link.delay_ms)

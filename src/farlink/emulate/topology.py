@@ -79,6 +79,7 @@ class Topology:
         overrides: Mapping[int, str | LinkProfile] | None = None,
         *,
         seed: int = 0,
+        wan_tuned_tcp: bool = True,
     ) -> None:
         if not 1 <= n_workers <= MAX_WORKERS:
             raise EmulationError(f"n_workers must be in 1..{MAX_WORKERS}, got {n_workers}")
@@ -91,6 +92,7 @@ class Topology:
             get_profile(overrides.get(i, profile)) for i in range(n_workers)
         ]
         self.seed = seed
+        self.wan_tuned_tcp = wan_tuned_tcp  # False: Linux defaults (slow start after idle)
         self.record: registry.RunRecord | None = None
         self._delayers: dict[str, subprocess.Popen] = {}
         self._procs: list[subprocess.Popen] = []
@@ -237,8 +239,13 @@ class Topology:
                 f"addr add {self.address(i)}/24 dev {self.ifname(i)}",
             ])
             buf = f"4096 131072 {TCP_BUFFER_MAX}"
+            # Hosts set up for long-fat links, as a WAN training deployment tunes them: socket
+            # buffers that can hold a bandwidth-delay product, and a congestion window kept
+            # across the idle gap between outer rounds (by default Linux restarts slow start
+            # after one RTO of silence, costing each round ~log2(bytes / 14 KB) extra RTTs).
             sysnet.netns_exec(ns, "sysctl", "-q", "-w", f"net.ipv4.tcp_rmem={buf}",
-                              f"net.ipv4.tcp_wmem={buf}")
+                              f"net.ipv4.tcp_wmem={buf}",
+                              f"net.ipv4.tcp_slow_start_after_idle={0 if self.wan_tuned_tcp else 1}")
         self._static_neighbours()
         self._shape()
         self._start_delayers()
