@@ -3,13 +3,19 @@ uninterrupted one on the same schedule (parameters, optimizer states, data posit
 
 from __future__ import annotations
 
+import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
 
+import pytest
 from safetensors.torch import load_file
 
 from farlink.config import load_config
 from farlink.train.checkpoint import latest_checkpoint, load_checkpoint
 from farlink.train.launcher import launch
+from farlink.train.metrics import read_metrics
 
 BASE = {"vocab_size": 512, "seq_len": 64, "batch_size": 4, "eval_batches": 2, "workers": 2,
         "steps": 40, "inner_steps": 10, "warmup_steps": 5, "join_timeout": 10}
@@ -37,3 +43,35 @@ def test_resumed_run_matches_uninterrupted_run_bit_for_bit(tmp_path: Path,
         assert a.keys() == b.keys()
         for name in a:
             assert (a[name] == b[name]).all(), f"{worker}:{name} differs after resume"
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_ctrl_c_or_kill_of_farlink_train_stops_workers_and_keeps_checkpoints(
+        tmp_path: Path, cache_dir: Path, sig: signal.Signals) -> None:
+    """`farlink train` interrupted mid-run (Ctrl-C, or `kill`): every worker stops between
+    steps, the last committed checkpoint of each is intact, and the run says how to resume."""
+    run_dir = tmp_path / "run"
+    flags = [f"--{k.replace('_', '-')}={v}" for k, v in {**BASE, "steps": 400}.items()]
+    proc = subprocess.Popen(
+        [sys.executable, "-c", "from farlink.cli import main; main()", "train", *flags,
+         "--run-dir", str(run_dir), "--cache-dir", str(cache_dir)],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 180
+        while not all(latest_checkpoint(run_dir / "checkpoints" / w) for w in ("w0", "w1")):
+            assert proc.poll() is None and time.monotonic() < deadline, "no checkpoint written"
+            time.sleep(0.5)
+        pids = [r["pid"] for w in ("w0", "w1")
+                for r in read_metrics(run_dir / "metrics" / f"{w}.jsonl") if r["kind"] == "start"]
+        proc.send_signal(sig)
+        out, _ = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert "--resume" in out, out
+    for pid in pids:  # the workers are gone, not orphaned
+        assert not Path(f"/proc/{pid}").exists() or "zombie" in Path(
+            f"/proc/{pid}/status").read_text(), f"worker {pid} still running"
+    for w in ("w0", "w1"):
+        _, meta = load_checkpoint(latest_checkpoint(run_dir / "checkpoints" / w))
+        assert meta["inner_steps"] % BASE["inner_steps"] == 0 and meta["inner_steps"] < 400
+        assert not (run_dir / "final" / f"{w}.safetensors").exists()
