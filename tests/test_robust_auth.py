@@ -129,6 +129,20 @@ def test_membership_proofs(keydir):
             hub.check_proof(c4, joiner.prove(c4))
 
 
+def test_proof_bound_to_context(keydir):
+    """A proof made for one (prover, verifier) pair fails for any other: a third party that
+    relays a member's proof to someone else gets nowhere."""
+    for kind, (hub, joiner, _) in _all_kinds(keydir).items():
+        c = hub.make_challenge()
+        assert hub.check_proof(c, joiner.prove(c, b"alice>hub"), b"alice>hub") == joiner.peer_id
+        c = hub.make_challenge()
+        with pytest.raises(AuthError):
+            hub.check_proof(c, joiner.prove(c, b"alice>mallory"), b"mallory>hub")
+        c = hub.make_challenge()
+        with pytest.raises(AuthError):  # context is not optional once the verifier expects one
+            hub.check_proof(c, joiner.prove(c), b"alice>hub"), kind
+
+
 def test_challenge_expiry_and_tampering(keydir):
     hub, joiner, _ = _all_kinds(keydir)["secret"]
     hub.challenge_window = 0.05

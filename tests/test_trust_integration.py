@@ -1,12 +1,20 @@
-"""Trust with real processes: a peer holding the wrong run secret, and a peer sending NaN/huge
-updates, are rejected by the honest peers, who keep agreeing and learning."""
+"""Trust with real processes: a peer holding the wrong run secret (or a key the run never
+listed) is refused at the Lighthouse gate and never enters a round, and a peer sending NaN/huge
+updates is rejected by the honest peers, who keep agreeing and learning."""
 
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
+import time
 from pathlib import Path
 
+import pytest
+
 from farlink.config import load_config
+from farlink.robust.auth import run_authenticator
+from farlink.robust.keys import generate_keypair
 from farlink.train.audit import audit_run
 from farlink.train.launcher import _stop_all, spawn_worker, summarize, write_run_config
 from farlink.train.lighthouse import Lighthouse
@@ -17,13 +25,20 @@ BASE = {"vocab_size": 512, "seq_len": 64, "batch_size": 4, "eval_batches": 2, "w
         "auth": "secret", "codec": "int8"}
 
 
-def run_three(cfg, envs: dict[int, dict[str, str]]) -> list[int]:  # noqa: ANN001
+def gated_lighthouse(cfg, log_path: Path | None = None) -> Lighthouse:
+    return Lighthouse(min_replicas=3, join_timeout=10, log_path=log_path,
+                      authenticator=run_authenticator(cfg, "gate", verifier=True)).start()
+
+
+def run_three(cfg, envs: dict[int, dict[str, str]], extra: int = 0) -> list[int]:
+    """Three workers of ``cfg`` (plus ``extra`` more, indices 3..) against a gated Lighthouse."""
     from farlink.data import prepare_data
 
     write_run_config(cfg)
     prepare_data(cfg.corpus, cfg.vocab_size, cfg.cache_dir)
-    lighthouse = Lighthouse(min_replicas=3, join_timeout=10).start()
-    procs = [spawn_worker(cfg, i, lighthouse.address, False, envs.get(i)) for i in range(3)]
+    lighthouse = gated_lighthouse(cfg, cfg.run_dir / "lighthouse.log")
+    procs = [spawn_worker(cfg, i, lighthouse.address, False, envs.get(i))
+             for i in range(3 + extra)]
     try:
         for p in procs:
             p.wait(timeout=600)
@@ -42,22 +57,134 @@ def honest_fingerprints(run_dir: Path, workers: list[str]) -> dict[int, set[str]
     return out
 
 
-def test_wrong_secret_peer_is_refused_and_run_goes_on(tmp_path: Path, cache_dir: Path) -> None:
+def test_wrong_secret_peer_is_refused_at_the_gate(tmp_path: Path, cache_dir: Path) -> None:
     cfg = load_config(None, {**BASE, "run_dir": tmp_path / "run", "cache_dir": cache_dir,
                              "secret": "the-run-secret"})
-    codes = run_three(cfg, {2: {"FARLINK_SECRET": "a-wrong-secret"}})
-    assert codes == [0, 0, 0]
-    ledger = json.loads((cfg.run_dir / "ledger" / "w0.json").read_text())
-    peers = ledger["peers"]
-    # an unverifiable message has no trustworthy sender: it is booked under its rank
-    assert "w2" not in peers
-    assert peers["rank2"]["updates_rejected"] == 3 and peers["rank2"]["updates_accepted"] == 0
-    assert peers["rank2"]["rejections"] == {"AuthError": 3}
-    assert peers["w1"]["updates_accepted"] == 3
-    fps = honest_fingerprints(cfg.run_dir, ["w0", "w1"])
-    assert len(fps) == 3 and all(len(f) == 1 for f in fps.values())  # honest replicas agree
-    evals = summarize(cfg)["evals"]
-    assert evals[-1]["loss"] < 6.0
+    codes = run_three(cfg, {3: {"FARLINK_SECRET": "a-wrong-secret"}}, extra=1)
+    assert codes[:3] == [0, 0, 0]
+    assert codes[3] != 0  # refused: a clear error, not a hang
+    log = (cfg.run_dir / "logs" / "w3.log").read_text()
+    assert "refused this peer" in log and "wrong run secret" in log and "Fix:" in log
+    assert not (cfg.run_dir / "metrics" / "w3.jsonl").exists()  # never trained, never synced
+    gate_log = (cfg.run_dir / "gate.log").read_text()
+    assert "refused" in gate_log and "'w3'" in gate_log
+    honest = ["w0", "w1", "w2"]
+    syncs = [r for w in honest for r in read_metrics(cfg.run_dir / "metrics" / f"{w}.jsonl")
+             if r["kind"] == "sync"]
+    assert syncs and all(r["committed"] and r["world_size"] == 3 for r in syncs)
+    fps = honest_fingerprints(cfg.run_dir, honest)
+    assert len(fps) == 3 and all(len(f) == 1 for f in fps.values())  # replicas agree
+    ledger = json.loads((cfg.run_dir / "ledger" / "w0.json").read_text())["peers"]
+    assert set(ledger) == {"w0", "w1", "w2"}  # the ledger books the members only
+    assert all(p["updates_accepted"] == 3 and p["updates_rejected"] == 0 for p in ledger.values())
+    assert summarize(cfg)["evals"][-1]["loss"] < 6.0
+
+
+def test_unlisted_key_is_refused_by_farlink_join(tmp_path: Path, cache_dir: Path) -> None:
+    """ed25519: a joiner whose key is valid but not in the run's --allowed-keys gets a clear
+    error and a non-zero exit from `farlink join`, within a bounded time."""
+    from farlink.data import prepare_data
+
+    members = tmp_path / "members"
+    generate_keypair(members / "alice.key")
+    generate_keypair(tmp_path / "mallory.key")
+    run_cfg = load_config(None, {**BASE, "auth": "ed25519", "allowed_keys": members,
+                                 "run_dir": tmp_path / "run", "cache_dir": cache_dir})
+    prepare_data(run_cfg.corpus, run_cfg.vocab_size, run_cfg.cache_dir)
+    # mallory's own config lists her own key, so her side raises no local complaint
+    impostor = load_config(None, {**BASE, "auth": "ed25519",
+                                  "key_file": tmp_path / "mallory.key",
+                                  "allowed_keys": tmp_path / "mallory.key.pub",
+                                  "run_dir": tmp_path / "mallory", "cache_dir": cache_dir})
+    write_run_config(impostor)
+    lighthouse = gated_lighthouse(run_cfg, tmp_path / "lighthouse.log")
+    try:
+        start = time.monotonic()
+        proc = subprocess.run(
+            [sys.executable, "-m", "farlink.cli", "join", "--lighthouse", lighthouse.address,
+             "--config", str(impostor.run_dir / "config.toml"), "--index", "3"],
+            check=False, capture_output=True, text=True, timeout=120)
+        elapsed = time.monotonic() - start
+    finally:
+        refusals = lighthouse.gate.refusals if lighthouse.gate else []
+        lighthouse.stop()
+    assert proc.returncode != 0, proc.stdout + proc.stderr
+    assert "not a member of this run" in proc.stderr and "--allowed-keys" in proc.stderr
+    assert elapsed < 60
+    assert len(refusals) == 1 and "unknown key" in refusals[0][1]
+
+
+def test_member_joins_mid_run_and_heals_through_gates(tmp_path: Path, cache_dir: Path) -> None:
+    """With --auth the healing transfer also goes through gates: a member that joins late
+    downloads the live peers' state through their checkpoint gates and then contributes."""
+    from farlink.bench.churn import committed_outer_steps
+    from farlink.data import prepare_data
+
+    cfg = load_config(None, {**BASE, "run_dir": tmp_path / "run", "cache_dir": cache_dir,
+                             "secret": "the-run-secret", "steps": 200, "eval_every": 10,
+                             "min_replicas": 2, "join_timeout": 5})
+    write_run_config(cfg)
+    prepare_data(cfg.corpus, cfg.vocab_size, cfg.cache_dir)
+    lighthouse = Lighthouse(min_replicas=2, join_timeout=5, log_path=cfg.run_dir / "lh.log",
+                            authenticator=run_authenticator(cfg, "gate", verifier=True)).start()
+    procs = [spawn_worker(cfg, i, lighthouse.address, False) for i in range(2)]
+    try:
+        deadline = time.time() + 300
+        while committed_outer_steps(cfg.run_dir) < 2:
+            assert time.time() < deadline, "the first two workers made no progress"
+            time.sleep(0.5)
+        with open(tmp_path / "join.log", "wb") as join_log:
+            procs.append(subprocess.Popen(
+                [sys.executable, "-m", "farlink.cli", "join", "--lighthouse", lighthouse.address,
+                 "--config", str(cfg.run_dir / "config.toml"), "--index", "2"],
+                stdout=join_log, stderr=subprocess.STDOUT))
+        for p in procs:
+            p.wait(timeout=600)
+    finally:
+        _stop_all(procs)
+        lighthouse.stop()
+    assert [p.returncode for p in procs] == [0, 0, 0], (tmp_path / "join.log").read_text()[-3000:]
+    records = read_metrics(cfg.run_dir / "metrics" / "w2.jsonl")
+    join = next(r for r in records if r["kind"] == "join")
+    assert join["committed"] and join["healed"] and join["outer_step"] >= 3
+    syncs = [r for r in records if r["kind"] == "sync" and r["committed"]]
+    assert syncs and all(r["world_size"] == 3 for r in syncs)
+    assert audit_run(cfg.run_dir)["consistent"]
+
+
+@pytest.mark.slow  # about 50 s: three worker processes, each with its own p2p daemon
+def test_hivemind_wrong_secret_peer_is_refused(tmp_path: Path, cache_dir: Path) -> None:
+    """Community mode: two members train; a third peer with the wrong secret is refused by the
+    swarm's DHT at bootstrap (clear error, non-zero exit) and never appears in a group."""
+    from farlink.comm.hivemind_admission import RunAuthorizer
+    from farlink.comm.hivemind_net import start_bootstrap_peer
+    from farlink.data import prepare_data
+
+    cfg = load_config(None, {**BASE, "backend": "hivemind", "workers": 2, "min_replicas": 2,
+                             "run_dir": tmp_path / "run", "cache_dir": cache_dir,
+                             "secret": "the-run-secret"})
+    write_run_config(cfg)
+    prepare_data(cfg.corpus, cfg.vocab_size, cfg.cache_dir)
+    boot, maddrs = start_bootstrap_peer(
+        authorizer=RunAuthorizer(run_authenticator(cfg, "bootstrap")))
+    peers = ",".join(maddrs)
+    procs = [spawn_worker(cfg, i, peers, False) for i in range(2)]
+    procs.append(spawn_worker(cfg, 2, peers, False, {"FARLINK_SECRET": "a-wrong-secret"}))
+    try:
+        for p in procs:
+            p.wait(timeout=600)
+    finally:
+        _stop_all(procs)
+        boot.shutdown()
+    codes = [p.returncode for p in procs]
+    assert codes[:2] == [0, 0] and codes[2] != 0, codes
+    log = (cfg.run_dir / "logs" / "w2.log").read_text()
+    assert "wrong run secret" in log and "Fix:" in log
+    assert not (cfg.run_dir / "metrics" / "w2.jsonl").exists()
+    syncs = [r for w in ("w0", "w1") for r in read_metrics(cfg.run_dir / "metrics" / f"{w}.jsonl")
+             if r["kind"] == "sync"]
+    assert syncs and all(r["committed"] and r["world_size"] == 2 for r in syncs)
+    assert audit_run(cfg.run_dir)["consistent"]
 
 
 def test_nan_and_scaled_attackers_are_screened(tmp_path: Path, cache_dir: Path) -> None:

@@ -23,3 +23,8 @@ class PeerUnreachable(CommError):
 
 class RoundTimeout(CommError):
     """Matchmaking or a collective did not complete within its timeout."""
+
+
+class MembershipRefused(PeerUnreachable):
+    """A run with ``--auth``: the initial peers did not accept this peer (down, or they refused
+    its membership proof)."""

@@ -30,6 +30,10 @@ Byte accounting (``stats.bytes_sent``, per worker, payload bytes without protobu
   ``P * (K - [this worker accepts connections])``, plus, for a member serving client-mode peers,
   the payloads it sends them (everything except the client's own).
 Votes go to ``control_bytes_sent`` and state transfers to ``state_bytes_sent``.
+
+Membership (``admission``, a run with ``--auth``): the DHT signs and checks every RPC through
+hivemind's authorizer hook, and every averaging RPC and farlink stream is refused to a peer that
+has not proven membership; see :mod:`farlink.comm.hivemind_admission`.
 """
 
 from __future__ import annotations
@@ -52,7 +56,6 @@ import msgpack
 import torch
 from hivemind.averaging.allreduce import AveragingMode
 from hivemind.averaging.control import StepControl
-from hivemind.averaging.matchmaking import Matchmaking
 from hivemind.p2p import P2PContext, PeerID, ServicerBase
 from hivemind.proto import averaging_pb2
 from hivemind.utils import MPFuture, get_dht_time
@@ -60,6 +63,7 @@ from hivemind.utils.asyncio import achain, anext, as_aiter, azip
 
 from farlink.comm.base import Collective, RoundInfo
 from farlink.comm.errors import CommError, RoundTimeout
+from farlink.comm.hivemind_admission import Admission, AdmittingMatchmaking, RunAuthorizer
 from farlink.comm.hivemind_allreduce import (
     CountingAllReduceRunner,
     part_size_bytes,
@@ -90,12 +94,18 @@ class _Servicer(ServicerBase):
     async def rpc_join_group(
         self, request: averaging_pb2.JoinRequest, context: P2PContext
     ) -> AsyncIterator[averaging_pb2.MessageFromLeader]:
+        if not self.owner._admitted(context.remote_id, "join request"):
+            yield averaging_pb2.MessageFromLeader(code=averaging_pb2.PROTOCOL_VIOLATION)
+            return
         async for response in self.owner._matchmaking.rpc_join_group(request, context):
             yield response
 
     async def rpc_aggregate_part(
         self, stream: AsyncIterator[averaging_pb2.AveragingData], context: P2PContext
     ) -> AsyncIterator[averaging_pb2.AveragingData]:
+        if not self.owner._admitted(context.remote_id, "all-reduce part"):
+            yield averaging_pb2.AveragingData(code=averaging_pb2.PROTOCOL_VIOLATION)
+            return
         request = await anext(stream)
         runner = await self.owner._wait_runner(request.group_id)
         if runner is None:
@@ -187,6 +197,7 @@ class HivemindCollective(Collective):
         state_timeout: float = 60.0,
         bandwidth: float = 1.0,
         authenticator: Authenticator | None = None,
+        admission: Authenticator | None = None,
         identity_path: str | None = None,
         public: bool = False,
         startup_timeout: float = 30.0,
@@ -206,6 +217,8 @@ class HivemindCollective(Collective):
         self.gather_timeout, self.commit_timeout = gather_timeout, commit_timeout
         self.state_timeout = state_timeout
         self.authenticator = authenticator
+        self.admission_auth = admission
+        self.admission: Admission | None = None
         self.round_id = 0  # rounds this worker has committed (or adopted by healing)
         self.control_bytes_sent = 0
         self.state_bytes_sent = 0
@@ -219,6 +232,8 @@ class HivemindCollective(Collective):
         self._closed = False
 
         opts = dht_options(host_maddrs, announce_maddrs, client_mode, public, identity_path)
+        if admission is not None:  # hivemind's own hook: every DHT RPC signed and checked
+            opts["authorizer"] = RunAuthorizer(admission)
         self.dht = start_dht(list(initial_peers), startup_timeout=startup_timeout, **opts)
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(
@@ -247,7 +262,10 @@ class HivemindCollective(Collective):
         self._runners: dict[bytes, asyncio.Future] = {}
         self._snapshots: dict[bytes, asyncio.Future] = {}
         self._servicer = _Servicer(self)
-        self._matchmaking = Matchmaking(
+        if self.admission_auth is not None:
+            timeout = max(5.0, 5 * self.request_timeout)
+            self.admission = Admission(self.admission_auth, self._p2p, self.prefix, timeout)
+        self._matchmaking = AdmittingMatchmaking(
             self._p2p,
             hashlib.sha256(self.prefix.encode()).digest(),
             self.dht,
@@ -258,8 +276,11 @@ class HivemindCollective(Collective):
             min_matchmaking_time=self.matchmaking_time,
             request_timeout=self.request_timeout,
             client_mode=self.client_mode,
+            admission=self.admission,
         )
         if not self.client_mode:  # client-mode peers accept no incoming streams
+            if self.admission is not None:
+                await self.admission.add_handler()
             await self._servicer.add_p2p_handlers(self._p2p, namespace=self.prefix)
             await self._p2p.add_binary_stream_handler(f"{self.prefix}.put", self._handle_put)
             await self._p2p.add_binary_stream_handler(f"{self.prefix}.fetch", self._handle_fetch)
@@ -312,7 +333,8 @@ class HivemindCollective(Collective):
                     step.set_result(None)
         group = self._make_group(group_info)
         self._group = group
-        healed = self._heal(group)
+        self._admit_group(group)
+        healed = self._heal(group) if group.ok else False
         self._info = RoundInfo(
             round_id=group.round_id,
             rank=group.me,
@@ -399,6 +421,44 @@ class HivemindCollective(Collective):
         future = self._snapshots.setdefault(key, self._loop.create_future())
         if not future.done():
             future.set_result((blob, digest, round_id))
+
+    # --- membership ----------------------------------------------------------------------------
+    def _admitted(self, peer: PeerID, what: str) -> bool:
+        """Whether ``peer`` may call this handler (always, in a run without --auth)."""
+        return self.admission is None or self.admission.admitted(peer, what)
+
+    @staticmethod
+    async def _refuse_stream(writer: asyncio.StreamWriter) -> None:
+        try:
+            await send_message(writer, {"error": "not a member of this run"}, [])
+        except Exception as exc:  # noqa: BLE001 - the refused peer may be gone already
+            log.debug("refusal not delivered: %r", exc)
+        finally:
+            writer.close()
+
+    def _admit_group(self, group: _Group) -> None:
+        """Prove every groupmate this peer will send to (and this peer to it) before the round's
+        first byte; a groupmate that fails fails the round. Client-mode groupmates cannot be
+        dialed: they prove themselves when they contact us, and are refused until they do."""
+        if self.admission is None:
+            return
+        others = [group.peers[r] for r in group.servers() if r != group.me]
+
+        async def check_all() -> list:
+            return await asyncio.gather(*(self.admission.ensure(p) for p in others),
+                                        return_exceptions=True)
+
+        try:
+            results = self._call(check_all(), timeout=self.admission.timeout + 5)
+        except Exception as exc:  # noqa: BLE001 - the loop call itself timed out
+            results = [exc] * len(others)
+        failed = {str(p): r for p, r in zip(others, results) if isinstance(r, BaseException)}
+        if failed:
+            self._fail(CommError(
+                f"groupmates did not prove membership in round {group.round_id}: "
+                + "; ".join(f"{p}: {e!r}" for p, e in failed.items())
+                + ". The round is discarded; a non-member cannot take part."
+            ))
 
     # --- collectives ---------------------------------------------------------------------------
     def _current(self) -> _Group:
@@ -535,6 +595,10 @@ class HivemindCollective(Collective):
         targets = [r for r in group.servers() if r != group.me]
 
         async def push(rank: int) -> int:
+            if self.admission is not None and group.peers[rank] not in self.admission.members:
+                group.dead.add(rank)  # never send to a groupmate that has not proven membership
+                self._mailbox.changed.set()
+                return 0
             try:
                 await asyncio.wait_for(
                     self._request(group.peers[rank], "put", {"key": key, "rank": group.me}, [data]),
@@ -557,6 +621,8 @@ class HivemindCollective(Collective):
         else:
             server = self._server_for(group, group.me)
             got = {}
+            if self.admission is not None and group.peers[server] not in self.admission.members:
+                return got, sum(await pushes)
             try:
                 header, bodies = await asyncio.wait_for(
                     self._request(
@@ -601,6 +667,9 @@ class HivemindCollective(Collective):
     async def _handle_put(
         self, _info, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
     ) -> None:
+        if not self._admitted(_info.peer_id, "put"):
+            await self._refuse_stream(writer)
+            return
         try:
             header, bodies = await recv_message(reader)
             self._mailbox.put(bytes(header["key"]), int(header["rank"]), bodies[0])
@@ -613,6 +682,9 @@ class HivemindCollective(Collective):
     async def _handle_fetch(
         self, _info, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
     ) -> None:
+        if not self._admitted(_info.peer_id, "fetch"):
+            await self._refuse_stream(writer)
+            return
         try:
             header, _ = await recv_message(reader)
             ranks = {int(r) for r in header["ranks"]}
@@ -636,6 +708,9 @@ class HivemindCollective(Collective):
     async def _handle_state(
         self, _info, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
     ) -> None:
+        if not self._admitted(_info.peer_id, "state request"):
+            await self._refuse_stream(writer)
+            return
         try:
             header, _ = await recv_message(reader)
             key = bytes(header["key"])

@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from importlib import resources
 from typing import Any
 
-from farlink.comm.errors import DaemonFailed, PeerUnreachable
+from farlink.comm.errors import DaemonFailed, MembershipRefused, PeerUnreachable
 
 log = logging.getLogger(__name__)
 
@@ -114,8 +114,25 @@ def start_dht(
                 return hivemind.DHT(
                     initial_peers=peers or None, start=True, startup_timeout=startup_timeout, **opts
                 )
-            except P2PDaemonError as exc:
-                error = translate_daemon_error(str(exc), peers, opts.get("host_maddrs"))
+            except (P2PDaemonError, RuntimeError) as exc:
+                if isinstance(exc, P2PDaemonError):
+                    error = translate_daemon_error(str(exc), peers, opts.get("host_maddrs"))
+                elif opts.get("authorizer") is not None and "bootstrap failed" in str(exc):
+                    error = MembershipRefused(
+                        f"none of the initial peers {list(peers)} accepted this peer into the "
+                        "run's DHT: they are unreachable, or they refused its signed requests "
+                        "(wrong run secret / key not in --allowed-keys). Fix: check the "
+                        "addresses, and that this peer uses the run's --auth with its secret "
+                        "(--secret or FARLINK_SECRET) or a --key-file listed in --allowed-keys."
+                    )
+                elif "bootstrap failed" in str(exc):
+                    error = PeerUnreachable(
+                        f"none of the initial peers {list(peers)} answered this peer's DHT "
+                        "requests. Fix: check that they run and are reachable; if the run uses "
+                        "--auth, start this peer with the same --auth and its secret or key."
+                    )
+                else:
+                    raise
                 if not isinstance(error, PeerUnreachable) or attempt == connect_attempts:
                     raise error from exc
                 log.warning("initial peers unreachable (attempt %d), retrying", attempt)
@@ -151,8 +168,16 @@ def translate_daemon_error(text: str, peers: Sequence[str], host_maddrs) -> Exce
     )
 
 
-def start_bootstrap_peer(host: str = "127.0.0.1", port: int = 0, public: bool = False):
-    """A DHT peer others can join, and the full multiaddresses to give them."""
+def start_bootstrap_peer(host: str = "127.0.0.1", port: int = 0, public: bool = False,
+                         authorizer: Any = None):
+    """A DHT peer others can join, and the full multiaddresses to give them.
+
+    In a run with ``--auth`` pass the run's :class:`~farlink.comm.hivemind_admission.RunAuthorizer`:
+    members sign their DHT requests and accept only signed answers, so an unauthorized bootstrap
+    peer would be useless to them (and would serve non-members).
+    """
     opts = dht_options([tcp_maddr(host, port)], public=public)
+    if authorizer is not None:
+        opts["authorizer"] = authorizer
     dht = start_dht([], **opts)
     return dht, [str(m) for m in dht.get_visible_maddrs()]

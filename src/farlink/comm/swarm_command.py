@@ -9,7 +9,9 @@ only switch that enables NAT traversal and relays.
 
 from __future__ import annotations
 
+import os
 import time
+from pathlib import Path
 from typing import Annotated, Any
 
 import typer
@@ -50,13 +52,34 @@ def register(app: typer.Typer, bench_app: typer.Typer) -> None:
         public: Annotated[
             bool, typer.Option(help="Allow NAT port mapping, AutoNAT and relays (internet runs).")
         ] = False,
+        auth: Annotated[
+            str, typer.Option(help="The run's --auth (none, secret, ed25519): members accept "
+                              "only a bootstrap peer that signs its DHT answers.")
+        ] = "none",
+        secret: Annotated[
+            str | None, typer.Option(help="--auth secret: the run secret (or FARLINK_SECRET).")
+        ] = None,
+        key_file: Annotated[
+            Path | None, typer.Option(help="--auth ed25519: a member's private key.")
+        ] = None,
+        allowed_keys: Annotated[
+            Path | None, typer.Option(help="--auth ed25519: the members' public keys.")
+        ] = None,
     ) -> None:
         """Start a bootstrap peer and print its multiaddresses; runs until Ctrl-C."""
         from farlink.comm.errors import CommError
 
         try:
-            dht, maddrs = start_bootstrap_peer(host, port, public)
-        except CommError as exc:
+            authorizer = None
+            if auth.strip().lower() != "none":
+                from farlink.comm.hivemind_admission import RunAuthorizer
+                from farlink.robust.auth import make_authenticator
+
+                authorizer = RunAuthorizer(make_authenticator(
+                    auth, os.environ.get("FARLINK_SECRET") or secret, key_file, allowed_keys,
+                    "bootstrap"))
+            dht, maddrs = start_bootstrap_peer(host, port, public, authorizer=authorizer)
+        except (CommError, ValueError) as exc:
             typer.echo(f"error: {exc}", err=True)
             raise typer.Exit(2) from exc
         try:  # Ctrl-C may arrive while the addresses are still being printed

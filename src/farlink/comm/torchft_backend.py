@@ -9,6 +9,11 @@ worker from a live peer's committed state when it is behind; ``commit`` is torch
 Timeouts are derived from what the round must move: the Gloo timeout of the next process group is
 ``round_timeout + safety * (bytes this worker must move) / (measured bytes per second)``, so a link
 that is slow but alive is never cut off, while a stalled peer is dropped after a bounded wait.
+
+With ``admission`` (a run with ``--auth``) the worker reaches the Lighthouse's gate through a local
+:class:`~farlink.robust.gate.Tunnel` that proves membership first (a refused peer fails at
+construction with :class:`~farlink.robust.gate.GateRefused`), and serves its healing state only
+through a gate of its own (:mod:`farlink.comm.torchft_admission`).
 """
 
 from __future__ import annotations
@@ -20,6 +25,8 @@ from datetime import timedelta
 import torch
 
 from farlink.comm.base import Collective, RoundInfo, ring_allgather_bytes, ring_allreduce_bytes
+from farlink.robust.auth import Authenticator
+from farlink.robust.gate import GateRefused, answers_as_gate
 
 log = logging.getLogger(__name__)
 
@@ -41,6 +48,7 @@ class TorchftCollective(Collective):
         quorum_timeout: float = 120.0,
         connect_timeout: float = 30.0,
         join_timeout: float = 30.0,
+        admission: Authenticator | None = None,
     ) -> None:
         super().__init__()
         from torch.distributed import TCPStore
@@ -49,6 +57,25 @@ class TorchftCollective(Collective):
 
         self.replica_id = replica_id
         self.lighthouse_addr = lighthouse_addr
+        self._tunnel = transport = None
+        if admission is None and answers_as_gate(lighthouse_addr):
+            raise GateRefused(
+                f"the Lighthouse at {lighthouse_addr} admits members only (the run uses --auth) "
+                "and this peer has no --auth. Fix: start it with the run's --auth and its secret "
+                "(--secret or FARLINK_SECRET), or an ed25519 --key-file listed in --allowed-keys."
+            )
+        if admission is not None:
+            from farlink.comm.torchft_admission import GatedHTTPTransport
+            from farlink.robust.gate import open_tunnel
+
+            self._tunnel = open_tunnel(lighthouse_addr, admission, name="Lighthouse",
+                                       timeout=min(connect_timeout, 30.0))
+            lighthouse_addr = self._tunnel.url
+            try:
+                transport = GatedHTTPTransport(admission, host, timedelta(seconds=round_timeout))
+            except BaseException:
+                self._tunnel.close()
+                raise
         self.quorum_timeout = quorum_timeout
         # The Lighthouse answers within join_timeout whenever enough peers are alive; a request
         # that outlives that is stuck (e.g. on a Lighthouse that restarted) and is retried.
@@ -77,6 +104,7 @@ class TorchftCollective(Collective):
             quorum_timeout=timedelta(seconds=quorum_timeout),
             connect_timeout=timedelta(seconds=connect_timeout),
             init_sync=False,
+            checkpoint_transport=transport,
         )
 
     # --- state transfer (called from torchft's quorum thread / eager heal) ---------------------
@@ -122,6 +150,8 @@ class TorchftCollective(Collective):
                 return
             except Exception as exc:
                 self.manager._quorum_future = None
+                if self._tunnel is not None and isinstance(self._tunnel.failure, GateRefused):
+                    raise QuorumUnavailable(str(self._tunnel.failure)) from exc
                 if time.monotonic() + delay > deadline:
                     raise QuorumUnavailable(
                         f"no quorum from the Lighthouse at {self.lighthouse_addr} within "
@@ -209,3 +239,5 @@ class TorchftCollective(Collective):
             self.manager.shutdown(wait=False)
         except Exception as exc:  # noqa: BLE001 - best effort on the way out
             log.debug("manager shutdown: %s", exc)
+        if self._tunnel is not None:
+            self._tunnel.close()

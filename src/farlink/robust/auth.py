@@ -13,7 +13,9 @@ with :meth:`Authenticator.prove`, and :meth:`Authenticator.check_proof` returns 
 A challenge carries a random nonce and a timestamp; it is accepted only by the instance that
 issued it, only once, and only within ``challenge_window`` seconds, so a recorded proof cannot be
 replayed. Message MACs and join proofs use different domain prefixes, so neither can stand in for
-the other.
+the other. An optional ``context`` (both sides must pass the same bytes) is covered by the MAC or
+signature: a transport that authenticates its endpoints binds a proof to them with it (the
+hivemind admission passes both libp2p peer ids), so a proof relayed by a third party fails.
 """
 
 from __future__ import annotations
@@ -25,11 +27,15 @@ import struct
 import threading
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 
 from farlink.robust import keys as keyfiles
+
+if TYPE_CHECKING:
+    from farlink.config import RunConfig
 
 _MSG_DOMAIN = b"farlink-msg\x00"
 _JOIN_DOMAIN = b"farlink-join\x00"
@@ -82,12 +88,12 @@ class Authenticator:
             self._pending[nonce] = now
         return _CHALLENGE_MAGIC + nonce + struct.pack("<Q", int(now * 1000))
 
-    def prove(self, challenge: bytes) -> bytes:
+    def prove(self, challenge: bytes, context: bytes = b"") -> bytes:
         """The joiner's answer to ``challenge``: its peer id (and, for real kinds, a MAC/sig)."""
         _parse_challenge(challenge)
         return _pack_id(self.peer_id)
 
-    def check_proof(self, challenge: bytes, proof: bytes) -> str:
+    def check_proof(self, challenge: bytes, proof: bytes, context: bytes = b"") -> str:
         """The joiner's peer id if ``proof`` answers a live challenge of ours; else AuthError."""
         self._consume(challenge)
         peer_id, rest = _unpack_id(proof)
@@ -170,18 +176,18 @@ class SharedSecretAuth(Authenticator):
             raise AuthError("MAC does not verify (wrong run secret or tampered message)")
         return body
 
-    def prove(self, challenge: bytes) -> bytes:
+    def prove(self, challenge: bytes, context: bytes = b"") -> bytes:
         _parse_challenge(challenge)
         ident = _pack_id(self.peer_id)
-        return ident + self._mac(_JOIN_DOMAIN, challenge + ident)
+        return ident + self._mac(_JOIN_DOMAIN, challenge + ident + context)
 
-    def check_proof(self, challenge: bytes, proof: bytes) -> str:
+    def check_proof(self, challenge: bytes, proof: bytes, context: bytes = b"") -> str:
         self._consume(challenge)
         peer_id, tag = _unpack_id(proof)
         if len(tag) != self.overhead:
             raise AuthError("membership proof has no MAC")
         ident = proof[: len(proof) - self.overhead]
-        if not hmac.compare_digest(tag, self._mac(_JOIN_DOMAIN, challenge + ident)):
+        if not hmac.compare_digest(tag, self._mac(_JOIN_DOMAIN, challenge + ident + context)):
             raise AuthError(f"membership proof of {peer_id!r} does not verify (wrong run secret)")
         return peer_id
 
@@ -249,16 +255,16 @@ class Ed25519Auth(Authenticator):
     def verify(self, message: bytes) -> bytes:
         return self.open(message)[1]
 
-    def prove(self, challenge: bytes) -> bytes:
+    def prove(self, challenge: bytes, context: bytes = b"") -> bytes:
         _parse_challenge(challenge)
-        return self._kid + self._signer().sign(_JOIN_DOMAIN + challenge + self._kid)
+        return self._kid + self._signer().sign(_JOIN_DOMAIN + challenge + self._kid + context)
 
-    def check_proof(self, challenge: bytes, proof: bytes) -> str:
+    def check_proof(self, challenge: bytes, proof: bytes, context: bytes = b"") -> str:
         self._consume(challenge)
         if len(proof) != self.overhead:
             raise AuthError(f"membership proof has {len(proof)} bytes, expected {self.overhead}")
         kid, sig = proof[: keyfiles.KEY_ID_BYTES], proof[keyfiles.KEY_ID_BYTES :]
-        return self._check(kid, sig, _JOIN_DOMAIN + challenge + kid, "membership proof")
+        return self._check(kid, sig, _JOIN_DOMAIN + challenge + kid + context, "membership proof")
 
 
 AUTH_KINDS = ("none", "secret", "ed25519")
@@ -295,3 +301,17 @@ def make_authenticator(
                              f"run would refuse it")
         return auth
     raise ValueError(f"unknown auth kind {kind!r}; choose from {', '.join(AUTH_KINDS)}")
+
+
+def run_authenticator(cfg: RunConfig, peer_id: str, verifier: bool = False) -> Authenticator | None:
+    """The authenticator a run's processes prove or check membership with; None for ``none``.
+
+    The secret comes from ``FARLINK_SECRET`` first, so it can stay out of config files.
+    ``verifier`` builds one that only checks proofs (the Lighthouse gate needs no member key).
+    """
+    if (cfg.auth or "none").strip().lower() == "none":
+        return None
+    secret = os.environ.get("FARLINK_SECRET") or cfg.secret
+    return make_authenticator(cfg.auth, secret=secret,
+                              key_file=None if verifier else cfg.key_file,
+                              allowed_keys=cfg.allowed_keys, peer_id=peer_id)

@@ -24,6 +24,7 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
 from farlink.config import RunConfig, to_toml_dict
+from farlink.robust.auth import run_authenticator
 from farlink.train.lighthouse import Lighthouse
 from farlink.train.metrics import read_metrics
 
@@ -174,7 +175,12 @@ def launch(cfg: RunConfig, show_progress: bool = True,
         if not address:
             from farlink.comm.hivemind_net import start_bootstrap_peer
 
-            bootstrap, maddrs = start_bootstrap_peer(cfg.host)
+            member = run_authenticator(cfg, "bootstrap")
+            if member is not None:
+                from farlink.comm.hivemind_admission import RunAuthorizer
+
+                member = RunAuthorizer(member)
+            bootstrap, maddrs = start_bootstrap_peer(cfg.host, authorizer=member)
             address = ",".join(maddrs)
             console.print(f"swarm bootstrap peer: {maddrs[0]}")
     elif address is None and network is not None:
@@ -187,8 +193,11 @@ def launch(cfg: RunConfig, show_progress: bool = True,
         lighthouse = Lighthouse(
             cfg.host, min_replicas=cfg.min_replicas, join_timeout=cfg.join_timeout,
             heartbeat_timeout=cfg.heartbeat_timeout, log_path=cfg.run_dir / "lighthouse.log",
+            authenticator=run_authenticator(cfg, "lighthouse-gate", verifier=True),
         ).start()
         address = lighthouse.address
+        if lighthouse.gate is not None:
+            console.print(f"Lighthouse gate (members only): {address}")
     procs = [spawn_worker(cfg, i, address, cfg.resume, network=network)
              for i in range(cfg.workers)]
     interrupted = False

@@ -3,6 +3,10 @@
 It is the organizational mode's one central piece (quorum membership, not data): when it dies,
 rounds cannot form, but no state lives in it, so restarting it on the same address lets workers
 reconnect and continue. Running it as a separate process is what makes that restart possible.
+
+With an ``authenticator`` (a run with ``--auth``) the Lighthouse itself binds a loopback port and a
+:class:`~farlink.robust.gate.Gate` listens on the advertised address: only peers that prove
+membership reach it, so a non-member never enters a quorum or learns the members' addresses.
 """
 
 from __future__ import annotations
@@ -13,6 +17,11 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from farlink.robust.auth import Authenticator
+    from farlink.robust.gate import Gate
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -30,8 +39,14 @@ class Lighthouse:
         join_timeout: float = 30.0,
         heartbeat_timeout: float = 5.0,
         log_path: Path | None = None,
+        authenticator: Authenticator | None = None,
     ) -> None:
         self.host, self.port = host, port or free_port(host)
+        self.authenticator = authenticator
+        self.gate: Gate | None = None
+        # behind a gate the Lighthouse listens on loopback only; the gate takes the address
+        self.bind_host = "127.0.0.1" if authenticator is not None else self.host
+        self.bind_port = free_port(self.bind_host) if authenticator is not None else self.port
         self.min_replicas = min_replicas
         self.join_timeout, self.heartbeat_timeout = join_timeout, heartbeat_timeout
         self.log_path = log_path
@@ -46,7 +61,7 @@ class Lighthouse:
             Path(sys.executable).with_name("torchft_lighthouse")
         )
         argv = [
-            binary, "--bind", f"{self.host}:{self.port}",
+            binary, "--bind", f"{self.bind_host}:{self.bind_port}",
             "--min_replicas", str(self.min_replicas),
             "--join_timeout_ms", str(int(self.join_timeout * 1000)),
             "--heartbeat_timeout_ms", str(int(self.heartbeat_timeout * 1000)),
@@ -62,13 +77,30 @@ class Lighthouse:
                     f"(port in use? see {self.log_path})"
                 )
             try:
-                with socket.create_connection((self.host, self.port), timeout=0.5):
-                    return self
+                with socket.create_connection((self.bind_host, self.bind_port), timeout=0.5):
+                    return self._start_gate()
             except OSError:
                 time.sleep(0.1)
         raise RuntimeError(f"Lighthouse did not listen on {self.address} within {wait:.0f}s")
 
+    def _start_gate(self) -> Lighthouse:
+        if self.authenticator is None:
+            return self
+        from farlink.robust.gate import Gate
+
+        gate_log = self.log_path.with_name("gate.log") if self.log_path else None
+        try:
+            self.gate = Gate(self.authenticator, (self.bind_host, self.bind_port), self.host,
+                             self.port, name="Lighthouse", log_path=gate_log).start()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
     def stop(self, kill: bool = False) -> None:
+        if self.gate is not None:
+            self.gate.close()
+            self.gate = None
         if self.proc is None or self.proc.poll() is not None:
             return
         self.proc.kill() if kill else self.proc.terminate()

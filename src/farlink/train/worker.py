@@ -45,6 +45,9 @@ def advertised_host(cfg: RunConfig) -> str:
 
 
 def build_collective(cfg: RunConfig, replica_id: str, lighthouse: str):
+    from farlink.robust.auth import run_authenticator
+
+    admission = run_authenticator(cfg, replica_id)  # None without --auth: nothing to prove
     if cfg.backend == "torchft":
         from farlink.comm.torchft_backend import TorchftCollective
 
@@ -56,6 +59,7 @@ def build_collective(cfg: RunConfig, replica_id: str, lighthouse: str):
             round_timeout=cfg.round_timeout,
             quorum_timeout=cfg.quorum_timeout,
             join_timeout=cfg.join_timeout,
+            admission=admission,
         )
     if cfg.backend == "hivemind":
         from farlink.comm.hivemind_backend import HivemindCollective
@@ -71,6 +75,7 @@ def build_collective(cfg: RunConfig, replica_id: str, lighthouse: str):
             round_timeout=cfg.quorum_timeout,
             allreduce_timeout=cfg.round_timeout,
             gather_timeout=cfg.round_timeout,
+            admission=admission,
         )
     raise ValueError(f"unknown backend {cfg.backend!r}")
 
@@ -310,7 +315,14 @@ def main(argv: list[str] | None = None) -> int:
     if args.resume:
         cfg = cfg.model_copy(update={"resume": True})
     stop = StopRequested()
-    worker = Worker(cfg, args.index, args.lighthouse, joining=args.join)
+    from farlink.comm.errors import MembershipRefused
+    from farlink.robust.gate import AdmissionError
+
+    try:
+        worker = Worker(cfg, args.index, args.lighthouse, joining=args.join)
+    except (AdmissionError, MembershipRefused) as exc:  # say why; no retrying until a timeout
+        print(f"error: {exc}", file=sys.stderr, flush=True)
+        return 3
     try:
         code = worker.run(stop)
     finally:

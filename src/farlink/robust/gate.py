@@ -1,0 +1,467 @@
+"""Admission gate: a TCP relay that lets a connection through only after a membership proof.
+
+torchft's Lighthouse and its checkpoint server accept anyone who can reach their port. With
+``--auth`` set, the service listens on loopback only and a :class:`Gate` listens on the advertised
+address in front of it: every connection must first answer a fresh challenge with the run's
+authenticator (:mod:`farlink.robust.auth`); only then are bytes relayed, unchanged, both ways.
+Nothing reaches the service before the proof verifies. A :class:`Tunnel` is the member's side: a
+loopback port that performs the handshake for every connection an unmodified client (torchft's
+Manager, urllib) opens through it, so those clients only need a different address.
+
+Wire format before relaying (integers little-endian)::
+
+    gate -> peer   b"FLG1" u16 length, challenge         (Authenticator.make_challenge)
+    peer -> gate   b"FLP1" u16 length, proof             (Authenticator.prove)
+    gate -> peer   b"FLA1" u8 verdict, u16 length, text  (1 admitted: the peer id;
+                                                          0 refused: the reason;
+                                                          2 admitted, but the service is down)
+
+A handshake must complete within ``handshake_timeout`` seconds, a proof has at most
+``MAX_PROOF`` bytes and at most ``max_pending`` handshakes run at once, so garbage, a truncated
+proof or a connection that never answers is closed after a bounded time, and every refusal is
+logged with its reason. The gate does not authenticate itself to the peer and does not encrypt
+the bytes it relays (see docs/trust.md).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+import socket
+import struct
+import threading
+import time
+from collections.abc import Coroutine
+from pathlib import Path
+from typing import Any, Self
+from urllib.parse import urlsplit
+
+from farlink.robust.auth import Authenticator, AuthError
+
+log = logging.getLogger(__name__)
+
+CHALLENGE_TAG, PROOF_TAG, VERDICT_TAG = b"FLG1", b"FLP1", b"FLA1"
+MAX_CHALLENGE = 256
+MAX_PROOF = 1024
+MAX_TEXT = 1024
+REFUSED, ADMITTED, UNAVAILABLE = 0, 1, 2
+_CHUNK = 1 << 16
+
+FIX = ("Fix: wrong run secret / key not in --allowed-keys: use the run's secret (--secret or "
+       "FARLINK_SECRET) with --auth secret, or with --auth ed25519 a --key-file whose public key "
+       "is listed in the run's --allowed-keys.")
+
+
+class AdmissionError(ConnectionError):
+    """This peer could not get through a farlink gate; the message says why and what to do."""
+
+
+class GateRefused(AdmissionError):
+    """The gate checked this peer's membership proof and refused it."""
+
+
+class GateUnreachable(AdmissionError):
+    """Nothing answered as a farlink gate at the address (down, wrong address, or no gate)."""
+
+
+class ProtocolError(ValueError):
+    """Bytes that are not the gate's handshake (garbage, another protocol, a bad length)."""
+
+
+# --- framing -------------------------------------------------------------------------------------
+def frame(tag: bytes, body: bytes) -> bytes:
+    return tag + struct.pack("<H", len(body)) + body
+
+
+async def read_frame(reader: asyncio.StreamReader, tag: bytes, limit: int) -> bytes:
+    head = await reader.readexactly(len(tag) + 2)
+    if head[: len(tag)] != tag:
+        raise ProtocolError(f"not a farlink handshake: expected {tag.decode()}, got "
+                            f"{head[: len(tag)]!r}")
+    (n,) = struct.unpack("<H", head[len(tag):])
+    if n > limit:
+        raise ProtocolError(f"{tag.decode()} frame announces {n} bytes, over the {limit}-byte "
+                            "limit")
+    return await reader.readexactly(n)
+
+
+def verdict(code: int, text: str) -> bytes:
+    raw = text.encode()[:MAX_TEXT]
+    return VERDICT_TAG + struct.pack("<BH", code, len(raw)) + raw
+
+
+async def read_verdict(reader: asyncio.StreamReader) -> tuple[int, str]:
+    head = await reader.readexactly(len(VERDICT_TAG) + 3)
+    if head[: len(VERDICT_TAG)] != VERDICT_TAG:
+        raise ProtocolError(f"not a farlink gate verdict: {head[:4]!r}")
+    code, n = struct.unpack("<BH", head[len(VERDICT_TAG):])
+    if n > MAX_TEXT:
+        raise ProtocolError(f"verdict text of {n} bytes")
+    return code, (await reader.readexactly(n)).decode(errors="replace")
+
+
+def parse_address(address: str) -> tuple[str, int]:
+    """``http://host:port``, ``host:port`` or ``[v6]:port`` -> (host, port)."""
+    parts = urlsplit(address if "//" in address else f"//{address}")
+    if not parts.hostname or parts.port is None:
+        raise ValueError(f"address {address!r} has no host:port")
+    return parts.hostname, parts.port
+
+
+def url_of(host: str, port: int) -> str:
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+
+
+async def relay(a_reader: asyncio.StreamReader, a_writer: asyncio.StreamWriter,
+                b_reader: asyncio.StreamReader, b_writer: asyncio.StreamWriter) -> None:
+    """Copy bytes both ways until either side closes or fails, then close both.
+
+    Closing both at the first end is enough for the protocols relayed here (HTTP/2 gRPC, one
+    HTTP request per connection): neither half-closes and then waits for an answer.
+    """
+    async def pipe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        while data := await reader.read(_CHUNK):
+            writer.write(data)
+            await writer.drain()
+
+    tasks = [asyncio.ensure_future(pipe(a_reader, b_writer)),
+             asyncio.ensure_future(pipe(b_reader, a_writer))]
+    try:
+        await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        for writer in (a_writer, b_writer):
+            writer.close()
+
+
+def _peername(writer: asyncio.StreamWriter) -> str:
+    name = writer.get_extra_info("peername")
+    return f"{name[0]}:{name[1]}" if isinstance(name, tuple) else str(name)
+
+
+class _LoopThread:
+    """An asyncio loop on a daemon thread, so blocking callers (the launcher, a worker) can own
+    a server without becoming async themselves."""
+
+    def __init__(self, name: str) -> None:
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self.loop.run_forever, name=name, daemon=True)
+        self._thread.start()
+
+    def call(self, coro: Coroutine[Any, Any, Any], timeout: float) -> Any:
+        future = asyncio.run_coroutine_threadsafe(coro, self.loop)
+        try:
+            return future.result(timeout)
+        except TimeoutError:
+            future.cancel()
+            raise
+
+    def stop(self) -> None:
+        if not self._thread.is_alive():
+            return
+
+        async def cancel_all() -> None:
+            tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+        try:
+            self.call(cancel_all(), timeout=5)
+        except Exception as exc:  # noqa: BLE001 - best effort on the way out
+            log.debug("gate loop shutdown: %r", exc)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self._thread.join(timeout=5)
+
+
+class Gate:
+    """Listens on ``host:port``; relays an admitted connection to ``upstream`` (loopback).
+
+    ``events`` keeps the last 1000 admissions and refusals as ``(kind, peer address, detail)``;
+    with ``log_path`` each is also appended to that file, and refusals go to the log as warnings.
+    """
+
+    def __init__(
+        self,
+        auth: Authenticator,
+        upstream: tuple[str, int],
+        host: str = "127.0.0.1",
+        port: int = 0,
+        *,
+        name: str = "service",
+        handshake_timeout: float = 10.0,
+        connect_timeout: float = 10.0,
+        max_pending: int = 64,
+        log_path: Path | None = None,
+    ) -> None:
+        self.auth, self.upstream = auth, upstream
+        self.host, self.port, self.name = host, port, name
+        self.handshake_timeout, self.connect_timeout = handshake_timeout, connect_timeout
+        self.max_pending, self.log_path = max_pending, log_path
+        self.events: collections.deque[tuple[str, str, str]] = collections.deque(maxlen=1000)
+        self._pending = 0
+        self._runner: _LoopThread | None = None
+        self._server: asyncio.AbstractServer | None = None
+
+    @property
+    def url(self) -> str:
+        return url_of(self.host, self.port)
+
+    @property
+    def refusals(self) -> list[tuple[str, str]]:
+        return [(peer, detail) for kind, peer, detail in self.events if kind == "refused"]
+
+    @property
+    def admitted(self) -> list[str]:
+        return [detail for kind, _, detail in self.events if kind == "admitted"]
+
+    def start(self) -> Gate:
+        self._runner = _LoopThread(f"gate-{self.name}")
+        try:
+            self._server = self._runner.call(
+                asyncio.start_server(self._serve, self.host, self.port), timeout=10)
+        except BaseException:
+            self._runner.stop()
+            raise
+        self.port = self._server.sockets[0].getsockname()[1]
+        log.info("%s gate on %s -> %s:%d", self.name, self.url, *self.upstream)
+        return self
+
+    def close(self) -> None:
+        if self._runner is None:
+            return
+        if self._server is not None:
+            self._runner.loop.call_soon_threadsafe(self._server.close)
+        self._runner.stop()
+        self._runner = None
+
+    def __enter__(self) -> Self:
+        return self if self._runner is not None else self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _record(self, kind: str, peer: str, detail: str) -> None:
+        self.events.append((kind, peer, detail))
+        line = f"{self.name} gate {kind} {peer}: {detail}"
+        if kind == "refused":
+            log.warning("%s", line)
+        else:
+            log.info("%s", line)
+        if self.log_path is not None:
+            try:
+                with open(self.log_path, "a") as fh:
+                    fh.write(f"{time.strftime('%Y-%m-%dT%H:%M:%S')} {line}\n")
+            except OSError as exc:
+                log.debug("cannot write %s: %s", self.log_path, exc)
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            await self._admit(reader, writer)
+        except asyncio.CancelledError:  # the gate is closing; asyncio would log it as an error
+            writer.close()
+
+    async def _admit(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        peer = _peername(writer)
+        if self._pending >= self.max_pending:
+            await self._refuse(writer, peer, f"too many handshakes in progress ({self._pending})")
+            return
+        self._pending += 1
+        try:
+            peer_id, reason = await self._check(reader, writer)
+        finally:
+            self._pending -= 1
+        if peer_id is None:
+            await self._refuse(writer, peer, reason)
+            return
+        try:
+            up_reader, up_writer = await asyncio.wait_for(
+                asyncio.open_connection(*self.upstream), self.connect_timeout)
+        except (OSError, TimeoutError) as exc:
+            self._record("unavailable", peer, f"{peer_id}: {self.name} at "
+                         f"{self.upstream[0]}:{self.upstream[1]} unreachable ({exc!r})")
+            await self._send_and_close(writer, verdict(
+                UNAVAILABLE, f"the {self.name} behind the gate is unreachable"))
+            return
+        self._record("admitted", peer, peer_id)
+        writer.write(verdict(ADMITTED, peer_id))
+        await relay(reader, writer, up_reader, up_writer)
+
+    async def _check(self, reader: asyncio.StreamReader,
+                     writer: asyncio.StreamWriter) -> tuple[str | None, str]:
+        """(peer id, "") when the proof verifies, else (None, why not)."""
+        challenge = self.auth.make_challenge()
+
+        async def exchange() -> bytes:
+            writer.write(frame(CHALLENGE_TAG, challenge))
+            await writer.drain()
+            return await read_frame(reader, PROOF_TAG, MAX_PROOF)
+
+        try:
+            proof = await asyncio.wait_for(exchange(), self.handshake_timeout)
+            return self.auth.check_proof(challenge, proof), ""
+        except TimeoutError:
+            return None, f"no complete membership proof within {self.handshake_timeout:g} s"
+        except asyncio.IncompleteReadError as exc:
+            return None, (f"connection closed mid-handshake after {len(exc.partial)} of "
+                          f"{exc.expected} expected bytes (truncated proof)")
+        except (AuthError, ProtocolError) as exc:
+            return None, str(exc)
+        except OSError as exc:
+            return None, f"connection failed during the handshake: {exc!r}"
+
+    async def _refuse(self, writer: asyncio.StreamWriter, peer: str, reason: str) -> None:
+        self._record("refused", peer, reason)
+        await self._send_and_close(writer, verdict(REFUSED, reason))
+
+    @staticmethod
+    async def _send_and_close(writer: asyncio.StreamWriter, data: bytes) -> None:
+        try:
+            writer.write(data)
+            await asyncio.wait_for(writer.drain(), 2.0)
+        except (OSError, TimeoutError):
+            pass
+        finally:
+            writer.close()
+
+
+class Tunnel:
+    """A loopback port whose every connection is handshaken with the gate at ``remote`` and then
+    relayed to it. :meth:`start` first proves membership once, synchronously, so a refused peer
+    fails at once with :class:`GateRefused` instead of its client retrying until a timeout.
+
+    A later refusal (the run's keys changed, the gate restarted with another secret) is kept in
+    ``failure`` for the owner to report.
+    """
+
+    def __init__(
+        self,
+        auth: Authenticator,
+        remote: tuple[str, int],
+        *,
+        name: str = "service",
+        handshake_timeout: float = 10.0,
+        connect_timeout: float = 10.0,
+    ) -> None:
+        self.auth, self.remote, self.name = auth, remote, name
+        self.handshake_timeout, self.connect_timeout = handshake_timeout, connect_timeout
+        self.port = 0
+        self.peer_id: str | None = None
+        self.failure: AdmissionError | None = None
+        self._runner: _LoopThread | None = None
+        self._server: asyncio.AbstractServer | None = None
+
+    @property
+    def url(self) -> str:
+        return url_of("127.0.0.1", self.port)
+
+    def start(self) -> Tunnel:
+        self._runner = _LoopThread(f"tunnel-{self.name}")
+        try:
+            _, writer, self.peer_id = self._runner.call(
+                self._open(), timeout=self.connect_timeout + self.handshake_timeout + 5)
+            self._runner.loop.call_soon_threadsafe(writer.close)
+            self._server = self._runner.call(
+                asyncio.start_server(self._serve, "127.0.0.1", 0), timeout=10)
+        except BaseException:
+            self.close()
+            raise
+        self.port = self._server.sockets[0].getsockname()[1]
+        return self
+
+    def close(self) -> None:
+        if self._runner is None:
+            return
+        if self._server is not None:
+            self._runner.loop.call_soon_threadsafe(self._server.close)
+        self._runner.stop()
+        self._runner = None
+
+    def __enter__(self) -> Self:
+        return self if self._runner is not None else self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    async def _open(self) -> tuple[asyncio.StreamReader, asyncio.StreamWriter, str]:
+        host, port = self.remote
+        where = f"the {self.name} gate at {host}:{port}"
+        try:
+            reader, writer = await asyncio.wait_for(
+                asyncio.open_connection(host, port), self.connect_timeout)
+        except (OSError, TimeoutError) as exc:
+            raise GateUnreachable(f"cannot connect to {where}: {exc!r}. Fix: check the address "
+                                  "and that the run is up.") from None
+
+        async def handshake() -> tuple[int, str]:
+            challenge = await read_frame(reader, CHALLENGE_TAG, MAX_CHALLENGE)
+            writer.write(frame(PROOF_TAG, self.auth.prove(challenge)))
+            await writer.drain()
+            return await read_verdict(reader)
+
+        try:
+            code, text = await asyncio.wait_for(handshake(), self.handshake_timeout)
+        except TimeoutError:
+            writer.close()
+            raise GateUnreachable(
+                f"{where} sent no farlink challenge within {self.handshake_timeout:g} s. Fix: "
+                "every process of a run must use the same --auth; a run with --auth puts its "
+                f"{self.name} behind a gate (farlink train starts it).") from None
+        except (asyncio.IncompleteReadError, ProtocolError, OSError, AuthError) as exc:
+            writer.close()
+            raise GateUnreachable(f"{where} did not complete the handshake ({exc}); is it a "
+                                  "farlink gate?") from None
+        if code == ADMITTED:
+            return reader, writer, text
+        writer.close()
+        if code == REFUSED:
+            raise GateRefused(f"{where} refused this peer: {text}. {FIX}")
+        raise GateUnreachable(f"{where} admitted this peer but said: {text}")
+
+    async def _serve(self, local_reader: asyncio.StreamReader,
+                     local_writer: asyncio.StreamWriter) -> None:
+        try:
+            reader, writer, _ = await self._open()
+        except AdmissionError as exc:
+            self.failure = exc
+            log.error("%s", exc)
+            local_writer.close()
+            return
+        except asyncio.CancelledError:  # the tunnel is closing
+            local_writer.close()
+            return
+        try:
+            await relay(local_reader, local_writer, reader, writer)
+        except asyncio.CancelledError:
+            pass
+
+
+def open_tunnel(address: str, auth: Authenticator, name: str = "service",
+                timeout: float = 10.0) -> Tunnel:
+    """A started :class:`Tunnel` to the gate at ``address`` (``http://host:port``)."""
+    return Tunnel(auth, parse_address(address), name=name, handshake_timeout=timeout,
+                  connect_timeout=timeout).start()
+
+
+def answers_as_gate(address: str, timeout: float = 2.0) -> bool:
+    """Whether ``address`` is a farlink gate, for a peer without ``--auth`` to fail fast.
+
+    A gate greets with its challenge before reading anything. A harmless HTTP request is sent so
+    a plain server (torchft's Lighthouse serves HTTP too) answers at once instead of leaving the
+    probe to time out. Any failure reads as "not a gate": the normal path reports it.
+    """
+    try:
+        with socket.create_connection(parse_address(address), timeout=timeout) as sock:
+            sock.sendall(b"GET / HTTP/1.1\r\nHost: farlink-probe\r\nConnection: close\r\n\r\n")
+            head = b""
+            while len(head) < len(CHALLENGE_TAG):
+                chunk = sock.recv(len(CHALLENGE_TAG) - len(head))
+                if not chunk:
+                    break
+                head += chunk
+            return head == CHALLENGE_TAG
+    except (OSError, ValueError):
+        return False

@@ -1,0 +1,120 @@
+"""Community mode with --auth, on real p2p daemons and loopback sockets: members train together
+around a `farlink swarm start --auth secret` bootstrap peer; a peer with the wrong secret is
+refused by the DHT authorizer at bootstrap, and one that dials a member directly (skipping the
+DHT) is refused by every averaging and farlink handler."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+import torch
+from hivemind.proto import averaging_pb2
+from hivemind.utils.multiaddr import Multiaddr
+
+from farlink.comm.errors import MembershipRefused
+from farlink.comm.hivemind_backend import HivemindCollective, _Servicer
+from farlink.robust.auth import AuthError, SharedSecretAuth
+
+torch.set_num_threads(1)
+FAST = {"matchmaking_time": 1.5, "request_timeout": 1.0, "allreduce_timeout": 10.0,
+        "gather_timeout": 10.0, "round_timeout": 40.0}
+ROUNDS = 3
+
+
+def member(name: str, peers: list[str], secret: str = "run-secret") -> HivemindCollective:
+    return HivemindCollective("guarded", peers, admission=SharedSecretAuth(secret, name), **FAST)
+
+
+def start_bootstrap(secret: str) -> tuple[subprocess.Popen, list[str]]:
+    """`farlink swarm start --auth secret` as a person runs it; its printed multiaddress."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "farlink.cli", "swarm", "start", "--auth", "secret"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        env={**os.environ, "FARLINK_SECRET": secret})
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and proc.poll() is None:
+        line = proc.stdout.readline().strip()
+        if re.match(r"^/ip4/127\.0\.0\.1/tcp/\d+/p2p/\w+$", line):
+            return proc, [line]
+    proc.kill()
+    raise AssertionError(f"no multiaddress printed; stderr: {proc.stderr.read()}")
+
+
+def test_members_train_and_non_members_are_refused() -> None:
+    boot, maddrs = start_bootstrap("run-secret")
+    a = b = mallory = None
+    try:
+        a, b = member("a", maddrs), member("b", maddrs)
+
+        # 1. the wrong secret cannot even bootstrap: the DHT refuses its signed requests
+        start = time.monotonic()
+        with pytest.raises(MembershipRefused, match="wrong run secret"):
+            member("m", maddrs, secret="guessed")
+        assert time.monotonic() - start < 40
+
+        results: dict[str, list] = {"a": [], "b": []}
+
+        def run(name: str, coll: HivemindCollective, value: float) -> None:
+            for _ in range(ROUNDS):
+                info = coll.begin_round()
+                x = [torch.full((200,), value)]
+                coll.all_reduce_sum(x)
+                gathered = coll.all_gather_bytes(name.encode())
+                results[name].append((info.world_size, float(x[0][0]), gathered, coll.commit()))
+
+        threads = [threading.Thread(target=run, args=("a", a, 1.0)),
+                   threading.Thread(target=run, args=("b", b, 2.0))]
+        for t in threads:
+            t.start()
+
+        # 2. a non-member that skips the DHT and dials member a directly
+        mallory = member("m", [], secret="guessed")
+        addrs = [m.decapsulate(Multiaddr(f"/p2p/{a.peer_id}")) for m in a.dht.get_visible_maddrs()]
+        mallory._call(mallory._p2p._client.connect(a.peer_id, addrs), 10)
+        with pytest.raises(AuthError, match="refused this peer"):
+            mallory._call(mallory.admission.ensure(a.peer_id), 20)
+
+        async def join_request() -> int:
+            stub = _Servicer.get_stub(mallory._p2p, a.peer_id, namespace=mallory.prefix)
+            stream = await stub.rpc_join_group(averaging_pb2.JoinRequest(expiration=1e12))
+            return (await asyncio.wait_for(stream.__anext__(), 10)).code
+
+        assert mallory._call(join_request(), 20) == averaging_pb2.PROTOCOL_VIOLATION
+        for handler, header in (("state", {"key": b"x"}),
+                                ("fetch", {"key": b"x", "rank": 0, "ranks": [1], "timeout": 1}),
+                                ("put", {"key": b"x", "rank": 0})):
+            reply, bodies = mallory._call(
+                mallory._request(a.peer_id, handler, header, [b"poison"]), 20)
+            assert reply.get("error") == "not a member of this run" and bodies == []
+
+        for t in threads:
+            t.join(120)
+        for name in ("a", "b"):
+            rounds = results[name]
+            assert len(rounds) == ROUNDS, rounds
+            for world, total, gathered, ok in rounds:
+                assert ok and world == 2 and total == 3.0 and sorted(gathered) == [b"a", b"b"]
+        peer = str(mallory.peer_id)
+        reasons = [why for who, why in a.admission.refusals if who == peer]
+        assert any("does not verify" in r for r in reasons)
+        assert {"join request", "state request", "fetch", "put"} <= {
+            r.split(" from a peer")[0] for r in reasons if "from a peer" in r}
+        assert mallory.peer_id not in a.admission.members
+        assert set(a.admission.members) == {b.peer_id}
+    finally:
+        for coll in (a, b, mallory):
+            if coll is not None:
+                coll.close()
+        boot.send_signal(signal.SIGINT)
+        try:
+            boot.communicate(timeout=30)
+        except subprocess.TimeoutExpired:
+            boot.kill()

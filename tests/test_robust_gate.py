@@ -1,0 +1,285 @@
+"""The admission gate over real loopback sockets: members get through, and nothing from a
+non-member (wrong secret, unknown key, garbage, a truncated or replayed proof, a connection that
+never answers) ever reaches the service behind it."""
+
+from __future__ import annotations
+
+import socket
+import struct
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from farlink.robust.auth import SharedSecretAuth, make_authenticator
+from farlink.robust.gate import (
+    CHALLENGE_TAG,
+    FIX,
+    PROOF_TAG,
+    REFUSED,
+    VERDICT_TAG,
+    Gate,
+    GateRefused,
+    GateUnreachable,
+    Tunnel,
+    answers_as_gate,
+    frame,
+    open_tunnel,
+    parse_address,
+)
+from farlink.robust.keys import generate_keypair
+
+
+class EchoService:
+    """The stand-in for the Lighthouse: echoes bytes and records every connection it got."""
+
+    def __init__(self) -> None:
+        self.server = socket.create_server(("127.0.0.1", 0))
+        self.port = self.server.getsockname()[1]
+        self.received: list[bytes] = []
+        self.lock = threading.Lock()
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                conn, _ = self.server.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._echo, args=(conn,), daemon=True).start()
+
+    def _echo(self, conn: socket.socket) -> None:
+        got = b""
+        with conn:
+            while data := conn.recv(65536):
+                got += data
+                conn.sendall(data)
+        with self.lock:
+            self.received.append(got)
+
+    @property
+    def connections(self) -> int:
+        with self.lock:
+            return len(self.received)
+
+    def close(self) -> None:
+        self.server.close()
+
+
+@pytest.fixture
+def service():
+    svc = EchoService()
+    yield svc
+    svc.close()
+
+
+@pytest.fixture
+def gate(service):
+    g = Gate(SharedSecretAuth("run-secret", "gate"), ("127.0.0.1", service.port),
+             handshake_timeout=1.0, name="Lighthouse").start()
+    yield g
+    g.close()
+
+
+def _exactly(sock: socket.socket, n: int) -> bytes:
+    buf = b""
+    while len(buf) < n:
+        chunk = sock.recv(n - len(buf))
+        if not chunk:
+            raise ConnectionError(f"closed after {len(buf)} of {n} bytes")
+        buf += chunk
+    return buf
+
+
+def read_challenge(sock: socket.socket) -> bytes:
+    head = _exactly(sock, 6)
+    assert head[:4] == CHALLENGE_TAG
+    return _exactly(sock, struct.unpack("<H", head[4:])[0])
+
+
+def read_verdict(sock: socket.socket) -> tuple[int, str]:
+    head = _exactly(sock, 7)
+    assert head[:4] == VERDICT_TAG
+    code, n = struct.unpack("<BH", head[4:])
+    return code, _exactly(sock, n).decode()
+
+
+def raw(gate: Gate) -> socket.socket:
+    return socket.create_connection(("127.0.0.1", gate.port), timeout=10)
+
+
+def wait_for(predicate, timeout: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "condition not reached"
+        time.sleep(0.02)
+
+
+def test_member_through_tunnel_reaches_service(gate, service, tmp_path):
+    gate.log_path = tmp_path / "gate.log"
+    with Tunnel(SharedSecretAuth("run-secret", "w0"), ("127.0.0.1", gate.port)) as tunnel:
+        assert tunnel.peer_id == "w0"
+        for payload in (b"hello", b"x" * 300_000):  # larger than one relay chunk
+            with socket.create_connection(("127.0.0.1", tunnel.port), timeout=10) as s:
+                s.sendall(payload)
+                assert _exactly(s, len(payload)) == payload
+    wait_for(lambda: service.connections >= 3)
+    # the probe connection carried no bytes; both payloads arrived intact
+    assert sorted(service.received, key=len) == [b"", b"hello", b"x" * 300_000]
+    assert gate.admitted == ["w0", "w0", "w0"] and not gate.refusals
+    assert "admitted" in gate.log_path.read_text()
+
+
+def test_wrong_secret_refused_with_cause_and_fix(gate, service):
+    start = time.monotonic()
+    with pytest.raises(GateRefused) as err:
+        open_tunnel(gate.url, SharedSecretAuth("guessed", "mallory"), name="Lighthouse")
+    assert time.monotonic() - start < 5
+    assert "wrong run secret" in str(err.value) and FIX in str(err.value)
+    assert "mallory" in gate.refusals[0][1]
+    time.sleep(0.2)
+    assert service.connections == 0
+
+
+def test_ed25519_key_not_allowed(service, tmp_path):
+    members = tmp_path / "members"
+    generate_keypair(members / "alice.key")
+    generate_keypair(tmp_path / "mallory.key")
+    verifier = make_authenticator("ed25519", allowed_keys=members)
+    with Gate(verifier, ("127.0.0.1", service.port)) as g:
+        alice = make_authenticator("ed25519", key_file=members / "alice.key",
+                                   allowed_keys=members)
+        with Tunnel(alice, ("127.0.0.1", g.port)) as t:
+            assert t.peer_id == alice.peer_id
+        # mallory holds a valid key of her own, listed only in her own allowed-keys file
+        mallory = make_authenticator("ed25519", key_file=tmp_path / "mallory.key",
+                                     allowed_keys=tmp_path / "mallory.key.pub")
+        with pytest.raises(GateRefused, match="not a member of this run") as err:
+            Tunnel(mallory, ("127.0.0.1", g.port)).start()
+        assert "--allowed-keys" in str(err.value)
+        assert g.admitted == [alice.peer_id]
+
+
+def test_garbage_before_handshake_never_reaches_service(gate, service):
+    with raw(gate) as s:
+        s.sendall(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + b"\x00" * 64)  # a gRPC client, no proof
+        read_challenge(s)
+        code, reason = read_verdict(s)
+        assert code == REFUSED and "not a farlink handshake" in reason
+        assert s.recv(10) == b""  # closed
+    with raw(gate) as s:  # right tag, absurd length
+        read_challenge(s)
+        s.sendall(PROOF_TAG + struct.pack("<H", 60000) + b"x" * 100)
+        code, reason = read_verdict(s)
+        assert code == REFUSED and "limit" in reason
+    time.sleep(0.2)
+    assert service.connections == 0 and len(gate.refusals) == 2
+
+
+def test_truncated_proof(gate, service):
+    member = SharedSecretAuth("run-secret", "w0")
+    with raw(gate) as s:  # the frame promises more bytes than arrive, then the sender closes
+        proof = member.prove(read_challenge(s))
+        s.sendall(PROOF_TAG + struct.pack("<H", len(proof)) + proof[:10])
+        s.shutdown(socket.SHUT_WR)
+        code, reason = read_verdict(s)
+        assert code == REFUSED and "truncated" in reason
+    with raw(gate) as s:  # a complete frame holding a cut-off proof
+        proof = member.prove(read_challenge(s))
+        s.sendall(frame(PROOF_TAG, proof[:-5]))
+        code, reason = read_verdict(s)
+        assert code == REFUSED and "no MAC" in reason
+    time.sleep(0.2)
+    assert service.connections == 0
+
+
+def test_replayed_proof_refused(gate, service):
+    member = SharedSecretAuth("run-secret", "w0")
+    with raw(gate) as s:  # a genuine handshake, recorded by an eavesdropper
+        recorded = member.prove(read_challenge(s))
+        s.sendall(frame(PROOF_TAG, recorded))
+        assert read_verdict(s) == (1, "w0")
+    with raw(gate) as s:  # replayed on a new connection: the gate issued a fresh challenge
+        read_challenge(s)
+        s.sendall(frame(PROOF_TAG, recorded))
+        code, reason = read_verdict(s)
+        assert code == REFUSED and "does not verify" in reason
+    with raw(gate) as s:  # a proof for a challenge the gate never issued
+        read_challenge(s)
+        forged = member.make_challenge()
+        s.sendall(frame(PROOF_TAG, member.prove(forged)))
+        code, reason = read_verdict(s)
+        assert code == REFUSED
+    wait_for(lambda: service.connections == 1)
+    assert gate.admitted == ["w0"] and len(gate.refusals) == 2
+
+
+def test_slow_loris_closed_after_bounded_time(gate, service):
+    start = time.monotonic()
+    with raw(gate) as s:
+        read_challenge(s)
+        s.sendall(PROOF_TAG[:2])  # starts, then never finishes
+        code, reason = read_verdict(s)
+        assert s.recv(10) == b""
+    elapsed = time.monotonic() - start
+    assert code == REFUSED and "within 1 s" in reason
+    assert 0.8 < elapsed < 4.0
+    assert service.connections == 0
+
+
+def test_pending_handshakes_are_bounded(service):
+    with Gate(SharedSecretAuth("s", "gate"), ("127.0.0.1", service.port), max_pending=2,
+              handshake_timeout=5.0) as g:
+        idle = [raw(g) for _ in range(2)]
+        for s in idle:
+            read_challenge(s)
+        with raw(g) as s:
+            code, reason = read_verdict(s)  # no challenge: refused at once
+            assert code == REFUSED and "too many handshakes" in reason
+        for s in idle:
+            s.close()
+
+
+def test_not_a_gate_and_service_down():
+    silent = socket.create_server(("127.0.0.1", 0))  # accepts, says nothing (a bare Lighthouse)
+    try:
+        start = time.monotonic()
+        with pytest.raises(GateUnreachable, match="no farlink challenge"):
+            Tunnel(SharedSecretAuth("s", "w"), ("127.0.0.1", silent.getsockname()[1]),
+                   handshake_timeout=1.0).start()
+        assert time.monotonic() - start < 4
+    finally:
+        silent.close()
+    with socket.create_server(("127.0.0.1", 0)) as free:
+        port = free.getsockname()[1]  # closed again: nothing listens there
+    with Gate(SharedSecretAuth("s", "gate"), ("127.0.0.1", port)) as g, \
+            pytest.raises(GateUnreachable, match="unreachable"):
+        open_tunnel(g.url, SharedSecretAuth("s", "w"))
+    with pytest.raises(GateUnreachable, match="cannot connect"):
+        open_tunnel(f"http://127.0.0.1:{port}", SharedSecretAuth("s", "w"), timeout=2.0)
+
+
+def test_parse_address():
+    assert parse_address("http://127.0.0.1:29510") == ("127.0.0.1", 29510)
+    assert parse_address("10.0.0.2:80") == ("10.0.0.2", 80)
+    assert parse_address("http://[::1]:5") == ("::1", 5)
+    with pytest.raises(ValueError):
+        parse_address("http://nohost")
+
+
+def test_gate_log_file(service, tmp_path: Path):
+    log_path = tmp_path / "gate.log"
+    with Gate(SharedSecretAuth("s", "gate"), ("127.0.0.1", service.port), log_path=log_path,
+              name="Lighthouse") as g, pytest.raises(GateRefused):
+        open_tunnel(g.url, SharedSecretAuth("wrong", "w9"))
+    text = log_path.read_text()
+    assert "Lighthouse gate refused" in text and "w9" in text and "wrong run secret" in text
+
+
+def test_answers_as_gate(gate, service):
+    assert answers_as_gate(gate.url)
+    assert not answers_as_gate(f"http://127.0.0.1:{service.port}")  # echoes our request back
+    with socket.create_server(("127.0.0.1", 0)) as free:
+        port = free.getsockname()[1]
+    assert not answers_as_gate(f"http://127.0.0.1:{port}", timeout=1.0)
