@@ -31,7 +31,8 @@ class RunConfig(BaseModel):
     seed: int = Field(0, description="seed for init and data order")
 
     # how to synchronize
-    algorithm: str = Field("diloco", description="ddp, local_sgd, diloco, streaming_diloco, demo")
+    algorithm: str = Field("diloco", description="ddp, local_sgd, diloco, streaming_diloco, demo, "
+                           "hierarchical_diloco")
     inner_steps: int = Field(50, ge=1, description="H: inner steps between outer syncs")
     lr: float = Field(3e-3, gt=0, description="inner (AdamW) learning rate")
     warmup_steps: int = Field(30, ge=0, description="linear warmup of the inner lr")
@@ -54,6 +55,25 @@ class RunConfig(BaseModel):
         "worker runs as many inner steps as fit (rounds = steps / inner_steps)")
     slowdown: str = Field("", description="emulated device speeds, per-worker slowdown factors "
                           "such as '1,1,2,4' (worker i sleeps (f-1) x its step time)")
+
+    # network heterogeneity: an emulated topology, and islands for hierarchical_diloco
+    topology: str = Field(
+        "", description="emulated network: worker groups such as '0,1|2,3'; links inside a "
+        "group are --intra-link, between groups --inter-link (in-process emulation on loopback)")
+    intra_link: str = Field("datacenter", description="link profile inside a topology group")
+    inter_link: str = Field("intercontinental", description="link profile between groups")
+    islands: str = Field(
+        "", description="hierarchical_diloco: force the islands, e.g. '0,1|2,3' (default: "
+        "formed from the links the launcher measures between the workers)")
+    island_steps: int = Field(
+        10, ge=1, description="hierarchical_diloco: inner steps between island averaging rounds")
+    island_seconds: float | None = Field(
+        None, gt=0, description="hierarchical_diloco with --round-seconds: time budget of an "
+        "island round (default: the global round's, i.e. one island round per global round)")
+    overlap_global: bool = Field(
+        False, description="hierarchical_diloco: run each global round in the background while "
+        "islands keep training; its result is applied one island round later (replicas add "
+        "their island's progress since onto it); the last round stays synchronous")
 
     # where and with whom
     workers: int = Field(4, ge=1, description="local worker processes to launch")
@@ -132,9 +152,54 @@ class RunConfig(BaseModel):
                 raise ValueError(f"slowdown {self.slowdown!r} is not a comma list of numbers")
             if any(f < 1 for f in factors):
                 raise ValueError("slowdown factors must be >= 1 (1 = full speed)")
-        if self.round_seconds is not None and self.algorithm not in ("diloco", "local_sgd"):
-            raise ValueError("round_seconds (time-budgeted rounds) applies to diloco/local_sgd")
+        if self.round_seconds is not None and self.algorithm not in (
+                "diloco", "local_sgd", "hierarchical_diloco"):
+            raise ValueError("round_seconds (time-budgeted rounds) applies to diloco/local_sgd/"
+                             "hierarchical_diloco")
+        self._check_network()
         return self
+
+    def _check_network(self) -> None:
+        """Topology, islands and the hierarchical schedule (see farlink.comm.islands)."""
+        from farlink.comm.islands import parse_islands
+        from farlink.emulate.profiles import EmulationError, get_profile
+
+        for name in ("topology", "islands"):
+            if getattr(self, name):
+                parse_islands(getattr(self, name), self.workers, name)  # ValueError says why
+        for name in ("intra_link", "inter_link"):
+            try:
+                get_profile(getattr(self, name))
+            except EmulationError as exc:
+                raise ValueError(f"{name}: {exc}") from None
+        if self.topology and self.emulate_link is not None:
+            raise ValueError("give either topology (per-pair links) or emulate_link (one link "
+                             "for every collective), not both")
+        hierarchical = self.algorithm == "hierarchical_diloco"
+        if not hierarchical:
+            if self.islands or self.island_seconds is not None or self.overlap_global:
+                raise ValueError("islands, island_seconds and overlap_global apply to "
+                                 "hierarchical_diloco only")
+            return
+        if self.backend != "torchft":
+            raise ValueError("hierarchical_diloco runs on the torchft backend (one Lighthouse "
+                             "per island)")
+        if self.auth != "none":
+            raise ValueError("hierarchical_diloco does not take --auth yet: its island "
+                             "Lighthouses have no membership gate and the leader's hand-off "
+                             "is a plain all-reduce that trusts island members")
+        if self.lighthouse is not None:
+            raise ValueError("hierarchical_diloco starts its own Lighthouses (global and one per "
+                             "island); drop --lighthouse")
+        if self.round_seconds is None:
+            if self.island_seconds is not None:
+                raise ValueError("island_seconds needs round_seconds (time-budgeted rounds)")
+            if self.inner_steps % self.island_steps:
+                raise ValueError(f"inner_steps={self.inner_steps} (the global period) must be "
+                                 f"a multiple of island_steps={self.island_steps}")
+        elif self.island_seconds is not None and self.island_seconds > self.round_seconds:
+            raise ValueError(f"island_seconds={self.island_seconds} exceeds the global round's "
+                             f"round_seconds={self.round_seconds}")
 
     def is_attacker(self, index: int) -> bool:
         return str(index) in {a.strip() for a in self.attackers.split(",") if a.strip()}

@@ -1,5 +1,6 @@
 """Outer algorithms behind one interface: ``ddp``, ``local_sgd``, ``diloco``,
-``streaming_diloco``, ``demo``. None of them imports a communication backend."""
+``streaming_diloco``, ``demo``,
+``hierarchical_diloco``. None of them imports a communication backend."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ ALGORITHMS: dict[str, str] = {
     "diloco": "farlink.sync.diloco:DiLoCo",
     "streaming_diloco": "farlink.sync.streaming:StreamingDiLoCo",
     "demo": "farlink.sync.demo:DeMo",
+    "hierarchical_diloco": "farlink.sync.hierarchical:HierarchicalDiLoCo",
 }
 
 

@@ -94,6 +94,7 @@ def summarize(cfg: RunConfig) -> dict:
                 "comm_s": end["comm_s"],
                 "bookkeeping_s": end.get("bookkeeping_s", 0.0),
                 "failed_rounds": end.get("failed_rounds", 0),
+                **{k: end[k] for k in ("intra_bytes", "inter_bytes") if k in end},
             }
     evals.sort(key=lambda r: (r["step"], r["time"]))
     final = evals[-1] if evals else None
@@ -168,6 +169,13 @@ def launch(cfg: RunConfig, show_progress: bool = True,
     )
     if network is not None and cfg.backend != "torchft":
         raise ValueError("runs inside emulated namespaces use the torchft backend")
+    from farlink.train.network import network_summary, prepare_network
+
+    # --topology / hierarchical_diloco: measure the links, form islands, one Lighthouse per island
+    net_plan, island_lighthouses = prepare_network(cfg, data.vocab_size, network is not None)
+    if net_plan is not None:
+        console.print(f"islands {net_plan.islands} ({net_plan.source}"
+                      + (f": {net_plan.formation}" if net_plan.formation else "") + ")")
     lighthouse = bootstrap = router_lighthouse = None
     address = cfg.lighthouse
     if cfg.backend == "hivemind":
@@ -229,8 +237,12 @@ def launch(cfg: RunConfig, show_progress: bool = True,
             _stop_all([router_lighthouse], grace=5.0)
         if bootstrap is not None:
             bootstrap.shutdown()
+        for island_lighthouse in island_lighthouses:
+            island_lighthouse.stop()
     codes = [p.returncode for p in procs]
     summary = summarize(cfg)
+    if net_plan is not None:
+        summary.update(network_summary(net_plan, cfg, summary["per_worker"]))
     summary["returncodes"] = codes
     model_path = export_model(cfg)
     if model_path is not None:

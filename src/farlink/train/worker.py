@@ -123,7 +123,12 @@ class Worker:
         self.heldout = heldout_batches(self.data.heldout, cfg.seq_len, cfg.batch_size,
                                        cfg.eval_batches)
         self.replica_id = f"w{index}"
-        self.collective = build_collective(cfg, self.replica_id, lighthouse)
+        from farlink.train.tiers import build_tiers
+
+        # island/global collectives and emulated links when the launcher planned a network
+        self.tiers = build_tiers(cfg, index, lighthouse, build_collective)
+        self.collective = (self.tiers.collective if self.tiers is not None
+                           else build_collective(cfg, self.replica_id, lighthouse))
         if cfg.emulate_link is not None:
             from farlink.plan import load_links
 
@@ -134,8 +139,12 @@ class Worker:
 
         self.ledger = ContributionLedger()
         self.exchange = build_exchange(cfg, self.collective, self.replica_id, index, self.ledger)
+        extra = {}
+        if self.tiers is not None and self.tiers.upper is not None:
+            extra["global_exchange"] = build_exchange(cfg, self.tiers.upper, self.replica_id,
+                                                      index, self.ledger)
         self.algo = algorithm_class(cfg.algorithm)(
-            self.model, cfg, self.collective, self.exchange
+            self.model, cfg, self.collective, self.exchange, **extra
         )
         self.ckpt_dir = cfg.run_dir / "checkpoints" / self.replica_id
         self.metrics = MetricsLog(cfg.run_dir / "metrics" / f"{self.replica_id}.jsonl")
@@ -167,7 +176,7 @@ class Worker:
             "comm_s": self.comm_s,
             "bookkeeping_s": self.bookkeeping_s,
             "wall_s": self.wall(),
-            "bytes_sent": self.collective.stats.bytes_sent,
+            "bytes_sent": self._bytes_sent(),
         }
         save_checkpoint(self.ckpt_dir, self.algo.inner_steps_done, tensors, meta)
 
@@ -219,7 +228,7 @@ class Worker:
             self.metrics.write("eval", worker=self.replica_id, step=step, tokens=self.tokens,
                                loss=round(heldout, 5), ppl=round(math.exp(heldout), 3),
                                outer_step=algo.outer_step,
-                               bytes_sent=self.collective.stats.bytes_sent,
+                               bytes_sent=self._bytes_sent(),
                                wall_s=round(self.wall(), 3))
         self.bookkeeping_s += time.perf_counter() - t0
 
@@ -259,9 +268,9 @@ class Worker:
             step = algo.inner_steps_done
             fields = dict(
                 worker=self.replica_id, step=step, loss=round(loss_value, 5), tokens=self.tokens,
-                bytes_sent=self.collective.stats.bytes_sent, compute_s=round(self.compute_s, 4),
+                bytes_sent=self._bytes_sent(), compute_s=round(self.compute_s, 4),
                 comm_s=round(self.comm_s, 4), wall_s=round(self.wall(), 3),
-                outer_step=outcome.outer_step, lr=algo.current_lr(),
+                outer_step=outcome.outer_step, lr=algo.current_lr(), **self._traffic(),
             )
             if outcome.synced and cfg.sync_every > 1:
                 self.metrics.write("sync", committed=outcome.committed,
@@ -287,15 +296,28 @@ class Worker:
             save_model(self.model, str(final / f"{self.replica_id}.safetensors"))
         self.metrics.write("end", worker=self.replica_id, finished=finished,
                            inner_steps=algo.inner_steps_done, tokens=self.tokens,
-                           bytes_sent=self.collective.stats.bytes_sent,
+                           bytes_sent=self._bytes_sent(),
                            compute_s=round(self.compute_s, 4), comm_s=round(self.comm_s, 4),
                            bookkeeping_s=round(self.bookkeeping_s, 4),
                            wall_s=round(self.wall(), 3),
-                           failed_rounds=self.collective.stats.failed_rounds)
+                           failed_rounds=self.collective.stats.failed_rounds, **self._traffic())
         return 0 if finished or stop.flag else 1
+
+    def _bytes_sent(self) -> int:
+        """Bytes this worker sent, on every collective it holds."""
+        if self.tiers is not None:
+            return self.tiers.bytes_sent()
+        return self.collective.stats.bytes_sent
+
+    def _traffic(self) -> dict:
+        """Intra- and inter-island bytes, for algorithms that tell them apart."""
+        traffic = getattr(self.algo, "traffic", None)
+        return traffic() if traffic is not None else {}
 
     def close(self) -> None:
         self.collective.close()
+        if self.tiers is not None:
+            self.tiers.close()
         self.metrics.close()
 
 

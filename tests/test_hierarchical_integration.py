@@ -1,0 +1,82 @@
+"""Hierarchical DiLoCo for real: 4 worker processes in 2 islands formed from measured links,
+torchft (a Lighthouse per island plus the global one, two Managers in each leader), Gloo on
+localhost, one deliberately slow worker; and clear errors for bad topology/island flags."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from safetensors.torch import load_file
+
+from farlink.config import ConfigError, load_config
+from farlink.train.audit import audit_run
+from farlink.train.launcher import launch
+from farlink.train.metrics import read_metrics
+
+SMALL = {"vocab_size": 512, "seq_len": 64, "batch_size": 4, "eval_batches": 4,
+         "warmup_steps": 5, "log_every": 5, "join_timeout": 10, "heartbeat_timeout": 3}
+
+
+@pytest.mark.parametrize("overlap", [
+    False, pytest.param(True, marks=pytest.mark.slow)], ids=["synchronous", "overlapped"])
+def test_two_islands_with_a_slow_worker_stay_bit_identical_and_learn(
+        tmp_path: Path, cache_dir: Path, overlap: bool) -> None:
+    # islands interleaved on purpose: they must come from the measured links, not the indices
+    cfg = load_config(None, {
+        **SMALL, "run_dir": tmp_path / "run", "cache_dir": cache_dir, "workers": 4,
+        "algorithm": "hierarchical_diloco", "topology": "0,2|1,3", "slowdown": "1,1,1,3",
+        "steps": 30, "inner_steps": 10, "round_seconds": 3.0, "island_seconds": 1.5,
+        "overlap_global": overlap})
+    result = launch(cfg, show_progress=False)
+    assert result.returncodes == [0, 0, 0, 0]
+    network = json.loads((cfg.run_dir / "network.json").read_text())
+    assert network["islands"] == [[0, 2], [1, 3]] and network["source"] == "measured"
+    assert result.summary["network"]["islands"] == [[0, 2], [1, 3]]
+
+    # every worker logged every outer round with the same committed-state fingerprint
+    audit = audit_run(cfg.run_dir)
+    assert audit["consistent"] and audit["outer_steps"] == 3, audit
+    syncs = {w: [r for r in read_metrics(cfg.run_dir / "metrics" / f"{w}.jsonl")
+                 if r["kind"] == "sync"] for w in ("w0", "w1", "w2", "w3")}
+    for w, records in syncs.items():
+        # (overlapped: each result arrives one island round after its global round started)
+        assert [r["outer_step"] for r in records] == [1, 2, 3], w
+        assert all(r["committed"] and r["world_size"] == 2 for r in records), w
+    for k in range(len(syncs["w0"])):
+        assert len({syncs[w][k]["fingerprint"] for w in syncs}) == 1
+    finals = [load_file(str(p)) for p in sorted((cfg.run_dir / "final").glob("w*.safetensors"))]
+    assert len(finals) == 4
+    for other in finals[1:]:
+        assert all((other[k] == finals[0][k]).all() for k in finals[0])
+
+    # the slow worker contributed fewer tokens than its island mate, and the model learned
+    per = result.summary["per_worker"]
+    assert 0 < per["w3"]["tokens"] < per["w1"]["tokens"]
+    assert audit["last_eval_loss"] < audit["first_eval_loss"] - 0.1
+    # only leaders (w0, w1) crossed islands; everyone talked inside its island
+    assert per["w0"]["inter_bytes"] > 0 and per["w1"]["inter_bytes"] > 0
+    assert per["w2"]["inter_bytes"] == 0 and per["w3"]["inter_bytes"] == 0
+    assert all(per[w]["intra_bytes"] > 0 for w in per)
+    assert result.summary["inter_island_bytes"] == per["w0"]["inter_bytes"] + per["w1"][
+        "inter_bytes"]
+
+
+@pytest.mark.parametrize("values,message", [
+    ({"topology": "0,1|1,2,3"}, "topology '0,1|1,2,3': worker 1 is in two groups"),
+    ({"topology": "0,1|2"}, r"workers \[3\] are in no group"),
+    ({"topology": "0,1|2,3", "inter_link": "moon"}, "inter_link: unknown link profile 'moon'"),
+    ({"topology": "0,1|2,3", "emulate_link": "home"}, "either topology .* or emulate_link"),
+    ({"algorithm": "hierarchical_diloco", "islands": "0,1|2,9"}, "worker 9 does not exist"),
+    ({"algorithm": "diloco", "islands": "0,1|2,3"}, "apply to hierarchical_diloco only"),
+    ({"algorithm": "hierarchical_diloco", "inner_steps": 10, "island_steps": 3},
+     "must be a multiple of island_steps=3"),
+    ({"algorithm": "hierarchical_diloco", "island_seconds": 2.0}, "island_seconds needs"),
+    ({"algorithm": "hierarchical_diloco", "round_seconds": 2.0, "island_seconds": 5.0},
+     "exceeds the global round's"),
+    ({"algorithm": "hierarchical_diloco", "backend": "hivemind"}, "torchft backend"),
+])
+def test_bad_topology_or_island_flags_are_clear_errors(values: dict, message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        load_config(None, {"workers": 4, **values})
