@@ -75,17 +75,37 @@ def register(app: typer.Typer, bench_app: typer.Typer) -> None:
     @bench_app.command("hetero")
     def hetero(
         out: Path = typer.Option(Path("bench/hetero"), help="output directory"),
+        scenario: str = typer.Option(
+            "devices", help="devices: fixed H vs time-budgeted rounds; islands: the same workers "
+            "in islands joined by a slow link, adding hierarchical DiLoCo"),
         slowdown: str = typer.Option("1,1,2,4", help="per-worker slowdown factors"),
-        steps: int = typer.Option(300, help="inner steps per worker for the fixed-H run"),
+        steps: int | None = typer.Option(
+            None, help="inner steps per worker for the fixed-H run (default: devices 300, "
+            "islands 120)"),
         inner_steps: int = typer.Option(30, help="H"),
+        topology: str = typer.Option("0,1|2,3", help="islands scenario: emulated groups"),
+        intra_link: str = typer.Option("datacenter", help="islands scenario: link in a group"),
+        inter_link: str = typer.Option("intercontinental",
+                                       help="islands scenario: link between groups"),
+        island_rounds: int = typer.Option(
+            2, min=1, help="islands scenario: island averaging rounds per global round"),
     ) -> None:
-        """Fixed-H DiLoCo vs time-budgeted rounds with emulated slow workers."""
-        from farlink.bench.hetero import run
+        """Workers of different speeds: fixed H vs time-budgeted rounds (vs hierarchical)."""
+        from farlink.bench import hetero as bench
 
-        result = run(out, slowdown, steps, inner_steps)
+        if scenario == "devices":
+            result = bench.run(out, slowdown, steps or 300, inner_steps)
+        elif scenario == "islands":
+            result = bench.run_islands(out, slowdown, steps or 120, inner_steps, topology,
+                                       intra_link, inter_link, island_rounds)
+        else:
+            typer.secho(f"error: scenario {scenario!r} unknown; choose devices or islands",
+                        fg="red", err=True)
+            raise typer.Exit(2)
         print_rows(result["rows"], ["label", "final_heldout_loss", "wall_s",
                                     "utilization_per_worker", "wall_to_fixed_final_loss",
-                                    "speedup_to_target"], "farlink bench hetero")
+                                    "speedup_to_target", "inter_island_bytes", "meets_targets"],
+                   f"farlink bench hetero --scenario {scenario}")
 
     @bench_app.command("attack")
     def attack(

@@ -6,6 +6,10 @@ fixed H every round waits for the slowest worker; with time-budgeted rounds ever
 many inner steps as fit in the round and the outer step weights each pseudo-gradient by the
 tokens it was computed on. The time budget is derived from the fixed-H run itself (the time a
 full-speed worker needed for H steps), and the budgeted run gets the same wall-clock.
+
+:func:`run_islands` adds network heterogeneity: the same workers in two islands joined by a slow
+link, where hierarchical DiLoCo keeps frequent averaging inside islands and sends only one
+pseudo-gradient per island across.
 """
 
 from __future__ import annotations
@@ -51,4 +55,87 @@ def run(out: Path, slowdown: str, steps: int, inner_steps: int) -> dict:
     plot_curves(out / "hetero_loss_vs_wall.png",
                 {r["label"]: [(e["wall_s"], e["loss"]) for e in r["evals"]] for r in (fixed, timed)},
                 "wall-clock (s)", "held-out loss", f"speeds 1/{slowdown.replace(',', ':1/')}")
+    return {"rows": rows}
+
+
+# --- two islands: network heterogeneity on top of device heterogeneity -------------------------
+
+def _network_figures(row: dict, out: Path) -> dict:
+    """Inter-island bytes and islands of a finished variant, from its summary."""
+    import json
+
+    summary = json.loads((out / "runs" / row["label"] / "summary.json").read_text())
+    return {"inter_island_bytes": summary.get("inter_island_bytes"),
+            "intra_island_bytes": summary.get("intra_island_bytes"),
+            "islands": summary.get("network", {}).get("islands"),
+            "islands_source": summary.get("network", {}).get("source")}
+
+
+def run_islands(out: Path, slowdown: str, steps: int, inner_steps: int, topology: str,
+                intra_link: str, inter_link: str, island_rounds: int) -> dict:
+    """Workers of speeds ``slowdown`` in the islands of ``topology`` (links emulated in-process:
+    ``intra_link`` inside an island, ``inter_link`` between islands). Four ways to train:
+
+    * fixed-H DiLoCo, flat: every round waits for the slowest worker, and all pseudo-gradients
+      cross the slow link (the ring is paced by its slow hops);
+    * time-budgeted DiLoCo, flat: rounds of equal time, token-weighted;
+    * hierarchical DiLoCo, time-budgeted: islands (measured by the launcher) average every
+      budget / ``island_rounds`` seconds over their fast links; only island leaders cross the slow
+      link, once per budget; members wait for the hand-off;
+    * the same with the global round overlapped with the islands' training.
+
+    The budget and the number of rounds derive from the fixed-H run as in :func:`run`.
+    """
+    workers = len(slowdown.split(","))
+    base = {"workers": workers, "slowdown": slowdown, "eval_batches": 8, "inner_steps": inner_steps,
+            "topology": topology, "intra_link": intra_link, "inter_link": inter_link}
+    fixed = run_variant(f"islands-fixed-H{inner_steps}", base, out, steps=steps)
+    fast = min(fixed["per_worker"].values(), key=lambda w: w["compute_s"] / max(w["tokens"], 1))
+    step_s = fast["compute_s"] / (fast["tokens"] / fixed["tokens_per_step"])
+    budget = step_s * inner_steps
+    rounds = max(1, int(fixed["wall_s"] / (budget * 1.15)))
+    timed = {"steps": rounds * inner_steps, "round_seconds": budget}
+    hier = {**timed, "algorithm": "hierarchical_diloco", "island_seconds": budget / island_rounds}
+    runs = [fixed,
+            run_variant(f"islands-time-budget-{budget:.1f}s", base, out, **timed),
+            run_variant(f"islands-hierarchical-{budget:.1f}s-x{island_rounds}", base, out, **hier),
+            run_variant(f"islands-hierarchical-overlap-{budget:.1f}s-x{island_rounds}", base, out,
+                        **hier, overlap_global=True)]
+    target = fixed["final_heldout_loss"]
+    targets = {"min_utilization": 0.9, "speedup_to_target": 1.5}
+    rows = []
+    for r in runs:
+        row = {k: v for k, v in r.items() if k not in ("evals", "per_worker")}
+        row.update(_network_figures(r, out))
+        row["utilization_per_worker"] = {w: round(v["compute_utilization"], 3)
+                                         for w, v in r["per_worker"].items()}
+        row["min_utilization"] = min(row["utilization_per_worker"].values())
+        row["wall_to_fixed_final_loss"] = wall_to_loss(r["evals"], target)
+        rows.append(row)
+    reference = rows[0]["wall_to_fixed_final_loss"]
+    for row in rows[1:]:
+        reached = row["wall_to_fixed_final_loss"]
+        row["speedup_to_target"] = reference / reached if reference and reached else None
+        if rows[0]["inter_island_bytes"] and row["inter_island_bytes"] is not None:
+            row["inter_island_bytes_vs_fixed"] = (row["inter_island_bytes"]
+                                                  / rows[0]["inter_island_bytes"])
+        row["meets_targets"] = (row["min_utilization"] >= targets["min_utilization"]
+                                and (row["speedup_to_target"] or 0)
+                                >= targets["speedup_to_target"])
+    write_json(out / "hetero-islands.json", "hetero-islands", rows, {
+        "slowdown": slowdown, "topology": topology, "intra_link": intra_link,
+        "inter_link": inter_link, "round_seconds": budget, "island_rounds": island_rounds,
+        "target_loss": target, "targets": targets,
+        "emulation": "device speed: per-step sleep; links: in-process (each collective held for "
+                     "latency + bytes/bandwidth of its profile); islands measured by the launcher "
+                     "over shaped TCP relays on loopback",
+        "inter_island_bytes": "hierarchical: bytes the island leaders sent on the global "
+                              "collective; flat: bytes of workers whose ring successor (index "
+                              "order) is in another island",
+    })
+    plot_curves(out / "hetero-islands.png",
+                {r["label"]: [(e["wall_s"], e["loss"]) for e in r["evals"]] for r in runs},
+                "wall-clock (s)", "held-out loss",
+                f"islands {topology} ({intra_link} / {inter_link}), speeds 1/"
+                f"{slowdown.replace(',', ':1/')}")
     return {"rows": rows}
