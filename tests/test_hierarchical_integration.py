@@ -80,3 +80,26 @@ def test_two_islands_with_a_slow_worker_stay_bit_identical_and_learn(
 def test_bad_topology_or_island_flags_are_clear_errors(values: dict, message: str) -> None:
     with pytest.raises(ConfigError, match=message):
         load_config(None, {"workers": 4, **values})
+
+
+def test_islands_are_forced_or_kept_on_resume_without_measuring(tmp_path: Path) -> None:
+    from farlink.train.network import NetworkPlan, plan_network, prepare_network
+
+    base = {"workers": 4, "algorithm": "hierarchical_diloco", "run_dir": tmp_path,
+            "topology": "0,1|2,3"}
+    plan = plan_network(load_config(None, {**base, "islands": "0,3|1,2"}), 1 << 20)
+    assert plan.islands == [[0, 3], [1, 2]] and plan.source == "forced" and plan.links is None
+    assert plan.is_leader(1) and not plan.is_leader(2) and plan.leaders() == [0, 1]
+    # islands across topology groups: each island's collective is paced by the slow link
+    assert plan.collective_link([0, 3]).name == "intercontinental"
+    assert plan.collective_link([0, 1]).name == "datacenter"
+    plan.island_lighthouses = ["http://old"]
+    plan.save(tmp_path)
+    kept, lighthouses = prepare_network(load_config(None, {**base, "resume": True}), 512)
+    try:
+        assert kept.islands == [[0, 3], [1, 2]] and kept.source == "forced"
+        assert len(lighthouses) == 2 and kept.island_lighthouses != ["http://old"]
+        assert NetworkPlan.load(tmp_path).island_lighthouses == kept.island_lighthouses
+    finally:
+        for lighthouse in lighthouses:
+            lighthouse.stop()

@@ -158,9 +158,14 @@ def prepare_network(cfg: RunConfig, vocab_size: int, namespaced: bool = False):
     if namespaced:
         raise ValueError("--topology and hierarchical_diloco use in-process link emulation; "
                          "they cannot run inside emulated namespaces")
-    params = preset_config(cfg.model, vocab_size=vocab_size, seq_len=cfg.seq_len).num_parameters()
-    plan = plan_network(cfg, reference_bytes=4 * params)
-    assert plan is not None
+    previous = NetworkPlan.load(cfg.run_dir) if cfg.resume else None
+    if previous is not None:  # a resumed run keeps its islands (checkpoints were made in them)
+        plan = previous
+    else:
+        params = preset_config(cfg.model, vocab_size=vocab_size,
+                               seq_len=cfg.seq_len).num_parameters()
+        plan = plan_network(cfg, reference_bytes=4 * params)
+        assert plan is not None
     lighthouses: list[Lighthouse] = []
     if cfg.algorithm == "hierarchical_diloco":
         try:
