@@ -34,6 +34,8 @@ def run_variant(label: str, base: dict[str, Any], out: Path, reuse: bool = False
     s = _finished_summary(cfg) if reuse else None
     if s is None:
         result = launch(cfg, show_progress=True, network=network)
+        if result.interrupted:  # Ctrl-C/kill stops the whole benchmark, not one variant
+            raise KeyboardInterrupt(f"interrupted during {label}")
         s, codes = result.summary, result.returncodes
     else:
         codes = s["returncodes"]
