@@ -169,6 +169,9 @@ def launch(cfg: RunConfig, show_progress: bool = True,
     )
     if network is not None and cfg.backend != "torchft":
         raise ValueError("runs inside emulated namespaces use the torchft backend")
+    if network is not None and cfg.auth != "none":
+        raise ValueError("runs inside emulated namespaces have no membership gate in front of "
+                         "the router's Lighthouse; use --auth none there")
     from farlink.train.network import network_summary, prepare_network
 
     # --topology / hierarchical_diloco: measure the links, form islands, one Lighthouse per island
