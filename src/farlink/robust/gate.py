@@ -177,7 +177,32 @@ class _LoopThread:
         self._thread.join(timeout=5)
 
 
-class Gate:
+class _LoopServer:
+    """A TCP server on its own event-loop thread: what the gate and the tunnel share (start in
+    the subclass, close and the context manager here)."""
+
+    _runner: _LoopThread | None = None
+    _server: asyncio.AbstractServer | None = None
+
+    def start(self) -> Self:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        if self._runner is None:
+            return
+        if self._server is not None:
+            self._runner.loop.call_soon_threadsafe(self._server.close)
+        self._runner.stop()
+        self._runner = None
+
+    def __enter__(self) -> Self:
+        return self if self._runner is not None else self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class Gate(_LoopServer):
     """Listens on ``host:port``; relays an admitted connection to ``upstream`` (loopback).
 
     ``events`` keeps the last 1000 admissions and refusals as ``(kind, peer address, detail)``;
@@ -229,20 +254,6 @@ class Gate:
         self.port = self._server.sockets[0].getsockname()[1]
         log.info("%s gate on %s -> %s:%d", self.name, self.url, *self.upstream)
         return self
-
-    def close(self) -> None:
-        if self._runner is None:
-            return
-        if self._server is not None:
-            self._runner.loop.call_soon_threadsafe(self._server.close)
-        self._runner.stop()
-        self._runner = None
-
-    def __enter__(self) -> Self:
-        return self if self._runner is not None else self.start()
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
     def _record(self, kind: str, peer: str, detail: str) -> None:
         self.events.append((kind, peer, detail))
@@ -328,7 +339,7 @@ class Gate:
             writer.close()
 
 
-class Tunnel:
+class Tunnel(_LoopServer):
     """A loopback port whose every connection is handshaken with the gate at ``remote`` and then
     relayed to it. :meth:`start` first proves membership once, synchronously, so a refused peer
     fails at once with :class:`GateRefused` instead of its client retrying until a timeout.
@@ -371,20 +382,6 @@ class Tunnel:
             raise
         self.port = self._server.sockets[0].getsockname()[1]
         return self
-
-    def close(self) -> None:
-        if self._runner is None:
-            return
-        if self._server is not None:
-            self._runner.loop.call_soon_threadsafe(self._server.close)
-        self._runner.stop()
-        self._runner = None
-
-    def __enter__(self) -> Self:
-        return self if self._runner is not None else self.start()
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
     async def _open(self) -> tuple[asyncio.StreamReader, asyncio.StreamWriter, str]:
         host, port = self.remote
