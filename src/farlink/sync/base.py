@@ -77,6 +77,25 @@ def load_optimizer_state(opt: torch.optim.Optimizer, tensors: TensorState, prefi
     opt.load_state_dict(full)
 
 
+def worker_private_state(algo: SyncAlgorithm) -> TensorState:
+    """What a checkpoint adds for a local-update algorithm beyond the committed state: its inner
+    optimizer, its local (not yet synced) parameters and its codec residuals."""
+    state = optimizer_state(algo.inner_opt, "inner")
+    state.update({f"local.{n}": p.detach().clone() for n, p in zip(algo.names, algo.params)})
+    state.update(algo.exchange.compressor.state_dict())
+    return state
+
+
+def load_worker_private_state(algo: SyncAlgorithm, state: TensorState) -> None:
+    load_optimizer_state(algo.inner_opt, state, "inner")
+    with torch.no_grad():
+        for n, p in zip(algo.names, algo.params):
+            p.copy_(state[f"local.{n}"])
+    algo.exchange.compressor.load_state_dict(
+        {k: v for k, v in state.items() if k.startswith("residual.")}
+    )
+
+
 class StateTransferError(RuntimeError):
     """A state received from a peer that fails verification."""
 

@@ -22,7 +22,9 @@ from farlink.sync.base import (
     SyncAlgorithm,
     TensorState,
     load_optimizer_state,
+    load_worker_private_state,
     optimizer_state,
+    worker_private_state,
 )
 from farlink.sync.exchange import ExchangeResult
 
@@ -136,21 +138,13 @@ class DiLoCo(SyncAlgorithm):
 
     def state_dict(self) -> TensorState:
         state = super().state_dict()
-        state.update(optimizer_state(self.inner_opt, "inner"))
-        state.update({f"local.{n}": p.detach().clone() for n, p in zip(self.names, self.params)})
-        state.update(self.exchange.compressor.state_dict())
+        state.update(worker_private_state(self))
         state["counter.tokens_since_sync"] = torch.tensor(self.tokens_since_sync)
         return state
 
     def load_state_dict(self, state: TensorState) -> None:
         super().load_state_dict(state)
-        load_optimizer_state(self.inner_opt, state, "inner")
-        with torch.no_grad():
-            for n, p in zip(self.names, self.params):
-                p.copy_(state[f"local.{n}"])
-        self.exchange.compressor.load_state_dict(
-            {k: v for k, v in state.items() if k.startswith("residual.")}
-        )
+        load_worker_private_state(self, state)
         self.tokens_since_sync = int(state["counter.tokens_since_sync"])
 
 

@@ -58,9 +58,11 @@ from farlink.sync.base import (
     SyncAlgorithm,
     TensorState,
     load_optimizer_state,
+    load_worker_private_state,
     lr_at,
     optimizer_state,
     state_digest,
+    worker_private_state,
 )
 from farlink.sync.exchange import Exchange, ExchangeResult
 
@@ -500,9 +502,7 @@ class HierarchicalDiLoCo(SyncAlgorithm):
 
     def state_dict(self) -> TensorState:
         state = super().state_dict()
-        state.update(optimizer_state(self.inner_opt, "inner"))
-        state.update({f"local.{n}": p.detach().clone() for n, p in zip(self.names, self.params)})
-        state.update(self.exchange.compressor.state_dict())
+        state.update(worker_private_state(self))
         if self.global_exchange is not None:
             state.update({f"global_{k}": v for k, v in
                           self.global_exchange.compressor.state_dict().items()})
@@ -513,12 +513,7 @@ class HierarchicalDiLoCo(SyncAlgorithm):
 
     def load_state_dict(self, state: TensorState) -> None:
         super().load_state_dict(state)
-        load_optimizer_state(self.inner_opt, state, "inner")
-        with torch.no_grad():
-            for n, p in zip(self.names, self.params):
-                p.copy_(state[f"local.{n}"])
-        self.exchange.compressor.load_state_dict(
-            {k: v for k, v in state.items() if k.startswith("residual.")})
+        load_worker_private_state(self, state)
         if self.global_exchange is not None:
             self.global_exchange.compressor.load_state_dict(
                 {k.removeprefix("global_"): v for k, v in state.items()
