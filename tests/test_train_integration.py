@@ -76,6 +76,16 @@ def test_bad_config_is_a_clear_error(tmp_path: Path) -> None:
         load_config(bad)
     with pytest.raises(ConfigError, match="does not exist"):
         load_config(tmp_path / "missing.toml")
+    with pytest.raises(ConfigError, match="would reject honest updates"):
+        load_config(None, {"screen_ratio": 0.5})
+
+
+def test_screen_ratio_zero_turns_the_norm_screen_off(tmp_path: Path) -> None:
+    """A flag left unset is ignored, so "off" needs a value of its own: 0."""
+    toml = tmp_path / "run.toml"
+    toml.write_text("[train]\nscreen_ratio = 0\n")
+    assert load_config(toml).screen_ratio == 0
+    assert load_config(None, {"screen_ratio": None}).screen_ratio == 10.0
 
 
 def test_cli_reports_missing_corpus_and_bad_flags(tmp_path: Path) -> None:

@@ -97,8 +97,9 @@ class RunConfig(BaseModel):
     secret: str | None = Field(None, description="run secret: every update is MACed with it")
     key_file: Path | None = Field(None, description="ed25519: this peer's private key file")
     allowed_keys: Path | None = Field(None, description="ed25519: file/dir of members' keys")
-    screen_ratio: float | None = Field(
-        10.0, gt=1, description="reject an update whose norm exceeds this x the round's median")
+    screen_ratio: float = Field(
+        10.0, ge=0, description="reject an update whose norm exceeds this x the round's median "
+        "(0 turns the screen off)")
     attack: str = Field("none", description="emulated attack of the --attackers: sign_flip, "
                         "scale:100, noise:STD, nan, free_rider[:stale]")
     attackers: str = Field("", description="comma list of worker indices that attack (emulation)")
@@ -130,6 +131,9 @@ class RunConfig(BaseModel):
         make_compressor(self.codec)  # raises ValueError naming the valid codecs
         make_aggregator(self.aggregator)
         make_attack(self.attack)
+        if 0 < self.screen_ratio <= 1:
+            raise ValueError(f"screen_ratio={self.screen_ratio:g} would reject honest updates; "
+                             "use a value above 1, or 0 to turn the screen off")
         if self.auth == "secret" and not (self.secret or os.environ.get("FARLINK_SECRET")):
             raise ValueError("auth 'secret' needs --secret or FARLINK_SECRET")
         if self.auth not in ("none", "secret", "ed25519"):

@@ -22,7 +22,7 @@ def run(out: Path, attacks: list[str], setups: list[tuple[int, int]], steps: int
     series: dict[str, list[tuple[float, float]]] = {}
     for workers, bad in setups:
         base = {"workers": workers, "steps": steps, "inner_steps": inner_steps,
-                "codec": "int8", "auth": "secret", "secret": "bench", "screen_ratio": None,
+                "codec": "int8", "auth": "secret", "secret": "bench", "screen_ratio": 0,
                 "eval_batches": 8}
         attackers = ",".join(str(workers - 1 - i) for i in range(bad))
         clean = run_variant(f"{workers}w-clean", base, out)

@@ -99,7 +99,7 @@ def build_exchange(cfg: RunConfig, collective, sender: str, index: int, ledger=N
         authenticator=auth,
         ledger=ledger,
         tamper=tamper,
-        screen_ratio=cfg.screen_ratio,
+        screen_ratio=cfg.screen_ratio or None,
     )
 
 
