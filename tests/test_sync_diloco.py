@@ -60,6 +60,23 @@ def test_diloco_outer_step_matches_hand_computed_nesterov(codec: str) -> None:
         torch.testing.assert_close(per_rank[1], theta2)
 
 
+def test_a_joiner_from_its_own_checkpoint_moves_to_the_rounds_end() -> None:
+    """Rank 1 restarts at the round boundary the others are syncing in (no healing needed): it
+    joins with zero weight and must then stand at the same inner step as rank 0."""
+    h = 5
+
+    def member(rank: int, collective):  # noqa: ANN001, ANN202
+        algo = make_algo("diloco", collective, inner_steps=h)
+        algo.inner_steps_done, algo.tokens_since_sync = (h, 100) if rank == 0 else (0, 0)
+        outcome = algo.sync() if rank == 0 else algo.join()
+        assert outcome.committed
+        return algo.outer_step, algo.inner_steps_done, algo.params[0].detach().clone()
+
+    (o0, i0, p0), (o1, i1, p1) = run_members(2, member)
+    assert (o0, i0) == (o1, i1) == (1, h)
+    torch.testing.assert_close(p0, p1)
+
+
 def test_local_sgd_is_plain_token_weighted_averaging() -> None:
     local = {0: [0.0, 1.0], 1: [1.0, 0.0]}
 

@@ -92,6 +92,13 @@ class DiLoCo(SyncAlgorithm):
         self.tokens_since_sync = 0  # a zero-weight pseudo-gradient: it only receives
         outcome = self.sync()
         self.round_started = time.monotonic()
+        if outcome.committed and not self.timed:
+            # A peer restarted from its own checkpoint is not healed when the others wait in
+            # the same round; it still skips that round's inner steps, so its schedule must
+            # move to the round's end, or it finishes one round after everyone else and waits
+            # for a quorum that never comes.
+            self.inner_steps_done = max(self.inner_steps_done,
+                                        self.outer_step * self.cfg.inner_steps)
         return outcome
 
     def sync(self) -> StepOutcome:

@@ -149,9 +149,10 @@ class Worker:
         self.ckpt_dir = cfg.run_dir / "checkpoints" / self.replica_id
         self.metrics = MetricsLog(cfg.run_dir / "metrics" / f"{self.replica_id}.jsonl")
         self.joining = joining
-        if joining and hasattr(self.collective, "quorum_timeout"):
+        self._member_quorum_timeout = getattr(self.collective, "quorum_timeout", None)
+        if joining and self._member_quorum_timeout is not None:
             # a newcomer waits for the others' next round, however long their rounds are
-            self.collective.quorum_timeout = max(self.collective.quorum_timeout, 3600.0)
+            self.collective.quorum_timeout = max(self._member_quorum_timeout, 3600.0)
         self.tokens = 0
         self.compute_s = 0.0
         self.comm_s = 0.0
@@ -243,6 +244,9 @@ class Worker:
         loss_value = float("nan")
         if self.joining:
             outcome = algo.join()
+            if outcome is not None and outcome.committed and self._member_quorum_timeout:
+                # once in, a missing quorum means the run ended or broke: give up like a member
+                self.collective.quorum_timeout = self._member_quorum_timeout
             if outcome is not None:
                 self.metrics.write("join", worker=self.replica_id, committed=outcome.committed,
                                    healed=bool(algo.last_round and algo.last_round.healed),
