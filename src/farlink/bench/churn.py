@@ -79,6 +79,8 @@ def run(out: Path, rates: list[float], steps: int, inner_steps: int, workers: in
         cfg = load_config(None, {
             "steps": steps, "inner_steps": inner_steps, "workers": workers, "min_replicas": 2,
             "join_timeout": 10, "heartbeat_timeout": 3, "round_timeout": 20,
+            # a checkpoint every round (what a restart resumes from), a loss point every 5
+            "eval_every": 5,
             "run_dir": out / "runs" / f"kills-{rate:g}",
         })
         rounds = steps // inner_steps
