@@ -82,9 +82,10 @@ def test_bad_codec_specs(spec):
 
 
 def test_diloco_round_by_hand():
-    # 1e9 params fp32 = 4 GB; 8 workers; 1 Gbit/s; 50 ms; 100 steps of 2 s.
+    # 1e9 params fp32 = 4 GB; 8 workers; 1 Gbit/s; 50 ms; 100 steps of 2 s. Gloo hops cost a
+    # round trip (14 x 100 ms); the quorum asks a Lighthouse half-way (50 ms round trip).
     r = predict_round("diloco", 8, 2.0, 1e9, 0.05, n_params=1e9, inner_steps=100)
-    comm = 2 * 7 / 8 * 4e9 * 8 / 1e9 + 14 * 0.05
+    comm = 2 * 7 / 8 * 4e9 * 8 / 1e9 + 14 * 0.1 + 0.05
     assert r.compute_seconds == 200.0
     assert r.comm_seconds == pytest.approx(comm)
     assert r.round_seconds == pytest.approx(200.0 + comm)
@@ -98,8 +99,9 @@ def test_ddp_and_demo_sync_every_step():
     assert ddp.comm_seconds == pytest.approx(2 * 3 / 4 * 4e8 * 8 / 1e9)
     demo = predict_round("demo", 4, 1.0, 1e9, 0.01, n_params=1e8, codec="dct_topk")
     s = 1e8 * 32 / 4096 * 4
-    assert demo.bytes_sent_per_round == pytest.approx(3 * s)
-    assert demo.comm_seconds == pytest.approx(3 * s * 8 / 1e9 + 3 * 0.01)
+    # all-gather of the 8-byte lengths, then of the payloads: 2 x 3 hops of one round trip
+    assert demo.bytes_sent_per_round == pytest.approx(3 * s + 3 * 8)
+    assert demo.comm_seconds == pytest.approx((3 * s + 3 * 8) * 8 / 1e9 + 6 * 0.02 + 0.01)
     with pytest.raises(PlanInputError):
         predict_round("demo", 4, 1.0, 1e9, 0.0, n_params=1e8, codec="int8")
 
@@ -140,7 +142,34 @@ def test_hivemind_backend_has_fewer_latency_terms():
     ring = predict_round("diloco", 16, 1.0, 1e9, 0.1, n_params=1e6, inner_steps=10)
     bfly = predict_round("diloco", 16, 1.0, 1e9, 0.1, n_params=1e6, inner_steps=10,
                          backend="hivemind")
-    assert ring.comm_seconds - bfly.comm_seconds == pytest.approx((30 - 2) * 0.1)
+    # 30 ring hops of a round trip plus the Lighthouse quorum, against 2 one-way phases
+    assert ring.comm_seconds - bfly.comm_seconds == pytest.approx(30 * 0.2 + 0.1 - 2 * 0.1)
+
+
+def test_codecs_other_than_fp32_are_gathered_as_farlink_runs_them():
+    # int8 payload P: gathered, each of 4 workers sends 3 P (plus 3 lengths); all-reduced,
+    # 2 * 3/4 P. With 14 workers gathering int8 costs more bytes than all-reducing fp32.
+    p = 1e6 * (1 + 4 / 64)
+    gathered = predict_round("diloco", 4, 1.0, 1e9, 0.0, n_params=1e6, codec="int8")
+    reduced = predict_round("diloco", 4, 1.0, 1e9, 0.0, n_params=1e6, codec="int8",
+                            exchange="allreduce")
+    assert gathered.bytes_sent_per_round == pytest.approx(3 * p + 3 * 8)
+    assert reduced.bytes_sent_per_round == pytest.approx(1.5 * p)
+    int8_14 = predict_round("diloco", 14, 1.0, 1e9, 0.0, n_params=1e6, codec="int8")
+    fp32_14 = predict_round("diloco", 14, 1.0, 1e9, 0.0, n_params=1e6, codec="fp32")
+    assert int8_14.bytes_sent_per_round > fp32_14.bytes_sent_per_round
+    with pytest.raises(PlanInputError, match="exchange"):
+        predict_round("diloco", 4, 1.0, 1e9, 0.0, n_params=1e6, exchange="magic")
+
+
+def test_local_seconds_and_coordinator_round_trip_add_to_every_sync():
+    base = predict_round("streaming_diloco", 4, 1.0, 1e9, 0.0, n_params=1e6, inner_steps=40,
+                         fragments=4, overlap_steps=0)
+    more = predict_round("streaming_diloco", 4, 1.0, 1e9, 0.0, n_params=1e6, inner_steps=40,
+                         fragments=4, overlap_steps=0, local_seconds=0.5, coordinator_rtt_s=0.25)
+    assert more.round_seconds - base.round_seconds == pytest.approx(4 * 0.75)
+    alone = predict_round("ddp", 1, 1.0, 1e9, 0.1, n_params=1e6)
+    assert alone.round_seconds == pytest.approx(1.0)  # a lone worker asks no quorum
 
 
 # --- required bandwidth ----------------------------------------------------------------------
@@ -148,18 +177,18 @@ def test_hivemind_backend_has_fewer_latency_terms():
 
 def test_required_bandwidth_matches_closed_form_and_round_trips():
     kw = {"algorithm": "diloco", "n_workers": 14, "step_seconds": 22.8, "latency_s": 0.1,
-              "n_params": 10e9, "codec": "int8", "inner_steps": 100}
+              "n_params": 10e9, "codec": "int8", "inner_steps": 100, "exchange": "allreduce"}
     b = required_bandwidth(0.95, **kw)
     compute = 2280.0
     sent = 2 * 13 / 14 * 10e9 * (1 + 4 / 64)
-    closed = 8 * sent / (compute * (1 / 0.95 - 1) - 26 * 0.1)
+    closed = 8 * sent / (compute * (1 / 0.95 - 1) - 26 * 0.2 - 0.1)
     assert b == pytest.approx(closed, rel=1e-6)
     assert predict_round(bandwidth_bps=b, **kw).utilization == pytest.approx(0.95, abs=1e-6)
 
 
 @pytest.mark.parametrize("algorithm", ["diloco", "streaming_diloco", "ddp"])
 def test_required_bandwidth_inverse_with_stragglers_and_churn(algorithm):
-    kw = {"algorithm": algorithm, "n_workers": 8, "step_seconds": 5.0, "latency_s": 0.02,
+    kw = {"algorithm": algorithm, "n_workers": 8, "step_seconds": 5.0, "latency_s": 0.01,
               "n_params": 1e8, "inner_steps": 100, "fragments": 4, "straggler_sigma": 0.01,
               "failures_per_hour": 0.01, "rejoin_seconds": 30.0}
     b = required_bandwidth(0.9, **kw)
@@ -168,7 +197,7 @@ def test_required_bandwidth_inverse_with_stragglers_and_churn(algorithm):
 
 
 def test_required_bandwidth_unreachable_when_latency_dominates():
-    # DDP with 0.5 s steps and 26 hops of 120 ms: latency alone exceeds the 5% budget.
+    # DDP with 0.5 s steps and 26 hops of a 240 ms round trip: latency alone exceeds 5%.
     b = required_bandwidth(0.95, algorithm="ddp", n_workers=14, step_seconds=0.5,
                            latency_s=0.12, n_params=1e9)
     assert b == math.inf

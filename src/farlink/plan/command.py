@@ -50,6 +50,9 @@ def plan_command(
     batch_tokens: Annotated[float, typer.Option(help="Tokens per worker per inner step.")] = 2**20,
     mfu: Annotated[float, typer.Option(help="Model FLOPs utilization of the inner steps.")] = 0.4,
     backend: Annotated[str, typer.Option(help="torchft (ring all-reduce) or hivemind (butterfly).")] = "torchft",
+    exchange: Annotated[str, typer.Option(
+        help="auto (as farlink runs the codec: fp32 all-reduced, others gathered), "
+             "allreduce or gather.")] = "auto",
     straggler_sigma: Annotated[float, typer.Option(help="Log-sd of per-worker speed (lognormal, mean 1).", min=0)] = 0.0,
     failures_per_hour: Annotated[float, typer.Option(help="Poisson failures per worker-hour.", min=0)] = 0.0,
     rejoin_seconds: Annotated[float, typer.Option(help="Seconds a failed worker needs to rejoin and heal.", min=0)] = 60.0,
@@ -81,6 +84,7 @@ def plan_command(
             gpus_per_worker=gpus_per_worker, batch_tokens=int(batch_tokens), tokens=tokens,
             mfu=mfu, backend=backend.strip().lower(), straggler_sigma=straggler_sigma,
             failures_per_hour=failures_per_hour, rejoin_seconds=rejoin_seconds,
+            exchange=exchange.strip().lower(),
         )
         names = ALGORITHMS if name == "all" else (name,)
         if name == "all" and inner_steps < fragments:

@@ -12,17 +12,24 @@ T tokens per worker per step, F the GPU's dense bf16 FLOP/s, g GPUs per worker (
 2N FLOPs per token forward, 4N backward).
 
 Communication (see :mod:`farlink.plan.network` for the collectives). The payload S is the
-codec's bytes per parameter times N (:mod:`farlink.plan.payload`). Per algorithm, as farlink
-runs it:
+codec's bytes per parameter times N (:mod:`farlink.plan.payload`). How it travels follows
+farlink's exchange: plain fp32 updates are summed by an all-reduce; every other codec (and DeMo)
+is gathered, because encoded messages cannot be summed on the wire, so each worker sends its
+payload n-1 times. ``exchange="allreduce"`` models systems that all-reduce quantized tensors
+hop by hop instead (INTELLECT-1). Every sync on torchft first asks the Lighthouse for a quorum
+(one round trip to it, ``coordinator_rtt_s``; by default the one-way path latency, i.e. a
+Lighthouse half-way between workers), and ``local_seconds`` adds the worker's own per-sync work
+(encoding, decoding, validation, outer step), which a run measures and which is small on GPUs.
+Per algorithm, as farlink runs it:
 
-- ``ddp``: all-reduce of the gradients every step, blocking.            round = 1 step
-- ``local_sgd`` / ``diloco``: all-reduce of the averaged parameters / pseudo-gradient every H
+- ``ddp``: exchange of the gradients every step, blocking.              round = 1 step
+- ``local_sgd`` / ``diloco``: exchange of the averaged parameters / pseudo-gradient every H
   steps, blocking (the outer optimizer step itself is negligible).        round = H steps
 - ``streaming_diloco``: the parameters are split in P fragments; one fragment (S/P) is
   all-reduced every H/P steps, and its outer update is applied tau steps later, so the transfer
   overlaps tau inner steps: exposed = max(0, c_frag - tau * step). The link cannot carry more than
   one round's worth of fragments per round, so round = max(H*step + P*exposed, P*c_frag).
-- ``demo``: ring all-gather of every worker's DCT top-k payload every step, blocking.
+- ``demo``: all-gather of every worker's DCT top-k payload every step, blocking.
 
 Variability (:mod:`farlink.plan.variability`). Synchronous rounds wait for the slowest worker:
 compute per round is multiplied by E[max of n lognormal speed multipliers] (mean 1, log-sd
@@ -43,13 +50,15 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass, field
 
-from farlink.plan.network import BACKENDS, allreduce, ring_allgather, tcp_throughput_bps
+from farlink.plan.network import BACKENDS, allgather_bytes, allreduce, tcp_throughput_bps
 from farlink.plan.payload import codec_cost
 from farlink.plan.tables import GPU, LinkProfile, PlanInputError, load_hardware, load_links, lookup
 from farlink.plan.variability import churn_factor, slowest_link_factor, straggler_factor
 
 ALGORITHMS = ("ddp", "local_sgd", "diloco", "streaming_diloco", "demo")
 SYNC_EVERY_STEP = ("ddp", "demo")
+EXCHANGES = ("auto", "allreduce", "gather")
+DENSE_CODECS = ("fp32", "none")
 DEFAULT_OVERLAP_STEPS = 5  # Streaming DiLoCo overlaps a fragment's exchange with a few steps
 ADAM_BYTES_PER_PARAM = 16  # bf16 weights + grads, fp32 master weights + two Adam moments
 TARGET_UTILIZATION = 0.95
@@ -103,13 +112,17 @@ def predict_round(
     failures_per_hour: float = 0.0,
     rejoin_seconds: float = 0.0,
     seed: int = 0,
+    exchange: str = "auto",
+    coordinator_rtt_s: float | None = None,
+    local_seconds: float = 0.0,
 ) -> RoundPrediction:
     """Predict one round from inputs a small real run can measure.
 
     ``payload_bytes`` is the measured size of one worker's full sync payload (what the codec
     produced for the whole model); without it, ``n_params`` and ``codec`` estimate it. For
     ``ddp``/``demo`` ``inner_steps`` is ignored (they sync every step). For ``demo`` the codec
-    must be a ``dct_topk`` spec.
+    must be a ``dct_topk`` spec. ``exchange`` is ``auto`` (as farlink runs the codec: fp32 is
+    all-reduced, anything else gathered), ``allreduce`` or ``gather``.
     """
     algorithm = algorithm.strip().lower()
     if algorithm not in ALGORITHMS:
@@ -124,6 +137,10 @@ def predict_round(
         raise PlanInputError(f"inner_steps and fragments must be >= 1, got {inner_steps}, {fragments}")
     if straggler_sigma < 0 or failures_per_hour < 0 or rejoin_seconds < 0 or jitter_s < 0:
         raise PlanInputError("straggler sigma, failure rate, rejoin time and jitter must be >= 0")
+    if exchange not in EXCHANGES:
+        raise PlanInputError(f"unknown exchange {exchange!r}; choose from {', '.join(EXCHANGES)}")
+    if local_seconds < 0 or (coordinator_rtt_s is not None and coordinator_rtt_s < 0):
+        raise PlanInputError("local_seconds and coordinator_rtt_s must be >= 0")
     cost = codec_cost(codec)
     if algorithm == "demo" and cost.name != "dct_topk" and payload_bytes is None:
         raise PlanInputError(f"demo sends DCT top-k coefficients; codec must be dct_topk[:CHUNK:K], got {codec!r}")
@@ -142,6 +159,17 @@ def predict_round(
     sf = straggler_factor(n_workers, straggler_sigma, seed)
     compute = steps * step_seconds
     compute_wall = compute * sf
+    gathered = exchange == "gather" or (
+        exchange == "auto" and (algorithm == "demo" or cost.name not in DENSE_CODECS))
+    quorum = 0.0
+    if backend == "torchft" and n_workers > 1:
+        quorum = hop_latency if coordinator_rtt_s is None else coordinator_rtt_s
+
+    def one_sync(size: float) -> tuple[float, float]:
+        """Seconds and bytes sent of one blocking sync of ``size`` payload bytes."""
+        move = allgather_bytes if gathered else allreduce
+        c = move(backend, size, n_workers, bandwidth, hop_latency)
+        return quorum + c.seconds + local_seconds, c.bytes_sent
 
     if algorithm == "streaming_diloco":
         if fragments > steps:
@@ -149,19 +177,16 @@ def predict_round(
         tau = min(DEFAULT_OVERLAP_STEPS, steps // fragments) if overlap_steps is None else overlap_steps
         if tau < 0:
             raise PlanInputError(f"overlap_steps must be >= 0, got {tau}")
-        one = allreduce(backend, payload_bytes / fragments, n_workers, bandwidth, hop_latency)
+        frag_seconds, frag_sent = one_sync(payload_bytes / fragments)
         syncs = fragments
-        comm = syncs * one.seconds
-        exposed = syncs * max(0.0, one.seconds - tau * step_seconds * sf)
+        comm = syncs * frag_seconds
+        exposed = syncs * max(0.0, frag_seconds - tau * step_seconds * sf)
         round_s = max(compute_wall + exposed, comm)
         exposed = round_s - compute_wall  # includes waiting for a saturated link
-        sent = syncs * one.bytes_sent
+        sent = syncs * frag_sent
     else:
-        if algorithm == "demo":
-            one = ring_allgather(payload_bytes, n_workers, bandwidth, hop_latency)
-        else:
-            one = allreduce(backend, payload_bytes, n_workers, bandwidth, hop_latency)
-        syncs, comm, exposed, sent = 1, one.seconds, one.seconds, one.bytes_sent
+        seconds, sent = one_sync(payload_bytes)
+        syncs, comm, exposed = 1, seconds, seconds
         round_s = compute_wall + exposed
 
     churn = churn_factor(n_workers, failures_per_hour, round_s, exposed, rejoin_seconds)
@@ -241,6 +266,7 @@ class Scenario:
     failures_per_hour: float = 0.0  # per worker
     rejoin_seconds: float = 60.0
     seed: int = 0
+    exchange: str = "auto"  # see predict_round
 
     def __post_init__(self) -> None:
         if not self.n_params > 0:
@@ -343,6 +369,7 @@ def plan(
         "failures_per_hour": scenario.failures_per_hour,
         "rejoin_seconds": scenario.rejoin_seconds,
         "seed": scenario.seed,
+        "exchange": scenario.exchange,
     }
     rnd = predict_round(bandwidth_bps=link.bandwidth_bps, bandwidth_min_bps=link.bandwidth_min_bps,
                         **inputs)

@@ -1,12 +1,19 @@
 """Time and bytes of one collective under the alpha-beta model (latency + size / bandwidth).
 
 These are the collectives farlink's backends really run: the torchft backend uses a ring
-all-reduce (reduce-scatter then all-gather: 2(n-1) sequential hops, each moving S/n), DeMo uses a
-ring all-gather of every peer's compressed payload ((n-1) hops, each moving one payload), and the
-hivemind backend uses a butterfly all-reduce (every peer owns one shard; in one phase it sends the
-other n-1 shards of its tensor to their owners and in a second phase sends its averaged shard back
-to everyone, all in parallel: two latency terms instead of 2(n-1)). Byte counts agree with
+all-reduce (reduce-scatter then all-gather: 2(n-1) sequential hops, each moving S/n), gathered
+updates (every codec but plain fp32, DeMo, robust aggregation, signed updates) use a ring
+all-gather of every peer's encoded message ((n-1) hops, each moving one payload, after a first
+all-gather of the message lengths), and the hivemind backend uses a butterfly all-reduce (every
+peer owns one shard; in one phase it sends the other n-1 shards of its tensor to their owners and
+in a second phase sends its averaged shard back to everyone, all in parallel: two latency terms
+instead of 2(n-1)) and direct sends for a gather. Byte counts agree with
 ``farlink.comm.base.ring_allreduce_bytes`` / ``ring_allgather_bytes``.
+
+A hop of torchft's Gloo transport costs a round trip, not a one-way delay: Gloo sends an
+unbound buffer only after the receiver has announced a matching receive, and in a ring each
+receive is posted when the previous hop finishes, so every hop waits for the "ready" notice to
+cross the link before its data can. :func:`hop_latency` encodes that per backend.
 
 Bandwidth is in bits per second, sizes in bytes, times in seconds.
 """
@@ -71,14 +78,46 @@ def butterfly_allreduce(size_bytes: float, n: int, bandwidth_bps: float,
     return CollectiveCost(sent, 8 * sent / bandwidth_bps + 2 * latency_s)
 
 
+def hop_latency(backend: str, latency_s: float) -> float:
+    """Latency one sequential hop of ``backend``'s collectives pays on a link of one-way
+    ``latency_s``: a round trip on Gloo (receiver-ready handshake), one way on hivemind."""
+    if backend == "torchft":
+        return 2 * latency_s
+    if backend == "hivemind":
+        return latency_s
+    raise PlanInputError(f"unknown backend {backend!r}; choose from {', '.join(BACKENDS)}")
+
+
 def allreduce(backend: str, size_bytes: float, n: int, bandwidth_bps: float,
               latency_s: float) -> CollectiveCost:
     """The all-reduce a backend runs: ring for torchft, butterfly for hivemind."""
+    hop = hop_latency(backend, latency_s)
     if backend == "torchft":
-        return ring_allreduce(size_bytes, n, bandwidth_bps, latency_s)
-    if backend == "hivemind":
-        return butterfly_allreduce(size_bytes, n, bandwidth_bps, latency_s)
-    raise PlanInputError(f"unknown backend {backend!r}; choose from {', '.join(BACKENDS)}")
+        return ring_allreduce(size_bytes, n, bandwidth_bps, hop)
+    return butterfly_allreduce(size_bytes, n, bandwidth_bps, hop)
+
+
+LENGTH_BYTES = 8  # the int64 message length gathered before a variable-size payload
+
+
+def allgather_bytes(backend: str, size_bytes: float, n: int, bandwidth_bps: float,
+                    latency_s: float) -> CollectiveCost:
+    """Gather one variable-size message from every peer, as ``all_gather_bytes`` does.
+
+    torchft: a ring all-gather of the lengths, then one of the (padded) payloads. hivemind: each
+    peer sends its message to every other peer directly, all at once (one request/response).
+    """
+    hop = hop_latency(backend, latency_s)
+    if backend == "torchft":
+        lengths = ring_allgather(LENGTH_BYTES, n, bandwidth_bps, hop)
+        payload = ring_allgather(size_bytes, n, bandwidth_bps, hop)
+        return CollectiveCost(lengths.bytes_sent + payload.bytes_sent,
+                              lengths.seconds + payload.seconds)
+    _check(size_bytes, n, bandwidth_bps, latency_s)
+    if n <= 1:
+        return CollectiveCost(0.0, 0.0)
+    sent = (n - 1) * size_bytes
+    return CollectiveCost(sent, 8 * sent / bandwidth_bps + 2 * hop)
 
 
 def _check(size_bytes: float, n: int, bandwidth_bps: float, latency_s: float) -> None:

@@ -130,6 +130,12 @@ class SyncAlgorithm(ABC):
         self.outer_step = 0
         self.last_round: RoundInfo | None = None
         self.last_exchange: ExchangeResult | None = None
+        # where rounds spend their time, cumulative: waiting for the quorum (which absorbs
+        # stragglers), moving bytes, and the rest (encode, decode, validate, apply) on this
+        # worker; benchmarks compare them with the planner's terms
+        self.quorum_seconds = 0.0
+        self.network_seconds = 0.0
+        self.round_seconds = 0.0
         collective.register_state(self.export_state, self.import_state)
 
     # --- the training loop's view -------------------------------------------------------------
@@ -243,9 +249,12 @@ class SyncAlgorithm(ABC):
         only when every participant committed. Returns (committed, seconds blocked, round info).
         """
         start = time.perf_counter()
-        info = None
+        network_before = self.collective.stats.comm_seconds
+        info, committed = None, False
         for attempt in range(self.cfg.round_retries + 1):
+            asked = time.perf_counter()
             info = self.collective.begin_round()
+            self.quorum_seconds += time.perf_counter() - asked
             self.last_round = info
             tensors = build(info)
             result = self.exchange.average(
@@ -255,7 +264,11 @@ class SyncAlgorithm(ABC):
             if self.collective.commit():
                 apply(result, info)
                 self.outer_step = info.round_id + 1
-                return True, time.perf_counter() - start, info
+                committed = True
+                break
             log.warning("round %d not committed (attempt %d)", info.round_id, attempt + 1)
             self.collective.stats.failed_rounds += 1
-        return False, time.perf_counter() - start, info
+        seconds = time.perf_counter() - start
+        self.round_seconds += seconds
+        self.network_seconds += self.collective.stats.comm_seconds - network_before
+        return committed, seconds, info

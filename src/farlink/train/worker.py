@@ -275,6 +275,7 @@ class Worker:
                 bytes_sent=self._bytes_sent(), compute_s=round(self.compute_s, 4),
                 comm_s=round(self.comm_s, 4), wall_s=round(self.wall(), 3),
                 outer_step=outcome.outer_step, lr=algo.current_lr(), **self._traffic(),
+                **self._round_split(),
             )
             if outcome.synced and cfg.sync_every > 1:
                 self.metrics.write("sync", committed=outcome.committed,
@@ -312,6 +313,14 @@ class Worker:
         if self.tiers is not None:
             return self.tiers.bytes_sent()
         return self.collective.stats.bytes_sent
+
+    def _round_split(self) -> dict:
+        """Seconds this process's rounds spent on the quorum, on the wire and in total (the
+        rest is local work); cumulative since the process started."""
+        algo = self.algo
+        return {"quorum_s": round(algo.quorum_seconds, 4),
+                "network_s": round(algo.network_seconds, 4),
+                "rounds_s": round(algo.round_seconds, 4)}
 
     def _traffic(self) -> dict:
         """Intra- and inter-island bytes, for algorithms that tell them apart."""
