@@ -25,6 +25,7 @@ TIMEOUTS = dict(
     gather_timeout=10.0,
     commit_timeout=6.0,
     state_timeout=20.0,
+    state_chunk_bytes=64,  # the 64-float state spans several chunks, fetched from several peers
 )
 N1, N2, STATE_N = 1000, 37, 64
 
@@ -87,6 +88,7 @@ def _peer(k: int, initial_peers: list[str], q, stop, plan: dict) -> None:
                     w=float(state["w"][0]),
                     w_const=bool((state["w"] == state["w"][0]).all()),
                     seconds=time.perf_counter() - t0,
+                    state_sources=len(coll.last_state_sources),
                 ),
                 None,
             )
@@ -266,6 +268,7 @@ def test_newcomer_heals_from_peers_and_joins(swarm: Swarm) -> None:
     assert first["round_id"] >= 2  # learned the current round from the swarm
     # state after its first commit = healed state (round_id) + 1, like everyone else's
     assert first["w"] == first["round_id"] + 1 and first["w_const"]
+    assert first["state_sources"] >= 2  # chunks came from more than one up-to-date peer
     swarm.wait(lambda: swarm.done == {0, 1, 2, 3}, 200, "all peers finish")
     by_round = committed_by_round(swarm, range(4))
     four = [reps for reps in by_round.values() if reps[0]["world"] == 4]

@@ -19,7 +19,7 @@ from farlink.comm.hivemind_net import (
     start_bootstrap_peer,
     validate_initial_peers,
 )
-from farlink.comm.hivemind_wire import pack_state, unpack_state
+from farlink.comm.hivemind_wire import chunk_digests, pack_state, unpack_state
 
 torch.set_num_threads(1)
 FAST = dict(matchmaking_time=1.5, request_timeout=1.0, allreduce_timeout=10.0, gather_timeout=10.0)
@@ -122,3 +122,44 @@ def test_two_peers_in_one_process_round_trip() -> None:
     finally:
         a.close()
         b.close()
+
+
+def test_chunk_digests_by_hand() -> None:
+    import hashlib
+
+    blob = bytes(range(10))
+    assert chunk_digests(blob, 4) == [hashlib.sha256(blob[i:i + 4]).hexdigest() for i in (0, 4, 8)]
+    assert chunk_digests(b"", 4) == [hashlib.sha256(b"").hexdigest()]
+    with pytest.raises(ValueError):
+        chunk_digests(blob, 0)
+
+
+def test_state_is_fetched_in_chunks_from_several_peers_and_bad_chunks_refetched() -> None:
+    """Real daemons and sockets: two peers serve the same snapshot, a third downloads it in
+    64-byte chunks from both; then one server holds corrupted bytes and every chunk it serves
+    fails its digest, so the downloader takes those chunks from the honest peer."""
+    state = {"w": torch.arange(100, dtype=torch.float32), "v": torch.ones(7)}
+    blob, digest = pack_state(state)
+    a = HivemindCollective("chunks", **FAST)
+    b = HivemindCollective("chunks", a.maddrs, **FAST, state_chunk_bytes=64)
+    c = HivemindCollective("chunks", a.maddrs, **FAST)
+    try:
+        for server in (a, c):
+            server._call(server._publish_snapshot(b"k1", blob, digest, 3), timeout=10)
+        got, got_digest = b._call(b._download_state(b"k1", [a.peer_id, c.peer_id]), timeout=60)
+        assert got == blob and got_digest == digest
+        assert torch.equal(unpack_state(got, digest)["w"], state["w"])
+        assert set(b.last_state_sources) == {str(a.peer_id), str(c.peer_id)}
+        assert sum(b.last_state_sources.values()) == len(blob)
+
+        bad = bytearray(blob)
+        bad[len(bad) // 2] ^= 0xFF  # c serves corrupted bytes under the honest digest
+        a._call(a._publish_snapshot(b"k2", blob, digest, 4), timeout=10)
+        c._call(c._publish_snapshot(b"k2", bytes(bad), digest, 4), timeout=10)
+        got, _ = b._call(b._download_state(b"k2", [a.peer_id, c.peer_id]), timeout=60)
+        assert got == blob
+        assert sum(b.last_state_sources.values()) == len(blob)
+        assert b.last_state_sources.get(str(c.peer_id), 0) < len(blob) // 2
+    finally:
+        for coll in (a, b, c):
+            coll.close()

@@ -70,7 +70,15 @@ from farlink.comm.hivemind_allreduce import (
     shard_fractions,
 )
 from farlink.comm.hivemind_net import dht_options, start_dht, tcp_maddr
-from farlink.comm.hivemind_wire import pack_state, recv_message, send_message, unpack_state
+from farlink.comm.hivemind_wire import (
+    STATE_CHUNK_BYTES,
+    chunk_digests,
+    chunk_ok,
+    pack_state,
+    recv_message,
+    send_message,
+    unpack_state,
+)
 from farlink.robust.auth import Authenticator, AuthError
 
 log = logging.getLogger(__name__)
@@ -195,6 +203,7 @@ class HivemindCollective(Collective):
         gather_timeout: float = 30.0,
         commit_timeout: float = 15.0,
         state_timeout: float = 60.0,
+        state_chunk_bytes: int = STATE_CHUNK_BYTES,
         bandwidth: float = 1.0,
         authenticator: Authenticator | None = None,
         admission: Authenticator | None = None,
@@ -216,6 +225,10 @@ class HivemindCollective(Collective):
         self.round_timeout, self.allreduce_timeout = round_timeout, allreduce_timeout
         self.gather_timeout, self.commit_timeout = gather_timeout, commit_timeout
         self.state_timeout = state_timeout
+        if state_chunk_bytes < 1:
+            raise ValueError("state_chunk_bytes must be >= 1")
+        self.state_chunk_bytes = state_chunk_bytes
+        self.last_state_sources: dict[str, int] = {}  # peer -> state bytes it served us
         self.authenticator = authenticator
         self.admission_auth = admission
         self.admission: Admission | None = None
@@ -384,28 +397,27 @@ class HivemindCollective(Collective):
                     "least one peer that accepts connections."
                 )
             )
-        source = sources[behind.index(group.me) % len(sources)]
+        # newcomers start at different sources, and each spreads its chunks over all of them
+        first = behind.index(group.me) % len(sources)
+        peers = [group.peers[r] for r in sources[first:] + sources[:first]]
         try:
-            header, bodies = self._call(
-                self._request(group.peers[source], "state", {"key": key}, []),
-                timeout=self.state_timeout + 5,
-            )
-            if header.get("error"):
-                raise CommError(str(header["error"]))
-            state = unpack_state(bodies[0], header["sha256"])
+            blob, digest = self._call(self._download_state(key, peers),
+                                      timeout=self.state_timeout + 5)
+            state = unpack_state(blob, digest)
         except Exception as exc:  # noqa: BLE001 - download, hash or peer errors fail the round
             return self._fail(
                 RoundTimeout(
-                    f"could not load state from peer {group.peers[source]}: {exc!r}. Fix: the "
-                    "round is retried; raise state_timeout if the state is large."
+                    f"could not load state from peers {', '.join(map(str, peers))}: {exc!r}. "
+                    "Fix: the round is retried; raise state_timeout if the state is large."
                 )
             )
         self._set_state(state)
         log.info(
-            "healed to round %d from %s (%s)",
+            "healed to round %d from %d peer(s) (%s bytes each; %s)",
             group.round_id,
-            group.peers[source],
-            header["sha256"][:12],
+            len(self.last_state_sources),
+            ", ".join(str(b) for b in self.last_state_sources.values()),
+            digest[:12],
         )
         self.round_id = group.round_id
         return True
@@ -416,6 +428,48 @@ class HivemindCollective(Collective):
         self.last_failure = error
         log.warning("%s", error)
         return False
+
+    async def _download_state(self, key: bytes, peers: list[PeerID]) -> tuple[bytes, str]:
+        """The snapshot under ``key``: manifest and first chunk from ``peers[0]``, chunk i from
+        ``peers[i % len(peers)]`` (two requests in flight per peer); a chunk that fails its
+        digest, or whose peer fails, is asked of the next peer. Returns (blob, whole SHA-256)."""
+        header, bodies = await self._request(
+            peers[0], "state", {"key": key, "offset": 0, "length": self.state_chunk_bytes,
+                                "manifest": True}, [])
+        if header.get("error"):
+            raise CommError(str(header["error"]))
+        digest, size = str(header["sha256"]), int(header["size"])
+        chunk, digests = int(header["chunk_bytes"]), [str(d) for d in header["chunks"]]
+        if chunk < 1 or len(digests) != max(1, -(-size // chunk)):
+            raise CommError(f"malformed state manifest from {peers[0]}")
+        parts: list[bytes | None] = [None] * len(digests)
+        served: dict[str, int] = {}
+        if chunk_ok(bodies[0], digests[0]):
+            parts[0] = bodies[0]
+            served[str(peers[0])] = len(bodies[0])
+        slots = {peer: asyncio.Semaphore(2) for peer in peers}
+
+        async def fetch(i: int) -> None:
+            for attempt in range(len(peers)):
+                peer = peers[(i + attempt) % len(peers)]
+                try:
+                    async with slots[peer]:
+                        h, b = await self._request(
+                            peer, "state", {"key": key, "offset": i * chunk, "length": chunk}, [])
+                    if h.get("sha256") == digest and b and chunk_ok(b[0], digests[i]):
+                        parts[i] = b[0]
+                        served[str(peer)] = served.get(str(peer), 0) + len(b[0])
+                        return
+                    log.warning("state chunk %d from %s failed its check; asking another peer",
+                                i, peer)
+                except Exception as exc:  # noqa: BLE001 - one peer failing is not fatal
+                    log.warning("state chunk %d from %s failed (%r); asking another peer",
+                                i, peer, exc)
+            raise CommError(f"state chunk {i} could not be fetched from any of {len(peers)} peers")
+
+        await asyncio.gather(*(fetch(i) for i, part in enumerate(parts) if part is None))
+        self.last_state_sources = served
+        return b"".join(p for p in parts if p is not None), digest
 
     async def _publish_snapshot(self, key: bytes, blob: bytes, digest: str, round_id: int) -> None:
         future = self._snapshots.setdefault(key, self._loop.create_future())
@@ -722,9 +776,17 @@ class HivemindCollective(Collective):
             except TimeoutError:
                 await send_message(writer, {"error": "no state snapshot for this round"}, [])
                 return
-            self.state_bytes_sent += await send_message(
-                writer, {"sha256": digest, "round_id": round_id}, [blob]
-            )
+            reply = {"sha256": digest, "round_id": round_id}
+            if "offset" in header:  # one chunk of the snapshot (and, if asked, the manifest)
+                offset, length = int(header["offset"]), int(header["length"])
+                if offset < 0 or length < 1 or offset > len(blob):
+                    await send_message(writer, {"error": "bad state range"}, [])
+                    return
+                if header.get("manifest"):
+                    reply.update(size=len(blob), chunk_bytes=length,
+                                 chunks=chunk_digests(blob, length))
+                blob = blob[offset : offset + length]
+            self.state_bytes_sent += await send_message(writer, reply, [blob])
         except Exception as exc:  # noqa: BLE001
             log.info("bad state request: %r", exc)
         finally:

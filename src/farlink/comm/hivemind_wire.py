@@ -1,5 +1,9 @@
 """Framed byte messages between peers over libp2p streams, and state snapshots with their hash.
 
+A snapshot is served in chunks with a manifest (whole-blob SHA-256 plus one SHA-256 per chunk),
+so a newcomer can fetch different chunks from different up-to-date peers at once and still check
+every byte: a chunk that fails its digest is fetched again from another peer.
+
 A frame is hivemind's own length-prefixed raw data (``P2P.send_raw_data``); a message is a small
 msgpack header frame followed by zero or more body frames. That keeps arbitrary payloads (encoded
 updates, safetensors state) as bytes end to end, with no protobuf re-encoding.
@@ -45,3 +49,18 @@ def unpack_state(blob: bytes, expected_sha256: str) -> dict[str, torch.Tensor]:
     if actual != expected_sha256:
         raise ValueError(f"state hash mismatch: got {actual[:16]}, expected {expected_sha256[:16]}")
     return st_load(blob)
+
+
+STATE_CHUNK_BYTES = 4 << 20  # 4 MiB: big enough to stream, small enough to spread over peers
+
+
+def chunk_digests(blob: bytes, chunk_bytes: int) -> list[str]:
+    """SHA-256 of each ``chunk_bytes`` slice of ``blob`` (one digest for an empty blob)."""
+    if chunk_bytes < 1:
+        raise ValueError(f"chunk size must be >= 1 byte, got {chunk_bytes}")
+    starts = range(0, len(blob), chunk_bytes) if blob else [0]
+    return [hashlib.sha256(blob[i : i + chunk_bytes]).hexdigest() for i in starts]
+
+
+def chunk_ok(data: bytes, expected_sha256: str) -> bool:
+    return hashlib.sha256(data).hexdigest() == expected_sha256
