@@ -462,3 +462,35 @@ def test_compare_relative_errors_by_hand(tmp_path):
 def test_published_report_files(tmp_path):
     paths = write_published_report(tmp_path)
     assert paths["json"].exists() and paths["png"].stat().st_size > 1000
+
+
+def test_steady_rounds_by_hand(tmp_path):
+    """Two workers, H=2, three rounds; the first round (setup) is left out of every figure."""
+    from farlink.bench.rounds import steady_rounds
+
+    (tmp_path / "metrics").mkdir()
+    # cumulative (compute, blocked, quorum, network, rounds) at the end of rounds 1..3
+    logs = {"w0": [(2.0, 5.0, 0.5, 1.0, 5.0), (4.0, 6.0, 0.6, 1.4, 6.0), (6.0, 7.0, 0.7, 1.8, 7.0)],
+            "w1": [(2.0, 5.0, 0.5, 1.0, 5.0), (4.4, 5.6, 0.5, 1.3, 5.6), (6.8, 6.2, 0.5, 1.6, 6.2)]}
+    for worker, ends in logs.items():
+        lines = [json.dumps({"kind": "start", "worker": worker})]
+        for i, (c, b, q, n, r) in enumerate(ends, start=1):
+            lines.append(json.dumps({"kind": "sync", "step": 2 * i, "compute_s": c, "comm_s": b,
+                                     "quorum_s": q, "network_s": n, "rounds_s": r}))
+        lines.append(json.dumps({"kind": "step", "step": 3, "compute_s": 99, "comm_s": 0}))
+        (tmp_path / "metrics" / f"{worker}.jsonl").write_text("\n".join(lines) + "\n")
+    s = steady_rounds(tmp_path, steps_per_round=2)
+    # w0: 2 rounds of 4 s compute + 2 s blocked; w1: 4.8 s compute + 1.2 s blocked
+    assert s.rounds == 2 and s.round_seconds == pytest.approx(3.0)
+    assert s.utilization == pytest.approx((4 / 6 + 4.8 / 6) / 2)
+    assert s.step_seconds == pytest.approx((1.0 + 1.2) / 2)
+    # local per sync: w0 (2 - 0.2 - 0.8) / 2 = 0.5; w1 (1.2 - 0 - 0.6) / 2 = 0.3
+    assert s.local_seconds == pytest.approx(0.4)
+    assert s.quorum_seconds == pytest.approx(0.05) and s.network_seconds == pytest.approx(0.35)
+    # per-round compute (2, 2.4) twice: log-deviations +-log(2.2/2) ... around the mean 2.2
+    devs = [math.log(2 / 2.2), math.log(2.4 / 2.2)] * 2
+    mean = sum(devs) / 4
+    assert s.straggler_sigma == pytest.approx(math.sqrt(sum((d - mean) ** 2 for d in devs) / 4))
+    assert s.first_round_extra_seconds == pytest.approx(7.0 - 3.0)
+    with pytest.raises(ValueError, match="fewer than two"):
+        steady_rounds(tmp_path, steps_per_round=4)

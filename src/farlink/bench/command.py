@@ -141,6 +141,7 @@ def register(app: typer.Typer, bench_app: typer.Typer) -> None:
         bandwidth_mbit: float | None = typer.Option(
             None, help="netns: the profile's delay at this rate (the user-space delayer tops out "
             "near 150 Mbit/s)"),
+        reuse: bool = typer.Option(False, help="read back finished runs of the same config"),
     ) -> None:
         """DDP vs DiLoCo vs Streaming DiLoCo vs DeMo on an emulated WAN link."""
         from farlink.bench.wan import run
@@ -148,10 +149,14 @@ def register(app: typer.Typer, bench_app: typer.Typer) -> None:
         if emulation not in ("auto", "netns", "inprocess"):
             raise typer.BadParameter("choose auto, netns or inprocess", param_hint="--emulation")
         result = run(out, profile, steps, inner_steps, workers, fragments, only, emulation,
-                     bandwidth_mbit)
+                     bandwidth_mbit, reuse)
         print_rows(result["rows"], ["label", "final_heldout_loss", "bytes_per_token",
                                     "peak_round_bytes", "compute_utilization", "wall_s"],
                    f"farlink bench wan --profile {profile}")
+        errors = result["planner_validation"]["errors"]["metrics"]
+        typer.echo("planner vs measured steady-state rounds, median |relative error|: " + ", ".join(
+            f"{k} {100 * v['median_abs_relative_error']:.1f}% (max "
+            f"{100 * v['max_abs_relative_error']:.1f}%)" for k, v in errors.items() if v["n"]))
 
     @bench_app.command("backends")
     def backends(

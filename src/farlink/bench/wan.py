@@ -60,7 +60,7 @@ def choose_emulation(requested: str) -> tuple[str, str]:
 
 def run(out: Path, profile: str, steps: int, inner_steps: int, workers: int, fragments: int,
         only: list[str] | None = None, emulation: str = "auto",
-        bandwidth_mbit: float | None = None) -> dict:
+        bandwidth_mbit: float | None = None, reuse: bool = False) -> dict:
     from rich.console import Console
 
     from farlink.emulate import get_profile, scaled
@@ -83,9 +83,9 @@ def run(out: Path, profile: str, steps: int, inner_steps: int, workers: int, fra
             from farlink.emulate import Topology
 
             with Topology(workers, link) as network:
-                row = run_variant(run_label, base, out, network=network, **overrides)
+                row = run_variant(run_label, base, out, reuse=reuse, network=network, **overrides)
         else:
-            row = run_variant(run_label, base, out, **overrides)
+            row = run_variant(run_label, base, out, reuse=reuse, **overrides)
         row["profile"] = link.name
         row["peak_round_bytes"] = peak_round_bytes(out / "runs" / run_label)
         row["utilization_per_worker"] = {w: round(v["compute_utilization"], 3)
@@ -97,7 +97,13 @@ def run(out: Path, profile: str, steps: int, inner_steps: int, workers: int, fra
                  "bandwidth-delay product, no slow start after idle)" if mode == "netns" else
                  "in-process: collectives held for latency + bytes/bandwidth of the profile "
                  f"(network namespaces not used: {why})")
-    validation = validate_planner(rows, link.bandwidth_mbit or 0.0, link.delay_ms)
+    validation = validate_planner(rows, link.bandwidth_mbit or 0.0, link.delay_ms,
+                                  out / "runs")
+    from farlink.plan.validate import write_validation_report
+
+    write_validation_report(validation["measured"], validation["predicted"], out,
+                            ("round_seconds", "utilization"),
+                            stem=f"planner_validation-{link.name}")
     write_json(out / f"wan-{link.name}.json", "wan",
                [{k: v for k, v in r.items() if k != "per_worker"} for r in rows],
                {"profile": link.name, "emulation": described, "emulation_mode": mode,
@@ -108,9 +114,13 @@ def run(out: Path, profile: str, steps: int, inner_steps: int, workers: int, fra
     return {"rows": rows, "planner_validation": validation, "emulation": mode}
 
 
-def validate_planner(rows: list[dict], bandwidth_mbit: float, latency_ms: float) -> dict:
-    """The planner's round time and utilization for each measured run, from the run's own
-    measured step time, model size and link profile: predicted vs measured, relative errors."""
+def validate_planner(rows: list[dict], bandwidth_mbit: float, latency_ms: float,
+                     runs_dir: Path) -> dict:
+    """The planner against each measured run's steady-state rounds (after the first, which pays
+    process-group setup), from the run's own measured inputs: mean step time, straggler spread,
+    per-sync local work and model size, plus the link profile. Predicted vs measured round time
+    and utilization, relative errors."""
+    from farlink.bench.rounds import steady_rounds
     from farlink.model import preset_config
     from farlink.plan import predict_round
     from farlink.plan.validate import compare
@@ -118,22 +128,27 @@ def validate_planner(rows: list[dict], bandwidth_mbit: float, latency_ms: float)
     n_params = preset_config("tiny").num_parameters()
     measured, predicted = [], []
     for r in rows:
-        fastest = min(r["per_worker"].values(), key=lambda w: w["compute_s"] / max(w["tokens"], 1))
-        steps = fastest["tokens"] / r["tokens_per_step"]
-        step_s = fastest["compute_s"] / steps
-        sync_every = 1 if r["algorithm"] in ("ddp", "demo") else r["inner_steps"]
-        rounds = steps / sync_every
-        slowest = max(r["per_worker"].values(), key=lambda w: w["wall_s"] - w["bookkeeping_s"])
-        measured.append({"label": r["label"],
-                         "round_seconds": (slowest["wall_s"] - slowest["bookkeeping_s"]) / rounds,
-                         "utilization": r["compute_utilization"]})
+        every_step = r["algorithm"] in ("ddp", "demo")
+        steps_per_round = 1 if every_step else r["inner_steps"]
+        syncs = r.get("fragments", 1) if r["algorithm"] == "streaming_diloco" else 1
+        try:
+            steady = steady_rounds(runs_dir / r["label"], steps_per_round, syncs)
+        except ValueError as exc:
+            measured.append({"label": r["label"], "skipped": str(exc)})
+            predicted.append({"label": r["label"]})
+            continue
+        measured.append({"label": r["label"], **steady.to_dict()})
         codec = {"demo": "dct_topk:64:32"}.get(r["algorithm"], r["codec"].removesuffix("+ef"))
         codec = "fp32" if codec == "none" else codec
         pred = predict_round(
-            r["algorithm"], r["workers"], step_s, bandwidth_mbit * 1e6, latency_ms / 1e3,
-            n_params=n_params, inner_steps=r["inner_steps"], codec=codec,
-            fragments=r.get("fragments", 1), overlap_steps=r.get("overlap_steps"))
+            r["algorithm"], r["workers"], steady.step_seconds, bandwidth_mbit * 1e6,
+            latency_ms / 1e3, n_params=n_params, inner_steps=r["inner_steps"], codec=codec,
+            fragments=r.get("fragments", 1), overlap_steps=r.get("overlap_steps"),
+            straggler_sigma=steady.straggler_sigma, local_seconds=steady.local_seconds)
         predicted.append({"label": r["label"], "round_seconds": pred.round_seconds,
-                          "utilization": pred.utilization})
+                          "utilization": pred.utilization,
+                          "comm_seconds": pred.comm_seconds})
     result = compare(measured, predicted, ("round_seconds", "utilization"))
-    return {"measured": measured, "predicted": predicted, "errors": result}
+    return {"measured": measured, "predicted": predicted, "errors": result,
+            "method": "steady-state rounds (the first round left out); planner fed the run's "
+                      "mean step time, straggler spread and per-sync local seconds"}
