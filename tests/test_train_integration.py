@@ -45,6 +45,11 @@ def test_diloco_three_workers_agree_and_learn(tmp_path: Path, cache_dir: Path) -
     assert (cfg.run_dir / "config.toml").is_file()
     w = result.summary["per_worker"]["w0"]
     assert w["bytes_sent"] > 0 and 0 < w["compute_utilization"] <= 1
+    # each round's time splits into quorum, wire and local work (what the planner is fed)
+    syncs = [r for r in read_metrics(cfg.run_dir / "metrics" / "w1.jsonl") if r["kind"] == "sync"]
+    last = syncs[-1]
+    assert last["quorum_s"] > 0 and last["network_s"] > 0
+    assert last["quorum_s"] + last["network_s"] <= last["rounds_s"] <= last["comm_s"] + 1e-3
 
 
 @pytest.mark.parametrize("algorithm,codec", [
