@@ -17,7 +17,7 @@ RULES = ["mean", "median", "trimmed_mean", "centered_clip", "norm_bounded"]
 
 
 def run(out: Path, attacks: list[str], setups: list[tuple[int, int]], steps: int,
-        inner_steps: int, rules: list[str]) -> dict:
+        inner_steps: int, rules: list[str], reuse: bool = False) -> dict:
     rows = []
     series: dict[str, list[tuple[float, float]]] = {}
     for workers, bad in setups:
@@ -25,14 +25,14 @@ def run(out: Path, attacks: list[str], setups: list[tuple[int, int]], steps: int
                 "codec": "int8", "auth": "secret", "secret": "bench", "screen_ratio": 0,
                 "eval_batches": 8}
         attackers = ",".join(str(workers - 1 - i) for i in range(bad))
-        clean = run_variant(f"{workers}w-clean", base, out)
+        clean = run_variant(f"{workers}w-clean", base, out, reuse=reuse)
         clean["attack"], clean["aggregator"], clean["malicious"] = "none", "mean", 0
         rows.append(clean)
         for attack in attacks:
             for rule in rules:
                 label = f"{workers}w-{bad}bad-{attack.replace(':', '')}-{rule}"
-                row = run_variant(label, base, out, attack=attack, attackers=attackers,
-                                  aggregator=rule)
+                row = run_variant(label, base, out, reuse=reuse, attack=attack,
+                                  attackers=attackers, aggregator=rule)
                 row["attack"], row["aggregator"], row["malicious"] = attack, rule, bad
                 rows.append(row)
         for r in rows:

@@ -117,12 +117,13 @@ def register(app: typer.Typer, bench_app: typer.Typer) -> None:
                                          "norm_bounded"], help="aggregation rules"),
         steps: int = typer.Option(200, help="inner steps per worker"),
         inner_steps: int = typer.Option(20, help="H"),
+        reuse: bool = typer.Option(False, help="read back finished runs of the same config"),
     ) -> None:
         """Loss for clean, attacked + plain mean, and attacked + each robust rule."""
         from farlink.bench.attack import run
 
         parsed = [tuple(int(x) for x in s.split(":")) for s in setups]
-        result = run(out, attacks, parsed, steps, inner_steps, rules)
+        result = run(out, attacks, parsed, steps, inner_steps, rules, reuse)
         print_rows(result["rows"], ["label", "final_heldout_loss", "loss_vs_clean"],
                    "farlink bench attack")
 
