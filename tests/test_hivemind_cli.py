@@ -2,20 +2,18 @@
 
 from __future__ import annotations
 
-import re
 import signal
 import subprocess
 import sys
-import time
 
 import pytest
+from swarm_output import read_multiaddress
 
 # The swarm sub-app on its own typer app, as farlink.cli wires it via register(app, bench_app).
 LAUNCH = (
     "import typer, sys; from farlink.comm.swarm_command import register; "
     "app = typer.Typer(); register(app, typer.Typer()); app()"
 )
-ADDR = re.compile(r"^/ip4/127\.0\.0\.1/tcp/\d+/p2p/\w+$")
 
 
 def swarm(*args: str, **kw) -> subprocess.Popen:
@@ -28,21 +26,10 @@ def swarm(*args: str, **kw) -> subprocess.Popen:
     )
 
 
-def read_address(proc: subprocess.Popen, timeout: float = 60) -> str:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        line = proc.stdout.readline().strip()
-        if ADDR.match(line):
-            return line
-        if proc.poll() is not None:
-            break
-    raise AssertionError(f"no multiaddress printed; stderr: {proc.stderr.read()}")
-
-
 def test_start_prints_full_multiaddress_and_stops_on_ctrl_c() -> None:
     proc = swarm("start", "--host", "127.0.0.1", "--port", "0")
     try:
-        addr = read_address(proc)
+        addr = read_multiaddress(proc)
         assert "/p2p/12D3KooW" in addr
         proc.send_signal(signal.SIGINT)
         out, _ = proc.communicate(timeout=30)
@@ -63,7 +50,7 @@ def test_two_joiners_run_demo_rounds() -> None:
     boot = swarm("start")
     joiners = []
     try:
-        addr = read_address(boot)
+        addr = read_multiaddress(boot)
         args = ("join", "--initial-peers", addr, "--rounds", "2", "--run-id", "clitest")
         joiners = [swarm(*args), swarm(*args, "--client-mode")]
         outs = [j.communicate(timeout=240)[0] for j in joiners]

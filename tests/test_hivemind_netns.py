@@ -4,13 +4,12 @@ connections and reaches the others only through connections it opens itself)."""
 
 from __future__ import annotations
 
-import re
 import signal
 import subprocess
 import sys
-import time
 
 import pytest
+from swarm_output import read_multiaddress
 
 from farlink.emulate.capabilities import detect_capabilities
 from farlink.emulate.profiles import scaled
@@ -32,24 +31,12 @@ def swarm_in(topo: Topology, index: int, *args: str) -> subprocess.Popen:
                       stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
-def read_address(proc: subprocess.Popen, host: str, timeout: float = 90) -> str:
-    pattern = re.compile(rf"^/ip4/{re.escape(host)}/tcp/\d+/p2p/\w+$")
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        line = proc.stdout.readline().strip()
-        if pattern.match(line):
-            return line
-        if proc.poll() is not None:
-            break
-    raise AssertionError(f"no multiaddress on {host}; stderr: {proc.stderr.read()}")
-
-
 def test_swarm_across_namespaces_with_a_client_mode_peer() -> None:
     with Topology(3, scaled("home", 20)) as topo:
         boot = swarm_in(topo, 0, "start", "--host", topo.address(0))
         joiners: list[subprocess.Popen] = []
         try:
-            addr = read_address(boot, topo.address(0))
+            addr = read_multiaddress(boot, topo.address(0), timeout=90)
             common = ("join", "--initial-peers", addr, "--rounds", "2", "--run-id", "netns",
                       "--pause", "2")
             joiners = [swarm_in(topo, 1, *common, "--host", topo.address(1)),
