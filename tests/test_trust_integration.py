@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 import pytest
+from join_scenario import two_workers_then_join
 
 from farlink.config import load_config
 from farlink.robust.auth import run_authenticator
@@ -117,7 +118,6 @@ def test_unlisted_key_is_refused_by_farlink_join(tmp_path: Path, cache_dir: Path
 def test_member_joins_mid_run_and_heals_through_gates(tmp_path: Path, cache_dir: Path) -> None:
     """With --auth the healing transfer also goes through gates: a member that joins late
     downloads the live peers' state through their checkpoint gates and then contributes."""
-    from farlink.bench.churn import committed_outer_steps
     from farlink.data import prepare_data
 
     cfg = load_config(None, {**BASE, "run_dir": tmp_path / "run", "cache_dir": cache_dir,
@@ -127,29 +127,7 @@ def test_member_joins_mid_run_and_heals_through_gates(tmp_path: Path, cache_dir:
     prepare_data(cfg.corpus, cfg.vocab_size, cfg.cache_dir)
     lighthouse = Lighthouse(min_replicas=2, join_timeout=5, log_path=cfg.run_dir / "lh.log",
                             authenticator=run_authenticator(cfg, "gate", verifier=True)).start()
-    procs = [spawn_worker(cfg, i, lighthouse.address, False) for i in range(2)]
-    try:
-        deadline = time.time() + 300
-        while committed_outer_steps(cfg.run_dir) < 2:
-            assert time.time() < deadline, "the first two workers made no progress"
-            time.sleep(0.5)
-        with open(tmp_path / "join.log", "wb") as join_log:
-            procs.append(subprocess.Popen(
-                [sys.executable, "-m", "farlink.cli", "join", "--lighthouse", lighthouse.address,
-                 "--config", str(cfg.run_dir / "config.toml"), "--index", "2"],
-                stdout=join_log, stderr=subprocess.STDOUT))
-        for p in procs:
-            p.wait(timeout=600)
-    finally:
-        _stop_all(procs)
-        lighthouse.stop()
-    assert [p.returncode for p in procs] == [0, 0, 0], (tmp_path / "join.log").read_text()[-3000:]
-    records = read_metrics(cfg.run_dir / "metrics" / "w2.jsonl")
-    join = next(r for r in records if r["kind"] == "join")
-    assert join["committed"] and join["healed"] and join["outer_step"] >= 3
-    syncs = [r for r in records if r["kind"] == "sync" and r["committed"]]
-    assert syncs and all(r["world_size"] == 3 for r in syncs)
-    assert audit_run(cfg.run_dir)["consistent"]
+    two_workers_then_join(cfg, lighthouse, tmp_path / "join.log")
 
 
 @pytest.mark.slow  # about 50 s: three worker processes, each with its own p2p daemon
