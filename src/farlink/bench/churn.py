@@ -87,6 +87,7 @@ def run(out: Path, rates: list[float], steps: int, inner_steps: int, workers: in
         result = run_with_churn(cfg, rate, max_kills=max(0, int(rate * rounds / 100 + 0.999)))
         a = result["audit"]
         rows.append({"kills_per_100_outer_steps": rate, "kills": result["kills"],
+                     "killed_at_outer_steps": [e["outer_step"] for e in result["events"]],
                      "outer_steps": a["outer_steps"], "consistent": a["consistent"],
                      "lost_committed_steps": a["lost_committed_steps"],
                      "lost_committed_tokens": a["lost_committed_steps"] * inner_steps
