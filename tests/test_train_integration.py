@@ -111,3 +111,16 @@ def test_toml_config_and_flags_precedence(tmp_path: Path) -> None:
     path.write_text('[train]\nalgorithm = "ddp"\nsteps = 123\nworkers = 2\n')
     cfg = load_config(path, {"steps": 77, "codec": None})
     assert (cfg.algorithm, cfg.steps, cfg.workers, cfg.codec) == ("ddp", 77, 2, "none")
+
+
+def test_paced_workers_run_at_their_emulated_speeds(tmp_path: Path, cache_dir: Path) -> None:
+    """--pace-seconds pads every step to slowdown x pace: worker 1 (factor 2) spends twice as
+    long per step as worker 0, whatever else shares the cores."""
+    cfg = small_config(tmp_path, cache_dir, workers=2, steps=6, inner_steps=3, slowdown="1,2",
+                       pace_seconds=0.4)
+    result = launch(cfg, show_progress=False)
+    assert result.returncodes == [0, 0]
+    w0, w1 = (result.summary["per_worker"][w] for w in ("w0", "w1"))
+    assert w0["pace_overruns"] == 0 and w1["pace_overruns"] == 0
+    assert 6 * 0.4 <= w0["compute_s"] < 6 * 0.4 + 1.5
+    assert 6 * 0.8 <= w1["compute_s"] < 6 * 0.8 + 1.5

@@ -55,6 +55,10 @@ class RunConfig(BaseModel):
         "worker runs as many inner steps as fit (rounds = steps / inner_steps)")
     slowdown: str = Field("", description="emulated device speeds, per-worker slowdown factors "
                           "such as '1,1,2,4' (worker i sleeps (f-1) x its step time)")
+    pace_seconds: float | None = Field(
+        None, gt=0, description="emulated device speed, paced: every inner step of worker i is "
+        "padded to slowdown_i x this many seconds (speeds stay exact while processes share "
+        "cores; it must exceed the real step time)")
 
     # network heterogeneity: an emulated topology, and islands for hierarchical_diloco
     topology: str = Field(

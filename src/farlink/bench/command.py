@@ -89,6 +89,9 @@ def register(app: typer.Typer, bench_app: typer.Typer) -> None:
                                        help="islands scenario: link between groups"),
         island_rounds: int = typer.Option(
             2, min=1, help="islands scenario: island averaging rounds per global round"),
+        pace_seconds: float | None = typer.Option(
+            None, help="islands scenario: pad every step to slowdown x this many seconds, so "
+            "emulated speeds hold while workers share cores"),
     ) -> None:
         """Workers of different speeds: fixed H vs time-budgeted rounds (vs hierarchical)."""
         from farlink.bench import hetero as bench
@@ -97,7 +100,7 @@ def register(app: typer.Typer, bench_app: typer.Typer) -> None:
             result = bench.run(out, slowdown, steps or 300, inner_steps)
         elif scenario == "islands":
             result = bench.run_islands(out, slowdown, steps or 120, inner_steps, topology,
-                                       intra_link, inter_link, island_rounds)
+                                       intra_link, inter_link, island_rounds, pace_seconds)
         else:
             typer.secho(f"error: scenario {scenario!r} unknown; choose devices or islands",
                         fg="red", err=True)

@@ -72,7 +72,8 @@ def _network_figures(row: dict, out: Path) -> dict:
 
 
 def run_islands(out: Path, slowdown: str, steps: int, inner_steps: int, topology: str,
-                intra_link: str, inter_link: str, island_rounds: int) -> dict:
+                intra_link: str, inter_link: str, island_rounds: int,
+                pace_seconds: float | None = None) -> dict:
     """Workers of speeds ``slowdown`` in the islands of ``topology`` (links emulated in-process:
     ``intra_link`` inside an island, ``inter_link`` between islands). Four ways to train:
 
@@ -84,11 +85,15 @@ def run_islands(out: Path, slowdown: str, steps: int, inner_steps: int, topology
       link, once per budget; members wait for the hand-off;
     * the same with the global round overlapped with the islands' training.
 
-    The budget and the number of rounds derive from the fixed-H run as in :func:`run`.
+    The budget and the number of rounds derive from the fixed-H run as in :func:`run`. With
+    ``pace_seconds`` every worker's step is padded to its slowdown x that many seconds, so the
+    emulated speeds hold even when the worker processes outnumber the cores (otherwise a worker
+    that waits frees a core for the others, which flatters the variants that wait most).
     """
     workers = len(slowdown.split(","))
     base = {"workers": workers, "slowdown": slowdown, "eval_batches": 8, "inner_steps": inner_steps,
-            "topology": topology, "intra_link": intra_link, "inter_link": inter_link}
+            "topology": topology, "intra_link": intra_link, "inter_link": inter_link,
+            "pace_seconds": pace_seconds}
     fixed = run_variant(f"islands-fixed-H{inner_steps}", base, out, steps=steps)
     fast = min(fixed["per_worker"].values(), key=lambda w: w["compute_s"] / max(w["tokens"], 1))
     step_s = fast["compute_s"] / (fast["tokens"] / fixed["tokens_per_step"])
@@ -125,10 +130,12 @@ def run_islands(out: Path, slowdown: str, steps: int, inner_steps: int, topology
     write_json(out / "hetero-islands.json", "hetero-islands", rows, {
         "slowdown": slowdown, "topology": topology, "intra_link": intra_link,
         "inter_link": inter_link, "round_seconds": budget, "island_rounds": island_rounds,
+        "pace_seconds": pace_seconds,
         "target_loss": target, "targets": targets,
-        "emulation": "device speed: per-step sleep; links: in-process (each collective held for "
-                     "latency + bytes/bandwidth of its profile); islands measured by the launcher "
-                     "over shaped TCP relays on loopback",
+        "emulation": ("device speed: every step padded to slowdown x pace_seconds" if pace_seconds
+                      else "device speed: per-step sleep")
+        + "; links: in-process (each collective held for latency + bytes/bandwidth of its "
+          "profile); islands measured by the launcher over shaped TCP relays on loopback",
         "inter_island_bytes": "hierarchical: bytes the island leaders sent on the global "
                               "collective; flat: bytes of workers whose ring successor (index "
                               "order) is in another island",

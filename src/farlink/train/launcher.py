@@ -94,6 +94,7 @@ def summarize(cfg: RunConfig) -> dict:
                 "comm_s": end["comm_s"],
                 "bookkeeping_s": end.get("bookkeeping_s", 0.0),
                 "failed_rounds": end.get("failed_rounds", 0),
+                "pace_overruns": end.get("pace_overruns", 0),
                 **{k: end[k] for k in ("intra_bytes", "inter_bytes") if k in end},
             }
     evals.sort(key=lambda r: (r["step"], r["time"]))

@@ -154,6 +154,7 @@ class Worker:
             # a newcomer waits for the others' next round, however long their rounds are
             self.collective.quorum_timeout = max(self._member_quorum_timeout, 3600.0)
         self.tokens = 0
+        self.pace_overruns = 0  # inner steps slower than --pace-seconds allowed
         self.compute_s = 0.0
         self.comm_s = 0.0
         self.wall_offset = 0.0  # wall-clock of earlier lives of this worker (resume)
@@ -260,7 +261,13 @@ class Worker:
             x, y = self.sampler.next_batch()
             _, loss = self.model(x, y)
             loss.backward()
-            if slowdown > 1:  # emulated slower device: stretch this step's compute
+            if cfg.pace_seconds is not None:  # emulated device of a fixed speed
+                spare = slowdown * cfg.pace_seconds - (time.perf_counter() - t0)
+                if spare > 0:
+                    time.sleep(spare)
+                else:  # the real step was slower than the emulated device: say so in the summary
+                    self.pace_overruns += 1
+            elif slowdown > 1:  # emulated slower device: stretch this step's compute
                 time.sleep((slowdown - 1) * (time.perf_counter() - t0))
             tokens = x.numel()
             outcome = algo.step(tokens)
@@ -305,7 +312,8 @@ class Worker:
                            compute_s=round(self.compute_s, 4), comm_s=round(self.comm_s, 4),
                            bookkeeping_s=round(self.bookkeeping_s, 4),
                            wall_s=round(self.wall(), 3),
-                           failed_rounds=self.collective.stats.failed_rounds, **self._traffic())
+                           failed_rounds=self.collective.stats.failed_rounds,
+                           pace_overruns=self.pace_overruns, **self._traffic())
         return 0 if finished or stop.flag else 1
 
     def _bytes_sent(self) -> int:
