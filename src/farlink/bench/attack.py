@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from farlink.bench.report import plot_curves, write_json
+from farlink.bench.report import plot_panels, write_json
 from farlink.bench.runner import run_variant
 
 RULES = ["mean", "median", "trimmed_mean", "centered_clip", "norm_bounded"]
@@ -19,7 +19,6 @@ RULES = ["mean", "median", "trimmed_mean", "centered_clip", "norm_bounded"]
 def run(out: Path, attacks: list[str], setups: list[tuple[int, int]], steps: int,
         inner_steps: int, rules: list[str], reuse: bool = False) -> dict:
     rows = []
-    series: dict[str, list[tuple[float, float]]] = {}
     for workers, bad in setups:
         base = {"workers": workers, "steps": steps, "inner_steps": inner_steps,
                 "codec": "int8", "auth": "secret", "secret": "bench", "screen_ratio": 0,
@@ -38,11 +37,21 @@ def run(out: Path, attacks: list[str], setups: list[tuple[int, int]], steps: int
         for r in rows:
             if r["workers"] == workers and r["final_heldout_loss"] and clean["final_heldout_loss"]:
                 r["loss_vs_clean"] = r["final_heldout_loss"] / clean["final_heldout_loss"] - 1
+    panels: dict[str, dict[str, list[tuple[float, float]]]] = {}
+    cleans = {r["workers"]: r for r in rows if r["attack"] == "none"}
     for r in rows:
-        series[r["label"]] = [(e["tokens"], e["loss"]) for e in r["evals"]]
+        if r["attack"] == "none":
+            continue
+        title = f"{r['malicious']} of {r['workers']}: {r['attack']}"
+        panel = panels.setdefault(title, {"clean": _curve(cleans[r["workers"]])})
+        panel[r["aggregator"]] = _curve(r)
     write_json(out / "attack.json", "attack", [{k: v for k, v in r.items() if k != "per_worker"}
                                               for r in rows],
                {"emulation": "attackers rewrite their own update before encoding"})
-    plot_curves(out / "attack_loss_vs_tokens.png", series, "tokens (evaluating worker)",
-                "held-out loss", "held-out loss under attack")
+    plot_panels(out / "attack_loss_vs_tokens.png", panels, "tokens (evaluating worker)",
+                "held-out loss (log)", columns=max(1, len(attacks)), logy=True)
     return {"rows": rows}
+
+
+def _curve(row: dict) -> list[tuple[float, float]]:
+    return [(e["tokens"], e["loss"]) for e in row["evals"]]

@@ -53,3 +53,39 @@ def plot_curves(
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return path
+
+
+def plot_panels(
+    path: Path,
+    panels: dict[str, dict[str, list[tuple[float, float]]]],
+    xlabel: str,
+    ylabel: str,
+    columns: int = 4,
+    logy: bool = False,
+) -> Path:
+    """One small plot per panel (title -> series), sharing axes: for grids of runs where one
+    crowded plot would be unreadable."""
+    rows = -(-len(panels) // columns)
+    fig, axes = plt.subplots(rows, columns, figsize=(3.6 * columns, 3.0 * rows), sharex=True,
+                             sharey=True, squeeze=False)
+    for ax, (title, series) in zip(axes.flat, panels.items()):
+        for label, points in series.items():
+            if points:
+                xs, ys = zip(*sorted(points))
+                ax.plot(xs, ys, marker="o", markersize=2, label=label)
+        ax.set_title(title, fontsize=9)
+        ax.grid(alpha=0.3)
+        if logy:
+            ax.set_yscale("log")
+    for ax in axes.flat[len(panels):]:
+        ax.set_visible(False)
+    for ax in axes[-1]:
+        ax.set_xlabel(xlabel)
+    for ax in axes[:, 0]:
+        ax.set_ylabel(ylabel)
+    axes.flat[0].legend(fontsize=7)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
