@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import importlib
 import logging
-import signal
 
 import typer
 
@@ -47,15 +46,13 @@ def _register_all() -> None:
 _register_all()
 
 
-def _stop_like_ctrl_c(signum: int, frame: object) -> None:
-    raise KeyboardInterrupt(f"signal {signum}")
-
-
 def main() -> None:
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(message)s")
     # `kill` (SIGTERM) gets the same orderly stop as Ctrl-C: workers stopped between steps,
     # checkpoints kept, emulated namespaces deleted
-    signal.signal(signal.SIGTERM, _stop_like_ctrl_c)
+    from farlink import interrupt
+
+    interrupt.install()
     app()
 
 

@@ -16,6 +16,7 @@ from typing import Annotated, Any
 
 import typer
 
+from farlink import interrupt
 from farlink.comm.hivemind_net import start_bootstrap_peer, tcp_maddr
 
 
@@ -69,6 +70,8 @@ def register(app: typer.Typer, bench_app: typer.Typer) -> None:
         """Start a bootstrap peer and print its multiaddresses; runs until Ctrl-C."""
         from farlink.comm.errors import CommError
 
+        interrupt.install()
+
         try:
             authorizer = None
             if auth.strip().lower() != "none":
@@ -87,6 +90,7 @@ def register(app: typer.Typer, bench_app: typer.Typer) -> None:
             for addr in maddrs:
                 typer.echo(addr)
             while dht.is_alive():
+                interrupt.check()
                 time.sleep(1.0)
         except KeyboardInterrupt:
             typer.echo("shutting down")
@@ -115,6 +119,8 @@ def register(app: typer.Typer, bench_app: typer.Typer) -> None:
 
         from farlink.comm.errors import CommError
 
+        interrupt.install()
+
         try:
             coll = make_hivemind_collective(
                 run_id, initial_peers, host, client_mode, public, min_group_size=min_group_size
@@ -126,6 +132,7 @@ def register(app: typer.Typer, bench_app: typer.Typer) -> None:
         done = 0
         try:
             while rounds == 0 or done < rounds:
+                interrupt.check()
                 try:
                     info = coll.begin_round()
                 except CommError as exc:

@@ -23,6 +23,7 @@ import tomli_w
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
+from farlink import interrupt
 from farlink.config import RunConfig, to_toml_dict
 from farlink.robust.auth import run_authenticator
 from farlink.train.lighthouse import Lighthouse
@@ -221,6 +222,7 @@ def launch(cfg: RunConfig, show_progress: bool = True,
         with Progress(*columns, console=console, disable=not show_progress) as progress:
             task = progress.add_task("training", total=total, info="")
             while any(p.poll() is None for p in procs):
+                interrupt.check()
                 steps, loss, heldout = _progress_state(cfg)
                 info = f"loss {loss:.3f}" if loss is not None else ""
                 if heldout is not None:
