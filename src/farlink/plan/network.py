@@ -114,10 +114,8 @@ def allgather_bytes(backend: str, size_bytes: float, n: int, bandwidth_bps: floa
         return CollectiveCost(lengths.bytes_sent + payload.bytes_sent,
                               lengths.seconds + payload.seconds)
     _check(size_bytes, n, bandwidth_bps, latency_s)
-    if n <= 1:
-        return CollectiveCost(0.0, 0.0)
-    sent = (n - 1) * size_bytes
-    return CollectiveCost(sent, 8 * sent / bandwidth_bps + 2 * hop)
+    direct = ring_allgather(size_bytes, n, bandwidth_bps, 0.0)  # same bytes, sent at once
+    return CollectiveCost(direct.bytes_sent, direct.seconds + (2 * hop if n > 1 else 0.0))
 
 
 def _check(size_bytes: float, n: int, bandwidth_bps: float, latency_s: float) -> None:
