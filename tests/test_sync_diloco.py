@@ -129,3 +129,18 @@ def test_bytes_sent_matches_ring_formula_for_dense_and_gathered_paths() -> None:
         assert dense == (2 * 2 * 12) // 3
         # ring all-gather: each peer forwards (n-1) messages of its own size
         assert gathered == 2 * message_len
+
+
+def test_time_budgeted_round_ends_at_the_step_boundary_nearest_its_deadline() -> None:
+    from farlink.sync.base import nearest_step_boundary
+
+    # 4 s steps, a 20 s budget: after 4 steps (16 s) the next boundary (20 s) is nearer: go on
+    assert not nearest_step_boundary(now=16.0, started=0.0, steps=4, deadline=20.0)
+    assert nearest_step_boundary(now=20.0, started=0.0, steps=5, deadline=20.0)
+    # 3 s steps: at 18 s (2 s short) the next boundary, 21 s (1 s over), is nearer: go on
+    assert not nearest_step_boundary(now=18.0, started=0.0, steps=6, deadline=20.0)
+    # 7 s steps: at 14 s (6 s short) 21 s is nearer: go on; at 21 s the deadline has passed
+    assert not nearest_step_boundary(now=14.0, started=0.0, steps=2, deadline=20.0)
+    assert nearest_step_boundary(now=21.0, started=0.0, steps=3, deadline=20.0)
+    # one 19 s step: stopping 1 s short beats overshooting by 18 s
+    assert nearest_step_boundary(now=19.0, started=0.0, steps=1, deadline=20.0)

@@ -26,6 +26,13 @@ def final_params(run_dir: Path) -> list[dict]:
     return [load_file(str(p)) for p in sorted((run_dir / "final").glob("w*.safetensors"))]
 
 
+def audit_fingerprint(run_dir: Path) -> str:
+    """The fingerprint w0 logged for its last committed round."""
+    syncs = [r for r in read_metrics(run_dir / "metrics" / "w0.jsonl")
+             if r["kind"] == "sync" and r["committed"]]
+    return syncs[-1]["fingerprint"]
+
+
 def test_diloco_three_workers_agree_and_learn(tmp_path: Path, cache_dir: Path) -> None:
     cfg = small_config(tmp_path, cache_dir, workers=3, steps=60, inner_steps=20, lr=3e-3)
     result = launch(cfg, show_progress=False)
@@ -43,6 +50,9 @@ def test_diloco_three_workers_agree_and_learn(tmp_path: Path, cache_dir: Path) -
     assert result.summary["final_heldout_loss"] < first_losses[0] - 0.5
     assert (cfg.run_dir / "model.safetensors").is_file()
     assert (cfg.run_dir / "config.toml").is_file()
+    ended = result.summary["final_replicas"]
+    assert ended["consistent"] and ended["holders"] == ["w0", "w1", "w2"]
+    assert {tuple(v) for v in ended["states"].values()} == {(3, audit_fingerprint(cfg.run_dir))}
     w = result.summary["per_worker"]["w0"]
     assert w["bytes_sent"] > 0 and 0 < w["compute_utilization"] <= 1
     # each round's time splits into quorum, wire and local work (what the planner is fed)
@@ -124,3 +134,27 @@ def test_paced_workers_run_at_their_emulated_speeds(tmp_path: Path, cache_dir: P
     assert w0["pace_overruns"] == 0 and w1["pace_overruns"] == 0
     assert 6 * 0.4 <= w0["compute_s"] < 6 * 0.4 + 1.5
     assert 6 * 0.8 <= w1["compute_s"] < 6 * 0.8 + 1.5
+
+
+def test_time_budgeted_rounds_keep_a_slow_worker_in_every_round(tmp_path: Path,
+                                                                cache_dir: Path) -> None:
+    """Flat DiLoCo with rounds of equal time: a paced worker 4x slower than the others runs
+    fewer inner steps per round instead of holding every round up, all replicas stay
+    bit-identical, and the slow worker is in every quorum."""
+    cfg = small_config(tmp_path, cache_dir, workers=3, steps=30, inner_steps=10,
+                       slowdown="1,1,4", pace_seconds=0.1, round_seconds=1.2)
+    result = launch(cfg, show_progress=False)
+    assert result.returncodes == [0, 0, 0]
+    audit = audit_run(cfg.run_dir)
+    assert audit["consistent"] and audit["outer_steps"] == 3, audit
+    syncs = {w: [r for r in read_metrics(cfg.run_dir / "metrics" / f"{w}.jsonl")
+                 if r["kind"] == "sync"] for w in ("w0", "w1", "w2")}
+    assert all(r["world_size"] == 3 and r["committed"] for rs in syncs.values() for r in rs)
+    a, b, c = final_params(cfg.run_dir)
+    assert all((a[k] == b[k]).all() and (a[k] == c[k]).all() for k in a)
+    per = result.summary["per_worker"]
+    # ~12 steps per round at full speed, ~3 at a quarter (the nearest step boundary to 1.2 s)
+    assert per["w2"]["tokens"] < 0.5 * per["w0"]["tokens"]
+    assert per["w2"]["tokens"] >= 3 * 2 * cfg.batch_size * cfg.seq_len
+    # the slow worker waited less than a step per round for the others, on average
+    assert per["w2"]["compute_s"] > 0.6 * per["w2"]["wall_s"]

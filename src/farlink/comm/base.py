@@ -40,6 +40,19 @@ class CommStats:
     comm_seconds: float = 0.0
 
 
+@dataclass
+class LinkModel:
+    """A link as in-process emulation sees it: bandwidth and one-way latency, no queueing (the
+    full model with a shared wire, jitter and loss is :class:`farlink.emulate.ShapedLink`)."""
+
+    bandwidth_bytes_per_s: float = float("inf")
+    latency_s: float = 0.0
+
+    def seconds(self, nbytes: int, hops: int) -> float:
+        """How long ``nbytes`` over ``hops`` one-way latencies take."""
+        return hops * self.latency_s + nbytes / self.bandwidth_bytes_per_s
+
+
 class Collective(ABC):
     """A fault-tolerant group of peers that runs one outer round at a time."""
 
@@ -50,8 +63,8 @@ class Collective(ABC):
 
     def __init__(self) -> None:
         self.stats = CommStats()
-        # in-process link emulation: (bytes/s, one-way seconds) or None for the real link only
-        self.emulated_link: tuple[float, float] | None = None
+        # in-process link emulation, or None for the real link only
+        self.emulated_link: LinkModel | None = None
 
     def emulate_transfer(self, nbytes: int, hops: int) -> None:
         """Hold the caller as long as ``nbytes`` over ``hops`` latencies take on the emulated
@@ -60,8 +73,7 @@ class Collective(ABC):
             return
         import time
 
-        bandwidth, latency = self.emulated_link
-        time.sleep(hops * latency + nbytes / bandwidth)
+        time.sleep(self.emulated_link.seconds(nbytes, hops))
 
     @abstractmethod
     def begin_round(self) -> RoundInfo:

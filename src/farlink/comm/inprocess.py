@@ -11,25 +11,21 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import TypeVar
 
 import torch
 
-from farlink.comm.base import Collective, RoundInfo, ring_allgather_bytes, ring_allreduce_bytes
+from farlink.comm.base import (
+    Collective,
+    LinkModel,
+    RoundInfo,
+    ring_allgather_bytes,
+    ring_allreduce_bytes,
+)
+
+__all__ = ["InProcessCollective", "InProcessGroup", "LinkModel"]
 
 T = TypeVar("T")
-
-
-@dataclass
-class LinkModel:
-    """A link as seen by in-process emulation: one-way latency and bandwidth."""
-
-    bandwidth_bytes_per_s: float = float("inf")
-    latency_s: float = 0.0
-
-    def seconds(self, nbytes: int, hops: int) -> float:
-        return hops * self.latency_s + nbytes / self.bandwidth_bytes_per_s
 
 
 class InProcessGroup:

@@ -55,6 +55,16 @@ def lr_at(step: int, base_lr: float, warmup: int, total: int, min_ratio: float =
     return base_lr * (min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
 
 
+def nearest_step_boundary(now: float, started: float, steps: int, deadline: float) -> bool:
+    """Whether a time-budgeted round should end after the step just taken: at the step boundary
+    nearest ``deadline``. Ending at the first boundary past it makes a worker with long steps
+    (a slow device) overshoot by up to a whole step while every other worker waits for it;
+    the nearest boundary bounds it to half a step either way. A step's length is this round's
+    mean (``steps`` taken since ``started``)."""
+    per_step = (now - started) / max(steps, 1)
+    return now + per_step / 2 >= deadline
+
+
 def optimizer_state(opt: torch.optim.Optimizer, prefix: str) -> TensorState:
     """Flatten an optimizer's per-parameter state into named tensors (safetensors-friendly)."""
     out: TensorState = {}

@@ -23,6 +23,7 @@ from farlink.sync.base import (
     TensorState,
     load_optimizer_state,
     load_worker_private_state,
+    nearest_step_boundary,
     optimizer_state,
     worker_private_state,
 )
@@ -52,6 +53,7 @@ class DiLoCo(SyncAlgorithm):
         )
         self.tokens_since_sync = 0
         self.round_started = time.monotonic()
+        self.steps_in_round = 0
         self.total_rounds = max(1, cfg.steps // cfg.inner_steps)
 
     # --- time-budgeted rounds (heterogeneous devices) -------------------------------------------
@@ -61,7 +63,9 @@ class DiLoCo(SyncAlgorithm):
 
     def round_due(self) -> bool:
         if self.timed:
-            return time.monotonic() - self.round_started >= self.cfg.round_seconds
+            return nearest_step_boundary(time.monotonic(), self.round_started,
+                                         self.steps_in_round,
+                                         self.round_started + self.cfg.round_seconds)
         return self.inner_steps_done % self.cfg.inner_steps == 0
 
     def at_boundary(self, outcome: StepOutcome) -> bool:
@@ -81,17 +85,21 @@ class DiLoCo(SyncAlgorithm):
     def step(self, tokens: int) -> StepOutcome:
         self.clip_and_step(self.inner_opt)
         self.inner_steps_done += 1
+        self.steps_in_round += 1
         self.tokens_since_sync += tokens
         if not self.round_due():
             return StepOutcome(outer_step=self.outer_step)
         outcome = self.sync()
-        self.round_started = time.monotonic()
+        self._start_round()
         return outcome
+
+    def _start_round(self) -> None:
+        self.round_started, self.steps_in_round = time.monotonic(), 0
 
     def join(self) -> StepOutcome:
         self.tokens_since_sync = 0  # a zero-weight pseudo-gradient: it only receives
         outcome = self.sync()
-        self.round_started = time.monotonic()
+        self._start_round()
         if outcome.committed and not self.timed:
             # A peer restarted from its own checkpoint is not healed when the others wait in
             # the same round; it still skips that round's inner steps, so its schedule must

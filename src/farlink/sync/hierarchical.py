@@ -60,6 +60,7 @@ from farlink.sync.base import (
     load_optimizer_state,
     load_worker_private_state,
     lr_at,
+    nearest_step_boundary,
     optimizer_state,
     state_digest,
     worker_private_state,
@@ -151,10 +152,9 @@ class HierarchicalDiLoCo(SyncAlgorithm):
     def _island_due(self) -> bool:
         if not self.timed:
             return self.inner_steps_done % self.cfg.island_steps == 0
-        now = time.monotonic()
         deadline = self.period_start + (self.island_round + 1) * self.island_seconds
-        per_step = (now - self.round_started) / max(self.steps_in_round, 1)
-        return now + per_step / 2 >= deadline  # the step boundary nearest the deadline
+        return nearest_step_boundary(time.monotonic(), self.round_started, self.steps_in_round,
+                                     deadline)
 
     def _global_due(self) -> bool:
         if not self.timed:

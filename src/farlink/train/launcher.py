@@ -74,15 +74,33 @@ def spawn_worker(cfg: RunConfig, index: int, lighthouse: str, resume: bool,
                             env={**os.environ, **env}, start_new_session=True)
 
 
+def final_replicas(ends: dict[str, dict]) -> tuple[list[str], bool]:
+    """The workers that hold the run's result, and whether every worker ended on the same state.
+
+    An elastic run can end split: a straggler that missed the last round while the others
+    finished and left forms a quorum of one and commits its own last round, a state no one else
+    holds. The run's result is then the state most workers ended on (ties: the later outer step).
+    """
+    states: dict[tuple[int, str], list[str]] = {}
+    for worker, end in sorted(ends.items()):
+        if end.get("fingerprint") is not None:
+            states.setdefault((end.get("outer_step", 0), end["fingerprint"]), []).append(worker)
+    if not states:  # metrics that predate end-of-run fingerprints
+        return sorted(ends), True
+    best = max(states, key=lambda key: (len(states[key]), key[0]))
+    return states[best], len(states) == 1
+
+
 def summarize(cfg: RunConfig) -> dict:
-    """Final figures from the workers' metrics: held-out loss, bytes, utilization."""
-    per_worker, evals = {}, []
+    """Final figures from the workers' metrics: held-out loss (of the run's result, see
+    :func:`final_replicas`), bytes, utilization."""
+    per_worker, evals, last = {}, [], {}
     for path in sorted((cfg.run_dir / "metrics").glob("w*.jsonl")):
         records = read_metrics(path)
         evals += [r for r in records if r["kind"] == "eval"]
         ends = [r for r in records if r["kind"] == "end"]
         if ends:
-            end = ends[-1]
+            end = last[path.stem] = ends[-1]
             # utilization: inner compute over wall-clock, evaluation/checkpoint time set aside
             wall = max(end["wall_s"] - end.get("bookkeeping_s", 0.0), 1e-9)
             per_worker[path.stem] = {
@@ -99,7 +117,8 @@ def summarize(cfg: RunConfig) -> dict:
                 **{k: end[k] for k in ("intra_bytes", "inter_bytes") if k in end},
             }
     evals.sort(key=lambda r: (r["step"], r["time"]))
-    final = evals[-1] if evals else None
+    holders, consistent = final_replicas(last)
+    final = ([r for r in evals if r["worker"] in holders] or evals or [None])[-1]
     return {
         "algorithm": cfg.algorithm,
         "codec": cfg.codec,
@@ -109,18 +128,23 @@ def summarize(cfg: RunConfig) -> dict:
         "final_heldout_loss": final["loss"] if final else None,
         "final_heldout_ppl": final["ppl"] if final else None,
         "total_tokens": sum(w["tokens"] for w in per_worker.values()),
+        "final_replicas": {"holders": holders, "consistent": consistent,
+                           "states": {w: [e.get("outer_step"), e.get("fingerprint")]
+                                      for w, e in last.items()}},
         "per_worker": per_worker,
         "evals": [{k: r[k] for k in ("step", "tokens", "loss", "bytes_sent", "wall_s")}
                   for r in evals],
     }
 
 
-def export_model(cfg: RunConfig) -> Path | None:
+def export_model(cfg: RunConfig, holders: list[str] | None = None) -> Path | None:
+    """Copy the final model of a worker holding the run's result to ``run_dir/model.safetensors``."""
     finals = sorted((cfg.run_dir / "final").glob("w*.safetensors"))
-    if not finals:
+    preferred = [f for f in finals if holders is None or f.stem in holders]
+    if not (preferred or finals):
         return None
     target = cfg.run_dir / "model.safetensors"
-    shutil.copyfile(finals[0], target)
+    shutil.copyfile((preferred or finals)[0], target)
     return target
 
 
@@ -250,10 +274,15 @@ def launch(cfg: RunConfig, show_progress: bool = True,
     if net_plan is not None:
         summary.update(network_summary(net_plan, cfg, summary["per_worker"]))
     summary["returncodes"] = codes
-    model_path = export_model(cfg)
+    model_path = export_model(cfg, summary["final_replicas"]["holders"])
     if model_path is not None:
         summary["model"] = str(model_path)
     (cfg.run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
+    if not summary["final_replicas"]["consistent"]:
+        console.print("[yellow]workers ended on different states (one missed the last round "
+                      "and committed its own); the run's result is the state of "
+                      f"{', '.join(summary['final_replicas']['holders'])}: "
+                      f"{cfg.run_dir / 'model.safetensors'}[/]")
     if interrupted:
         console.print(f"checkpoints kept under {cfg.run_dir / 'checkpoints'}; continue with "
                       f"`farlink train --resume --run-dir {cfg.run_dir}`")

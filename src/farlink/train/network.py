@@ -20,6 +20,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from farlink.comm.base import LinkModel
 from farlink.comm.islands import Islands, form_islands, format_islands, parse_islands
 from farlink.config import RunConfig
 from farlink.emulate.profiles import LinkProfile, get_profile
@@ -125,12 +126,12 @@ def measure(workers: int, topology: Islands | None, intra: str, inter: str):
         return measure_links(workers, net.route, PROBE_PINGS, PROBE_BULK_BYTES)
 
 
-def emulated_link(profile: LinkProfile | None) -> tuple[float, float] | None:
-    """A profile as :attr:`Collective.emulated_link` wants it: (bytes/s, one-way seconds)."""
+def emulated_link(profile: LinkProfile | None) -> LinkModel | None:
+    """A profile as :attr:`Collective.emulated_link` wants it (its uplink rate and delay)."""
     if profile is None:
         return None
     rate = profile.up_mbit
-    return (float("inf") if rate is None else rate * 1e6 / 8, profile.delay_ms / 1000)
+    return LinkModel(float("inf") if rate is None else rate * 1e6 / 8, profile.delay_ms / 1000)
 
 
 def crossing_bytes(plan: NetworkPlan, algorithm: str, per_worker: dict[str, dict]) -> int:

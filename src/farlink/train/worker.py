@@ -12,30 +12,18 @@ import argparse
 import logging
 import math
 import os
-import signal
 import sys
 import time
 from pathlib import Path
 
 import torch
 
+from farlink import interrupt
 from farlink.config import RunConfig
 from farlink.train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from farlink.train.metrics import MetricsLog
 
 log = logging.getLogger("farlink.worker")
-
-
-class StopRequested:
-    """Turns SIGINT/SIGTERM into a flag checked between steps (never mid-update)."""
-
-    def __init__(self) -> None:
-        self.flag = False
-        signal.signal(signal.SIGINT, self._set)
-        signal.signal(signal.SIGTERM, self._set)
-
-    def _set(self, signum, frame) -> None:
-        self.flag = True
 
 
 def advertised_host(cfg: RunConfig) -> str:
@@ -130,11 +118,12 @@ class Worker:
         self.collective = (self.tiers.collective if self.tiers is not None
                            else build_collective(cfg, self.replica_id, lighthouse))
         if cfg.emulate_link is not None:
+            from farlink.comm.base import LinkModel
             from farlink.plan import load_links
 
             link = load_links()[cfg.emulate_link]
-            self.collective.emulated_link = (link.bandwidth_mbit * 1e6 / 8,
-                                             link.latency_ms / 1000)
+            self.collective.emulated_link = LinkModel(link.bandwidth_mbit * 1e6 / 8,
+                                                      link.latency_ms / 1000)
         from farlink.robust.ledger import ContributionLedger
 
         self.ledger = ContributionLedger()
@@ -237,7 +226,8 @@ class Worker:
     def wall(self) -> float:
         return self.wall_offset + time.time() - self.loop_start
 
-    def run(self, stop: StopRequested) -> int:
+    def run(self) -> int:
+        """Train until the run's end or a stop request (SIGINT/SIGTERM, checked between steps)."""
         cfg, algo = self.cfg, self.algo
         self.loop_start = time.time()
         self.metrics.write("start", worker=self.replica_id, params=self.model.num_parameters(),
@@ -255,7 +245,8 @@ class Worker:
                                    fingerprint=algo.fingerprint(), world_size=outcome.world_size,
                                    comm_s=round(outcome.comm_seconds, 4))
         slowdown = cfg.slowdown_of(self.index)
-        while not algo.finished() and not stop.flag:
+        stopped = interrupt.requested()
+        while not algo.finished() and not stopped:
             t0 = time.perf_counter()
             self.model.train()
             x, y = self.sampler.next_batch()
@@ -294,10 +285,10 @@ class Worker:
                 self.metrics.write("step", **fields)
             if algo.at_boundary(outcome) or algo.finished():
                 self._at_boundary(step)
-            if cfg.stop_at_step is not None and step >= cfg.stop_at_step:
-                stop.flag = True
+            stopped = interrupt.requested() or (cfg.stop_at_step is not None
+                                                and step >= cfg.stop_at_step)
         pending = algo.finish()
-        if pending is not None and not stop.flag:
+        if pending is not None and not stopped:
             self._save()
         finished = algo.finished()
         if finished:
@@ -313,8 +304,9 @@ class Worker:
                            bookkeeping_s=round(self.bookkeeping_s, 4),
                            wall_s=round(self.wall(), 3),
                            failed_rounds=self.collective.stats.failed_rounds,
-                           pace_overruns=self.pace_overruns, **self._traffic())
-        return 0 if finished or stop.flag else 1
+                           pace_overruns=self.pace_overruns, outer_step=algo.outer_step,
+                           fingerprint=algo.fingerprint(), **self._traffic())
+        return 0 if finished or stopped else 1
 
     def _bytes_sent(self) -> int:
         """Bytes this worker sent, on every collective it holds."""
@@ -357,7 +349,7 @@ def main(argv: list[str] | None = None) -> int:
     cfg = RunConfig.model_validate_json((args.run_dir / "config.json").read_text())
     if args.resume:
         cfg = cfg.model_copy(update={"resume": True})
-    stop = StopRequested()
+    interrupt.install(raise_now=False)  # stop between steps, never mid-update
     from farlink.comm.errors import MembershipRefused
     from farlink.robust.gate import AdmissionError
 
@@ -367,7 +359,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {exc}", file=sys.stderr, flush=True)
         return 3
     try:
-        code = worker.run(stop)
+        code = worker.run()
     finally:
         worker.close()
     return code
