@@ -9,16 +9,20 @@ from rich.console import Console
 from rich.table import Table
 
 
+def _cell(value: object) -> str:
+    if isinstance(value, float):
+        return f"{value:.4g}"
+    if isinstance(value, dict):  # per-worker figures: one compact column
+        return " / ".join(_cell(v) for v in value.values())
+    return str(value)
+
+
 def print_rows(rows: list[dict], columns: list[str], title: str) -> None:
     table = Table(title=title)
     for c in columns:
         table.add_column(c)
     for r in rows:
-        cells = []
-        for c in columns:
-            v = r.get(c)
-            cells.append(f"{v:.4g}" if isinstance(v, float) else str(v))
-        table.add_row(*cells)
+        table.add_row(*(_cell(r.get(c)) for c in columns))
     Console().print(table)
 
 
@@ -81,26 +85,30 @@ def register(app: typer.Typer, bench_app: typer.Typer) -> None:
         slowdown: str = typer.Option("1,1,2,4", help="per-worker slowdown factors"),
         steps: int | None = typer.Option(
             None, help="inner steps per worker for the fixed-H run (default: devices 300, "
-            "islands 120)"),
-        inner_steps: int = typer.Option(30, help="H"),
+            "islands 100)"),
+        inner_steps: int | None = typer.Option(None, help="H (default: devices 30, islands 20)"),
         topology: str = typer.Option("0,1|2,3", help="islands scenario: emulated groups"),
         intra_link: str = typer.Option("datacenter", help="islands scenario: link in a group"),
         inter_link: str = typer.Option("intercontinental",
                                        help="islands scenario: link between groups"),
         island_rounds: int = typer.Option(
-            2, min=1, help="islands scenario: island averaging rounds per global round"),
-        pace_seconds: float | None = typer.Option(
-            None, help="islands scenario: pad every step to slowdown x this many seconds, so "
-            "emulated speeds hold while workers share cores"),
+            1, min=1, help="islands scenario: island averaging rounds per global round"),
+        pace_seconds: float = typer.Option(
+            1.0, min=0.0, help="pad every step to slowdown x this many seconds, so emulated "
+            "speeds hold while workers share cores (0: sleep (slowdown - 1) x each real step "
+            "instead, which a busy machine distorts)"),
+        reuse: bool = typer.Option(False, help="read back finished runs of the same config"),
     ) -> None:
         """Workers of different speeds: fixed H vs time-budgeted rounds (vs hierarchical)."""
         from farlink.bench import hetero as bench
 
         if scenario == "devices":
-            result = bench.run(out, slowdown, steps or 300, inner_steps)
+            result = bench.run(out, slowdown, steps or 300, inner_steps or 30,
+                               pace_seconds or None, reuse)
         elif scenario == "islands":
-            result = bench.run_islands(out, slowdown, steps or 120, inner_steps, topology,
-                                       intra_link, inter_link, island_rounds, pace_seconds)
+            result = bench.run_islands(out, slowdown, steps or 100, inner_steps or 20, topology,
+                                       intra_link, inter_link, island_rounds,
+                                       pace_seconds or None, reuse)
         else:
             typer.secho(f"error: scenario {scenario!r} unknown; choose devices or islands",
                         fg="red", err=True)

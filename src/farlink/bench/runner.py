@@ -24,6 +24,14 @@ def _finished_summary(cfg: RunConfig) -> dict | None:
     return summary if done else None
 
 
+def result_evals(summary: dict) -> list[dict]:
+    """The evaluations of the state the run ended on, not of a straggler's lone last round
+    (summaries that predate ``final_replicas`` keep every evaluation)."""
+    holders = set(summary.get("final_replicas", {}).get("holders") or [])
+    return [e for e in summary["evals"]
+            if not holders or "worker" not in e or e["worker"] in holders]
+
+
 def run_variant(label: str, base: dict[str, Any], out: Path, reuse: bool = False,
                 network: Any = None, **overrides: Any) -> dict:
     """Train one variant in ``out/runs/<label>`` and return its summary row; with ``reuse``, a
@@ -58,6 +66,6 @@ def run_variant(label: str, base: dict[str, Any], out: Path, reuse: bool = False
         "fragments": cfg.fragments if cfg.algorithm == "streaming_diloco" else 1,
         "overlap_steps": cfg.overlap_steps if cfg.algorithm == "streaming_diloco" else None,
         "per_worker": s["per_worker"],
-        "evals": s["evals"],
+        "evals": result_evals(s),
     }
     return row

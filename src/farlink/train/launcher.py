@@ -132,7 +132,7 @@ def summarize(cfg: RunConfig) -> dict:
                            "states": {w: [e.get("outer_step"), e.get("fingerprint")]
                                       for w, e in last.items()}},
         "per_worker": per_worker,
-        "evals": [{k: r[k] for k in ("step", "tokens", "loss", "bytes_sent", "wall_s")}
+        "evals": [{k: r[k] for k in ("worker", "step", "tokens", "loss", "bytes_sent", "wall_s")}
                   for r in evals],
     }
 
