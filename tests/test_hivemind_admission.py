@@ -94,8 +94,11 @@ def test_members_train_and_non_members_are_refused() -> None:
             try:
                 reply, bodies = mallory._call(
                     mallory._request(a.peer_id, handler, header, [b"poison"]), 20)
-            except ConnectionResetError:
-                continue  # the member answered the refusal and closed before the body was sent
+            except (ConnectionResetError, asyncio.IncompleteReadError):
+                # the member refused and closed before the body was sent: depending on timing the
+                # refusal reaches the caller or the stream ends first (the refusals are checked
+                # in the member's log below)
+                continue
             assert reply.get("error") == "not a member of this run" and bodies == []
 
         for t in threads:
