@@ -5,8 +5,10 @@ factors, default 1:1:2:4), so a worker with f=4 runs at a quarter of the speed w
 shares the cores (without a pace, it sleeps (f_i - 1) times its own real step, which a busy
 machine distorts). With a fixed H every round waits for the slowest worker (or, elastic, goes on
 without it); with time-budgeted rounds every worker runs as many inner steps as fit in the round
-and the outer step weights each pseudo-gradient by the tokens it was computed on. The time budget is derived from the fixed-H run itself (the time a
-full-speed worker needed for H steps), and the budgeted run gets the same wall-clock.
+and the outer step weights each pseudo-gradient by the tokens it was computed on. The time budget
+is derived from the fixed-H run itself (the time a full-speed worker needed for H steps), and the
+budgeted run gets the same wall-clock. The target is the wall-clock to the fixed-H run's final
+loss: that of the state most of its workers ended on (see ``final_replicas`` in run summaries).
 
 :func:`run_islands` adds network heterogeneity: the same workers in two islands joined by a slow
 link, where hierarchical DiLoCo keeps frequent averaging inside islands and sends only one
@@ -146,7 +148,8 @@ def run_islands(out: Path, slowdown: str, steps: int, inner_steps: int, topology
         "inter_link": inter_link, "round_seconds": budget, "island_rounds": island_rounds,
         "pace_seconds": pace_seconds,
         "target_loss": target, "targets": TARGETS,
-        "emulation": _device_emulation(pace_seconds) + "; links: in-process (each collective held for latency + bytes/bandwidth of its "
+        "emulation": _device_emulation(pace_seconds)
+        + "; links: in-process (each collective held for latency + bytes/bandwidth of its "
           "profile); islands measured by the launcher over shaped TCP relays on loopback",
         "inter_island_bytes": "hierarchical: bytes the island leaders sent on the global "
                               "collective; flat: bytes of workers whose ring successor (index "

@@ -278,10 +278,10 @@ def launch(cfg: RunConfig, show_progress: bool = True,
     if model_path is not None:
         summary["model"] = str(model_path)
     (cfg.run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
-    if not summary["final_replicas"]["consistent"]:
-        console.print("[yellow]workers ended on different states (one missed the last round "
-                      "and committed its own); the run's result is the state of "
-                      f"{', '.join(summary['final_replicas']['holders'])}: "
+    if not summary["final_replicas"]["consistent"] and not interrupted:
+        console.print("[yellow]workers ended on different states (a straggler that missed the "
+                      "last round commits its own); the run's result is the state most hold, "
+                      f"that of {', '.join(summary['final_replicas']['holders'])}: "
                       f"{cfg.run_dir / 'model.safetensors'}[/]")
     if interrupted:
         console.print(f"checkpoints kept under {cfg.run_dir / 'checkpoints'}; continue with "
