@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from farlink.bench.hetero import compare, time_budget
-from farlink.bench.runner import result_evals
+from farlink.train.launcher import result_evals
 
 
 def _run(label: str, utilization: list[float], evals: list[tuple[float, float]]) -> dict:
@@ -38,7 +38,7 @@ def test_budget_is_h_steps_of_the_fastest_worker() -> None:
 
 
 def test_result_evals_leave_out_a_stragglers_lone_round() -> None:
-    summary = {"final_replicas": {"holders": ["w0", "w1"]},
-               "evals": [{"worker": "w0", "loss": 5.2}, {"worker": "w2", "loss": 5.3}]}
-    assert result_evals(summary) == [{"worker": "w0", "loss": 5.2}]
-    assert len(result_evals({"evals": [{"loss": 1.0}, {"loss": 2.0}]})) == 2
+    evals = [{"worker": "w0", "loss": 5.2}, {"worker": "w2", "loss": 5.3}]
+    assert result_evals(evals, ["w0", "w1"]) == [{"worker": "w0", "loss": 5.2}]
+    assert len(result_evals([{"loss": 1.0}, {"loss": 2.0}], ["w0"])) == 2
+    assert len(result_evals(evals, None)) == 2

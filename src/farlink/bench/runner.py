@@ -6,7 +6,7 @@ from pathlib import Path
 from typing import Any
 
 from farlink.config import RunConfig, load_config
-from farlink.train.launcher import launch
+from farlink.train.launcher import launch, result_evals
 
 
 def _finished_summary(cfg: RunConfig) -> dict | None:
@@ -22,14 +22,6 @@ def _finished_summary(cfg: RunConfig) -> dict | None:
     done = len(summary.get("per_worker", {})) == cfg.workers and summary.get("returncodes") == [
         0] * cfg.workers
     return summary if done else None
-
-
-def result_evals(summary: dict) -> list[dict]:
-    """The evaluations of the state the run ended on, not of a straggler's lone last round
-    (summaries that predate ``final_replicas`` keep every evaluation)."""
-    holders = set(summary.get("final_replicas", {}).get("holders") or [])
-    return [e for e in summary["evals"]
-            if not holders or "worker" not in e or e["worker"] in holders]
 
 
 def run_variant(label: str, base: dict[str, Any], out: Path, reuse: bool = False,
@@ -66,6 +58,6 @@ def run_variant(label: str, base: dict[str, Any], out: Path, reuse: bool = False
         "fragments": cfg.fragments if cfg.algorithm == "streaming_diloco" else 1,
         "overlap_steps": cfg.overlap_steps if cfg.algorithm == "streaming_diloco" else None,
         "per_worker": s["per_worker"],
-        "evals": result_evals(s),
+        "evals": result_evals(s["evals"], s.get("final_replicas", {}).get("holders")),
     }
     return row

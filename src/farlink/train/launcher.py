@@ -91,6 +91,12 @@ def final_replicas(ends: dict[str, dict]) -> tuple[list[str], bool]:
     return states[best], len(states) == 1
 
 
+def result_evals(evals: list[dict], holders: list[str] | None) -> list[dict]:
+    """The evaluations of the state the run ended on, not of a straggler's lone last round
+    (evaluations or summaries that predate ``final_replicas`` are all kept)."""
+    return [e for e in evals if not holders or "worker" not in e or e["worker"] in holders]
+
+
 def summarize(cfg: RunConfig) -> dict:
     """Final figures from the workers' metrics: held-out loss (of the run's result, see
     :func:`final_replicas`), bytes, utilization."""
@@ -118,7 +124,7 @@ def summarize(cfg: RunConfig) -> dict:
             }
     evals.sort(key=lambda r: (r["step"], r["time"]))
     holders, consistent = final_replicas(last)
-    final = ([r for r in evals if r["worker"] in holders] or evals or [None])[-1]
+    final = (result_evals(evals, holders) or evals or [None])[-1]
     return {
         "algorithm": cfg.algorithm,
         "codec": cfg.codec,
