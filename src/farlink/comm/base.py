@@ -48,6 +48,11 @@ class LinkModel:
     bandwidth_bytes_per_s: float = float("inf")
     latency_s: float = 0.0
 
+    @classmethod
+    def of(cls, mbit: float | None, one_way_ms: float) -> LinkModel:
+        """From a link table's units (Mbit/s, None for unlimited; milliseconds one way)."""
+        return cls(float("inf") if mbit is None else mbit * 1e6 / 8, one_way_ms / 1000)
+
     def seconds(self, nbytes: int, hops: int) -> float:
         """How long ``nbytes`` over ``hops`` one-way latencies take."""
         return hops * self.latency_s + nbytes / self.bandwidth_bytes_per_s

@@ -128,10 +128,7 @@ def measure(workers: int, topology: Islands | None, intra: str, inter: str):
 
 def emulated_link(profile: LinkProfile | None) -> LinkModel | None:
     """A profile as :attr:`Collective.emulated_link` wants it (its uplink rate and delay)."""
-    if profile is None:
-        return None
-    rate = profile.up_mbit
-    return LinkModel(float("inf") if rate is None else rate * 1e6 / 8, profile.delay_ms / 1000)
+    return None if profile is None else LinkModel.of(profile.up_mbit, profile.delay_ms)
 
 
 def crossing_bytes(plan: NetworkPlan, algorithm: str, per_worker: dict[str, dict]) -> int:

@@ -122,8 +122,7 @@ class Worker:
             from farlink.plan import load_links
 
             link = load_links()[cfg.emulate_link]
-            self.collective.emulated_link = LinkModel(link.bandwidth_mbit * 1e6 / 8,
-                                                      link.latency_ms / 1000)
+            self.collective.emulated_link = LinkModel.of(link.bandwidth_mbit, link.latency_ms)
         from farlink.robust.ledger import ContributionLedger
 
         self.ledger = ContributionLedger()
