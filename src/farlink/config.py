@@ -1,5 +1,9 @@
 """The run configuration: one pydantic model, every field a CLI flag and a TOML key.
 
+``RunConfig`` composes every algorithm's own options model (``farlink.sync``: each algorithm's
+file declares its knobs) with the fields of the job around it (model, data, backend, trust,
+bookkeeping). Rules that depend on the algorithm ask its capabilities, never its name.
+
 Precedence: built-in defaults < ``--config FILE.toml`` < explicit flags. Validation happens once,
 here, so a bad value fails before any process starts, with the field's name in the message.
 """
@@ -11,14 +15,16 @@ import tomllib
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import ConfigDict, Field, ValidationError, model_validator
+
+from farlink.sync import ALGORITHMS, algorithm_class, algorithm_options
 
 
 class ConfigError(ValueError):
     """A configuration that cannot run; the message names the field and the fix."""
 
 
-class RunConfig(BaseModel):
+class RunConfig(*algorithm_options()):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
     # what to train
@@ -30,29 +36,10 @@ class RunConfig(BaseModel):
     steps: int = Field(500, ge=1, description="inner steps per worker (the token budget)")
     seed: int = Field(0, description="seed for init and data order")
 
-    # how to synchronize
-    algorithm: str = Field("diloco", description="ddp, local_sgd, diloco, streaming_diloco, demo, "
-                           "hierarchical_diloco")
-    inner_steps: int = Field(50, ge=1, description="H: inner steps between outer syncs")
-    lr: float = Field(3e-3, gt=0, description="inner (AdamW) learning rate")
-    warmup_steps: int = Field(30, ge=0, description="linear warmup of the inner lr")
-    weight_decay: float = Field(0.1, ge=0)
-    grad_clip: float = Field(1.0, ge=0, description="max grad norm, 0 disables")
-    outer_lr: float = Field(0.7, gt=0, description="outer Nesterov SGD learning rate")
-    outer_momentum: float = Field(0.9, ge=0, lt=1)
+    # how to synchronize (each algorithm's own knobs come from its options model)
+    algorithm: str = Field("diloco", description=", ".join(ALGORITHMS))
     codec: str = Field("none", description="none, fp16, bf16, int8, int4, topk[:f], ...[+ef]")
     aggregator: str = Field("mean", description="mean, median, trimmed_mean, centered_clip, ...")
-    fragments: int = Field(4, ge=1, description="Streaming DiLoCo: number of fragments P")
-    overlap_steps: int = Field(5, ge=0, description="Streaming DiLoCo: tau, steps of overlap")
-    mix_alpha: float = Field(0.5, ge=0, le=1, description="Streaming DiLoCo: local/global mix")
-    demo_beta: float = Field(0.999, ge=0, lt=1, description="DeMo momentum decay")
-    demo_chunk: int = Field(64, ge=2, description="DeMo DCT chunk size")
-    demo_topk: int = Field(32, ge=1, description="DeMo coefficients kept per chunk")
-    demo_lr: float = Field(1e-3, gt=0, description="DeMo sign-step learning rate")
-
-    round_seconds: float | None = Field(
-        None, gt=0, description="time-budgeted DiLoCo: each round lasts this long and every "
-        "worker runs as many inner steps as fit (rounds = steps / inner_steps)")
     slowdown: str = Field("", description="emulated device speeds, per-worker slowdown factors "
                           "such as '1,1,2,4' (worker i sleeps (f-1) x its step time)")
     pace_seconds: float | None = Field(
@@ -66,23 +53,12 @@ class RunConfig(BaseModel):
         "group are --intra-link, between groups --inter-link (in-process emulation on loopback)")
     intra_link: str = Field("datacenter", description="link profile inside a topology group")
     inter_link: str = Field("intercontinental", description="link profile between groups")
-    islands: str = Field(
-        "", description="hierarchical_diloco: force the islands, e.g. '0,1|2,3' (default: "
-        "formed from the links the launcher measures between the workers)")
-    island_steps: int = Field(
-        10, ge=1, description="hierarchical_diloco: inner steps between island averaging rounds")
-    island_seconds: float | None = Field(
-        None, gt=0, description="hierarchical_diloco with --round-seconds: time budget of an "
-        "island round (default: the global round's, i.e. one island round per global round)")
-    overlap_global: bool = Field(
-        False, description="hierarchical_diloco: run each global round in the background while "
-        "islands keep training; its result is applied one island round later (replicas add "
-        "their island's progress since onto it); the last round stays synchronous")
 
     # where and with whom
     workers: int = Field(4, ge=1, description="local worker processes to launch")
-    backend: Literal["torchft", "hivemind"] = Field(
-        "torchft", description="torchft (organizational) or hivemind (community, DHT)")
+    backend: Literal["torchft", "hivemind", "inprocess"] = Field(
+        "torchft", description="torchft (organizational), hivemind (community, DHT), or "
+        "inprocess (peers as threads of one process: a single worker, or library use)")
     initial_peers: str = Field("", description="hivemind: comma list of multiaddrs to join")
     group_size: int | None = Field(
         None, ge=2, description="hivemind: Moshpit group size per round (default: everyone)")
@@ -96,7 +72,6 @@ class RunConfig(BaseModel):
     join_timeout: float = Field(30.0, gt=0, description="Lighthouse: wait for stragglers (s)")
     heartbeat_timeout: float = Field(5.0, gt=0, description="Lighthouse: a silent peer is dead (s)")
     quorum_timeout: float = Field(120.0, gt=0, description="wait for a quorum (s)")
-    round_retries: int = Field(2, ge=0, description="retries of a failed round before moving on")
     auth: str = Field("none", description="none, secret (HMAC with --secret) or ed25519")
     secret: str | None = Field(None, description="run secret: every update is MACed with it")
     key_file: Path | None = Field(None, description="ed25519: this peer's private key file")
@@ -122,12 +97,12 @@ class RunConfig(BaseModel):
 
     @model_validator(mode="after")
     def _check(self) -> RunConfig:
-        from farlink.sync import ALGORITHMS
-
         if self.algorithm not in ALGORITHMS:
             raise ValueError(
                 f"algorithm {self.algorithm!r} unknown; choose from {', '.join(ALGORITHMS)}"
             )
+        algorithm = algorithm_class(self.algorithm)
+        caps = algorithm.capabilities
         from farlink.codecs import make_compressor
         from farlink.robust.aggregators import make_aggregator
         from farlink.robust.attacks import make_attack
@@ -160,14 +135,18 @@ class RunConfig(BaseModel):
                 raise ValueError(f"slowdown {self.slowdown!r} is not a comma list of numbers")
             if any(f < 1 for f in factors):
                 raise ValueError("slowdown factors must be >= 1 (1 = full speed)")
-        if self.round_seconds is not None and self.algorithm not in (
-                "diloco", "local_sgd", "hierarchical_diloco"):
-            raise ValueError("round_seconds (time-budgeted rounds) applies to diloco/local_sgd/"
-                             "hierarchical_diloco")
-        self._check_network()
+        if self.round_seconds is not None and not caps.time_budget:
+            timed = [n for n in ALGORITHMS if algorithm_class(n).capabilities.time_budget]
+            raise ValueError(f"round_seconds (time-budgeted rounds) applies to "
+                             f"{'/'.join(timed)}, not {self.algorithm}")
+        if self.backend not in caps.backends:
+            raise ValueError(f"{self.algorithm} runs on the {' or '.join(caps.backends)} "
+                             f"backend, not {self.backend}")
+        self._check_network(caps.islands)
+        algorithm.check_run(self)
         return self
 
-    def _check_network(self) -> None:
+    def _check_network(self, islands: bool) -> None:
         """Topology, islands and the hierarchical schedule (see farlink.comm.islands)."""
         from farlink.comm.islands import parse_islands
         from farlink.emulate.profiles import EmulationError, get_profile
@@ -183,31 +162,10 @@ class RunConfig(BaseModel):
         if self.topology and self.emulate_link is not None:
             raise ValueError("give either topology (per-pair links) or emulate_link (one link "
                              "for every collective), not both")
-        hierarchical = self.algorithm == "hierarchical_diloco"
-        if not hierarchical:
-            if self.islands or self.island_seconds is not None or self.overlap_global:
-                raise ValueError("islands, island_seconds and overlap_global apply to "
-                                 "hierarchical_diloco only")
-            return
-        if self.backend != "torchft":
-            raise ValueError("hierarchical_diloco runs on the torchft backend (one Lighthouse "
-                             "per island)")
-        if self.auth != "none":
-            raise ValueError("hierarchical_diloco does not take --auth yet: its island "
-                             "Lighthouses have no membership gate and the leader's hand-off "
-                             "is a plain all-reduce that trusts island members")
-        if self.lighthouse is not None:
-            raise ValueError("hierarchical_diloco starts its own Lighthouses (global and one per "
-                             "island); drop --lighthouse")
-        if self.round_seconds is None:
-            if self.island_seconds is not None:
-                raise ValueError("island_seconds needs round_seconds (time-budgeted rounds)")
-            if self.inner_steps % self.island_steps:
-                raise ValueError(f"inner_steps={self.inner_steps} (the global period) must be "
-                                 f"a multiple of island_steps={self.island_steps}")
-        elif self.island_seconds is not None and self.island_seconds > self.round_seconds:
-            raise ValueError(f"island_seconds={self.island_seconds} exceeds the global round's "
-                             f"round_seconds={self.round_seconds}")
+        if not islands and (self.islands or self.island_seconds is not None
+                            or self.overlap_global):
+            raise ValueError("islands, island_seconds and overlap_global apply to "
+                             "algorithms with islands (hierarchical_diloco)")
 
     def is_attacker(self, index: int) -> bool:
         return str(index) in {a.strip() for a in self.attackers.split(",") if a.strip()}
@@ -221,8 +179,9 @@ class RunConfig(BaseModel):
 
     @property
     def sync_every(self) -> int:
-        """Inner steps per outer round (1 for DDP)."""
-        return 1 if self.algorithm == "ddp" else self.inner_steps
+        """Inner steps per outer round (1 for algorithms that sync every step)."""
+        return 1 if algorithm_class(self.algorithm).capabilities.syncs_every_step \
+            else self.inner_steps
 
 
 def load_config(path: Path | None = None, overrides: dict[str, Any] | None = None) -> RunConfig:

@@ -6,6 +6,7 @@ from pathlib import Path
 from typing import Any
 
 from farlink.config import RunConfig, load_config
+from farlink.sync import capabilities
 from farlink.train.launcher import launch, result_evals
 
 
@@ -40,6 +41,7 @@ def run_variant(label: str, base: dict[str, Any], out: Path, reuse: bool = False
     else:
         codes = s["returncodes"]
     workers = list(s["per_worker"].values())
+    fragmented = capabilities(cfg.algorithm).fragments
     row = {
         "label": label,
         "algorithm": cfg.algorithm,
@@ -55,8 +57,8 @@ def run_variant(label: str, base: dict[str, Any], out: Path, reuse: bool = False
         "wall_s": max((w["wall_s"] for w in workers), default=0.0),
         "returncodes": codes,
         "tokens_per_step": cfg.batch_size * cfg.seq_len,
-        "fragments": cfg.fragments if cfg.algorithm == "streaming_diloco" else 1,
-        "overlap_steps": cfg.overlap_steps if cfg.algorithm == "streaming_diloco" else None,
+        "fragments": cfg.fragments if fragmented else 1,
+        "overlap_steps": cfg.overlap_steps if fragmented else None,
         "per_worker": s["per_worker"],
         "evals": result_evals(s["evals"], s.get("final_replicas", {}).get("holders")),
     }

@@ -124,13 +124,14 @@ def validate_planner(rows: list[dict], bandwidth_mbit: float, latency_ms: float,
     from farlink.model import preset_config
     from farlink.plan import predict_round
     from farlink.plan.validate import compare
+    from farlink.sync import capabilities
 
     n_params = preset_config("tiny").num_parameters()
     measured, predicted = [], []
     for r in rows:
-        every_step = r["algorithm"] in ("ddp", "demo")
-        steps_per_round = 1 if every_step else r["inner_steps"]
-        syncs = r.get("fragments", 1) if r["algorithm"] == "streaming_diloco" else 1
+        caps = capabilities(r["algorithm"])
+        steps_per_round = 1 if caps.syncs_every_step else r["inner_steps"]
+        syncs = r.get("fragments", 1) if caps.fragments else 1
         try:
             steady = steady_rounds(runs_dir / r["label"], steps_per_round, syncs)
         except ValueError as exc:
@@ -138,7 +139,8 @@ def validate_planner(rows: list[dict], bandwidth_mbit: float, latency_ms: float,
             predicted.append({"label": r["label"]})
             continue
         measured.append({"label": r["label"], **steady.to_dict()})
-        codec = {"demo": "dct_topk:64:32"}.get(r["algorithm"], r["codec"].removesuffix("+ef"))
+        codec = (f"{caps.wire_codec}:64:32" if caps.wire_codec  # the run's default chunk, k
+                 else r["codec"].removesuffix("+ef"))
         codec = "fp32" if codec == "none" else codec
         pred = predict_round(
             r["algorithm"], r["workers"], steady.step_seconds, bandwidth_mbit * 1e6,

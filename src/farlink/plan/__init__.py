@@ -1,13 +1,14 @@
 """Planner: predicted time, utilization, bytes and money for decentralized training runs too big
-to try on one machine. Pure Python + numpy; importing it does not import torch."""
+to try on one machine. Pure Python + numpy; importing it does not import torch (asking an algorithm's capabilities,
+which live with the algorithm, does)."""
 
 from farlink.plan.model import (
-    ALGORITHMS,
     PlanResult,
     RoundPrediction,
     Scenario,
     plan,
     plan_many,
+    planned_algorithms,
     predict_round,
     required_bandwidth,
     step_seconds,
@@ -17,7 +18,6 @@ from farlink.plan.sizes import parse_model_size
 from farlink.plan.tables import GPU, LinkProfile, PlanInputError, load_hardware, load_links
 
 __all__ = [
-    "ALGORITHMS",
     "GPU",
     "LinkProfile",
     "PlanInputError",
@@ -30,6 +30,7 @@ __all__ = [
     "parse_model_size",
     "plan",
     "plan_many",
+    "planned_algorithms",
     "predict_round",
     "required_bandwidth",
     "step_seconds",

@@ -64,17 +64,20 @@ def plan_command(
     """Predict round time, utilization, bytes per token, bandwidth need, wall-clock and cost."""
     from dataclasses import replace
 
-    from farlink.plan.model import ALGORITHMS, Scenario, plan
+    from farlink.plan.model import Scenario, plan, planned_algorithms
     from farlink.plan.sizes import parse_model_size
     from farlink.plan.tables import PlanInputError, load_hardware, load_links
+    from farlink.sync import capabilities
 
     try:
         hardware = load_hardware(hardware_file)
         links = load_links(links_file)
         n_params, model_label = parse_model_size(model)
         name = algorithm.strip().lower()
-        if name != "all" and name not in ALGORITHMS:
-            raise PlanInputError(f"unknown algorithm {algorithm!r}; choose from {ALGORITHM_CHOICES}")
+        algorithms = planned_algorithms()
+        if name != "all" and name not in algorithms:
+            raise PlanInputError(f"unknown algorithm {algorithm!r}; choose from "
+                                 f"{'|'.join(algorithms)}|all")
         if batch_tokens < 1 or batch_tokens != int(batch_tokens):
             raise PlanInputError(f"batch-tokens must be a positive whole number, got {batch_tokens:g}")
         scenario = Scenario(
@@ -86,9 +89,9 @@ def plan_command(
             failures_per_hour=failures_per_hour, rejoin_seconds=rejoin_seconds,
             exchange=exchange.strip().lower(),
         )
-        names = ALGORITHMS if name == "all" else (name,)
+        names = algorithms if name == "all" else (name,)
         if name == "all" and inner_steps < fragments:
-            names = tuple(a for a in names if a != "streaming_diloco")
+            names = tuple(a for a in names if not capabilities(a).fragments)
         results = [plan(replace(scenario, algorithm=a), hardware, links, target) for a in names]
     except PlanInputError as exc:
         _fail(str(exc))

@@ -55,8 +55,23 @@ from farlink.plan.payload import codec_cost
 from farlink.plan.tables import GPU, LinkProfile, PlanInputError, load_hardware, load_links, lookup
 from farlink.plan.variability import churn_factor, slowest_link_factor, straggler_factor
 
-ALGORITHMS = ("ddp", "local_sgd", "diloco", "streaming_diloco", "demo")
-SYNC_EVERY_STEP = ("ddp", "demo")
+def planned_algorithms() -> tuple[str, ...]:
+    """The algorithms whose rounds this model predicts (each says so in its capabilities)."""
+    from farlink.sync import ALGORITHMS, capabilities
+
+    return tuple(a for a in ALGORITHMS if capabilities(a).planned)
+
+
+def _capabilities(algorithm: str):  # noqa: ANN202 - farlink.sync.Capabilities, imported late
+    """An algorithm's capabilities (imported late: they live with the algorithm, which needs
+    torch; the tables and formulas here do not). PlanInputError for one the model lacks."""
+    from farlink.sync import capabilities
+
+    planned = planned_algorithms()
+    if algorithm not in planned:
+        raise PlanInputError(f"unknown algorithm {algorithm!r}; choose from {', '.join(planned)}")
+    return capabilities(algorithm)
+
 EXCHANGES = ("auto", "allreduce", "gather")
 DENSE_CODECS = ("fp32", "none")
 DEFAULT_OVERLAP_STEPS = 5  # Streaming DiLoCo overlaps a fragment's exchange with a few steps
@@ -125,8 +140,7 @@ def predict_round(
     all-reduced, anything else gathered), ``allreduce`` or ``gather``.
     """
     algorithm = algorithm.strip().lower()
-    if algorithm not in ALGORITHMS:
-        raise PlanInputError(f"unknown algorithm {algorithm!r}; choose from {', '.join(ALGORITHMS)}")
+    caps = _capabilities(algorithm)
     if backend not in BACKENDS:
         raise PlanInputError(f"unknown backend {backend!r}; choose from {', '.join(BACKENDS)}")
     if not isinstance(n_workers, int) or n_workers < 1:
@@ -142,8 +156,9 @@ def predict_round(
     if local_seconds < 0 or (coordinator_rtt_s is not None and coordinator_rtt_s < 0):
         raise PlanInputError("local_seconds and coordinator_rtt_s must be >= 0")
     cost = codec_cost(codec)
-    if algorithm == "demo" and cost.name != "dct_topk" and payload_bytes is None:
-        raise PlanInputError(f"demo sends DCT top-k coefficients; codec must be dct_topk[:CHUNK:K], got {codec!r}")
+    if caps.wire_codec and cost.name != caps.wire_codec and payload_bytes is None:
+        raise PlanInputError(f"{algorithm} sends with {caps.wire_codec}; codec must be "
+                             f"{caps.wire_codec}[:...], got {codec!r}")
     if payload_bytes is None:
         if n_params is None or n_params <= 0:
             raise PlanInputError("give n_params (with a codec) or a measured payload_bytes")
@@ -151,7 +166,7 @@ def predict_round(
     elif payload_bytes < 0:
         raise PlanInputError(f"payload_bytes must be >= 0, got {payload_bytes}")
 
-    steps = 1 if algorithm in SYNC_EVERY_STEP else inner_steps
+    steps = 1 if caps.syncs_every_step else inner_steps
     hop_latency = latency_s + jitter_s
     ratio = None if bandwidth_min_bps is None else bandwidth_min_bps / bandwidth_bps
     link = slowest_link_factor(n_workers, ratio, seed)
@@ -160,7 +175,7 @@ def predict_round(
     compute = steps * step_seconds
     compute_wall = compute * sf
     gathered = exchange == "gather" or (
-        exchange == "auto" and (algorithm == "demo" or cost.name not in DENSE_CODECS))
+        exchange == "auto" and (caps.wire_codec is not None or cost.name not in DENSE_CODECS))
     quorum = 0.0
     if backend == "torchft" and n_workers > 1:
         quorum = hop_latency if coordinator_rtt_s is None else coordinator_rtt_s
@@ -171,9 +186,9 @@ def predict_round(
         c = move(backend, size, n_workers, bandwidth, hop_latency)
         return quorum + c.seconds + local_seconds, c.bytes_sent
 
-    if algorithm == "streaming_diloco":
+    if caps.fragments:
         if fragments > steps:
-            raise PlanInputError(f"streaming_diloco needs fragments <= inner_steps ({fragments} > {steps})")
+            raise PlanInputError(f"{algorithm} needs fragments <= inner_steps ({fragments} > {steps})")
         tau = min(DEFAULT_OVERLAP_STEPS, steps // fragments) if overlap_steps is None else overlap_steps
         if tau < 0:
             raise PlanInputError(f"overlap_steps must be >= 0, got {tau}")
@@ -350,7 +365,7 @@ def plan(
     link = lookup(links, scenario.profile, "link profile")
     gpus = scenario.gpus_per_worker or gpu.default_per_worker
     algorithm = scenario.algorithm.strip().lower()
-    codec = scenario.demo_codec if algorithm == "demo" else scenario.codec
+    codec = scenario.demo_codec if _capabilities(algorithm).wire_codec else scenario.codec
     step = step_seconds(scenario.n_params, scenario.batch_tokens, gpu, scenario.mfu, gpus)
     inputs = {
         "algorithm": algorithm,
@@ -410,7 +425,7 @@ def plan(
     )
 
 
-def plan_many(scenario: Scenario, algorithms: tuple[str, ...] = ALGORITHMS,
+def plan_many(scenario: Scenario, algorithms: tuple[str, ...] | None = None,
               hardware: dict[str, GPU] | None = None,
               links: dict[str, LinkProfile] | None = None,
               target: float = TARGET_UTILIZATION) -> list[PlanResult]:
@@ -419,4 +434,5 @@ def plan_many(scenario: Scenario, algorithms: tuple[str, ...] = ALGORITHMS,
 
     hardware = load_hardware() if hardware is None else hardware
     links = load_links() if links is None else links
+    algorithms = planned_algorithms() if algorithms is None else algorithms
     return [plan(replace(scenario, algorithm=a), hardware, links, target) for a in algorithms]

@@ -1,5 +1,15 @@
 """The outer-algorithm interface: what happens to the parameters after each backward pass.
 
+An algorithm owns three kinds of facts, all in its own file:
+
+* its **options**: a small pydantic model (``Options``) of the knobs it reads; ``RunConfig``
+  inherits every algorithm's options, so the flat CLI flags and TOML keys are these fields;
+* its **optimizers**: the inner one is injected (the user's own, any ``torch.optim.Optimizer``)
+  or built by :meth:`SyncAlgorithm.default_inner_optimizer`; the outer one is injected as a
+  factory of the global parameters;
+* its **capabilities** (:class:`Capabilities`): what the config, the planner, the benchmarks and
+  the worker ask for instead of lists of algorithm names.
+
 An algorithm owns the optimizers (inner and outer) because that is where the families differ:
 DDP averages gradients before every AdamW step, DiLoCo runs AdamW alone for H steps and then takes
 an outer Nesterov step on the averaged pseudo-gradient, DeMo replaces AdamW by a sign step on
@@ -19,20 +29,50 @@ import math
 import time
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, ClassVar
+from collections.abc import Callable
+from typing import ClassVar
 
 import torch
+from pydantic import BaseModel, ConfigDict, Field
 from torch import nn
 
 from farlink.comm.base import Collective, RoundInfo
 from farlink.sync.exchange import Exchange, ExchangeResult
 
-if TYPE_CHECKING:
-    from farlink.config import RunConfig
-
 log = logging.getLogger(__name__)
 
 TensorState = dict[str, torch.Tensor]
+OuterOptimizerFactory = Callable[[list[torch.Tensor]], torch.optim.Optimizer]
+
+
+class SyncOptions(BaseModel):
+    """The knobs every algorithm reads: the inner schedule and the round's retries."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+    inner_steps: int = Field(50, ge=1, description="H: inner steps between outer syncs")
+    steps: int | None = Field(None, ge=1, description="inner steps per worker (the token budget)")
+    lr: float = Field(3e-3, gt=0, description="inner (AdamW) learning rate")
+    warmup_steps: int = Field(30, ge=0, description="linear warmup of the inner lr")
+    weight_decay: float = Field(0.1, ge=0)
+    grad_clip: float = Field(1.0, ge=0, description="max grad norm, 0 disables")
+    round_retries: int = Field(2, ge=0, description="retries of a failed round before moving on")
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    """What an algorithm can do. Config validation, the planner, the benchmarks and the worker
+    ask these instead of keeping lists of algorithm names (which drift apart)."""
+
+    syncs_every_step: bool = False  # a round after every inner step (H is only the checkpoint
+    #                                 and evaluation cadence)
+    time_budget: bool = False  # rounds may last --round-seconds instead of H steps
+    islands: bool = False  # two tiers of collectives (island + global) the launcher plans
+    fragments: bool = False  # the model syncs in --fragments parts, one round each
+    backends: tuple[str, ...] = ("torchft", "hivemind", "inprocess")
+    planned: bool = True  # the planner (farlink plan) models its rounds
+    inner_optimizer: bool = True  # it steps an inner optimizer (DeMo replaces it)
+    wire_codec: str | None = None  # the codec family it must send with (DeMo: dct_topk)
 
 
 @dataclass
@@ -124,18 +164,61 @@ def state_digest(state: TensorState, include_schedule: bool = False) -> bytes:
     return digest.digest()
 
 
+def nesterov(lr: float, momentum: float) -> OuterOptimizerFactory:
+    """The default outer optimizer: SGD with Nesterov momentum (DiLoCo: lr 0.7, momentum 0.9)."""
+
+    def make(params: list[torch.Tensor]) -> torch.optim.Optimizer:
+        return torch.optim.SGD(params, lr=lr, momentum=momentum, nesterov=momentum > 0)
+
+    return make
+
+
 class SyncAlgorithm(ABC):
+    """One outer algorithm. ``options`` is the algorithm's ``Options`` (a ``RunConfig`` is one);
+    ``inner_optimizer`` is the caller's optimizer over the model's parameters, or None for
+    :meth:`default_inner_optimizer`. ``lr_schedule`` sets the inner lr every step (warmup +
+    cosine over ``options.steps``); by default only for an optimizer farlink built, so a user's
+    optimizer keeps the lr (and scheduler) the user gave it."""
+
     name: ClassVar[str]
+    Options: ClassVar[type[SyncOptions]] = SyncOptions
+    capabilities: ClassVar[Capabilities] = Capabilities()
 
     def __init__(
-        self, model: nn.Module, cfg: RunConfig, collective: Collective, exchange: Exchange
+        self,
+        model: nn.Module,
+        options: SyncOptions,
+        collective: Collective,
+        exchange: Exchange,
+        *,
+        inner_optimizer: torch.optim.Optimizer | None = None,
+        outer_optimizer: OuterOptimizerFactory | None = None,
+        lr_schedule: bool | None = None,
     ) -> None:
+        if not isinstance(options, self.Options):
+            raise TypeError(f"{self.name} takes {self.Options.__name__} (or a RunConfig), "
+                            f"not {type(options).__name__}")
         self.model = model
-        self.cfg = cfg
+        self.cfg = options
         self.collective = collective
         self.exchange = exchange
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.names = [n for n, p in model.named_parameters() if p.requires_grad]
+        self.lr_schedule = inner_optimizer is None if lr_schedule is None else lr_schedule
+        if self.lr_schedule and options.steps is None:
+            raise ValueError("the inner lr schedule (warmup + cosine) needs steps, the run's "
+                             "length in inner steps; give steps=N or lr_schedule=False")
+        self.inner_opt: torch.optim.Optimizer | None = None
+        if not self.capabilities.inner_optimizer:
+            if inner_optimizer is not None:
+                log.warning("%s steps with its own update rule; the inner optimizer given is "
+                            "not used", self.name)
+        elif inner_optimizer is not None:
+            self._check_covers(inner_optimizer)
+            self.inner_opt = inner_optimizer
+        else:
+            self.inner_opt = self.default_inner_optimizer(self.params, options)
+        self.outer_factory = outer_optimizer
         self.inner_steps_done = 0
         self.outer_step = 0
         self.last_round: RoundInfo | None = None
@@ -148,6 +231,26 @@ class SyncAlgorithm(ABC):
         self.round_seconds = 0.0
         collective.register_state(self.export_state, self.import_state)
 
+    @classmethod
+    def default_inner_optimizer(cls, params: list[nn.Parameter],
+                                options: SyncOptions) -> torch.optim.Optimizer:
+        """AdamW(betas=(0.9, 0.95)), the inner optimizer of DiLoCo's paper and nanoGPT."""
+        return torch.optim.AdamW(params, lr=options.lr, betas=(0.9, 0.95),
+                                 weight_decay=options.weight_decay)
+
+    def _check_covers(self, optimizer: torch.optim.Optimizer) -> None:
+        """An inner optimizer must step exactly the trainable parameters, or outer steps and
+        checkpoints would silently leave some out."""
+        held = {id(p) for group in optimizer.param_groups for p in group["params"]}
+        if held != {id(p) for p in self.params}:
+            raise ValueError("the inner optimizer must hold exactly the model's trainable "
+                             "parameters (build it from model.parameters())")
+
+    @classmethod
+    def check_run(cls, cfg) -> None:  # noqa: ANN001 - a RunConfig (imports it would cycle)
+        """Raise ValueError if a run's configuration cannot run this algorithm (its own rules;
+        the generic ones come from :attr:`capabilities`)."""
+
     # --- the training loop's view -------------------------------------------------------------
     @abstractmethod
     def step(self, tokens: int) -> StepOutcome:
@@ -158,7 +261,8 @@ class SyncAlgorithm(ABC):
         return self.inner_steps_done % self.cfg.inner_steps == 0
 
     def finished(self) -> bool:
-        return self.inner_steps_done >= self.cfg.steps
+        """Whether the run's budget (``steps``) is spent; never, without one."""
+        return self.cfg.steps is not None and self.inner_steps_done >= self.cfg.steps
 
     def join(self) -> StepOutcome | None:
         """A newcomer's first round, before any inner step: heal from live peers now rather
@@ -237,13 +341,21 @@ class SyncAlgorithm(ABC):
         self.inner_steps_done = int(state["counter.inner_steps"])
 
     def current_lr(self) -> float:
+        """The inner lr of the next step: scheduled, or what the inner optimizer holds."""
+        if not self.lr_schedule:
+            return float(self.inner_opt.param_groups[0]["lr"])
         cfg = self.cfg
         return lr_at(self.inner_steps_done, cfg.lr, cfg.warmup_steps, cfg.steps)
 
+    def traffic(self) -> dict[str, int]:
+        """Bytes by level, for algorithms that tell levels apart (hierarchical); else none."""
+        return {}
+
     def clip_and_step(self, optimizer: torch.optim.Optimizer) -> None:
-        lr = self.current_lr()
-        for group in optimizer.param_groups:
-            group["lr"] = lr
+        if self.lr_schedule:
+            lr = self.current_lr()
+            for group in optimizer.param_groups:
+                group["lr"] = lr
         if self.cfg.grad_clip > 0:
             nn.utils.clip_grad_norm_(self.params, self.cfg.grad_clip)
         optimizer.step()

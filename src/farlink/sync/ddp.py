@@ -3,6 +3,10 @@
 This is what a single cluster does, and the yardstick for loss at equal tokens and for bytes sent.
 A failed round skips the optimizer step on every replica alike (the batch is dropped, not half
 applied), so replicas never diverge.
+
+Knobs: only the shared ones (:class:`~farlink.sync.base.SyncOptions`); ``inner_steps`` is just the
+checkpoint and evaluation cadence. The optimizer is the caller's (default AdamW, betas 0.9/0.95),
+stepped on the averaged gradients. Capabilities: a round after every step, any backend.
 """
 
 from __future__ import annotations
@@ -11,6 +15,7 @@ import torch
 
 from farlink.comm.base import RoundInfo
 from farlink.sync.base import (
+    Capabilities,
     StepOutcome,
     SyncAlgorithm,
     TensorState,
@@ -22,13 +27,7 @@ from farlink.sync.exchange import ExchangeResult
 
 class DDP(SyncAlgorithm):
     name = "ddp"
-
-    def __init__(self, *args, **kwargs) -> None:
-        super().__init__(*args, **kwargs)
-        cfg = self.cfg
-        self.optimizer = torch.optim.AdamW(
-            self.params, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay
-        )
+    capabilities = Capabilities(syncs_every_step=True)
 
     def step(self, tokens: int) -> StepOutcome:
         committed, seconds, info = self.run_round(self._gradients, self._apply, float(tokens))
@@ -43,18 +42,18 @@ class DDP(SyncAlgorithm):
 
     def _apply(self, result: ExchangeResult, info: RoundInfo) -> None:
         if result.total_weight <= 0:
-            self.optimizer.zero_grad(set_to_none=True)
+            self.inner_opt.zero_grad(set_to_none=True)
             return
         for n, p in zip(self.names, self.params):
             p.grad = result.tensors[n].to(p.dtype)
-        self.clip_and_step(self.optimizer)
+        self.clip_and_step(self.inner_opt)
 
     def shared_state(self) -> TensorState:
-        return {**self.replica_state(), **optimizer_state(self.optimizer, "inner")}
+        return {**self.replica_state(), **optimizer_state(self.inner_opt, "inner")}
 
     def load_shared_state(self, state: TensorState) -> None:
         self.load_replica_state(state)
-        load_optimizer_state(self.optimizer, state, "inner")
+        load_optimizer_state(self.inner_opt, state, "inner")
 
     def state_dict(self) -> TensorState:
         return {**self.shared_state(), **self.exchange.compressor.state_dict()}

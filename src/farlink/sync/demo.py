@@ -6,20 +6,42 @@ codec), subtracts what it extracted from m (error feedback: the rest keeps accum
 all-gathers only those sparse coefficients. The average of everyone's extracted components drives
 a sign-SGD step with decoupled weight decay, so replicas stay identical while sending a small
 fraction of what gradient all-reduce sends.
+
+Knobs (:class:`DeMoOptions`): ``demo_beta``, ``demo_chunk``, ``demo_topk`` and ``demo_lr`` (the
+sign step's lr, warmed up and decayed like the inner lr). Capabilities: a round after every step;
+no inner optimizer (the sign step replaces it); the wire carries DCT top-k coefficients.
 """
 
 from __future__ import annotations
 
 import torch
+from pydantic import Field
 
 from farlink.codecs import make_compressor
 from farlink.comm.base import RoundInfo
-from farlink.sync.base import StepOutcome, SyncAlgorithm, TensorState
+from farlink.sync.base import (
+    Capabilities,
+    StepOutcome,
+    SyncAlgorithm,
+    SyncOptions,
+    TensorState,
+    lr_at,
+)
 from farlink.sync.exchange import ExchangeResult
+
+
+class DeMoOptions(SyncOptions):
+    demo_beta: float = Field(0.999, ge=0, lt=1, description="DeMo momentum decay")
+    demo_chunk: int = Field(64, ge=2, description="DeMo DCT chunk size")
+    demo_topk: int = Field(32, ge=1, description="DeMo coefficients kept per chunk")
+    demo_lr: float = Field(1e-3, gt=0, description="DeMo sign-step learning rate")
 
 
 class DeMo(SyncAlgorithm):
     name = "demo"
+    Options = DeMoOptions
+    capabilities = Capabilities(syncs_every_step=True, inner_optimizer=False,
+                                wire_codec="dct_topk")
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
@@ -32,9 +54,9 @@ class DeMo(SyncAlgorithm):
         self._extracted: dict[str, torch.Tensor] = {}
 
     def current_lr(self) -> float:
-        from farlink.sync.base import lr_at
-
         cfg = self.cfg
+        if not self.lr_schedule:
+            return cfg.demo_lr
         return lr_at(self.inner_steps_done, cfg.demo_lr, cfg.warmup_steps, cfg.steps)
 
     def step(self, tokens: int) -> StepOutcome:

@@ -8,6 +8,13 @@ plain averaging (outer lr 1, no momentum).
 
 A failed round (a peer died mid-exchange) leaves θ untouched; local training continues and the
 next round's Δ simply spans more steps, so no committed work is lost and none is applied twice.
+
+Knobs (:class:`DiLoCoOptions`): ``inner_steps`` (H), ``outer_lr``/``outer_momentum`` of the default
+outer optimizer (any other is injected as a factory of the global parameters), and
+``round_seconds``: time-budgeted rounds for devices of different speeds, where every worker runs
+as many inner steps as fit and ends at the step boundary nearest the deadline. The inner
+optimizer is the caller's (default AdamW, betas 0.9/0.95). Capabilities: time budgets, any
+backend.
 """
 
 from __future__ import annotations
@@ -15,46 +22,56 @@ from __future__ import annotations
 import time
 
 import torch
+from pydantic import Field
 
 from farlink.comm.base import RoundInfo
 from farlink.sync.base import (
+    Capabilities,
+    OuterOptimizerFactory,
     StepOutcome,
+    SyncOptions,
     SyncAlgorithm,
     TensorState,
     load_optimizer_state,
     load_worker_private_state,
+    lr_at,
     nearest_step_boundary,
+    nesterov,
     optimizer_state,
     worker_private_state,
 )
 from farlink.sync.exchange import ExchangeResult
 
 
+class DiLoCoOptions(SyncOptions):
+    outer_lr: float = Field(0.7, gt=0, description="outer Nesterov SGD learning rate")
+    outer_momentum: float = Field(0.9, ge=0, lt=1)
+    round_seconds: float | None = Field(
+        None, gt=0, description="time-budgeted DiLoCo: each round lasts this long and every "
+        "worker runs as many inner steps as fit (rounds = steps / inner_steps)")
+
+
 class DiLoCo(SyncAlgorithm):
     name = "diloco"
-    outer_lr_override: float | None = None
-    outer_momentum_override: float | None = None
+    Options = DiLoCoOptions
+    capabilities = Capabilities(time_budget=True)
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         cfg = self.cfg
-        self.inner_opt = torch.optim.AdamW(
-            self.params, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay
-        )
+        if self.timed and cfg.steps is None:
+            raise ValueError("round_seconds (time-budgeted rounds) needs steps: the run lasts "
+                             "steps / inner_steps rounds")
         self.global_params = [p.detach().clone() for p in self.params]
-        lr = self.outer_lr_override if self.outer_lr_override is not None else cfg.outer_lr
-        momentum = (
-            self.outer_momentum_override
-            if self.outer_momentum_override is not None
-            else cfg.outer_momentum
-        )
-        self.outer_opt = torch.optim.SGD(
-            self.global_params, lr=lr, momentum=momentum, nesterov=momentum > 0
-        )
+        self.outer_opt = (self.outer_factory or self.default_outer_optimizer())(self.global_params)
         self.tokens_since_sync = 0
         self.round_started = time.monotonic()
         self.steps_in_round = 0
-        self.total_rounds = max(1, cfg.steps // cfg.inner_steps)
+        self.total_rounds = max(1, (cfg.steps or 0) // cfg.inner_steps)
+
+    def default_outer_optimizer(self) -> OuterOptimizerFactory:
+        """Nesterov SGD with the options' lr and momentum (DiLoCo: 0.7, 0.9)."""
+        return nesterov(self.cfg.outer_lr, self.cfg.outer_momentum)
 
     # --- time-budgeted rounds (heterogeneous devices) -------------------------------------------
     @property
@@ -75,10 +92,8 @@ class DiLoCo(SyncAlgorithm):
         return self.outer_step >= self.total_rounds if self.timed else super().finished()
 
     def current_lr(self) -> float:
-        if not self.timed:
+        if not self.timed or not self.lr_schedule:
             return super().current_lr()
-        from farlink.sync.base import lr_at
-
         virtual_step = int(self.outer_step / self.total_rounds * self.cfg.steps)
         return lr_at(virtual_step, self.cfg.lr, self.cfg.warmup_steps, self.cfg.steps)
 
@@ -167,5 +182,6 @@ class LocalSGD(DiLoCo):
     """Parameter averaging every H steps: DiLoCo with outer lr 1 and no momentum."""
 
     name = "local_sgd"
-    outer_lr_override = 1.0
-    outer_momentum_override = 0.0
+
+    def default_outer_optimizer(self) -> OuterOptimizerFactory:
+        return nesterov(1.0, 0.0)  # plain SGD with lr 1: theta <- theta - mean(delta)

@@ -50,9 +50,11 @@ import time
 from dataclasses import dataclass, field
 
 import torch
+from pydantic import Field
 
 from farlink.comm.base import RoundInfo
 from farlink.sync.base import (
+    Capabilities,
     StateTransferError,
     StepOutcome,
     SyncAlgorithm,
@@ -65,6 +67,7 @@ from farlink.sync.base import (
     state_digest,
     worker_private_state,
 )
+from farlink.sync.diloco import DiLoCoOptions
 from farlink.sync.exchange import Exchange, ExchangeResult
 
 _HEADER = 4  # present, committed, outer_step, global world size
@@ -97,11 +100,54 @@ class _Staged:
     handoffs: list[dict] = field(default_factory=list)
 
 
+class HierarchicalOptions(DiLoCoOptions):
+    islands: str = Field(
+        "", description="hierarchical_diloco: force the islands, e.g. '0,1|2,3' (default: "
+        "formed from the links the launcher measures between the workers)")
+    island_steps: int = Field(
+        10, ge=1, description="hierarchical_diloco: inner steps between island averaging rounds")
+    island_seconds: float | None = Field(
+        None, gt=0, description="hierarchical_diloco with --round-seconds: time budget of an "
+        "island round (default: the global round's, i.e. one island round per global round)")
+    overlap_global: bool = Field(
+        False, description="hierarchical_diloco: run each global round in the background while "
+        "islands keep training; its result is applied one island round later (replicas add "
+        "their island's progress since onto it); the last round stays synchronous")
+
+
 class HierarchicalDiLoCo(SyncAlgorithm):
     name = "hierarchical_diloco"
+    Options = HierarchicalOptions
+    capabilities = Capabilities(time_budget=True, islands=True, backends=("torchft",),
+                                planned=False)
+
+    @classmethod
+    def check_run(cls, cfg) -> None:  # noqa: ANN001 - a RunConfig
+        if cfg.auth != "none":
+            raise ValueError("hierarchical_diloco does not take --auth yet: its island "
+                             "Lighthouses have no membership gate and the leader's hand-off "
+                             "is a plain all-reduce that trusts island members")
+        if cfg.lighthouse is not None:
+            raise ValueError("hierarchical_diloco starts its own Lighthouses (global and one per "
+                             "island); drop --lighthouse")
+        if cfg.round_seconds is None:
+            if cfg.island_seconds is not None:
+                raise ValueError("island_seconds needs round_seconds (time-budgeted rounds)")
+            if cfg.inner_steps % cfg.island_steps:
+                raise ValueError(f"inner_steps={cfg.inner_steps} (the global period) must be "
+                                 f"a multiple of island_steps={cfg.island_steps}")
+        elif cfg.island_seconds is not None and cfg.island_seconds > cfg.round_seconds:
+            raise ValueError(f"island_seconds={cfg.island_seconds} exceeds the global round's "
+                             f"round_seconds={cfg.round_seconds}")
 
     def __init__(self, *args, global_exchange: Exchange | None = None, **kwargs) -> None:
         super().__init__(*args, **kwargs)
+        if self.outer_factory is not None:
+            raise ValueError("hierarchical_diloco hands off Nesterov SGD's momentum between "
+                             "island members; it takes no other outer optimizer")
+        if self.cfg.steps is None:
+            raise ValueError("hierarchical_diloco needs steps (its last global round is "
+                             "synchronous, so the run's end must be known)")
         if not self.collective.exact_all_reduce:
             raise ValueError("hierarchical_diloco needs an island collective whose all-reduce is "
                              "bitwise exact (the hand-off relies on it), e.g. torchft")
@@ -111,8 +157,6 @@ class HierarchicalDiLoCo(SyncAlgorithm):
         if global_exchange is not None:
             global_exchange.collective.register_state(self._export_global, self._import_global)
         self.overlap = cfg.overlap_global
-        self.inner_opt = torch.optim.AdamW(
-            self.params, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
         self.global_params = [p.detach().clone() for p in self.params]
         self.outer_opt = torch.optim.SGD(self.global_params, lr=cfg.outer_lr,
                                          momentum=cfg.outer_momentum,
@@ -175,7 +219,7 @@ class HierarchicalDiLoCo(SyncAlgorithm):
         return self.outer_step >= self.total_rounds if self.timed else super().finished()
 
     def current_lr(self) -> float:
-        if not self.timed:
+        if not self.timed or not self.lr_schedule:
             return super().current_lr()
         progress = (self.outer_step + self.island_round / self.per_global) / self.total_rounds
         return lr_at(int(progress * self.cfg.steps), self.cfg.lr, self.cfg.warmup_steps,

@@ -9,6 +9,9 @@ averaged pseudo-gradient is applied by the outer Nesterov step to the fragment's
 mixed into the local fragment: ``local = α * local + (1 - α) * global`` (α = ``mix_alpha``).
 Peak bandwidth drops by about P (one fragment in flight instead of the whole model), and the
 exposed communication is only what exceeds τ steps of compute.
+
+Knobs (:class:`StreamingOptions`): DiLoCo's, plus ``fragments`` (P), ``overlap_steps`` (τ) and
+``mix_alpha`` (α). Capabilities: fragmented rounds, any backend.
 """
 
 from __future__ import annotations
@@ -19,10 +22,11 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
+from pydantic import Field
 
 from farlink.comm.base import RoundInfo
-from farlink.sync.base import StepOutcome, TensorState
-from farlink.sync.diloco import DiLoCo
+from farlink.sync.base import Capabilities, StepOutcome, TensorState
+from farlink.sync.diloco import DiLoCo, DiLoCoOptions
 from farlink.sync.exchange import ExchangeResult
 
 
@@ -57,8 +61,16 @@ class _InFlight:
     apply_at: int
 
 
+class StreamingOptions(DiLoCoOptions):
+    fragments: int = Field(4, ge=1, description="Streaming DiLoCo: number of fragments P")
+    overlap_steps: int = Field(5, ge=0, description="Streaming DiLoCo: tau, steps of overlap")
+    mix_alpha: float = Field(0.5, ge=0, le=1, description="Streaming DiLoCo: local/global mix")
+
+
 class StreamingDiLoCo(DiLoCo):
     name = "streaming_diloco"
+    Options = StreamingOptions
+    capabilities = Capabilities(fragments=True)
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)

@@ -30,8 +30,15 @@ PROBE_PINGS = 4
 PROBE_BULK_BYTES = 4 << 20
 
 
+def has_islands(algorithm: str) -> bool:
+    """Whether ``algorithm`` runs on two tiers of collectives (islands, then leaders)."""
+    from farlink.sync import capabilities
+
+    return capabilities(algorithm).islands
+
+
 def needs_network(cfg: RunConfig) -> bool:
-    return bool(cfg.topology) or cfg.algorithm == "hierarchical_diloco"
+    return bool(cfg.topology) or has_islands(cfg.algorithm)
 
 
 @dataclass
@@ -101,7 +108,7 @@ def plan_network(cfg: RunConfig, reference_bytes: int) -> NetworkPlan | None:
     plan = NetworkPlan(cfg.workers, [], "topology", topology, cfg.intra_link, cfg.inter_link)
     if cfg.islands:
         plan.islands, plan.source = parse_islands(cfg.islands, cfg.workers), "forced"
-    elif cfg.algorithm == "hierarchical_diloco":
+    elif has_islands(cfg.algorithm):
         start = time.perf_counter()
         matrix = measure(cfg.workers, topology, cfg.intra_link, cfg.inter_link)
         formed = form_islands(matrix.bandwidth_mbit, matrix.rtt_ms, reference_bytes,
@@ -138,7 +145,7 @@ def crossing_bytes(plan: NetworkPlan, algorithm: str, per_worker: dict[str, dict
     two islands). Flat: a ring all-reduce in rank order (worker index order) sends each worker's
     bytes to its successor, so the bytes of workers whose successor sits in another island.
     """
-    if algorithm == "hierarchical_diloco":
+    if has_islands(algorithm):
         return sum(int(w.get("inter_bytes", 0)) for w in per_worker.values())
     n = plan.workers
     return sum(int(per_worker.get(f"w{i}", {}).get("bytes_sent", 0)) for i in range(n)
@@ -165,7 +172,7 @@ def prepare_network(cfg: RunConfig, vocab_size: int, namespaced: bool = False):
         plan = plan_network(cfg, reference_bytes=4 * params)
         assert plan is not None
     lighthouses: list[Lighthouse] = []
-    if cfg.algorithm == "hierarchical_diloco":
+    if has_islands(cfg.algorithm):
         try:
             for k in range(len(plan.islands)):
                 lighthouses.append(Lighthouse(

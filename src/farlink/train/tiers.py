@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 from farlink.comm.base import Collective
 from farlink.config import RunConfig
-from farlink.train.network import NetworkPlan, emulated_link
+from farlink.train.network import NetworkPlan, emulated_link, has_islands
 
 
 @dataclass
@@ -44,12 +44,12 @@ def build_tiers(cfg: RunConfig, index: int, lighthouse: str,
     """The collectives of worker ``index``; None when the run has no network plan."""
     plan = NetworkPlan.load(cfg.run_dir)
     if plan is None:
-        if cfg.algorithm == "hierarchical_diloco":
-            raise SystemExit(f"{cfg.run_dir}/network.json is missing: hierarchical_diloco runs "
+        if has_islands(cfg.algorithm):
+            raise SystemExit(f"{cfg.run_dir}/network.json is missing: {cfg.algorithm} runs "
                              "are started by the launcher (farlink train), which forms the islands")
         return None
     replica = f"w{index}"
-    if cfg.algorithm != "hierarchical_diloco":
+    if not has_islands(cfg.algorithm):
         flat = build_collective(cfg, replica, lighthouse)
         flat.emulated_link = emulated_link(plan.collective_link(list(range(cfg.workers))))
         return Tiers(flat, None, plan)
