@@ -11,7 +11,7 @@ from rich.console import Console
 
 from farlink.robust.attacks import make_attack
 from farlink.robust.ledger import ContributionLedger
-from farlink.robust.validate import screen_updates
+from farlink.robust.validate import UpdateRejected, check_update, screen_norms
 
 torch.set_num_threads(1)
 
@@ -57,11 +57,21 @@ def test_ledger_counts_tokens_and_reasons(tmp_path):
         updates = {f"p{i}": torch.randn(20, generator=gen) for i in range(4)}
         updates["bad"] = make_attack("nan" if round_id < 2 else "scale:1000")(
             {"x": updates["p0"]}, round_id)["x"]
-        accepted, rejected = screen_updates(updates)
-        ledger.record_screen(round_id, accepted, rejected, {p: 100.0 for p in updates})
+        sane = {}
+        for peer, update in updates.items():  # the exchange's two checks, in its order
+            try:
+                check_update("x", update, (20,))
+                sane[peer] = {"x": update}
+            except UpdateRejected as exc:
+                ledger.record_rejected(peer, round_id, 100.0, exc.reason)
+        for peer, reason in screen_norms(sane, 10.0).items():
+            del sane[peer]
+            ledger.record_rejected(peer, round_id, 100.0, UpdateRejected(reason, "norm").reason)
+        for peer in sane:
+            ledger.record_accepted(peer, round_id, 100.0)
     bad, good = ledger.get("bad"), ledger.get("p1")
     assert (bad.updates_rejected, bad.updates_accepted, bad.tokens_accepted) == (3, 0, 0.0)
-    assert bad.rejections == {"nonfinite": 2, "relative_norm": 1} and bad.tokens_claimed == 300
+    assert bad.rejections == {"nonfinite": 2, "norm": 1} and bad.tokens_claimed == 300
     assert (good.updates_accepted, good.tokens_accepted, good.rounds) == (3, 300.0, 3)
     assert (good.first_round, good.last_round, good.acceptance) == (0, 2, 1.0)
 
@@ -75,7 +85,7 @@ def test_ledger_counts_tokens_and_reasons(tmp_path):
     console = Console(record=True, width=140)
     console.print(ledger.summary())
     text = console.export_text()
-    assert "nonfinite x2" in text and "relative_norm x1" in text and "p3" in text
+    assert "nonfinite x2" in text and "norm x1" in text and "p3" in text
 
 
 def test_ledger_rejects_bad_files_and_values(tmp_path):

@@ -23,7 +23,6 @@ app.add_typer(bench_app, name="bench")
 
 COMMAND_MODULES = [
     "farlink.train.command",
-    "farlink.comm.command",
     "farlink.plan.command",
     "farlink.bench.command",
     "farlink.emulate.command",
@@ -34,13 +33,7 @@ COMMAND_MODULES = [
 
 def _register_all() -> None:
     for module_name in COMMAND_MODULES:
-        try:
-            module = importlib.import_module(module_name)
-        except ModuleNotFoundError as exc:
-            if exc.name and module_name.startswith(exc.name):
-                continue  # subsystem not present in this build
-            raise
-        module.register(app, bench_app)
+        importlib.import_module(module_name).register(app, bench_app)
 
 
 _register_all()

@@ -65,6 +65,9 @@ class Collective(ABC):
     #: (hivemind's butterfly hands out averages as deltas), exchanges use the gathered path so
     #: replicas stay bit-identical
     exact_all_reduce: bool = True
+    #: how long ``begin_round`` waits for a quorum (s); a newcomer raises it while it waits for
+    #: the members' next round, however long their rounds are
+    quorum_timeout: float = 120.0
 
     def __init__(self) -> None:
         self.stats = CommStats()
@@ -99,6 +102,11 @@ class Collective(ABC):
     @abstractmethod
     def close(self) -> None:
         """Leave the group and release sockets and threads."""
+
+    @abstractmethod
+    def load_committed_step(self, step: int) -> None:
+        """On resume from a checkpoint: the rounds this worker has committed, so the group
+        neither heals it (it is up to date) nor heals others from a stale count."""
 
     def register_state(self, get_state, set_state) -> None:  # noqa: ANN001 - callables
         """State a lagging or new peer receives from a live one (params, outer optimizer)."""

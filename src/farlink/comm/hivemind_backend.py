@@ -12,8 +12,8 @@ shares the p2p daemon of a ``hivemind.DHT`` (which runs in its own process). Per
   adopts it through ``set_state`` before the round goes on (``RoundInfo.healed``).
 * ``all_reduce_sum`` runs hivemind's butterfly :class:`AllReduceRunner` with shards proportional to
   the announced bandwidths (client-mode peers reduce nothing) and turns its average into a sum.
-* ``all_gather_bytes`` pushes the (signed, if an authenticator is set) payload to every member that
-  accepts connections; client-mode members fetch the full list from one of them.
+* ``all_gather_bytes`` pushes the payload (signed by the exchange above, which verifies what
+  arrives) to every member that accepts connections; client-mode members fetch the full list from one of them.
 * ``commit`` is an all-gather of one-byte votes. A member that failed anything (timeout, dead
   peer, bad state hash) votes no, and a member that is gone does not vote, so **a peer failing
   mid-round makes the round's ``commit()`` return False for the survivors**; their next
@@ -79,7 +79,7 @@ from farlink.comm.hivemind_wire import (
     send_message,
     unpack_state,
 )
-from farlink.robust.auth import Authenticator, AuthError
+from farlink.robust.auth import Authenticator
 
 log = logging.getLogger(__name__)
 
@@ -205,7 +205,6 @@ class HivemindCollective(Collective):
         state_timeout: float = 60.0,
         state_chunk_bytes: int = STATE_CHUNK_BYTES,
         bandwidth: float = 1.0,
-        authenticator: Authenticator | None = None,
         admission: Authenticator | None = None,
         identity_path: str | None = None,
         public: bool = False,
@@ -229,7 +228,6 @@ class HivemindCollective(Collective):
             raise ValueError("state_chunk_bytes must be >= 1")
         self.state_chunk_bytes = state_chunk_bytes
         self.last_state_sources: dict[str, int] = {}  # peer -> state bytes it served us
-        self.authenticator = authenticator
         self.admission_auth = admission
         self.admission: Admission | None = None
         self.round_id = 0  # rounds this worker has committed (or adopted by healing)
@@ -605,9 +603,8 @@ class HivemindCollective(Collective):
         if group.size == 1:
             return [payload]
         start = time.perf_counter()
-        wire = self.authenticator.sign(payload) if self.authenticator else payload
         got, sent = self._call(
-            self._exchange(group, key, wire, self.gather_timeout), timeout=self.gather_timeout + 10
+            self._exchange(group, key, payload, self.gather_timeout), timeout=self.gather_timeout + 10
         )
         self.stats.bytes_sent += sent
         self.rejected = {}
@@ -618,13 +615,6 @@ class HivemindCollective(Collective):
             elif rank not in got:
                 out.append(b"")
                 self.rejected[rank] = "missing"
-            elif self.authenticator is not None:
-                try:
-                    out.append(self.authenticator.verify(got[rank]))
-                except AuthError as exc:
-                    log.warning("all-gather payload from rank %d rejected: %s", rank, exc)
-                    self.rejected[rank] = f"auth: {exc}"
-                    out.append(b"")
             else:
                 out.append(got[rank])
         missing = [r for r, why in self.rejected.items() if why == "missing"]
@@ -820,6 +810,18 @@ class HivemindCollective(Collective):
         self._group = None
         self.stats.comm_seconds += time.perf_counter() - start
         return ok
+
+    @property
+    def quorum_timeout(self) -> float:
+        """The wait for a group (hivemind's matchmaking round timeout)."""
+        return self.round_timeout
+
+    @quorum_timeout.setter
+    def quorum_timeout(self, seconds: float) -> None:
+        self.round_timeout = seconds
+
+    def load_committed_step(self, step: int) -> None:
+        self.round_id = step
 
     def close(self) -> None:
         if self._closed:

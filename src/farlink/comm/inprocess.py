@@ -128,3 +128,6 @@ class InProcessCollective(Collective):
 
     def close(self) -> None:
         pass
+
+    def load_committed_step(self, step: int) -> None:
+        self.committed_rounds = step

@@ -99,6 +99,17 @@ class ShapedCollective(Collective):
         self.stats = inner.stats  # one set of totals: the backend's exact bytes
         self._world = 1
 
+    @property
+    def quorum_timeout(self) -> float:
+        return self.inner.quorum_timeout
+
+    @quorum_timeout.setter
+    def quorum_timeout(self, seconds: float) -> None:
+        self.inner.quorum_timeout = seconds
+
+    def load_committed_step(self, step: int) -> None:
+        self.inner.load_committed_step(step)
+
     def begin_round(self) -> RoundInfo:
         info = self.inner.begin_round()
         self._world = info.world_size

@@ -72,19 +72,6 @@ class ContributionLedger:
             kind = reason_kind(reason)
             rec.rejections[kind] = rec.rejections.get(kind, 0) + 1
 
-    def record_screen(
-        self,
-        round_id: int,
-        accepted: Mapping[str, object],
-        rejected: Mapping[str, str],
-        tokens: Mapping[str, float],
-    ) -> None:
-        """Record the outcome of :func:`~farlink.robust.validate.screen_updates` for a round."""
-        for peer in accepted:
-            self.record_accepted(peer, round_id, float(tokens.get(peer, 0.0)))
-        for peer, reason in rejected.items():
-            self.record_rejected(peer, round_id, float(tokens.get(peer, 0.0)), reason)
-
     def get(self, peer: str) -> PeerRecord:
         with self._lock:
             rec = self._peers.get(peer)

@@ -21,7 +21,7 @@ from farlink.codecs import CodecError, Compressor, envelope
 from farlink.comm.base import Collective
 from farlink.robust.aggregators import Aggregator, weighted_mean
 from farlink.robust.auth import Authenticator, AuthError
-from farlink.robust.validate import UpdateRejected, check_update
+from farlink.robust.validate import UpdateRejected, check_update, screen_norms
 
 log = logging.getLogger(__name__)
 
@@ -125,7 +125,7 @@ class Exchange:
                 decoded[peer] = self._decode(env, tensors, round_id)
             except (CodecError, AuthError, UpdateRejected) as exc:
                 self._reject(result, peer, round_id, claimed.get(peer, 0.0), exc)
-        for peer, reason in self._screen_norms(decoded).items():
+        for peer, reason in screen_norms(decoded, self.screen_ratio).items():
             del decoded[peer]
             self._reject(result, peer, round_id, claimed[peer], UpdateRejected(reason, "norm"))
         for peer in decoded:
@@ -149,18 +149,6 @@ class Exchange:
         log.warning("rejected update from %s in round %d: %s", peer, round_id, reason)
         if self.ledger is not None:
             self.ledger.record_rejected(peer, round_id, tokens, reason)
-
-    def _screen_norms(self, decoded: dict[str, dict[str, torch.Tensor]]) -> dict[str, str]:
-        """Peers whose whole update is ``screen_ratio`` x longer than the round's median."""
-        if self.screen_ratio is None or len(decoded) < 3:
-            return {}
-        norms = {p: float(torch.sqrt(sum((t.double() ** 2).sum() for t in u.values())))
-                 for p, u in decoded.items()}
-        median = float(torch.tensor(list(norms.values())).median())
-        if median <= 0:
-            return {}
-        return {p: f"update norm {n:.3g} > {self.screen_ratio:g} x round median {median:.3g}"
-                for p, n in norms.items() if n > self.screen_ratio * median}
 
     def _decode(
         self, env: envelope.Envelope, expected: dict[str, torch.Tensor], round_id: int
