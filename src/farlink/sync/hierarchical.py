@@ -463,7 +463,8 @@ class HierarchicalDiLoCo(SyncAlgorithm):
     def finish(self) -> StepOutcome | None:
         """A run stopped early (Ctrl-C) may leave an overlapped round in flight: let it end."""
         if self._inflight is not None:
-            self._inflight.join(timeout=self.cfg.round_timeout + self.cfg.quorum_timeout)
+            # bounded: the round ends by itself within a quorum wait and a collective's timeout
+            self._inflight.join(timeout=2 * self.collective.quorum_timeout)
         return None
 
     # --- traffic --------------------------------------------------------------------------------

@@ -199,6 +199,10 @@ def launch(cfg: RunConfig, show_progress: bool = True,
         f"model {cfg.model} | corpus {cfg.corpus}: {len(data.train):,} train / "
         f"{len(data.heldout):,} held-out tokens | run dir {cfg.run_dir}"
     )
+    if cfg.backend == "inprocess":
+        raise ValueError("backend inprocess is for library use (peers as threads of one "
+                         "process, farlink.Optimizer); farlink train starts processes: use "
+                         "--backend torchft or hivemind")
     if network is not None and cfg.backend != "torchft":
         raise ValueError("runs inside emulated namespaces use the torchft backend")
     if network is not None and cfg.auth != "none":

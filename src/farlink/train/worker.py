@@ -1,5 +1,10 @@
 """One worker process: inner steps on its own data shard, outer rounds through the collective.
 
+The worker is a client of the public API, like any user's loop: it builds the model, the data
+and the inner optimizer, and hands them to :class:`farlink.Optimizer`, which owns the backend,
+the exchange, the algorithm, joining and checkpoints. What stays here is the loop and what only
+``farlink train`` does: evaluation, emulated device speeds, the metrics JSONL, the final model.
+
 Run as ``python -m farlink.train.worker RUN_DIR INDEX`` by the launcher (or ``farlink join``).
 The worker checkpoints after every committed round (atomic), so SIGINT, SIGTERM or SIGKILL at
 any instant loses at most the uncommitted inner steps of the current round; committed progress is
@@ -20,79 +25,14 @@ import torch
 
 from farlink import interrupt
 from farlink.config import RunConfig
-from farlink.train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from farlink.train.metrics import MetricsLog
 
 log = logging.getLogger("farlink.worker")
 
 
-def advertised_host(cfg: RunConfig) -> str:
-    """The address peers reach this worker at: inside an emulated WAN namespace, the
-    namespace's own address (the launcher sets ``FARLINK_EMULATED_HOST``), else ``--host``."""
-    return os.environ.get("FARLINK_EMULATED_HOST") or cfg.host
-
-
-def build_collective(cfg: RunConfig, replica_id: str, lighthouse: str):
-    from farlink.robust.auth import run_authenticator
-
-    admission = run_authenticator(cfg, replica_id)  # None without --auth: nothing to prove
-    if cfg.backend == "torchft":
-        from farlink.comm.torchft_backend import TorchftCollective
-
-        return TorchftCollective(
-            replica_id=replica_id,
-            lighthouse_addr=lighthouse,
-            host=advertised_host(cfg),
-            min_replicas=cfg.min_replicas,
-            round_timeout=cfg.round_timeout,
-            quorum_timeout=cfg.quorum_timeout,
-            join_timeout=cfg.join_timeout,
-            admission=admission,
-        )
-    if cfg.backend == "hivemind":
-        from farlink.comm.hivemind_backend import HivemindCollective
-        from farlink.comm.hivemind_net import tcp_maddr
-
-        peers = [p for p in lighthouse.split(",") if p] if lighthouse else []
-        return HivemindCollective(
-            run_id=f"farlink-{cfg.run_dir.name}",
-            initial_peers=peers,
-            host_maddrs=[tcp_maddr(advertised_host(cfg), 0)],
-            min_group_size=cfg.min_replicas,
-            target_group_size=cfg.group_size,
-            round_timeout=cfg.quorum_timeout,
-            allreduce_timeout=cfg.round_timeout,
-            gather_timeout=cfg.round_timeout,
-            admission=admission,
-        )
-    raise ValueError(f"unknown backend {cfg.backend!r}")
-
-
-def build_exchange(cfg: RunConfig, collective, sender: str, index: int, ledger=None):
-    from farlink.codecs import make_compressor
-    from farlink.robust.aggregators import make_aggregator
-    from farlink.robust.attacks import make_attack
-    from farlink.robust.auth import make_authenticator
-    from farlink.sync.exchange import Exchange
-
-    secret = os.environ.get("FARLINK_SECRET") or cfg.secret  # keeps secrets out of config files
-    auth = make_authenticator(cfg.auth, secret=secret, key_file=cfg.key_file,
-                              allowed_keys=cfg.allowed_keys, peer_id=sender)
-    tamper = make_attack(cfg.attack, seed=index) if cfg.is_attacker(index) else None
-    return Exchange(
-        collective,
-        make_compressor(cfg.codec),
-        sender=auth.peer_id if auth.name == "ed25519" else sender,
-        aggregator=make_aggregator(cfg.aggregator),
-        authenticator=auth,
-        ledger=ledger,
-        tamper=tamper,
-        screen_ratio=cfg.screen_ratio or None,
-    )
-
-
 class Worker:
     def __init__(self, cfg: RunConfig, index: int, lighthouse: str, joining: bool = False) -> None:
+        from farlink import Optimizer
         from farlink.data import ShardSampler, heldout_batches, prepare_data
         from farlink.model import GPT, preset_config
         from farlink.sync import algorithm_class
@@ -110,37 +50,17 @@ class Worker:
         )
         self.heldout = heldout_batches(self.data.heldout, cfg.seq_len, cfg.batch_size,
                                        cfg.eval_batches)
-        self.replica_id = f"w{index}"
-        from farlink.train.tiers import build_tiers
-
-        # island/global collectives and emulated links when the launcher planned a network
-        self.tiers = build_tiers(cfg, index, lighthouse, build_collective)
-        self.collective = (self.tiers.collective if self.tiers is not None
-                           else build_collective(cfg, self.replica_id, lighthouse))
-        if cfg.emulate_link is not None:
-            from farlink.comm.base import LinkModel
-            from farlink.plan import load_links
-
-            link = load_links()[cfg.emulate_link]
-            self.collective.emulated_link = LinkModel.of(link.bandwidth_mbit, link.latency_ms)
-        from farlink.robust.ledger import ContributionLedger
-
-        self.ledger = ContributionLedger()
-        self.exchange = build_exchange(cfg, self.collective, self.replica_id, index, self.ledger)
-        extra = {}
-        if self.tiers is not None and self.tiers.upper is not None:
-            extra["global_exchange"] = build_exchange(cfg, self.tiers.upper, self.replica_id,
-                                                      index, self.ledger)
-        self.algo = algorithm_class(cfg.algorithm)(
-            self.model, cfg, self.collective, self.exchange, **extra
-        )
+        algorithm = algorithm_class(cfg.algorithm)
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        inner = (algorithm.default_inner_optimizer(params, cfg)
+                 if algorithm.capabilities.inner_optimizer else None)
+        self.sync = Optimizer(self.model, inner, config=cfg, lighthouse=lighthouse, index=index,
+                              lr_schedule=True)
+        self.algo = self.sync.algorithm
+        self.replica_id = self.sync.replica_id
         self.ckpt_dir = cfg.run_dir / "checkpoints" / self.replica_id
         self.metrics = MetricsLog(cfg.run_dir / "metrics" / f"{self.replica_id}.jsonl")
         self.joining = joining
-        self._member_quorum_timeout = getattr(self.collective, "quorum_timeout", None)
-        if joining and self._member_quorum_timeout is not None:
-            # a newcomer waits for the others' next round, however long their rounds are
-            self.collective.quorum_timeout = max(self._member_quorum_timeout, 3600.0)
         self.tokens = 0
         self.pace_overruns = 0  # inner steps slower than --pace-seconds allowed
         self.compute_s = 0.0
@@ -153,47 +73,25 @@ class Worker:
 
     # --- checkpoints ---------------------------------------------------------------------------
     def _save(self) -> None:
-        tensors = self.algo.state_dict()
-        tensors["rng.torch"] = torch.get_rng_state()
-        meta = {
-            "inner_steps": self.algo.inner_steps_done,
-            "outer_step": self.algo.outer_step,
-            "tokens": self.tokens,
-            "sampler": self.sampler.state_dict(),
-            "algorithm": self.cfg.algorithm,
-            "model": self.cfg.model,
-            "compute_s": self.compute_s,
-            "comm_s": self.comm_s,
-            "bookkeeping_s": self.bookkeeping_s,
-            "wall_s": self.wall(),
-            "bytes_sent": self._bytes_sent(),
-        }
-        save_checkpoint(self.ckpt_dir, self.algo.inner_steps_done, tensors, meta)
+        self.sync.save(self.ckpt_dir, tokens=self.tokens, sampler=self.sampler.state_dict(),
+                       model=self.cfg.model, compute_s=self.compute_s, comm_s=self.comm_s,
+                       bookkeeping_s=self.bookkeeping_s, wall_s=self.wall())
+        self.sync.ledger.save(self.cfg.run_dir / "ledger" / f"{self.replica_id}.json")
 
     def _resume(self) -> None:
-        path = latest_checkpoint(self.ckpt_dir)
-        if path is None:
+        try:
+            meta = self.sync.load(self.ckpt_dir)
+        except ValueError as exc:
+            raise SystemExit(str(exc)) from None
+        if meta is None:
             log.warning("no checkpoint under %s; starting fresh", self.ckpt_dir)
             return
-        tensors, meta = load_checkpoint(path)
-        if meta["algorithm"] != self.cfg.algorithm:
-            raise SystemExit(
-                f"checkpoint {path} was written by algorithm {meta['algorithm']!r}, "
-                f"not {self.cfg.algorithm!r}"
-            )
-        self.algo.load_state_dict(tensors)
-        torch.set_rng_state(tensors["rng.torch"])
         self.sampler.load_state_dict(meta["sampler"])
         self.tokens = meta["tokens"]
         self.compute_s, self.comm_s = meta["compute_s"], meta["comm_s"]
         self.bookkeeping_s = meta.get("bookkeeping_s", 0.0)
         self.wall_offset = meta.get("wall_s", 0.0)
-        self.collective.stats.bytes_sent = meta["bytes_sent"]
-        if hasattr(self.collective, "load_committed_step"):
-            self.collective.load_committed_step(self.algo.outer_step)
-        elif hasattr(self.collective, "round_id"):
-            self.collective.round_id = self.algo.outer_step
-        self.metrics.write("resume", worker=self.replica_id, path=str(path),
+        self.metrics.write("resume", worker=self.replica_id, path=meta["path"],
                            inner_steps=self.algo.inner_steps_done)
 
     # --- evaluation ----------------------------------------------------------------------------
@@ -211,14 +109,13 @@ class Worker:
         final = algo.finished()
         if boundary % cfg.checkpoint_every == 0 or final:
             self._save()
-            self.ledger.save(cfg.run_dir / "ledger" / f"{self.replica_id}.json")
-        rank0 = algo.last_round is None or algo.last_round.rank == 0
+        rank0 = self.sync.rank == 0
         if rank0 and (boundary % cfg.eval_every == 0 or final):
             heldout = self.evaluate()
             self.metrics.write("eval", worker=self.replica_id, step=step, tokens=self.tokens,
                                loss=round(heldout, 5), ppl=round(math.exp(heldout), 3),
                                outer_step=algo.outer_step,
-                               bytes_sent=self._bytes_sent(),
+                               bytes_sent=self.sync.bytes_sent(),
                                wall_s=round(self.wall(), 3))
         self.bookkeeping_s += time.perf_counter() - t0
 
@@ -233,10 +130,7 @@ class Worker:
                            inner_steps=algo.inner_steps_done, pid=os.getpid())
         loss_value = float("nan")
         if self.joining:
-            outcome = algo.join()
-            if outcome is not None and outcome.committed and self._member_quorum_timeout:
-                # once in, a missing quorum means the run ended or broke: give up like a member
-                self.collective.quorum_timeout = self._member_quorum_timeout
+            outcome = self.sync.join()
             if outcome is not None:
                 self.metrics.write("join", worker=self.replica_id, committed=outcome.committed,
                                    healed=bool(algo.last_round and algo.last_round.healed),
@@ -260,7 +154,7 @@ class Worker:
             elif slowdown > 1:  # emulated slower device: stretch this step's compute
                 time.sleep((slowdown - 1) * (time.perf_counter() - t0))
             tokens = x.numel()
-            outcome = algo.step(tokens)
+            outcome = self.sync.step(tokens)
             elapsed = time.perf_counter() - t0
             self.compute_s += elapsed - outcome.comm_seconds
             self.comm_s += outcome.comm_seconds
@@ -269,10 +163,8 @@ class Worker:
             step = algo.inner_steps_done
             fields = dict(
                 worker=self.replica_id, step=step, loss=round(loss_value, 5), tokens=self.tokens,
-                bytes_sent=self._bytes_sent(), compute_s=round(self.compute_s, 4),
-                comm_s=round(self.comm_s, 4), wall_s=round(self.wall(), 3),
-                outer_step=outcome.outer_step, lr=algo.current_lr(), **self._traffic(),
-                **self._round_split(),
+                compute_s=round(self.compute_s, 4), comm_s=round(self.comm_s, 4),
+                wall_s=round(self.wall(), 3), **self.sync.metrics(),
             )
             if outcome.synced and cfg.sync_every > 1:
                 self.metrics.write("sync", committed=outcome.committed,
@@ -286,7 +178,7 @@ class Worker:
                 self._at_boundary(step)
             stopped = interrupt.requested() or (cfg.stop_at_step is not None
                                                 and step >= cfg.stop_at_step)
-        pending = algo.finish()
+        pending = self.sync.finish()
         if pending is not None and not stopped:
             self._save()
         finished = algo.finished()
@@ -298,38 +190,17 @@ class Worker:
             save_model(self.model, str(final / f"{self.replica_id}.safetensors"))
         self.metrics.write("end", worker=self.replica_id, finished=finished,
                            inner_steps=algo.inner_steps_done, tokens=self.tokens,
-                           bytes_sent=self._bytes_sent(),
+                           bytes_sent=self.sync.bytes_sent(),
                            compute_s=round(self.compute_s, 4), comm_s=round(self.comm_s, 4),
                            bookkeeping_s=round(self.bookkeeping_s, 4),
                            wall_s=round(self.wall(), 3),
-                           failed_rounds=self.collective.stats.failed_rounds,
+                           failed_rounds=self.sync.collective.stats.failed_rounds,
                            pace_overruns=self.pace_overruns, outer_step=algo.outer_step,
-                           fingerprint=algo.fingerprint(), **self._traffic())
+                           fingerprint=algo.fingerprint(), **algo.traffic())
         return 0 if finished or stopped else 1
 
-    def _bytes_sent(self) -> int:
-        """Bytes this worker sent, on every collective it holds."""
-        if self.tiers is not None:
-            return self.tiers.bytes_sent()
-        return self.collective.stats.bytes_sent
-
-    def _round_split(self) -> dict:
-        """Seconds this process's rounds spent on the quorum, on the wire and in total (the
-        rest is local work); cumulative since the process started."""
-        algo = self.algo
-        return {"quorum_s": round(algo.quorum_seconds, 4),
-                "network_s": round(algo.network_seconds, 4),
-                "rounds_s": round(algo.round_seconds, 4)}
-
-    def _traffic(self) -> dict:
-        """Intra- and inter-island bytes, for algorithms that tell them apart."""
-        traffic = getattr(self.algo, "traffic", None)
-        return traffic() if traffic is not None else {}
-
     def close(self) -> None:
-        self.collective.close()
-        if self.tiers is not None:
-            self.tiers.close()
+        self.sync.close()
         self.metrics.close()
 
 

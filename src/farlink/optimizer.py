@@ -1,0 +1,320 @@
+"""farlink as a library: your model, your optimizer, your loop, farlink's outer algorithms.
+
+One object per process wraps the model and its inner optimizer and is called once per step,
+after ``loss.backward()``, in place of ``optimizer.step(); optimizer.zero_grad()``::
+
+    sync = farlink.Optimizer(model, torch.optim.AdamW(model.parameters(), lr=1e-3),
+                             algorithm="diloco", inner_steps=50, backend="torchft",
+                             lighthouse="http://host:29510", index=rank)
+    sync.load("ckpt/w0")                          # resume, if a checkpoint is there
+    for x, y in batches:
+        loss_fn(model(x), y).backward()
+        outcome = sync.step(tokens=x.numel())     # inner step; every H: the outer round
+        if outcome.committed:
+            sync.save("ckpt/w0", batch=i)         # exact resume point (atomic)
+    sync.close()
+
+What ``step`` does is the algorithm's: DDP averages the gradients and then steps your optimizer;
+DiLoCo steps it H times alone, then averages the pseudo-gradient and takes the outer step
+(Nesterov SGD, lr 0.7, momentum 0.9 unless you inject ``outer_optimizer``); Streaming DiLoCo
+syncs fragments in the background; DeMo replaces your optimizer by its sign step. Any backend
+(``torchft``: a Lighthouse coordinates replica groups; ``hivemind``: a DHT, no coordinator;
+``inprocess``: peers as threads, or one process alone), any codec and aggregator, and
+authentication (``auth="secret"``/``"ed25519"``) work the same way, since they sit below the
+algorithm. Peers that join late heal from live ones (``join()``); a lagging one heals inside a
+round. Every option is a ``farlink train`` flag (same name, ``_`` for ``-``).
+
+Your optimizer keeps its own lr and scheduler: farlink neither rescales nor clips your gradients
+unless you ask (``lr_schedule=True`` uses warmup + cosine over ``steps``; ``grad_clip=1.0``).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from farlink.comm.base import Collective
+from farlink.config import RunConfig
+from farlink.sync import StepOutcome, SyncAlgorithm, algorithm_class
+from farlink.sync.base import OuterOptimizerFactory
+
+log = logging.getLogger(__name__)
+
+#: what a newcomer waits for the members' next round (their rounds may be long)
+JOIN_QUORUM_TIMEOUT = 3600.0
+
+
+def advertised_host(cfg: RunConfig) -> str:
+    """The address peers reach this worker at: inside an emulated WAN namespace, the
+    namespace's own address (the launcher sets ``FARLINK_EMULATED_HOST``), else ``host``."""
+    return os.environ.get("FARLINK_EMULATED_HOST") or cfg.host
+
+
+def build_collective(cfg: RunConfig, replica_id: str, lighthouse: str) -> Collective:
+    """The run's backend for one replica: ``lighthouse`` is the torchft Lighthouse address or
+    hivemind's initial peers (a comma list; empty: this peer starts the DHT)."""
+    from farlink.robust.auth import run_authenticator
+
+    admission = run_authenticator(cfg, replica_id)  # None without --auth: nothing to prove
+    if cfg.backend == "torchft":
+        from farlink.comm.torchft_backend import TorchftCollective
+
+        if not lighthouse:
+            raise ValueError("the torchft backend needs a Lighthouse address (lighthouse=..., "
+                             "or TORCHFT_LIGHTHOUSE); start one with "
+                             "farlink.train.lighthouse.Lighthouse or torchft_lighthouse")
+        return TorchftCollective(
+            replica_id=replica_id,
+            lighthouse_addr=lighthouse,
+            host=advertised_host(cfg),
+            min_replicas=cfg.min_replicas,
+            round_timeout=cfg.round_timeout,
+            quorum_timeout=cfg.quorum_timeout,
+            join_timeout=cfg.join_timeout,
+            admission=admission,
+        )
+    if cfg.backend == "hivemind":
+        from farlink.comm.hivemind_backend import HivemindCollective
+        from farlink.comm.hivemind_net import tcp_maddr
+
+        peers = [p for p in lighthouse.split(",") if p] if lighthouse else []
+        return HivemindCollective(
+            run_id=f"farlink-{cfg.run_dir.name}",
+            initial_peers=peers,
+            host_maddrs=[tcp_maddr(advertised_host(cfg), 0)],
+            min_group_size=cfg.min_replicas,
+            target_group_size=cfg.group_size,
+            round_timeout=cfg.quorum_timeout,
+            allreduce_timeout=cfg.round_timeout,
+            gather_timeout=cfg.round_timeout,
+            admission=admission,
+        )
+    if cfg.backend == "inprocess":
+        from farlink.comm.inprocess import InProcessGroup
+
+        return InProcessGroup(1).member(0)  # peers as threads pass their own collective
+    raise ValueError(f"unknown backend {cfg.backend!r}")
+
+
+def build_exchange(cfg: RunConfig, collective: Collective, sender: str, index: int, ledger=None):
+    """Codec, aggregator, authentication, screen and (emulated) attack of one replica."""
+    from farlink.codecs import make_compressor
+    from farlink.robust.aggregators import make_aggregator
+    from farlink.robust.attacks import make_attack
+    from farlink.robust.auth import make_authenticator
+    from farlink.sync.exchange import Exchange
+
+    secret = os.environ.get("FARLINK_SECRET") or cfg.secret  # keeps secrets out of config files
+    auth = make_authenticator(cfg.auth, secret=secret, key_file=cfg.key_file,
+                              allowed_keys=cfg.allowed_keys, peer_id=sender)
+    tamper = make_attack(cfg.attack, seed=index) if cfg.is_attacker(index) else None
+    return Exchange(
+        collective,
+        make_compressor(cfg.codec),
+        sender=auth.peer_id if auth.name == "ed25519" else sender,
+        aggregator=make_aggregator(cfg.aggregator),
+        authenticator=auth,
+        ledger=ledger,
+        tamper=tamper,
+        screen_ratio=cfg.screen_ratio or None,
+    )
+
+
+class Optimizer:
+    """One replica of a farlink run around a model farlink did not build.
+
+    ``model``: any ``nn.Module``; its trainable parameters are what is synchronized.
+    ``inner_optimizer``: any ``torch.optim.Optimizer`` over exactly those parameters, or None
+    for the algorithm's default (AdamW, betas 0.9/0.95, with farlink's lr schedule).
+    ``config``: a whole :class:`~farlink.config.RunConfig` (what ``farlink train`` passes), or
+    give its fields as keyword ``options`` (``algorithm``, ``backend``, ``inner_steps``,
+    ``codec``, ``aggregator``, ``auth``, ``secret``, ``outer_lr``, ...). Without ``steps`` the
+    run has no fixed length: your loop decides when it ends.
+    ``lighthouse``: torchft Lighthouse address or hivemind initial peers (default: the config's
+    ``lighthouse``/``initial_peers``, then ``TORCHFT_LIGHTHOUSE``).
+    ``index``: this replica's number in the run (names it ``w{index}``).
+    ``outer_optimizer``: a factory ``params -> torch.optim.Optimizer`` for the outer step.
+    ``collective``: a ready :class:`~farlink.comm.base.Collective` (e.g. an
+    :class:`~farlink.comm.inprocess.InProcessGroup` member) instead of building one.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        inner_optimizer: torch.optim.Optimizer | None = None,
+        *,
+        config: RunConfig | None = None,
+        lighthouse: str | None = None,
+        index: int = 0,
+        outer_optimizer: OuterOptimizerFactory | None = None,
+        lr_schedule: bool | None = None,
+        collective: Collective | None = None,
+        **options: Any,
+    ) -> None:
+        if config is not None and options:
+            raise TypeError("give either config=RunConfig(...) or its fields as keywords, not both")
+        cls = algorithm_class((config.algorithm if config is not None
+                               else options.get("algorithm", "diloco")))
+        algo_options = config
+        if config is None:
+            if inner_optimizer is not None:
+                options.setdefault("grad_clip", 0.0)  # the user's loop owns its gradients
+            config = RunConfig.model_validate(options)
+            # a library run has no length unless one is given (RunConfig's default is 500)
+            algo_options = cls.Options.model_validate(
+                {k: getattr(config, k) for k in cls.Options.model_fields
+                 if k != "steps" or "steps" in options})
+        self.config = cfg = config
+        self.index, self.replica_id = index, f"w{index}"
+        if lighthouse is None:
+            lighthouse = (cfg.lighthouse or cfg.initial_peers
+                          or os.environ.get("TORCHFT_LIGHTHOUSE", ""))
+        from farlink.train.network import needs_network
+        from farlink.train.tiers import build_tiers
+
+        # island/global collectives and emulated links when the launcher planned a network
+        self.tiers = (build_tiers(cfg, index, lighthouse, build_collective)
+                      if collective is None and needs_network(cfg) else None)
+        if self.tiers is not None:
+            self.collective = self.tiers.collective
+        else:
+            self.collective = collective or build_collective(cfg, self.replica_id, lighthouse)
+        if cfg.emulate_link is not None:
+            from farlink.comm.base import LinkModel
+            from farlink.plan import load_links
+
+            link = load_links()[cfg.emulate_link]
+            self.collective.emulated_link = LinkModel.of(link.bandwidth_mbit, link.latency_ms)
+        from farlink.robust.ledger import ContributionLedger
+
+        self.ledger = ContributionLedger()  # whose updates were accepted, rejected, and why
+        self.exchange = build_exchange(cfg, self.collective, self.replica_id, index, self.ledger)
+        extra = {}
+        if self.tiers is not None and self.tiers.upper is not None:
+            extra["global_exchange"] = build_exchange(cfg, self.tiers.upper, self.replica_id,
+                                                      index, self.ledger)
+        self.algorithm: SyncAlgorithm = cls(
+            model, algo_options, self.collective, self.exchange,
+            inner_optimizer=inner_optimizer, outer_optimizer=outer_optimizer,
+            lr_schedule=lr_schedule, **extra)
+        self.model = model
+
+    # --- the loop ------------------------------------------------------------------------------
+    def step(self, tokens: int = 1) -> StepOutcome:
+        """After ``loss.backward()``: the inner step and, when due, the outer round. ``tokens``
+        weighs this replica's contribution (a slower replica that did less counts less)."""
+        return self.algorithm.step(tokens)
+
+    def join(self) -> StepOutcome | None:
+        """A newcomer's first act, before any inner step: a zero-weight round that heals it from
+        live peers (waiting for the members' next round, however long theirs are)."""
+        usual = self.collective.quorum_timeout
+        self.collective.quorum_timeout = max(usual, JOIN_QUORUM_TIMEOUT)
+        outcome = self.algorithm.join()
+        if outcome is not None and outcome.committed:
+            # once in, a missing quorum means the run ended or broke: give up like a member
+            self.collective.quorum_timeout = usual
+        return outcome
+
+    def finish(self) -> StepOutcome | None:
+        """After the last step: land a round still in flight (streaming)."""
+        return self.algorithm.finish()
+
+    @property
+    def finished(self) -> bool:
+        """Whether the run's ``steps`` (or time-budgeted rounds) are done; never without one."""
+        return self.algorithm.finished()
+
+    @property
+    def outer_step(self) -> int:
+        return self.algorithm.outer_step
+
+    @property
+    def inner_steps(self) -> int:
+        return self.algorithm.inner_steps_done
+
+    @property
+    def rank(self) -> int:
+        """This replica's rank in the last round (0 before any)."""
+        last = self.algorithm.last_round
+        return last.rank if last is not None else 0
+
+    def fingerprint(self) -> str:
+        """Hash of the committed state: the same on every replica after a committed round."""
+        return self.algorithm.fingerprint()
+
+    # --- metrics -------------------------------------------------------------------------------
+    def bytes_sent(self) -> int:
+        """Bytes this replica sent, on every collective it holds."""
+        if self.tiers is not None:
+            return self.tiers.bytes_sent()
+        return self.collective.stats.bytes_sent
+
+    def metrics(self) -> dict[str, Any]:
+        """Cumulative figures for logs: bytes sent (by level where the algorithm has levels),
+        where rounds spent their time (quorum, wire, total), rounds that failed."""
+        algo = self.algorithm
+        return {"bytes_sent": self.bytes_sent(), "outer_step": algo.outer_step,
+                "lr": algo.current_lr(), "quorum_s": round(algo.quorum_seconds, 4),
+                "network_s": round(algo.network_seconds, 4),
+                "rounds_s": round(algo.round_seconds, 4),
+                "failed_rounds": self.collective.stats.failed_rounds, **algo.traffic()}
+
+    # --- state ---------------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """Everything an exact resume needs from farlink's side: committed state, this replica's
+        local parameters, optimizer states, codec residuals, torch's RNG."""
+        tensors = self.algorithm.state_dict()
+        tensors["rng.torch"] = torch.get_rng_state()
+        return tensors
+
+    def load_state_dict(self, tensors: dict[str, torch.Tensor]) -> None:
+        self.algorithm.load_state_dict(tensors)
+        torch.set_rng_state(tensors["rng.torch"])
+        self.collective.load_committed_step(self.algorithm.outer_step)
+
+    def save(self, directory: str | Path, **meta: Any) -> Path:
+        """An atomic checkpoint under ``directory`` (the last two are kept), with ``meta``
+        (JSON: your data position, counters) returned by :meth:`load`. The contribution
+        ledger is :attr:`ledger` (``sync.ledger.save(path)``)."""
+        from farlink.train.checkpoint import save_checkpoint
+
+        directory = Path(directory)
+        meta = {**meta, "algorithm": self.config.algorithm,
+                "inner_steps": self.algorithm.inner_steps_done,
+                "outer_step": self.algorithm.outer_step, "bytes_sent": self.bytes_sent()}
+        return save_checkpoint(directory, self.algorithm.inner_steps_done, self.state_dict(), meta)
+
+    def load(self, directory: str | Path) -> dict | None:
+        """Resume from the latest checkpoint under ``directory``: its ``meta``, or None (and
+        nothing changed) when there is none yet."""
+        from farlink.train.checkpoint import latest_checkpoint, load_checkpoint
+
+        path = latest_checkpoint(Path(directory))
+        if path is None:
+            return None
+        tensors, meta = load_checkpoint(path)
+        if meta["algorithm"] != self.config.algorithm:
+            raise ValueError(f"checkpoint {path} was written by algorithm {meta['algorithm']!r}, "
+                             f"not {self.config.algorithm!r}; resume with the same algorithm")
+        self.load_state_dict(tensors)
+        self.collective.stats.bytes_sent = meta["bytes_sent"]
+        return {**meta, "path": str(path)}
+
+    def close(self) -> None:
+        """Leave the run: release sockets, threads and the Manager(s)."""
+        self.collective.close()
+        if self.tiers is not None:
+            self.tiers.close()
+
+    def __enter__(self) -> Optimizer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
