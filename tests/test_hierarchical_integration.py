@@ -63,6 +63,25 @@ def test_two_islands_with_a_slow_worker_stay_bit_identical_and_learn(
         "inter_bytes"]
 
 
+def test_authenticated_islands_gate_their_lighthouses_and_sign_the_handoff(
+        tmp_path: Path, cache_dir: Path) -> None:
+    """--auth secret: every island's Lighthouse is gated like the main one, and island updates,
+    hand-offs and global rounds are signed; the run ends on identical replicas."""
+    cfg = load_config(None, {
+        **SMALL, "run_dir": tmp_path / "run", "cache_dir": cache_dir, "workers": 4,
+        "algorithm": "hierarchical_diloco", "islands": "0,1|2,3", "steps": 20,
+        "inner_steps": 10, "island_steps": 5, "auth": "secret", "secret": "s3cret"})
+    result = launch(cfg, show_progress=False)
+    assert result.returncodes == [0, 0, 0, 0]
+    audit = audit_run(cfg.run_dir)
+    assert audit["consistent"] and audit["outer_steps"] == 2, audit
+    logs = [(cfg.run_dir / f"lighthouse-island{k}.log") for k in (0, 1)]
+    assert all(p.exists() for p in logs)
+    finals = [load_file(str(p)) for p in sorted((cfg.run_dir / "final").glob("w*.safetensors"))]
+    assert len(finals) == 4
+    assert all((f[k] == finals[0][k]).all() for f in finals[1:] for k in finals[0])
+
+
 @pytest.mark.parametrize("values,message", [
     ({"topology": "0,1|1,2,3"}, "topology '0,1|1,2,3': worker 1 is in two groups"),
     ({"topology": "0,1|2"}, r"workers \[3\] are in no group"),

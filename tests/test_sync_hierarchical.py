@@ -11,6 +11,7 @@ from torch import nn
 from farlink.codecs import make_compressor
 from farlink.comm.inprocess import InProcessCollective, InProcessGroup
 from farlink.config import RunConfig
+from farlink.robust.auth import make_authenticator
 from farlink.sync import algorithm_class
 from farlink.sync.exchange import Exchange
 from farlink.sync.hierarchical import HierarchicalDiLoCo
@@ -65,15 +66,23 @@ def run_islands(fn, fail_island_commit: set[int] | None = None):
     return results
 
 
-def make_hier(island, upper, **overrides) -> HierarchicalDiLoCo:
+def make_hier(island, upper, secret: str | None = None, **overrides) -> HierarchicalDiLoCo:
+    """With ``secret``, every exchange (island, hand-off, global) signs with it."""
     model = nn.Linear(2, 1, bias=False)
     with torch.no_grad():
         model.weight.copy_(torch.tensor([[1.0, 2.0]]))
     values = {"algorithm": "hierarchical_diloco", "steps": 100, "warmup_steps": 0,
               "inner_steps": 2, "island_steps": 1}
     cfg = RunConfig(**{**values, **overrides})
-    exchange = Exchange(island, make_compressor("none"), sender=f"i{id(island)}")
-    top = None if upper is None else Exchange(upper, make_compressor("none"), sender="g")
+
+    def auth(peer: str):  # noqa: ANN202
+        kind = "none" if secret is None else "secret"
+        return make_authenticator(kind, secret=secret, peer_id=peer)
+
+    exchange = Exchange(island, make_compressor("none"), sender=f"i{id(island)}",
+                        authenticator=auth(f"i{id(island)}"))
+    top = None if upper is None else Exchange(upper, make_compressor("none"), sender=f"g{id(upper)}",
+                                              authenticator=auth(f"g{id(upper)}"))
     return algorithm_class("hierarchical_diloco")(model, cfg, island, exchange,
                                                   global_exchange=top)
 
@@ -98,10 +107,13 @@ def _round(algo: HierarchicalDiLoCo, worker: int, k: int):
     return algo.step(TOKENS[worker][k])  # no gradients: the inner AdamW step changes nothing
 
 
-@pytest.mark.parametrize("fail", [None, {2}], ids=["clean", "island-commit-fails-after-global"])
-def test_two_islands_match_hand_computed_reference(fail: set[int] | None) -> None:
+@pytest.mark.parametrize(("fail", "secret"), [(None, None), ({2}, None), (None, "s3cret")],
+                         ids=["clean", "island-commit-fails-after-global", "authenticated"])
+def test_two_islands_match_hand_computed_reference(fail: set[int] | None,
+                                                   secret: str | None) -> None:
     def member(worker: int, island, upper):
-        algo = make_hier(island, upper)
+        algo = make_hier(island, upper, secret)
+        assert algo.handoff_exchange.dense == (secret is None)  # signed when the run is
         first = _round(algo, worker, 0)
         assert not first.synced and algo.outer_step == 0
         after_island = algo.params[0].detach().clone()
@@ -253,3 +265,21 @@ def test_three_global_rounds_match_reference_with_and_without_overlap(overlap: b
     for r in range(3):
         assert len({seen[r][2] for _, seen in results}) == 1
     assert len({algo.fingerprint() for algo, _ in results}) == 1
+
+
+def test_an_outsiders_handoff_is_dropped_like_its_updates() -> None:
+    """Island 1's leader signs with a key that is not the run's: its members drop its island
+    update and its hand-off of the global state (they keep their own island average), where a
+    raw all-reduce would have handed its state to them unchecked."""
+    def member(worker: int, island, upper):
+        algo = make_hier(island, upper, "outsider" if worker == 2 else "s3cret")
+        _round(algo, worker, 0)
+        outcome = _round(algo, worker, 1)
+        return algo, outcome
+
+    results = run_islands(member)
+    member3, outcome3 = results[3]
+    assert not outcome3.committed and member3.outer_step == 0  # no global state adopted
+    assert list(member3.last_exchange.rejected) and member3.last_exchange.accepted == [
+        member3.exchange.sender]
+    torch.testing.assert_close(member3.global_params[0], torch.tensor([[1.0, 2.0]]))

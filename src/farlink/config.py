@@ -164,8 +164,9 @@ class RunConfig(*algorithm_options()):
                              "for every collective), not both")
         if not islands and (self.islands or self.island_seconds is not None
                             or self.overlap_global):
+            tiered = [n for n in ALGORITHMS if algorithm_class(n).capabilities.islands]
             raise ValueError("islands, island_seconds and overlap_global apply to "
-                             "algorithms with islands (hierarchical_diloco)")
+                             f"{', '.join(tiered)} only")
 
     def is_attacker(self, index: int) -> bool:
         return str(index) in {a.strip() for a in self.attackers.split(",") if a.strip()}

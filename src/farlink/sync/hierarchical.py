@@ -19,8 +19,11 @@ pseudo-gradient crosses the WAN and islands never profit from their fast links. 
   since θ_g, and applies outer Nesterov SGD (lr 0.7, momentum 0.9) to the token-weighted mean over
   islands.
 * **hand-off**: the leader passes the new global parameters, the outer momentum and the outer step
-  counter to its members in an island all-reduce to which members add ``-0.0`` (x + -0.0 == x
-  for every float, bit for bit); every member, the leader included, adopts the reduced buffer.
+  counter to its members through the island's :class:`~farlink.sync.exchange.Exchange`, as a
+  token-weighted mean in which the leader weighs 1 and members 0 (exact in fp32: x * 1 + 0 = x,
+  / 1); every member, the leader included, adopts the result. So it is authenticated like any
+  other update when the run has ``--auth`` (signed, verified, impostors dropped), and a plain
+  all-reduce without.
   By default the hand-off closes the same island round, so all replicas are bit-identical after
   each committed outer round. With ``overlap_global`` the leader runs the global round in a
   background thread while the island keeps training, and hands the result off at the next island
@@ -53,6 +56,7 @@ import torch
 from pydantic import Field
 
 from farlink.comm.base import RoundInfo
+from farlink.codecs import make_compressor
 from farlink.sync.base import (
     Capabilities,
     StateTransferError,
@@ -123,10 +127,6 @@ class HierarchicalDiLoCo(SyncAlgorithm):
 
     @classmethod
     def check_run(cls, cfg) -> None:  # noqa: ANN001 - a RunConfig
-        if cfg.auth != "none":
-            raise ValueError("hierarchical_diloco does not take --auth yet: its island "
-                             "Lighthouses have no membership gate and the leader's hand-off "
-                             "is a plain all-reduce that trusts island members")
         if cfg.lighthouse is not None:
             raise ValueError("hierarchical_diloco starts its own Lighthouses (global and one per "
                              "island); drop --lighthouse")
@@ -153,6 +153,11 @@ class HierarchicalDiLoCo(SyncAlgorithm):
                              "bitwise exact (the hand-off relies on it), e.g. torchft")
         cfg = self.cfg
         self.global_exchange = global_exchange
+        # the hand-off: exact fp32 and a plain mean whatever the run's codec and aggregator,
+        # authenticated as the run is
+        self.handoff_exchange = Exchange(self.collective, make_compressor("none"),
+                                         sender=self.exchange.sender,
+                                         authenticator=self.exchange.authenticator)
         self.leader = global_exchange is not None
         if global_exchange is not None:
             global_exchange.collective.register_state(self._export_global, self._import_global)
@@ -430,7 +435,7 @@ class HierarchicalDiLoCo(SyncAlgorithm):
                 for g in self.global_params]
 
     def _handoff(self, with_anchor: bool, outcome: GlobalOutcome | None = None) -> dict:
-        """The leader's global state (and anchor) to every member; members send -0.0."""
+        """The leader's global state (and anchor) to every member (members weigh 0)."""
         blocks = [self.global_params, self._momentum()] + ([self.anchor] if with_anchor else [])
         if self.leader:
             committed, world, step = outcome if outcome is not None else (False, 1,
@@ -439,8 +444,10 @@ class HierarchicalDiLoCo(SyncAlgorithm):
             flat = torch.cat([header] + [_flat(b) for b in blocks])
         else:
             size = _HEADER + sum(t.numel() for b in blocks for t in b)
-            flat = torch.full((size,), -0.0, dtype=torch.float32)
-        self.collective.all_reduce_sum([flat])
+            flat = torch.zeros(size, dtype=torch.float32)
+        round_id = self.last_round.round_id if self.last_round is not None else 0
+        result = self.handoff_exchange.average({"handoff": flat}, float(self.leader), round_id)
+        flat = result.tensors.get("handoff", torch.zeros_like(flat))  # no leader: not present
         present = flat[0].item() == 1.0
         out = {"present": present, "committed": present and flat[1].item() == 1.0,
                "outer_step": int(flat[2].item()), "world": flat[3].item()}

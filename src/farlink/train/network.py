@@ -156,6 +156,7 @@ def prepare_network(cfg: RunConfig, vocab_size: int, namespaced: bool = False):
     """Launcher side: plan the network, start one Lighthouse per island (hierarchical runs) and
     write ``network.json``. Returns (plan or None, the island Lighthouses to stop at the end)."""
     from farlink.model import preset_config
+    from farlink.robust.auth import run_authenticator
     from farlink.train.lighthouse import Lighthouse
 
     if not needs_network(cfg):
@@ -178,7 +179,10 @@ def prepare_network(cfg: RunConfig, vocab_size: int, namespaced: bool = False):
                 lighthouses.append(Lighthouse(
                     cfg.host, min_replicas=1, join_timeout=cfg.join_timeout,
                     heartbeat_timeout=cfg.heartbeat_timeout,
-                    log_path=cfg.run_dir / f"lighthouse-island{k}.log").start())
+                    log_path=cfg.run_dir / f"lighthouse-island{k}.log",
+                    # with --auth, only members reach an island's quorum, as on the main one
+                    authenticator=run_authenticator(cfg, f"island{k}-gate", verifier=True),
+                ).start())
         except BaseException:
             for lighthouse in lighthouses:
                 lighthouse.stop()

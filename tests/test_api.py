@@ -1,0 +1,211 @@
+"""farlink.Optimizer around models farlink did not build: every algorithm, injected optimizers,
+authentication, exact resume; and the examples as real processes on torchft."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+import farlink
+from farlink.comm.inprocess import InProcessGroup
+from farlink.config import RunConfig
+from farlink.sync import ALGORITHMS, capabilities
+
+torch.set_num_threads(1)
+ROOT = Path(__file__).resolve().parents[1]
+FLAT = [a for a in ALGORITHMS if not capabilities(a).islands]
+
+
+class Tiny(nn.Module):
+    """Not farlink's GPT: a user's two-layer regressor."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 8), nn.Linear(8, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(torch.tanh(self.a(x))).squeeze(-1)
+
+
+def data(rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(100 * rank + step)
+    x = torch.randn(16, 4, generator=gen)
+    return x, x.sum(-1)
+
+
+def user_loop(sync: farlink.Optimizer, model: nn.Module, rank: int, start: int, stop: int) -> None:
+    for step in range(start, stop):
+        x, y = data(rank, step)
+        nn.functional.mse_loss(model(x), y).backward()
+        sync.step(tokens=len(x))
+
+
+_INIT = threading.Lock()  # the peers are threads: torch's global RNG is shared between them
+
+
+def replica(rank: int, collective, **options):  # noqa: ANN001, ANN201
+    with _INIT:
+        torch.manual_seed(0)
+        model = Tiny()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.5)
+    inner = None if not capabilities(options.get("algorithm", "diloco")).inner_optimizer else opt
+    options.setdefault("steps", 100)  # DeMo schedules its own lr over the run
+    return model, farlink.Optimizer(model, inner, collective=collective, index=rank,
+                                    backend="inprocess", **options)
+
+
+@pytest.mark.parametrize("algorithm", FLAT)
+def test_every_flat_algorithm_wraps_a_users_model_and_optimizer(algorithm: str) -> None:
+    def member(rank: int, collective):  # noqa: ANN001, ANN202
+        model, sync = replica(rank, collective, algorithm=algorithm, inner_steps=5)
+        before = [p.detach().clone() for p in model.parameters()]
+        user_loop(sync, model, rank, 0, 20)
+        sync.finish()
+        moved = any(not torch.equal(a, b) for a, b in zip(before, model.parameters()))
+        return sync.fingerprint(), sync.outer_step, moved, sync.metrics()
+
+    results = InProcessGroup(2).run(member)
+    assert results[0][0] == results[1][0]  # the replicas' committed states agree
+    assert all(r[1] > 0 and r[2] for r in results)
+    assert results[0][3]["bytes_sent"] > 0
+
+
+def test_users_optimizer_keeps_its_lr_and_an_injected_outer_optimizer_is_used() -> None:
+    """Outer SGD lr 1 without momentum is plain averaging: after a round both replicas hold the
+    mean of their local parameters (by hand), and the user's lr was not rescheduled."""
+
+    def member(rank: int, collective):  # noqa: ANN001, ANN202
+        with _INIT:
+            torch.manual_seed(0)
+            model = Tiny()
+        opt = torch.optim.SGD(model.parameters(), lr=0.05)
+        sync = farlink.Optimizer(
+            model, opt, collective=collective, index=rank, backend="inprocess",
+            algorithm="diloco", inner_steps=3,
+            outer_optimizer=lambda params: torch.optim.SGD(params, lr=1.0))
+        for step in range(2):
+            x, y = data(rank, step)
+            nn.functional.mse_loss(model(x), y).backward()
+            sync.step(tokens=16)
+        local = [p.detach().clone() for p in model.parameters()]
+        x, y = data(rank, 2)
+        nn.functional.mse_loss(model(x), y).backward()
+        with torch.no_grad():  # what the third inner step will leave (plain SGD, by hand)
+            stepped = [p - 0.05 * p.grad for p in model.parameters()]
+        outcome = sync.step(tokens=16)
+        assert outcome.committed and opt.param_groups[0]["lr"] == 0.05
+        return local, stepped, [p.detach().clone() for p in model.parameters()]
+
+    (_, s0, p0), (_, s1, p1) = InProcessGroup(2).run(member)
+    for a, b, after0, after1 in zip(s0, s1, p0, p1):
+        torch.testing.assert_close(after0, (a + b) / 2)
+        assert torch.equal(after0, after1)
+
+
+def test_authenticated_run_through_the_api() -> None:
+    def member(rank: int, collective):  # noqa: ANN001, ANN202
+        model, sync = replica(rank, collective, algorithm="diloco", inner_steps=4,
+                              auth="secret", secret="s3cret", codec="int8")
+        user_loop(sync, model, rank, 0, 8)
+        return sync.fingerprint(), sync.algorithm.last_exchange.accepted, sync.ledger.peers()
+
+    (f0, accepted, peers), (f1, _, _) = InProcessGroup(2).run(member)
+    assert f0 == f1 and len(accepted) == 2 and peers == sorted(accepted)
+
+
+@pytest.mark.parametrize("algorithm", ["diloco", "streaming_diloco", "ddp", "demo"])
+def test_api_checkpoint_resumes_bit_for_bit(tmp_path: Path, algorithm: str) -> None:
+    """One replica alone: 12 steps straight, against 7 + save + a fresh process's objects + load
+    + 5; parameters and the committed state end identical, bit for bit."""
+
+    def run(steps: list[tuple[int, int]]) -> tuple[list[torch.Tensor], str]:
+        ckpt = tmp_path / f"{algorithm}-{len(steps)}"
+        for start, stop in steps:
+            model, sync = replica(0, None, algorithm=algorithm, inner_steps=5, codec="int8+ef",
+                                  fragments=2, overlap_steps=1)
+            meta = sync.load(ckpt)
+            assert (meta or {}).get("step", 0) == start
+            user_loop(sync, model, 0, start, stop)
+            sync.save(ckpt, step=stop)
+            sync.close()
+        return [p.detach().clone() for p in model.parameters()], sync.fingerprint()
+
+    straight, f_straight = run([(0, 12)])
+    resumed, f_resumed = run([(0, 7), (7, 12)])
+    assert f_straight == f_resumed
+    assert all(torch.equal(a, b) for a, b in zip(straight, resumed))
+
+
+def test_options_that_do_not_exist_or_conflict_are_clear_errors() -> None:
+    model = Tiny()
+    with pytest.raises(ValueError, match="inner_stepz"):
+        farlink.Optimizer(model, backend="inprocess", inner_stepz=5)
+    other = torch.optim.SGD(Tiny().parameters(), lr=0.1)
+    with pytest.raises(ValueError, match="exactly the model's trainable parameters"):
+        farlink.Optimizer(model, other, backend="inprocess")
+    with pytest.raises(ValueError, match="needs steps"):
+        farlink.Optimizer(model, backend="inprocess")  # farlink's schedule needs the length
+    with pytest.raises(ValueError, match="Lighthouse"):
+        farlink.Optimizer(model, torch.optim.SGD(model.parameters(), lr=0.1), backend="torchft")
+
+
+def test_capabilities_answer_what_config_and_planner_used_to_list_by_name() -> None:
+    """DeMo syncs every step: the config used to say only DDP did (the planner said both)."""
+    from farlink.plan import planned_algorithms, predict_round
+
+    assert RunConfig(algorithm="demo").sync_every == 1
+    for algorithm in planned_algorithms():
+        cfg = RunConfig(algorithm=algorithm, inner_steps=7)
+        codec = "dct_topk:64:32" if capabilities(algorithm).wire_codec else "fp32"
+        pred = predict_round(algorithm, 4, 1.0, 1e9, 0.01, n_params=1e6, inner_steps=7,
+                             fragments=1, codec=codec)
+        assert pred.steps_per_round == cfg.sync_every, algorithm
+    with pytest.raises(ValueError, match="round_seconds"):
+        RunConfig(algorithm="demo", round_seconds=5)
+    with pytest.raises(ValueError, match="torchft"):
+        RunConfig(algorithm="hierarchical_diloco", backend="hivemind")
+
+
+# --- the examples, as real processes on real torchft -------------------------------------------
+def run_example(name: str, workdir: Path, *args: str) -> list[dict]:
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
+    proc = subprocess.run([sys.executable, str(ROOT / "examples" / name), "--workdir",
+                           str(workdir), *args], capture_output=True, text=True, env=env,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "replicas agree: True" in proc.stdout
+    return [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+
+
+def test_own_model_example_two_torchft_replicas_then_resume(tmp_path: Path) -> None:
+    first = run_example("own_model.py", tmp_path, "--steps", "30")
+    assert len(first) == 2 and {r["outer_steps"] for r in first} == {3}
+    assert all(r["heldout_after"] < r["heldout_before"] for r in first)
+    # the same command with a longer budget resumes both replicas from their checkpoints
+    again = run_example("own_model.py", tmp_path, "--steps", "50")
+    assert {r["outer_steps"] for r in again} == {5}
+    assert len({r["fingerprint"] for r in again}) == 1
+
+
+def test_hf_llama_example_learns_on_two_torchft_replicas(tmp_path: Path) -> None:
+    pytest.importorskip("transformers")
+    results = run_example("hf_llama.py", tmp_path, "--steps", "40")
+    assert len(results) == 2
+    assert all(r["heldout_after"] < math.log(64) / 2 and r["outer_steps"] > 0 for r in results)
+
+
+def test_the_examples_loops_add_at_most_ten_lines() -> None:
+    for name in ("own_model.py", "hf_llama.py"):
+        text = (ROOT / "examples" / name).read_text()
+        added = [line for line in text.splitlines() if line.rstrip().endswith("# farlink")
+                 or "# farlink:" in line]
+        assert 0 < len(added) <= 10, (name, len(added))
