@@ -145,6 +145,34 @@ def test_api_checkpoint_resumes_bit_for_bit(tmp_path: Path, algorithm: str) -> N
     assert all(torch.equal(a, b) for a, b in zip(straight, resumed))
 
 
+def test_a_newcomer_heals_from_a_live_replica_through_the_api(tmp_path: Path) -> None:
+    """Replica 0 resumes a checkpoint two outer steps in; replica 1 starts from another init and
+    joins: its zero-weight first round loads replica 0's verified state, and from then on both
+    hold the same committed state."""
+    model, alone = replica(0, None, algorithm="diloco", inner_steps=5)
+    user_loop(alone, model, 0, 0, 10)
+    alone.save(tmp_path)
+    assert alone.outer_step == 2
+
+    def member(rank: int, collective):  # noqa: ANN001, ANN202
+        model, sync = replica(rank, collective, algorithm="diloco", inner_steps=5)
+        if rank == 0:
+            assert sync.load(tmp_path)["outer_step"] == 2
+            user_loop(sync, model, 0, 10, 15)  # its regular round at step 15
+        else:
+            with torch.no_grad():
+                for p in model.parameters():
+                    p.add_(1.0)  # not the run's state
+            outcome = sync.join()
+            assert outcome.committed and sync.algorithm.last_round.healed
+        joined = sync.fingerprint()
+        user_loop(sync, model, rank, 15, 20)
+        return joined, sync.fingerprint(), sync.outer_step
+
+    (j0, f0, o0), (j1, f1, o1) = InProcessGroup(2).run(member)
+    assert j0 == j1 and f0 == f1 and o0 == o1 == 4
+
+
 def test_options_that_do_not_exist_or_conflict_are_clear_errors() -> None:
     model = Tiny()
     with pytest.raises(ValueError, match="inner_stepz"):
@@ -154,6 +182,9 @@ def test_options_that_do_not_exist_or_conflict_are_clear_errors() -> None:
         farlink.Optimizer(model, other, backend="inprocess")
     with pytest.raises(ValueError, match="needs steps"):
         farlink.Optimizer(model, backend="inprocess")  # farlink's schedule needs the length
+    with pytest.raises(ValueError, match="no injected outer optimizer"):
+        farlink.Optimizer(model, torch.optim.SGD(model.parameters(), lr=0.1), backend="inprocess",
+                          algorithm="ddp", outer_optimizer=lambda p: torch.optim.SGD(p, lr=1))
     with pytest.raises(ValueError, match="Lighthouse"):
         farlink.Optimizer(model, torch.optim.SGD(model.parameters(), lr=0.1), backend="torchft")
 

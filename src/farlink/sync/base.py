@@ -28,8 +28,8 @@ import logging
 import math
 import time
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
@@ -72,6 +72,7 @@ class Capabilities:
     backends: tuple[str, ...] = ("torchft", "hivemind", "inprocess")
     planned: bool = True  # the planner (farlink plan) models its rounds
     inner_optimizer: bool = True  # it steps an inner optimizer (DeMo replaces it)
+    outer_optimizer: bool = False  # an outer optimizer can be injected (DiLoCo family)
     wire_codec: str | None = None  # the codec family it must send with (DeMo: dct_topk)
 
 
@@ -218,6 +219,8 @@ class SyncAlgorithm(ABC):
             self.inner_opt = inner_optimizer
         else:
             self.inner_opt = self.default_inner_optimizer(self.params, options)
+        if outer_optimizer is not None and not self.capabilities.outer_optimizer:
+            raise ValueError(f"{self.name} takes no injected outer optimizer")
         self.outer_factory = outer_optimizer
         self.inner_steps_done = 0
         self.outer_step = 0

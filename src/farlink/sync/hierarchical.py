@@ -123,7 +123,7 @@ class HierarchicalDiLoCo(SyncAlgorithm):
     name = "hierarchical_diloco"
     Options = HierarchicalOptions
     capabilities = Capabilities(time_budget=True, islands=True, backends=("torchft",),
-                                planned=False)
+                                planned=False)  # its hand-off carries SGD's momentum
 
     @classmethod
     def check_run(cls, cfg) -> None:  # noqa: ANN001 - a RunConfig
@@ -142,9 +142,6 @@ class HierarchicalDiLoCo(SyncAlgorithm):
 
     def __init__(self, *args, global_exchange: Exchange | None = None, **kwargs) -> None:
         super().__init__(*args, **kwargs)
-        if self.outer_factory is not None:
-            raise ValueError("hierarchical_diloco hands off Nesterov SGD's momentum between "
-                             "island members; it takes no other outer optimizer")
         if self.cfg.steps is None:
             raise ValueError("hierarchical_diloco needs steps (its last global round is "
                              "synchronous, so the run's end must be known)")

@@ -70,7 +70,7 @@ class StreamingOptions(DiLoCoOptions):
 class StreamingDiLoCo(DiLoCo):
     name = "streaming_diloco"
     Options = StreamingOptions
-    capabilities = Capabilities(fragments=True)
+    capabilities = Capabilities(fragments=True, outer_optimizer=True)
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
