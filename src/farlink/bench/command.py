@@ -64,14 +64,32 @@ def register(app: typer.Typer, bench_app: typer.Typer) -> None:
     def churn(
         out: Path = typer.Option(Path("bench/churn"), help="output directory"),
         rates: list[float] = typer.Option([0.0, 1.0, 4.0], help="kills per 100 outer steps"),
-        steps: int = typer.Option(2000, help="inner steps per worker"),
-        inner_steps: int = typer.Option(20, help="H"),
+        steps: int | None = typer.Option(
+            None, help="inner steps per worker (default 2000; --long: 6000)"),
+        inner_steps: int | None = typer.Option(None, help="H (default 20; --long: 10)"),
         workers: int = typer.Option(4, help="worker processes"),
+        long: bool = typer.Option(
+            False, "--long", help="instead of kill rates: a schedule of SIGKILLs aimed at every "
+            "moment (inner step, round, checkpoint write, heal), Lighthouse kills and damaged "
+            "checkpoints"),
+        kills: int = typer.Option(100, help="--long: worker SIGKILLs"),
+        lighthouse_kills: int = typer.Option(2, help="--long: Lighthouse SIGKILLs"),
+        corruptions: int = typer.Option(3, help="--long: checkpoints damaged on disk"),
+        seed: int = typer.Option(0, help="--long: schedule and victims"),
     ) -> None:
         """Loss vs tokens with workers SIGKILLed and restarted; audits lost committed progress."""
-        from farlink.bench.churn import run
+        from farlink.bench.churn import run, run_long
 
-        result = run(out, rates, steps, inner_steps, workers)
+        if long:
+            result = run_long(out, kills, lighthouse_kills, corruptions, steps or 6000,
+                              inner_steps or 10, workers, seed)
+            columns = ["worker_sigkills", "lighthouse_sigkills", "corrupted_checkpoints",
+                       "corrupt_checkpoints_refused", "outer_steps", "consistent",
+                       "lost_committed_tokens", "wall_s"]
+            print_rows([result], columns, "farlink bench churn --long")
+            print(f"SIGKILLs by moment: {result['sigkills_by_moment']}")
+            return
+        result = run(out, rates, steps or 2000, inner_steps or 20, workers)
         print_rows(result["rows"], ["kills_per_100_outer_steps", "kills", "outer_steps",
                                     "consistent", "lost_committed_tokens", "final_heldout_loss"],
                    "farlink bench churn")
