@@ -189,8 +189,8 @@ def _report_checkpoint_fallbacks(fallbacks: list[dict]) -> None:
         instead = (f"resumed from {Path(f['resumed_from']).name}" if f["resumed_from"]
                    else "no intact checkpoint left: started from the initial state")
         console.print(f"[yellow]{f['worker']}: {f['reason']}; set aside as "
-                      f"{Path(f['rejected']).name}, {instead}; a live peer ahead of it replaces "
-                      "its state at the first quorum[/]")
+                      f"{Path(f['rejected']).name}, {instead}; a live peer ahead of it, if any, "
+                      "heals it at its first quorum[/]")
 
 
 def _progress_state(cfg: RunConfig) -> tuple[int, float | None, float | None]:

@@ -20,8 +20,8 @@ import torch
 
 from farlink import interrupt
 from farlink.config import RunConfig
-from farlink.train.checkpoint import (EXIT_DISK_FULL, DiskFull, is_disk_full,
-                                      load_newest_intact, save_checkpoint)
+from farlink.train.checkpoint import (EXIT_DISK_FULL, TEMP_PREFIX, DiskFull, is_disk_full,
+                                      load_newest_intact, remove_stale_temps, save_checkpoint)
 from farlink.train.metrics import MetricsLog
 
 log = logging.getLogger("farlink.worker")
@@ -179,7 +179,7 @@ class Worker:
         path, tensors, meta = restored.path, restored.tensors, restored.meta
         if path is None:
             log.warning("no intact checkpoint under %s; starting from the initial state (a live "
-                        "peer ahead of it replaces that state at the first quorum)", self.ckpt_dir)
+                        "peer ahead of it, if any, heals it at its first quorum)", self.ckpt_dir)
             if restored.rejected:
                 self.metrics.write("resume", worker=self.replica_id, path=None, inner_steps=0,
                                    fell_back=True)
@@ -190,8 +190,8 @@ class Worker:
                 f"not {self.cfg.algorithm!r}"
             )
         if restored.rejected:
-            log.warning("resuming from the older checkpoint %s; a live peer ahead of it "
-                        "replaces its state at the first quorum", path)
+            log.warning("resuming from the older checkpoint %s; a live peer ahead of it, if "
+                        "any, heals it at its first quorum", path)
         self.algo.load_state_dict(tensors)
         torch.set_rng_state(tensors["rng.torch"])
         self.sampler.load_state_dict(meta["sampler"])
@@ -324,9 +324,10 @@ class Worker:
 
         final = self.cfg.run_dir / "final"
         path = final / f"{self.replica_id}.safetensors"
-        tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+        tmp = path.with_name(f".{path.name}{TEMP_PREFIX}{os.getpid()}")
         try:
             final.mkdir(parents=True, exist_ok=True)
+            remove_stale_temps(final)
             save_model(self.model, str(tmp))
             digest = hashlib.sha256(tmp.read_bytes()).hexdigest()
             os.replace(tmp, path)
