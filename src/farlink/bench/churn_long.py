@@ -231,6 +231,8 @@ class LongChurn:
 
     # --- the run -----------------------------------------------------------------------------
     def run(self, kills: int, lighthouse_kills: int, corruptions: int) -> dict:
+        self.targets = {"worker_sigkills": kills, "lighthouse_sigkills": lighthouse_kills,
+                        "corrupted_checkpoints": corruptions}
         cfg = self.cfg
         write_run_config(cfg)
         from farlink.data import prepare_data
@@ -283,7 +285,7 @@ class LongChurn:
         tokens_per_round = cfg.inner_steps * cfg.batch_size * cfg.seq_len * cfg.workers
         by_moment = {m: sum(e["moment"] == m for e in kills)
                      for m in sorted({e["moment"] for e in kills})}
-        return {
+        result = {
             "workers": cfg.workers, "steps": cfg.steps, "inner_steps": cfg.inner_steps,
             "worker_sigkills": len(kills),
             "sigkills_by_moment": by_moment,
@@ -303,11 +305,15 @@ class LongChurn:
             "final_heldout_loss": summary["final_heldout_loss"],
             "first_eval_loss": audit["first_eval_loss"],
             "returncodes": [v.proc.returncode for v in self.workers.values()],
+            "targets": self.targets,
             "wall_s": round(time.time() - self.t0, 1),
             "driver_offset_s": round(self.t0 - self._first_record_time(), 3),
             "events": self.events,
             "evals": summary["evals"],
         }
+        # the run ends at --steps; faults still scheduled then are not injected
+        result["targets_met"] = all(result[k] >= v for k, v in self.targets.items())
+        return result
 
 
 def run_long_churn(cfg: RunConfig, kills: int = 100, lighthouse_kills: int = 2,

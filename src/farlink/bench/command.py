@@ -88,6 +88,9 @@ def register(app: typer.Typer, bench_app: typer.Typer) -> None:
                        "lost_committed_tokens", "wall_s"]
             print_rows([result], columns, "farlink bench churn --long")
             print(f"SIGKILLs by moment: {result['sigkills_by_moment']}")
+            if not result["targets_met"]:
+                print(f"the run ended before every fault was injected ({result['targets']}); "
+                      "raise --steps")
             return
         result = run(out, rates, steps or 2000, inner_steps or 20, workers)
         print_rows(result["rows"], ["kills_per_100_outer_steps", "kills", "outer_steps",
