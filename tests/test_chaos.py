@@ -38,7 +38,7 @@ def test_long_churn_kills_at_every_moment_and_survives_lighthouse_and_disk_damag
 
     cfg = load_config(None, {
         "workers": 4, "steps": 300, "inner_steps": 10, "min_replicas": 2, "log_every": 1,
-        "join_timeout": 5, "heartbeat_timeout": 2, "round_timeout": 15, "quorum_timeout": 90,
+        "join_timeout": 30, "heartbeat_timeout": 2, "round_timeout": 15, "quorum_timeout": 90,
         "run_dir": tmp_path / "run", "cache_dir": cache_dir, "warmup_steps": 20,
     })
     result = run_long_churn(cfg, kills=8, lighthouse_kills=1, corruptions=2, seed=3,

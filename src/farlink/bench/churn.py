@@ -112,7 +112,10 @@ def run_long(out: Path, kills: int, lighthouse_kills: int, corruptions: int, ste
 
     cfg = load_config(None, {
         "steps": steps, "inner_steps": inner_steps, "workers": workers, "min_replicas": 2,
-        "join_timeout": 5, "heartbeat_timeout": 2, "round_timeout": 15, "quorum_timeout": 90,
+        # a live worker slowed by a busy machine is waited for (a dead one stops heartbeating
+        # and is dropped after 2 s): one left out of the last round would wait for a quorum
+        # that never comes
+        "join_timeout": 30, "heartbeat_timeout": 2, "round_timeout": 15, "quorum_timeout": 90,
         # every inner step logged: the driver aims its kills by the workers' own records
         "log_every": 1, "eval_every": 10, "run_dir": out / "runs" / "long",
     })

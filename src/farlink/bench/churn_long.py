@@ -115,7 +115,8 @@ class LongChurn:
         os.kill(view.proc.pid, signal.SIGKILL)
         view.proc.wait()
         ckpt = self.cfg.run_dir / "checkpoints" / f"w{view.index}"
-        torn = [p.name for p in ckpt.glob(f"{TEMP_PREFIX}*")] if ckpt.is_dir() else []
+        torn = [p.name for p in ckpt.glob(f"{TEMP_PREFIX}*{view.proc.pid}")] \
+            if ckpt.is_dir() else []  # what this very kill left half-written
         event = {"event": "kill", "worker": view.index, "aimed": aimed, "moment": moment,
                  "step": view.last.get("step"), "outer_step": self.committed(),
                  "time": round(time.time() - self.t0, 3), "torn_files": torn}
@@ -277,6 +278,7 @@ class LongChurn:
 
     def result(self) -> dict:
         cfg = self.cfg
+        self._refresh()  # the records written after the last fault
         audit = audit_run(cfg.run_dir)
         summary = summarize(cfg)
         kills = [e for e in self.events if e["event"] == "kill"]
