@@ -154,3 +154,23 @@ def test_options_and_errors() -> None:
     with pytest.raises(ValueError, match="drop --codec"):
         _algo(group.member(0), codec="int8")
     assert math.isclose(64 / 4096, 0.015625)
+
+
+def test_a_failed_round_leaves_the_accumulator_as_it_was() -> None:
+    group = InProcessGroup(1)
+    collective = group.member(0)
+    algo = _algo(collective, round_retries=0)
+    _rounds(algo, 0, range(1), [])  # a committed round leaves a residual in e
+    errors, globals_ = [e.clone() for e in algo.error], [g.clone() for g in algo.global_params]
+    assert any(e.abs().sum() > 0 for e in errors)
+    commit = collective.commit
+    collective.commit = lambda: (commit(), False)[1]  # every peer reports the round failed
+    with torch.no_grad():
+        for p, g in zip(algo.params, algo.global_params):
+            p.copy_(g - _drift(0, 7, g.shape))
+    algo.tokens_since_sync = 100
+    assert not algo.sync().committed
+    for e, before in zip(algo.error, errors):
+        torch.testing.assert_close(e, before, rtol=0, atol=0)
+    for g, before in zip(algo.global_params, globals_):
+        torch.testing.assert_close(g, before, rtol=0, atol=0)
