@@ -68,10 +68,11 @@ def probe_variants(inner_steps: int) -> list[tuple[str, dict]]:
 
 
 def probe(out: Path, steps: int, inner_steps: int, workers: int, only: list[str] | None,
-          extra: dict | None = None) -> dict:
+          extra: dict | None = None, tag: str = "") -> dict:
     """Train the selected :func:`probe_variants` in-process (see :mod:`farlink.bench.inprocess`),
     one JSON row per variant under ``out/probe/`` (kept: a later call only adds), then the table
-    of every row there against DDP: ``out/probe.json`` and ``out/probe_loss_vs_bytes.png``."""
+    of every row there against DDP: ``out/probe.json`` and ``out/probe_loss_vs_bytes.png``.
+    ``extra`` overrides options of the selected variants; ``tag`` is appended to their labels."""
     import json
 
     from farlink.bench.inprocess import train_in_process
@@ -82,8 +83,8 @@ def probe(out: Path, steps: int, inner_steps: int, workers: int, only: list[str]
     for label, overrides in probe_variants(inner_steps):
         if only and label not in only:
             continue
-        row = train_in_process(label, {**base, **overrides})
-        (rows_dir / f"{label}.json").write_text(json.dumps(row, indent=1))
+        row = train_in_process(label + tag, {**base, **overrides})
+        (rows_dir / f"{label}{tag}.json").write_text(json.dumps(row, indent=1))
     rows = [json.loads(p.read_text()) for p in sorted(rows_dir.glob("*.json"))]
     ddp = next((r for r in rows if r["config"]["algorithm"] == "ddp"), None)
     for r in rows:

@@ -60,7 +60,7 @@ def train_in_process(label: str, values: dict[str, Any], eval_points: int = 4) -
                               "loss": evaluate(model, heldout)})
         algo.finish()
         return {"evals": evals, "bytes_sent": collective.stats.bytes_sent,
-                "final_loss": evaluate(model, heldout)}
+                "final_loss": evaluate(model, heldout), "params": sum(p.numel() for p in algo.params)}
 
     results = InProcessGroup(cfg.workers).run(member, timeout=24 * 3600)
     tokens = cfg.steps * cfg.batch_size * cfg.seq_len  # per worker
@@ -71,6 +71,7 @@ def train_in_process(label: str, values: dict[str, Any], eval_points: int = 4) -
         "final_heldout_loss": results[0]["final_loss"],
         "worker_losses": [r["final_loss"] for r in results],
         "evals": results[0]["evals"],
+        "params": results[0]["params"],
         "tokens_per_worker": tokens,
         "bytes_per_worker": bytes_sent,
         "bytes_per_token": bytes_sent / tokens,
