@@ -45,6 +45,28 @@ def register(app: typer.Typer, bench_app: typer.Typer) -> None:
                                     "bytes_per_worker", "bytes_reduction_vs_ddp",
                                     "compute_utilization", "wall_s"], "farlink bench algorithms")
 
+    @bench_app.command("probe")
+    def probe(
+        out: Path = typer.Option(Path("bench/algorithms"), help="output directory"),
+        steps: int = typer.Option(150, help="inner steps per worker (the token budget)"),
+        inner_steps: int = typer.Option(15, help="H for the local-update algorithms"),
+        workers: int = typer.Option(4, help="workers (threads of one process)"),
+        only: list[str] | None = typer.Option(None, help="run only these labels"),
+        warmup_steps: int = typer.Option(10, help="inner lr warmup"),
+        outer_lr: float | None = typer.Option(None, help="outer lr of the selected variants"),
+        tag: str = typer.Option("", help="appended to the selected variants' labels"),
+    ) -> None:
+        """Frontier candidates with the workers as threads of one process (cheap sweeps)."""
+        from farlink.bench.algorithms import probe as run_probe
+
+        extra = {"warmup_steps": warmup_steps, "eval_batches": 8}
+        if outer_lr is not None:
+            extra["outer_lr"] = outer_lr
+        result = run_probe(out, steps, inner_steps, workers, only, extra, tag)
+        print_rows(result["rows"], ["label", "final_heldout_loss", "loss_vs_ddp",
+                                    "bytes_per_token", "bytes_per_token_reduction_vs_ddp"],
+                   "farlink bench probe")
+
     @bench_app.command("overhead")
     def overhead(
         out: Path = typer.Option(Path("bench/overhead"), help="output directory"),
