@@ -69,3 +69,60 @@ def test_pipelined_gradients_equal_unsplit_model(n_stages: int) -> None:
     for name, g in expected.items():
         assert torch.allclose(grads[name], g, atol=1e-5, rtol=0), name
     assert trainer.bytes["activations"] > 0 and trainer.bytes["gradients"] > 0
+
+
+@pytest.mark.parametrize("spec", ["fp32", "int8", "int4", "topk:0.1"])
+def test_frame_bytes_are_header_plus_codec_payloads(spec: str) -> None:
+    import json
+    import struct
+
+    from farlink.codecs import make_codec
+    from farlink.parallel import wire
+
+    y = torch.randn(2, 16, 32)
+    targets = torch.randint(0, 97, (2, 16))
+    message = wire.Message("loss", {"scale": 0.25}, {"x": y, "targets": targets.to(torch.int32)})
+    frame = wire.encode(message, {"x": spec})
+    (hlen,) = struct.unpack_from("<I", frame, 4)
+    header = json.loads(frame[8:8 + hlen])
+    codec = make_codec(spec)
+    assert len(frame) == 8 + hlen + len(codec.encode(y)) + 4 * targets.numel()
+    assert len(frame) <= 8 + hlen + codec.max_payload_nbytes(tuple(y.shape)) + 4 * targets.numel()
+    received = wire.decode(frame[4:])
+    assert received.nbytes == len(frame)
+    assert torch.equal(received.tensors["targets"], targets)
+    assert [t["codec"] for t in header["tensors"]] == [make_codec(spec).name, "raw"]
+    if spec == "fp32":
+        assert torch.equal(received.tensors["x"], y)
+    if spec == "int8":  # blockwise absmax: off by at most half a step of the block's scale
+        bound = y.reshape(-1, 64).abs().amax(1) / 127 / 2
+        error = (received.tensors["x"] - y).reshape(-1, 64).abs().amax(1)
+        assert bool((error <= bound * 1.01 + 1e-8).all())
+
+
+def test_compressed_activations_cut_bytes_by_the_codec_ratio_and_keep_gradients_close() -> None:
+    """Activations wide enough that frame headers are a few percent of the fp32 payload."""
+    wide = GPTConfig(vocab_size=97, n_layer=2, n_head=2, d_model=128, d_ff=128, seq_len=32)
+    tokens, targets = batch(3, config=wide)
+    runs = {}
+    for spec in ("fp32", "int8", "int4"):
+        peers = start_pipeline(wide, 2)
+        try:
+            trainer = PipelineTrainer([[p.address for p in stage] for stage in peers],
+                                      micro_batches=4, activation_codec=spec)
+            trainer.forward_backward(tokens, targets)
+            runs[spec] = (trainer.gradients(), dict(trainer.bytes))
+        finally:
+            stop_pipeline(peers)
+    exact, fp32_bytes = runs["fp32"]
+    numel = 2 * wide.seq_len * wide.d_model  # one micro-batch's activations
+    for spec, ratio in (("int8", 4 * numel / (numel + numel // 64 * 2)),
+                        ("int4", 4 * numel / (numel // 2 + numel // 64 * 2))):
+        grads, nbytes = runs[spec]
+        for kind in ("activations", "gradients"):
+            measured = fp32_bytes[kind] / nbytes[kind]
+            assert ratio * 0.85 < measured <= ratio, (spec, kind, measured, ratio)
+        for name, g in exact.items():
+            cosine = torch.nn.functional.cosine_similarity(grads[name].flatten(), g.flatten(), 0)
+            assert cosine > (0.99 if spec == "int8" else 0.9), (spec, name, float(cosine))
+        assert not torch.equal(grads["blocks.0.mlp.up.weight"], exact["blocks.0.mlp.up.weight"])

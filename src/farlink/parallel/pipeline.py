@@ -100,8 +100,11 @@ class PipelineTrainer:
 
     def call(self, peer: str, message: wire.Message, kind: str = "control",
              codecs: dict[str, str] | None = None,
-             reply_codecs: dict[str, str] | None = None) -> wire.Message:
-        """One request and its reply; PeerFailure when the peer is unreachable or dies."""
+             reply_codecs: dict[str, str] | None = None,
+             reply_kind: str | None = None) -> wire.Message:
+        """One request and its reply; PeerFailure when the peer is unreachable or dies. Frame
+        bytes are counted under ``kind`` (the reply's under ``reply_kind``, default the same):
+        ``tokens``, ``activations``, ``gradients``, ``tied``, ``averaging``, ``control``."""
         if reply_codecs:
             message.meta["reply_codecs"] = reply_codecs
         try:
@@ -110,13 +113,13 @@ class PipelineTrainer:
                 reply = wire.recv(sock)
         except OSError as exc:  # refused, reset, closed mid-message, timed out
             raise PeerFailure(f"stage peer {peer}: {exc}") from exc
-        self._count(kind, reply.nbytes)
+        self._count(reply_kind or kind, reply.nbytes)
         if reply.op == "error":
             raise StageError(f"stage peer {peer}: {reply.meta.get('error')}")
         return reply
 
     # -- one micro-batch ----------------------------------------------------------------------
-    def _timed(self, stage: int, message: wire.Message, kind: str,
+    def _timed(self, stage: int, message: wire.Message, kind: str, reply_kind: str,
                codecs: dict[str, str] | None, reply_codecs: dict[str, str] | None,
                stats: dict) -> tuple[str, wire.Message]:
         """Send to the best live peer of ``stage``, re-routing until one answers."""
@@ -125,7 +128,8 @@ class PipelineTrainer:
             started = time.perf_counter()
             try:
                 reply = self.call(peer, wire.Message(message.op, dict(message.meta),
-                                                     message.tensors), kind, codecs, reply_codecs)
+                                                     message.tensors), kind, codecs, reply_codecs,
+                                  reply_kind)
             except PeerFailure:
                 self._peer_failed(peer, stats)
                 continue
@@ -151,13 +155,14 @@ class PipelineTrainer:
             key = f"{self.steps}:{next(self._keys)}"
             message = wire.Message("forward", {"mb": key}, {"x": inputs[s]})
             peer, reply = self._timed(s, message, "tokens" if s == 0 else "activations",
-                                      act if s else None, {"y": self.activation_codec}, stats)
+                                      "activations", act if s else None,
+                                      {"y": self.activation_codec}, stats)
             inputs.append(reply.tensors["y"])
             peers.append(peer)
             keys.append(key)
         message = wire.Message("loss", {"scale": scale},
                                {"x": inputs[last], "targets": targets.to(torch.int32)})
-        peer, reply = self._timed(last, message, "activations", act,
+        peer, reply = self._timed(last, message, "activations", "gradients", act,
                                   {"dx": self.gradient_codec}, stats)
         self._served_by(peer)
         loss, dy = reply.meta["loss"], reply.tensors["dx"]
@@ -182,7 +187,7 @@ class PipelineTrainer:
             key = f"{self.steps}:{next(self._keys)}"
             message = wire.Message("forward", {"mb": key}, {"x": x})
             peer, _ = self._timed(s, message, "tokens" if s == 0 else "activations",
-                                  {"x": self.activation_codec} if s else None,
+                                  "activations", {"x": self.activation_codec} if s else None,
                                   {"y": self.activation_codec}, stats)
 
     def _served_by(self, peer: str) -> None:
