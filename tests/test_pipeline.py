@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from farlink.model import GPT, GPTConfig
+from farlink.parallel import wire
 from farlink.parallel.peers import start_pipeline, stop_pipeline
 from farlink.parallel.pipeline import PipelineTrainer
 from farlink.parallel.stages import build_stage, model_parameter_name, stage_bounds
@@ -77,7 +78,6 @@ def test_frame_bytes_are_header_plus_codec_payloads(spec: str) -> None:
     import struct
 
     from farlink.codecs import make_codec
-    from farlink.parallel import wire
 
     y = torch.randn(2, 16, 32)
     targets = torch.randint(0, 97, (2, 16))
@@ -126,3 +126,102 @@ def test_compressed_activations_cut_bytes_by_the_codec_ratio_and_keep_gradients_
             cosine = torch.nn.functional.cosine_similarity(grads[name].flatten(), g.flatten(), 0)
             assert cosine > (0.99 if spec == "int8" else 0.9), (spec, name, float(cosine))
         assert not torch.equal(grads["blocks.0.mlp.up.weight"], exact["blocks.0.mlp.up.weight"])
+
+
+def test_router_sends_more_to_faster_peers_and_skips_failed_ones() -> None:
+    from farlink.parallel.swarm_router import StageUnavailable, ThroughputRouter
+
+    router = ThroughputRouter([["a", "b"], ["fast", "slow"]])
+    seconds = {"fast": 1.0, "slow": 3.0}
+    busy: list[str] = []
+    for _ in range(40):  # 4 in flight at a time, finished in order of arrival
+        busy.append(router.choose(1))
+        if len(busy) == 4:
+            peer = busy.pop(0)
+            router.finished(peer, seconds[peer])
+    served = {p: router.load[p].served for p in seconds}
+    assert served["fast"] >= 2 * served["slow"] > 0, served
+    assert router.bottleneck() == 1  # stage 0's peers were never measured: unknown = fast
+    for peer in ("a", "b"):
+        assert router.choose(0) == peer  # each unmeasured peer is tried once
+    for peer in ("a", "b"):
+        router.finished(peer, 10.0)  # 0.2 micro-batches/s together, below stage 1's 1.33
+    assert router.bottleneck() == 0
+    router.failed("fast")
+    assert {router.choose(1) for _ in range(5)} == {"slow"}
+    router.failed("slow")
+    with pytest.raises(StageUnavailable, match="stage 1 has no live peer"):
+        router.choose(1)
+
+
+def _addresses(peers) -> list[list[str]]:
+    return [[p.address for p in stage] for stage in peers]
+
+
+def _kill_when_busy(trainer: PipelineTrainer, victim, at_step: int):
+    """SIGKILL ``victim`` once the trainer is in step ``at_step`` with work on that peer."""
+    import threading
+    import time
+
+    def watch() -> None:
+        while not (trainer.steps == at_step and trainer.router.load[victim.address].in_flight):
+            time.sleep(0.001)
+        victim.kill()
+
+    thread = threading.Thread(target=watch, daemon=True)
+    thread.start()
+    return thread
+
+
+def test_killing_a_peer_of_each_stage_mid_step_loses_no_committed_step() -> None:
+    """2 stages x 2 peers: a first-stage peer is SIGKILLed during step 1 (its pending graphs
+    die: the backward pass is redone elsewhere) and a last-stage peer during step 3."""
+    peers = start_pipeline(MICRO, 2, peers_per_stage=2, slowdown=2.0)
+    try:
+        trainer = PipelineTrainer(_addresses(peers), micro_batches=4, in_flight=4,
+                                  average_every=2)
+        watchers = [_kill_when_busy(trainer, peers[0][1], 1),
+                    _kill_when_busy(trainer, peers[1][0], 3)]
+        tokens, targets = batch(10)  # one batch, again and again: its loss must fall
+        reports = [trainer.step(tokens, targets) for _ in range(6)]
+        for w in watchers:
+            w.join(timeout=5)
+        survivors = [peers[0][0].address, peers[1][1].address]
+        survivor_steps = [trainer.call(p, wire.Message("ping")).meta["steps"] for p in survivors]
+    finally:
+        stop_pipeline(peers)
+    assert [r.step for r in reports] == [1, 2, 3, 4, 5, 6]
+    assert reports[1].failed_peers == [peers[0][1].address] and reports[1].reroutes >= 1
+    assert reports[3].failed_peers == [peers[1][0].address] and reports[3].reroutes >= 1
+    assert all(r.failed_peers == [] for i, r in enumerate(reports) if i not in (1, 3))
+    assert survivor_steps == [6, 6]  # every step committed on every live peer
+    assert all(torch.isfinite(torch.tensor(r.loss)) for r in reports)
+    assert reports[-1].loss < reports[0].loss
+
+
+def test_peers_of_a_stage_average_and_a_joiner_takes_the_stage_weights() -> None:
+    from farlink.parallel.peers import start_stage_peer
+
+    peers = start_pipeline(MICRO, 2, peers_per_stage=2)
+    joiner = None
+    try:
+        trainer = PipelineTrainer(_addresses(peers), micro_batches=4, in_flight=4)
+        trainer.step(*batch(20))
+        states = [trainer.call(p.address, wire.Message("state")).tensors for p in peers[1]]
+        served = [trainer.router.load[p.address].served for p in peers[1]]
+        assert min(served) > 0, served  # both peers trained on part of the batch ...
+        name = "blocks.0.mlp.up.weight"
+        assert not torch.equal(states[0][name], states[1][name])  # ... so they drifted apart
+        trainer.average_stages()
+        states = [trainer.call(p.address, wire.Message("state")).tensors for p in peers[1]]
+        for n in states[0]:
+            assert torch.equal(states[0][n], states[1][n]), n
+        joiner = start_stage_peer(MICRO, trainer.router.bottleneck(), 2)
+        trainer.add_peer(joiner.stage, joiner.address)
+        joined = trainer.call(joiner.address, wire.Message("state")).tensors
+        donor = trainer.call(trainer.router.live(joiner.stage)[0], wire.Message("state")).tensors
+        assert all(torch.equal(joined[n], donor[n]) for n in donor)
+        report = trainer.step(*batch(21))
+        assert trainer.router.load[joiner.address].served > 0 and report.failed_peers == []
+    finally:
+        stop_pipeline(peers + ([[joiner]] if joiner else []))

@@ -56,8 +56,9 @@ class ThroughputRouter:
             if not live:
                 raise StageUnavailable(f"stage {stage} has no live peer left; start a peer for "
                                        f"it (its peers were {', '.join(self.stages[stage])})")
-            peer = min(live, key=lambda p: (self.load[p].in_flight + 1)
-                       * (self.load[p].seconds or 0.0))
+            peer = min(live, key=lambda p: ((self.load[p].in_flight + 1)
+                                            * (self.load[p].seconds or 0.0),
+                                            self.load[p].in_flight))  # ties: the less busy
             self.load[peer].in_flight += 1
             return peer
 
