@@ -225,3 +225,37 @@ def test_peers_of_a_stage_average_and_a_joiner_takes_the_stage_weights() -> None
         assert trainer.router.load[joiner.address].served > 0 and report.failed_peers == []
     finally:
         stop_pipeline(peers + ([[joiner]] if joiner else []))
+
+
+def test_placement_keeps_stage_boundaries_inside_sites_and_beats_random() -> None:
+    from farlink.parallel.placement import (
+        PipelineCost,
+        evaluate,
+        grouped_links,
+        place,
+        random_placements,
+    )
+
+    # two sites of two peers: 1 Gbit/s, 1 ms inside; home links (50 Mbit/s, 120 ms RTT) across
+    links = grouped_links([[0, 2], [1, 3]], (1000.0, 1.0), (50.0, 120.0))
+    cost = PipelineCost(activation_bytes=1e6, stage_compute_s=0.01, micro_batches=4)
+    best = place(links, 2, cost)
+    assert {frozenset(row) for row in best.grid} == {frozenset({0, 2}), frozenset({1, 3})}
+    # by hand: boundary 0.5 ms + 8 Mbit / 1 Gbit/s = 8.5 ms; fill 2 x 10 ms + 2 x 8.5 ms;
+    # then 3 more micro-batches at the 10 ms compute bottleneck
+    assert best.step_s == pytest.approx(0.020 + 0.017 + 3 * 0.010)
+    across = evaluate(links, [0, 1, 2, 3], 2, cost)  # both boundaries cross the home link
+    assert across.slowest_link_s == pytest.approx(0.060 + 8e6 / 50e6)
+    randoms = [p.step_s for p in random_placements(links, 2, cost, samples=100)]
+    assert best.step_s <= min(randoms) and best.step_s < sum(randoms) / len(randoms) / 3
+
+
+def test_placement_search_beyond_exhaustive_finds_the_site_pipelines() -> None:
+    from farlink.parallel.placement import PipelineCost, grouped_links, place
+
+    sites = [[0, 5, 7], [1, 3, 8], [2, 4, 6], [9, 10, 11]]
+    links = grouped_links(sites, (1000.0, 1.0), (50.0, 120.0))
+    best = place(links, 3, PipelineCost(activation_bytes=1e6, micro_batches=8))
+    assert {frozenset(row) for row in best.grid} == {frozenset(s) for s in sites}
+    with pytest.raises(ValueError, match="multiple of the stage count"):
+        place(links, 5, PipelineCost(activation_bytes=1.0))
