@@ -259,3 +259,17 @@ def test_placement_search_beyond_exhaustive_finds_the_site_pipelines() -> None:
     assert {frozenset(row) for row in best.grid} == {frozenset(s) for s in sites}
     with pytest.raises(ValueError, match="multiple of the stage count"):
         place(links, 5, PipelineCost(activation_bytes=1.0))
+
+
+def test_pipelined_evaluation_equals_the_unsplit_model() -> None:
+    from farlink.data import evaluate
+
+    batches = [batch(30 + i, rows=3) for i in range(2)]
+    torch.manual_seed(0)
+    expected = evaluate(GPT(MICRO), batches)
+    peers = start_pipeline(MICRO, 2)
+    try:
+        trainer = PipelineTrainer(_addresses(peers), micro_batches=1)
+        assert trainer.evaluate(batches) == pytest.approx(expected, abs=1e-5)
+    finally:
+        stop_pipeline(peers)

@@ -283,6 +283,25 @@ class PipelineTrainer:
                 except PeerFailure:
                     self.router.failed(peer)
 
+    def evaluate(self, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> float:
+        """Mean per-token held-out loss through the stages (forward only, training codecs)."""
+        stats: dict = {"reroutes": 0, "failed": []}
+        total, count = 0.0, 0
+        last = self.n_stages - 1
+        for tokens, targets in batches:
+            x = tokens
+            for s in range(last):
+                _, reply = self._timed(s, wire.Message("evaluate", {}, {"x": x}), "evaluation",
+                                       "evaluation", {"x": self.activation_codec} if s else None,
+                                       {"y": self.activation_codec}, stats)
+                x = reply.tensors["y"]
+            message = wire.Message("evaluate", {}, {"x": x, "targets": targets.to(torch.int32)})
+            _, reply = self._timed(last, message, "evaluation", "evaluation",
+                                   {"x": self.activation_codec}, None, stats)
+            total += reply.meta["loss"] * targets.numel()
+            count += targets.numel()
+        return total / count
+
     # -- membership and inspection ------------------------------------------------------------
     def add_peer(self, stage: int, peer: str) -> None:
         """A peer joins ``stage``: it takes the weights of a live peer of the stage first."""

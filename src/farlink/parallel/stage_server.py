@@ -95,6 +95,19 @@ class StageWorker:
         self.micro_batches += 1
         return wire.Message("ok", {}, {} if x is None else {"dx": x.grad})
 
+    def op_evaluate(self, request: wire.Message) -> wire.Message:
+        """Forward only, nothing kept: activations, or on the last stage the mean loss."""
+        was_training = self.stage.training
+        self.stage.eval()
+        try:
+            with torch.no_grad():
+                if self.stage.is_last:
+                    loss = self.stage.loss(request.tensors["x"], request.tensors["targets"])
+                    return wire.Message("ok", {"loss": float(loss)})
+                return wire.Message("ok", {}, {"y": self.stage(request.tensors["x"])})
+        finally:
+            self.stage.train(was_training)
+
     def op_drop(self, request: wire.Message) -> wire.Message:
         """Forget a micro-batch the trainer re-routed elsewhere (frees its activations)."""
         self.pending.pop(request.meta["mb"], None)
@@ -147,7 +160,7 @@ class StageWorker:
 
 
 #: lower runs first: finish micro-batches (backward, loss) before starting new ones
-_PRIORITY = {"loss": 0, "backward": 0, "forward": 1}
+_PRIORITY = {"loss": 0, "backward": 0, "forward": 1, "evaluate": 1}
 
 
 class StageServer:
