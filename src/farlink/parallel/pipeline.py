@@ -37,6 +37,7 @@ from farlink.comm.base import LinkModel
 from farlink.parallel import wire
 from farlink.parallel.stages import model_parameter_name
 from farlink.parallel.swarm_router import ThroughputRouter
+from farlink.sync.base import lr_at
 
 
 class PeerFailure(ConnectionError):
@@ -71,7 +72,7 @@ class PipelineTrainer:
                  in_flight: int | None = None, activation_codec: str = "fp32",
                  gradient_codec: str | None = None, lr: float = 3e-3, warmup_steps: int = 0,
                  average_every: int = 0, links: dict[str, LinkModel] | None = None,
-                 timeout: float = 120.0) -> None:
+                 timeout: float = 120.0, total_steps: int | None = None) -> None:
         if len(stages) < 2:
             raise ValueError("a pipeline needs at least 2 stages")
         if micro_batches < 1:
@@ -85,6 +86,7 @@ class PipelineTrainer:
         self.activation_codec = activation_codec
         self.gradient_codec = gradient_codec or activation_codec
         self.lr, self.warmup_steps, self.average_every = lr, warmup_steps, average_every
+        self.total_steps = total_steps
         self.links = links or {}
         self.timeout = timeout
         self.steps = 0
@@ -196,9 +198,12 @@ class PipelineTrainer:
 
     # -- one step -----------------------------------------------------------------------------
     def lr_at(self, step: int) -> float:
-        if self.warmup_steps and step < self.warmup_steps:
-            return self.lr * (step + 1) / self.warmup_steps
-        return self.lr
+        """farlink's schedule (linear warmup, then cosine decay over ``total_steps``), or a
+        constant rate after the warmup when the total is not known."""
+        if self.total_steps is None:
+            return self.lr * min(1.0, (step + 1) / self.warmup_steps) if self.warmup_steps \
+                else self.lr
+        return lr_at(step, self.lr, self.warmup_steps, self.total_steps)
 
     def step(self, tokens: torch.Tensor, targets: torch.Tensor) -> StepReport:
         """One optimizer step on ``tokens``/``targets`` ([batch, time]), split into
@@ -233,33 +238,43 @@ class PipelineTrainer:
             return [f.result() for f in futures]
 
     def _apply(self, n_micro: int, stats: dict) -> int:
-        """Sum the tied gradients across the first and last stage, then step every live peer.
-        Returns how many micro-batch gradients died with peers before this step."""
+        """Sum the tied gradients across the first and last stage, then step every live peer
+        (the peers are asked side by side). Returns how many micro-batch gradients died with
+        peers before this step."""
         last = self.n_stages - 1
+
+        def tied_grad(peer: str) -> torch.Tensor | None:
+            try:
+                return self.call(peer, wire.Message("tied_grad"), "tied").tensors["g"]
+            except PeerFailure:
+                self._peer_failed(peer, stats)
+                return None
+
         tied: dict[int, torch.Tensor] = {}
-        for s in (0, last):
-            for peer in self.router.live(s):
-                try:
-                    g = self.call(peer, wire.Message("tied_grad"), "tied").tensors["g"]
-                except PeerFailure:
-                    self._peer_failed(peer, stats)
-                    continue
-                tied[s] = g if s not in tied else tied[s] + g
+        ends = [(s, p) for s in (0, last) for p in self.router.live(s)]
+        with ThreadPoolExecutor(max(1, len(ends))) as pool:
+            for (s, _), g in zip(ends, pool.map(lambda e: tied_grad(e[1]), ends)):
+                if g is not None:
+                    tied[s] = g if s not in tied else tied[s] + g
         lost = sum(n for p, n in self._served.items() if p in stats["failed"])
         lr = self.lr_at(self.steps)
-        for s in range(self.n_stages):
-            for peer in self.router.live(s):
-                served = self._served.get(peer, 0)
-                meta = {"lr": lr, "scale": n_micro / served if served else 0.0}
-                tensors = {}
-                other_end = last if s == 0 else 0
-                if served and s in (0, last) and other_end in tied:
-                    tensors["tied"] = tied[other_end]
-                try:
-                    self.call(peer, wire.Message("step", meta, tensors), "tied" if tensors
-                              else "control")
-                except PeerFailure:
-                    self._peer_failed(peer, stats)
+
+        def step(stage: int, peer: str) -> None:
+            served = self._served.get(peer, 0)
+            meta = {"lr": lr, "scale": n_micro / served if served else 0.0}
+            other_end = last if stage == 0 else 0
+            tensors = {}
+            if served and stage in (0, last) and other_end in tied:
+                tensors["tied"] = tied[other_end]
+            try:
+                self.call(peer, wire.Message("step", meta, tensors),
+                          "tied" if tensors else "control")
+            except PeerFailure:
+                self._peer_failed(peer, stats)
+
+        everyone = [(s, p) for s in range(self.n_stages) for p in self.router.live(s)]
+        with ThreadPoolExecutor(len(everyone)) as pool:
+            list(pool.map(lambda e: step(*e), everyone))
         return lost
 
     def average_stages(self) -> None:
