@@ -66,6 +66,7 @@ def test_pipelined_gradients_equal_unsplit_model(n_stages: int) -> None:
     finally:
         stop_pipeline(peers)
     assert len(losses) == 4
+    assert all(load.in_flight == 0 for load in trainer.router.load.values())  # all work done
     assert set(grads) == set(expected)
     for name, g in expected.items():
         assert torch.allclose(grads[name], g, atol=1e-5, rtol=0), name
@@ -273,3 +274,14 @@ def test_pipelined_evaluation_equals_the_unsplit_model() -> None:
         assert trainer.evaluate(batches) == pytest.approx(expected, abs=1e-5)
     finally:
         stop_pipeline(peers)
+
+
+def test_router_counts_backward_work_it_did_not_choose() -> None:
+    from farlink.parallel.swarm_router import ThroughputRouter
+
+    router = ThroughputRouter([["a"], ["b"]])
+    router.finished(router.choose(0), 1.0)  # forward
+    router.begin("a")  # its backward goes to the same peer, unchosen
+    assert router.load["a"].in_flight == 1
+    router.finished("a", 1.0)
+    assert router.load["a"].in_flight == 0 and router.load["a"].served == 2

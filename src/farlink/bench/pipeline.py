@@ -121,7 +121,8 @@ def run(out: Path, model: str = "tiny", steps: int = 150, batch_size: int = 8,
     for row in rows[2:]:
         row["activation_bytes_reduction"] = (reference["activation_bytes_per_token"]
                                              / row["activation_bytes_per_token"])
-        row["heldout_loss_vs_fp32"] = row["final_heldout_loss"] / reference["final_heldout_loss"] - 1
+        row["heldout_loss_vs_fp32"] = (row["final_heldout_loss"]
+                                       / reference["final_heldout_loss"] - 1)
         row["meets_targets"] = (row["activation_bytes_reduction"] >= 4
                                 and abs(row["heldout_loss_vs_fp32"]) <= 0.01)
     extra = {"model": model, "steps": steps, "batch_size": batch_size, "link": link_name,

@@ -24,7 +24,6 @@ Activations and their gradients go through a codec (``activation_codec``, ``grad
 from __future__ import annotations
 
 import itertools
-import math
 import socket
 import threading
 import time
@@ -176,6 +175,7 @@ class PipelineTrainer:
                   stats: dict) -> torch.Tensor | None:
         reply_codecs = {"dx": self.gradient_codec}
         while True:
+            self.router.begin(peer)
             try:
                 started = time.perf_counter()
                 reply = self.call(peer, wire.Message("backward", {"mb": key}, {"dy": dy}),
@@ -349,7 +349,3 @@ class PipelineTrainer:
                 except OSError:
                     pass
 
-
-def tokens_per_second(reports: list[StepReport]) -> float:
-    seconds = sum(r.seconds for r in reports)
-    return sum(r.tokens for r in reports) / seconds if seconds > 0 else math.nan

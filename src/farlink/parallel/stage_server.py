@@ -108,11 +108,6 @@ class StageWorker:
         finally:
             self.stage.train(was_training)
 
-    def op_drop(self, request: wire.Message) -> wire.Message:
-        """Forget a micro-batch the trainer re-routed elsewhere (frees its activations)."""
-        self.pending.pop(request.meta["mb"], None)
-        return wire.Message("ok")
-
     def op_grads(self, request: wire.Message) -> wire.Message:
         names = request.meta.get("names") or list(self.params)
         return wire.Message("ok", {}, {n: self._grad(n) for n in names})
@@ -174,7 +169,6 @@ class StageServer:
         self.work: queue.PriorityQueue = queue.PriorityQueue()
         self._order = itertools.count()
         self.stopped = threading.Event()
-        self.bytes_sent = 0
 
     def serve_forever(self) -> None:
         threading.Thread(target=self._compute, daemon=True).start()
@@ -202,7 +196,7 @@ class StageServer:
                     self.work.put((_PRIORITY.get(request.op, 2), next(self._order), request, done))
                     done[0].wait()
                     codecs = request.meta.get("reply_codecs")
-                    self.bytes_sent += wire.send(conn, done[1], codecs, self.link)
+                    wire.send(conn, done[1], codecs, self.link)
             except (ConnectionError, OSError):
                 return
 

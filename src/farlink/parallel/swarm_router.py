@@ -62,6 +62,12 @@ class ThroughputRouter:
             self.load[peer].in_flight += 1
             return peer
 
+    def begin(self, peer: str) -> None:
+        """``peer`` takes work it was not chosen for (a backward pass goes to the peer that
+        holds the micro-batch's graph)."""
+        with self._lock:
+            self.load[peer].in_flight += 1
+
     def finished(self, peer: str, seconds: float) -> None:
         with self._lock:
             load = self.load[peer]

@@ -2,7 +2,8 @@
 
 A message is one request or reply: an operation, a small JSON header, and named tensors.
 Floating point tensors travel through a codec (``fp32`` by default; ``int8``/``int4``/``topk``
-compress activations and their gradients), integer tensors (token ids, targets) as raw int64 or int32 (received as int64).
+compress activations and their gradients), integer tensors (token ids, targets) as raw int64
+or int32 (received as int64).
 Layout, little-endian::
 
     u32 frame length | u32 header length | JSON header | tensor payloads
@@ -57,7 +58,8 @@ def encode(message: Message, codecs: dict[str, str] | None = None) -> bytes:
             spec, dtype = "raw", str(tensor.dtype).removeprefix("torch.")
             blob = tensor.detach().cpu().contiguous().numpy().tobytes()
         else:
-            raise ValueError(f"tensor {name!r}: send float, int64 or int32 tensors, got {tensor.dtype}")
+            raise ValueError(f"tensor {name!r}: send float, int64 or int32 tensors, "
+                             f"got {tensor.dtype}")
         entries.append({"name": name, "shape": list(tensor.shape), "dtype": dtype,
                         "codec": spec, "nbytes": len(blob)})
         blobs.append(blob)
