@@ -285,3 +285,21 @@ def test_router_counts_backward_work_it_did_not_choose() -> None:
     assert router.load["a"].in_flight == 1
     router.finished("a", 1.0)
     assert router.load["a"].in_flight == 0 and router.load["a"].served == 2
+
+
+def test_fixed_pipelines_wire_micro_batch_i_to_pipeline_i_mod_p() -> None:
+    peers = start_pipeline(MICRO, 2, peers_per_stage=2)
+    try:
+        # both pipelines through the first peer of stage 0: the router alone would share out
+        pipelines = [[peers[0][0].address, peers[1][1].address],
+                     [peers[0][0].address, peers[1][0].address]]
+        trainer = PipelineTrainer(_addresses(peers), micro_batches=4, pipelines=pipelines)
+        trainer.step(*batch(40))
+    finally:
+        stop_pipeline(peers)
+    served = {a: trainer.router.load[a].served for stage in _addresses(peers) for a in stage}
+    # stage 0: 4 forward + 4 backward passes on the shared peer; stage 1: 2 loss passes each
+    assert served == {peers[0][0].address: 8, peers[0][1].address: 0,
+                      peers[1][0].address: 2, peers[1][1].address: 2}
+    with pytest.raises(ValueError, match="one peer per stage"):
+        PipelineTrainer(_addresses(peers), pipelines=[[peers[0][0].address]])

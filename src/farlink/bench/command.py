@@ -183,10 +183,19 @@ def register(app: typer.Typer, bench_app: typer.Typer) -> None:
             None, help="per-peer training-state cap (default: between a stage's and the "
             "whole model's need)"),
         reuse: bool = typer.Option(False, help="read back the finished data-parallel run"),
+        placement: bool = typer.Option(
+            False, help="instead: step time of the placement chosen from a two-site link "
+            "matrix against random placements (4 peers, 2 x 2 stages)"),
     ) -> None:
         """Data parallel vs a 2-stage pipeline vs compressed activations: tokens/s, loss."""
-        from farlink.bench.pipeline import run
+        from farlink.bench.pipeline import run, run_placement
 
+        if placement:
+            found = run_placement(out, model, batch_size=batch_size,
+                                  micro_batches=micro_batches)
+            print_rows(found["rows"], ["label", "pipelines", "predicted_link_step_s",
+                                       "measured_step_s"], "farlink bench pipeline --placement")
+            return
         result = run(out, model, steps, batch_size, micro_batches, tuple(codecs), link,
                      memory_cap_mb=memory_cap_mb, reuse=reuse)
         print_rows(result["rows"], ["label", "final_heldout_loss", "tokens_per_s",

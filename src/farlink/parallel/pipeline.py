@@ -71,7 +71,9 @@ class PipelineTrainer:
                  in_flight: int | None = None, activation_codec: str = "fp32",
                  gradient_codec: str | None = None, lr: float = 3e-3, warmup_steps: int = 0,
                  average_every: int = 0, links: dict[str, LinkModel] | None = None,
-                 timeout: float = 120.0, total_steps: int | None = None) -> None:
+                 timeout: float = 120.0, total_steps: int | None = None,
+                 pipelines: list[list[str]] | None = None,
+                 path_links: dict[tuple[str, str], LinkModel] | None = None) -> None:
         if len(stages) < 2:
             raise ValueError("a pipeline needs at least 2 stages")
         if micro_batches < 1:
@@ -86,6 +88,10 @@ class PipelineTrainer:
         self.gradient_codec = gradient_codec or activation_codec
         self.lr, self.warmup_steps, self.average_every = lr, warmup_steps, average_every
         self.total_steps = total_steps
+        self.pipelines = pipelines
+        self.path_links = path_links
+        if pipelines is not None and any(len(p) != self.n_stages for p in pipelines):
+            raise ValueError(f"every fixed pipeline needs one peer per stage ({self.n_stages})")
         self.links = links or {}
         self.timeout = timeout
         self.steps = 0
@@ -102,15 +108,21 @@ class PipelineTrainer:
     def call(self, peer: str, message: wire.Message, kind: str = "control",
              codecs: dict[str, str] | None = None,
              reply_codecs: dict[str, str] | None = None,
-             reply_kind: str | None = None) -> wire.Message:
+             reply_kind: str | None = None, source: str | None = None) -> wire.Message:
         """One request and its reply; PeerFailure when the peer is unreachable or dies. Frame
         bytes are counted under ``kind`` (the reply's under ``reply_kind``, default the same):
-        ``tokens``, ``activations``, ``gradients``, ``tied``, ``averaging``, ``control``."""
+        ``tokens``, ``activations``, ``gradients``, ``tied``, ``averaging``, ``control``.
+        With ``path_links``, a message that carries ``source``'s output is held for the link
+        from ``source`` to ``peer`` (the trainer relays it on loopback), else for ``peer``'s
+        own link in ``links``."""
+        link = self.links.get(peer)
+        if self.path_links is not None and source is not None:
+            link = self.path_links.get((source, peer))
         if reply_codecs:
             message.meta["reply_codecs"] = reply_codecs
         try:
             with socket.create_connection(_addr(peer), timeout=self.timeout) as sock:
-                self._count(kind, wire.send(sock, message, codecs, self.links.get(peer)))
+                self._count(kind, wire.send(sock, message, codecs, link))
                 reply = wire.recv(sock)
         except OSError as exc:  # refused, reset, closed mid-message, timed out
             raise PeerFailure(f"stage peer {peer}: {exc}") from exc
@@ -122,20 +134,32 @@ class PipelineTrainer:
     # -- one micro-batch ----------------------------------------------------------------------
     def _timed(self, stage: int, message: wire.Message, kind: str, reply_kind: str,
                codecs: dict[str, str] | None, reply_codecs: dict[str, str] | None,
-               stats: dict) -> tuple[str, wire.Message]:
-        """Send to the best live peer of ``stage``, re-routing until one answers."""
+               stats: dict, source: str | None = None,
+               wired: int | None = None) -> tuple[str, wire.Message]:
+        """Send to the best live peer of ``stage`` (with fixed pipelines, pipeline ``wired``'s
+        peer while it lives), re-routing until one answers."""
         while True:
-            peer = self.router.choose(stage)
+            peer = self._fixed_peer(stage, wired)
+            if peer is not None:
+                self.router.begin(peer)
+            else:
+                peer = self.router.choose(stage)
             started = time.perf_counter()
             try:
                 reply = self.call(peer, wire.Message(message.op, dict(message.meta),
                                                      message.tensors), kind, codecs, reply_codecs,
-                                  reply_kind)
+                                  reply_kind, source)
             except PeerFailure:
                 self._peer_failed(peer, stats)
                 continue
             self.router.finished(peer, time.perf_counter() - started)
             return peer, reply
+
+    def _fixed_peer(self, stage: int, wired: int | None) -> str | None:
+        if self.pipelines is None or wired is None:
+            return None
+        peer = self.pipelines[wired % len(self.pipelines)][stage]
+        return peer if peer in self.router.live(stage) else None
 
     def _peer_failed(self, peer: str, stats: dict) -> None:
         self.router.failed(peer)
@@ -145,7 +169,7 @@ class PipelineTrainer:
                 stats["failed"].append(peer)
 
     def _micro_batch(self, tokens: torch.Tensor, targets: torch.Tensor, scale: float,
-                     stats: dict) -> float:
+                     stats: dict, index: int = 0) -> float:
         last = self.n_stages - 1
         act = {"x": self.activation_codec}
         grad = {"dy": self.gradient_codec}
@@ -157,32 +181,38 @@ class PipelineTrainer:
             message = wire.Message("forward", {"mb": key}, {"x": inputs[s]})
             peer, reply = self._timed(s, message, "tokens" if s == 0 else "activations",
                                       "activations", act if s else None,
-                                      {"y": self.activation_codec}, stats)
+                                      {"y": self.activation_codec}, stats,
+                                      peers[-1] if peers else None, index)
             inputs.append(reply.tensors["y"])
             peers.append(peer)
             keys.append(key)
         message = wire.Message("loss", {"scale": scale},
                                {"x": inputs[last], "targets": targets.to(torch.int32)})
         peer, reply = self._timed(last, message, "activations", "gradients", act,
-                                  {"dx": self.gradient_codec}, stats)
+                                  {"dx": self.gradient_codec}, stats, peers[-1], index)
         self._served_by(peer)
         loss, dy = reply.meta["loss"], reply.tensors["dx"]
+        source = peer
         for s in reversed(range(last)):
-            dy = self._backward(s, peers[s], keys[s], inputs[s], dy, stats)
+            dy, source = self._backward(s, peers[s], keys[s], inputs[s], dy, stats, source,
+                                        peers[s - 1] if s else None)
         return loss
 
     def _backward(self, s: int, peer: str, key: str, x: torch.Tensor, dy: torch.Tensor,
-                  stats: dict) -> torch.Tensor | None:
+                  stats: dict, source: str | None = None,
+                  upstream: str | None = None) -> tuple[torch.Tensor | None, str]:
+        """Stage ``s``'s backward pass; (its input's gradient, the peer that ran it)."""
         reply_codecs = {"dx": self.gradient_codec}
         while True:
             self.router.begin(peer)
             try:
                 started = time.perf_counter()
                 reply = self.call(peer, wire.Message("backward", {"mb": key}, {"dy": dy}),
-                                  "gradients", {"dy": self.gradient_codec}, reply_codecs)
+                                  "gradients", {"dy": self.gradient_codec}, reply_codecs,
+                                  source=source)
                 self.router.finished(peer, time.perf_counter() - started)
                 self._served_by(peer)
-                return reply.tensors.get("dx")
+                return reply.tensors.get("dx"), peer
             except PeerFailure:
                 self._peer_failed(peer, stats)
             # the graph died with the peer: redo this stage's forward on another peer of it
@@ -190,7 +220,7 @@ class PipelineTrainer:
             message = wire.Message("forward", {"mb": key}, {"x": x})
             peer, _ = self._timed(s, message, "tokens" if s == 0 else "activations",
                                   "activations", {"x": self.activation_codec} if s else None,
-                                  {"y": self.activation_codec}, stats)
+                                  {"y": self.activation_codec}, stats, upstream)
 
     def _served_by(self, peer: str) -> None:
         with self._lock:
@@ -234,7 +264,8 @@ class PipelineTrainer:
         chunks = list(zip(tokens.chunk(self.micro_batches), targets.chunk(self.micro_batches)))
         scale = 1.0 / len(chunks)  # equal chunks: the mean of their means is the batch mean
         with ThreadPoolExecutor(self.in_flight) as pool:
-            futures = [pool.submit(self._micro_batch, x, y, scale, stats) for x, y in chunks]
+            futures = [pool.submit(self._micro_batch, x, y, scale, stats, i)
+                       for i, (x, y) in enumerate(chunks)]
             return [f.result() for f in futures]
 
     def _apply(self, n_micro: int, stats: dict) -> int:
