@@ -159,34 +159,32 @@ def _addresses(peers) -> list[list[str]]:
     return [[p.address for p in stage] for stage in peers]
 
 
-def _kill_when_busy(trainer: PipelineTrainer, victim, at_step: int):
-    """SIGKILL ``victim`` once the trainer is in step ``at_step`` with work on that peer."""
-    import threading
-    import time
+def _kill_before(trainer: PipelineTrainer, victim, op: str, at_step: int) -> None:
+    """SIGKILL ``victim`` just before the trainer's first ``op`` request to it in step
+    ``at_step`` (0-based), so that request meets a dead peer at a known point of the step."""
+    original = trainer.call
 
-    def watch() -> None:
-        while not (trainer.steps == at_step and trainer.router.load[victim.address].in_flight):
-            time.sleep(0.001)
-        victim.kill()
+    def call(peer, message, *args, **kwargs):
+        if (peer == victim.address and message.op == op and trainer.steps == at_step
+                and victim.process.poll() is None):
+            victim.kill()
+        return original(peer, message, *args, **kwargs)
 
-    thread = threading.Thread(target=watch, daemon=True)
-    thread.start()
-    return thread
+    trainer.call = call
 
 
 def test_killing_a_peer_of_each_stage_mid_step_loses_no_committed_step() -> None:
-    """2 stages x 2 peers: a first-stage peer is SIGKILLed during step 1 (its pending graphs
-    die: the backward pass is redone elsewhere) and a last-stage peer during step 3."""
-    peers = start_pipeline(MICRO, 2, peers_per_stage=2, slowdown=2.0)
+    """2 stages x 2 peers: a first-stage peer is SIGKILLed in step 2 between a micro-batch's
+    forward and backward pass (its graph dies: the forward is redone on the other peer), and a
+    last-stage peer in step 4 just before a loss pass is sent to it (re-routed)."""
+    peers = start_pipeline(MICRO, 2, peers_per_stage=2)
     try:
         trainer = PipelineTrainer(_addresses(peers), micro_batches=4, in_flight=4,
                                   average_every=2)
-        watchers = [_kill_when_busy(trainer, peers[0][1], 1),
-                    _kill_when_busy(trainer, peers[1][0], 3)]
+        _kill_before(trainer, peers[0][1], "backward", 1)
+        _kill_before(trainer, peers[1][0], "loss", 3)
         tokens, targets = batch(10)  # one batch, again and again: its loss must fall
         reports = [trainer.step(tokens, targets) for _ in range(6)]
-        for w in watchers:
-            w.join(timeout=5)
         survivors = [peers[0][0].address, peers[1][1].address]
         survivor_steps = [trainer.call(p, wire.Message("ping")).meta["steps"] for p in survivors]
     finally:
@@ -196,6 +194,7 @@ def test_killing_a_peer_of_each_stage_mid_step_loses_no_committed_step() -> None
     assert reports[3].failed_peers == [peers[1][0].address] and reports[3].reroutes >= 1
     assert all(r.failed_peers == [] for i, r in enumerate(reports) if i not in (1, 3))
     assert survivor_steps == [6, 6]  # every step committed on every live peer
+    assert all(r.lost_stage_gradients == 0 for r in reports)  # no finished work died
     assert all(torch.isfinite(torch.tensor(r.loss)) for r in reports)
     assert reports[-1].loss < reports[0].loss
 
