@@ -101,7 +101,9 @@ def run(out: Path, model: str = "tiny", steps: int = 150, batch_size: int = 8,
     full_mib = training_memory_bytes(config.num_parameters()) / 2**20
     stage_mib = [training_memory_bytes(n) / 2**20 for n in _tied_stage_parameters(config, 2)]
     cap = memory_cap_mb if memory_cap_mb is not None else (max(stage_mib) + full_mib) / 2
-    eval_batches = heldout_batches(data.heldout, config.seq_len, batch_size, 4)
+    # the held-out windows data parallel's workers evaluate on, so final losses compare
+    eval_batches = heldout_batches(data.heldout, config.seq_len, base["batch_size"],
+                                   base["eval_batches"])
     rows = [{"label": "data-parallel", "codec": "fp32", "stages": 1, "tokens": dp["tokens"],
              "final_heldout_loss": dp["final_heldout_loss"],
              # evaluations count one worker's tokens; the batch is both workers'
