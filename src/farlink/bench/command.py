@@ -213,6 +213,39 @@ def register(app: typer.Typer, bench_app: typer.Typer) -> None:
             f"{k} {100 * v['median_abs_relative_error']:.1f}% (max "
             f"{100 * v['max_abs_relative_error']:.1f}%)" for k, v in errors.items() if v["n"]))
 
+    @bench_app.command("pipeline")
+    def pipeline(
+        out: Path = typer.Option(Path("bench/pipeline"), help="output directory"),
+        model: str = typer.Option("tiny", help="model preset"),
+        steps: int = typer.Option(150, help="optimizer steps per run"),
+        batch_size: int = typer.Option(8, help="sequences per step (all peers together)"),
+        micro_batches: int = typer.Option(4, help="pipeline micro-batches per step"),
+        codecs: list[str] = typer.Option(["int8", "int4"], help="activation codecs to compare"),
+        link: str = typer.Option("home", help="link profile of every peer (in-process)"),
+        memory_cap_mb: float | None = typer.Option(
+            None, help="per-peer training-state cap (default: between a stage's and the "
+            "whole model's need)"),
+        reuse: bool = typer.Option(False, help="read back the finished data-parallel run"),
+        placement: bool = typer.Option(
+            False, help="instead: step time of the placement chosen from a two-site link "
+            "matrix against random placements (4 peers, 2 x 2 stages)"),
+    ) -> None:
+        """Data parallel vs a 2-stage pipeline vs compressed activations: tokens/s, loss."""
+        from farlink.bench.pipeline import run, run_placement
+
+        if placement:
+            found = run_placement(out, model, batch_size=batch_size,
+                                  micro_batches=micro_batches)
+            print_rows(found["rows"], ["label", "pipelines", "predicted_link_step_s",
+                                       "measured_step_s"], "farlink bench pipeline --placement")
+            return
+        result = run(out, model, steps, batch_size, micro_batches, tuple(codecs), link,
+                     memory_cap_mb=memory_cap_mb, reuse=reuse)
+        print_rows(result["rows"], ["label", "final_heldout_loss", "tokens_per_s",
+                                    "activation_bytes_per_token", "activation_bytes_reduction",
+                                    "heldout_loss_vs_fp32", "memory_mib_per_peer",
+                                    "fits_memory_cap"], "farlink bench pipeline")
+
     @bench_app.command("backends")
     def backends(
         out: Path = typer.Option(Path("bench/backends"), help="output directory"),
