@@ -165,10 +165,10 @@ class Optimizer:
             if inner_optimizer is not None:
                 options.setdefault("grad_clip", 0.0)  # the user's loop owns its gradients
             config = RunConfig.model_validate(options)
-            # a library run has no length unless one is given (RunConfig's default is 500)
+            # the options given, the algorithm's defaults for the rest (so it can tell them
+            # apart), and no length unless one is given (RunConfig's default is 500 steps)
             algo_options = cls.Options.model_validate(
-                {k: getattr(config, k) for k in cls.Options.model_fields
-                 if k != "steps" or "steps" in options})
+                {k: getattr(config, k) for k in cls.Options.model_fields if k in options})
         self.config = cfg = config
         self.index, self.replica_id = index, f"w{index}"
         if lighthouse is None:
@@ -203,6 +203,7 @@ class Optimizer:
             inner_optimizer=inner_optimizer, outer_optimizer=outer_optimizer,
             lr_schedule=lr_schedule, **extra)
         self.model = model
+        self.rejected_checkpoints: list[tuple[Path, str]] = []  # set aside by the last load
 
     # --- the loop ------------------------------------------------------------------------------
     def step(self, tokens: int = 1) -> StepOutcome:
@@ -291,14 +292,17 @@ class Optimizer:
         return save_checkpoint(directory, self.algorithm.inner_steps_done, self.state_dict(), meta)
 
     def load(self, directory: str | Path) -> dict | None:
-        """Resume from the latest checkpoint under ``directory``: its ``meta``, or None (and
-        nothing changed) when there is none yet."""
-        from farlink.train.checkpoint import latest_checkpoint, load_checkpoint
+        """Resume from the newest intact checkpoint under ``directory``: its ``meta`` (with
+        ``path``), or None (and nothing changed) when there is none yet. Newer checkpoints that
+        fail their digests are set aside and listed in :attr:`rejected_checkpoints`; a live
+        peer ahead of the one loaded heals this replica at its first quorum."""
+        from farlink.train.checkpoint import load_newest_intact
 
-        path = latest_checkpoint(Path(directory))
+        restored = load_newest_intact(Path(directory))
+        self.rejected_checkpoints = restored.rejected
+        path, tensors, meta = restored.path, restored.tensors, restored.meta
         if path is None:
             return None
-        tensors, meta = load_checkpoint(path)
         if meta["algorithm"] != self.config.algorithm:
             raise ValueError(f"checkpoint {path} was written by algorithm {meta['algorithm']!r}, "
                              f"not {self.config.algorithm!r}; resume with the same algorithm")
