@@ -17,11 +17,9 @@ from pathlib import Path
 import pytest
 
 from farlink.config import ConfigError, load_config
-from farlink.robust.auth import read_secret_file, resolve_secret
 from farlink.train.launcher import launch, write_run_config
 from farlink.train.lighthouse import Lighthouse
 from farlink.train.metrics import read_metrics
-from farlink.train.rundir import FIXED_ON_RESUME, RunDirError
 
 TINY = {"steps": 4, "inner_steps": 2, "workers": 2, "vocab_size": 512, "seq_len": 64,
         "batch_size": 4, "eval_batches": 2, "warmup_steps": 1, "join_timeout": 10}
@@ -158,7 +156,7 @@ def test_resume_with_a_config_that_changes_the_model_or_data_is_refused(
     field = next(iter(change))
     changed = load_config(None, {**TINY, "run_dir": tmp_path / "run", "cache_dir": cache_dir,
                                  "resume": True, **change})
-    with pytest.raises(RunDirError, match=field):
+    with pytest.raises(ConfigError, match=field):  # a RunDirError, before anything is written
         launch(changed, show_progress=False)
     assert snapshot(cfg.run_dir) == saved and sorted(os.listdir(cfg.run_dir)) == [
         "config.json", "config.toml"]
@@ -172,6 +170,8 @@ def test_resume_may_change_what_does_not_define_the_run(tmp_path: Path,
     write_run_config(load_config(None, {**TINY, "run_dir": run, "cache_dir": cache_dir}))
     code, out = farlink("train", "--resume", "--run-dir", str(run), "--model", "small")
     assert code == 2 and "model" in out and "--run-dir" in out, out
+    from farlink.train.rundir import FIXED_ON_RESUME
+
     assert set(FIXED_ON_RESUME) >= {"model", "vocab_size", "seq_len", "corpus", "seed",
                                     "batch_size", "workers", "algorithm"}
     from farlink.train.rundir import plan_run_dir
@@ -205,6 +205,8 @@ def test_secret_sources_and_a_secret_file_others_can_read(tmp_path: Path,
     exposed = tmp_path / "exposed.secret"
     exposed.write_text("abc\n")
     exposed.chmod(0o644)
+    from farlink.robust.auth import read_secret_file, resolve_secret
+
     with pytest.raises(ValueError, match="chmod 600"):
         read_secret_file(exposed)
     code, out = farlink("train", "--auth", "secret", "--secret-file", str(exposed),
@@ -222,6 +224,9 @@ def test_secret_sources_and_a_secret_file_others_can_read(tmp_path: Path,
     cfg = load_config(None, {"auth": "secret", "secret": "never-saved-42",
                              "run_dir": tmp_path / "r"})
     assert "never-saved-42" not in repr(cfg) and "never-saved-42" not in cfg.model_dump_json()
+    write_run_config(cfg)  # what the launcher saves for a run given --secret
+    assert sorted(os.listdir(cfg.run_dir)) == ["config.json", "config.toml"]
+    assert not [p for p in cfg.run_dir.iterdir() if b"never-saved-42" in p.read_bytes()]
 
 
 # --- refused up front ---------------------------------------------------------------------------

@@ -66,10 +66,11 @@ def spawn_worker(cfg: RunConfig, index: int, lighthouse: str, resume: bool,
     environment then names the veth Gloo must bind and the address peers reach it at)."""
     logs = cfg.run_dir / "logs"
     logs.mkdir(parents=True, exist_ok=True)
-    env = {"OMP_NUM_THREADS": str(cfg.threads), **(extra_env or {})}
+    env = {"OMP_NUM_THREADS": str(cfg.threads)}
     secret = run_secret(cfg)
     if secret is not None:  # the worker's environment: not argv, not a file
         env[SECRET_ENV] = secret
+    env.update(extra_env or {})
     out = open(logs / f"w{index}.log", "ab")
     argv = worker_command(cfg.run_dir, index, lighthouse, resume, join, cfg.stop_at_step)
     # a new session: Ctrl-C reaches the launcher only, and it stops workers in order
