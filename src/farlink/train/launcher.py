@@ -231,7 +231,7 @@ def log_tail(path: Path, lines: int = 15) -> list[str]:
 
 def report_failures(cfg: RunConfig, codes: list[int | None]) -> None:
     """Each failed worker's exit code and the end of its log, on the console."""
-    secret = run_secret(cfg) if cfg.auth == "secret" else None
+    secret = run_secret(cfg)  # checked before the launch, so present when needed
     for index, code in enumerate(codes):
         if not code:
             continue
