@@ -231,7 +231,7 @@ def test_secret_sources_and_a_secret_file_others_can_read(tmp_path: Path,
 
 # --- refused up front ---------------------------------------------------------------------------
 
-@pytest.mark.parametrize("algorithm", ["diloco", "local_sgd", "streaming_diloco",
+@pytest.mark.parametrize("algorithm", ["diloco", "local_sgd", "streaming_diloco", "sparseloco",
                                        "hierarchical_diloco"])
 def test_steps_below_inner_steps_are_refused_for_round_based_algorithms(algorithm: str) -> None:
     extra = {"island_steps": 5} if algorithm == "hierarchical_diloco" else {}
