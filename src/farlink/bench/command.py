@@ -45,6 +45,28 @@ def register(app: typer.Typer, bench_app: typer.Typer) -> None:
                                     "bytes_per_worker", "bytes_reduction_vs_ddp",
                                     "compute_utilization", "wall_s"], "farlink bench algorithms")
 
+    @bench_app.command("probe")
+    def probe(
+        out: Path = typer.Option(Path("bench/algorithms"), help="output directory"),
+        steps: int = typer.Option(150, help="inner steps per worker (the token budget)"),
+        inner_steps: int = typer.Option(15, help="H for the local-update algorithms"),
+        workers: int = typer.Option(4, help="workers (threads of one process)"),
+        only: list[str] | None = typer.Option(None, help="run only these labels"),
+        warmup_steps: int = typer.Option(10, help="inner lr warmup"),
+        outer_lr: float | None = typer.Option(None, help="outer lr of the selected variants"),
+        tag: str = typer.Option("", help="appended to the selected variants' labels"),
+    ) -> None:
+        """Frontier candidates with the workers as threads of one process (cheap sweeps)."""
+        from farlink.bench.algorithms import probe as run_probe
+
+        extra = {"warmup_steps": warmup_steps, "eval_batches": 8}
+        if outer_lr is not None:
+            extra["outer_lr"] = outer_lr
+        result = run_probe(out, steps, inner_steps, workers, only, extra, tag)
+        print_rows(result["rows"], ["label", "final_heldout_loss", "loss_vs_ddp",
+                                    "bytes_per_token", "bytes_per_token_reduction_vs_ddp"],
+                   "farlink bench probe")
+
     @bench_app.command("overhead")
     def overhead(
         out: Path = typer.Option(Path("bench/overhead"), help="output directory"),
@@ -190,6 +212,39 @@ def register(app: typer.Typer, bench_app: typer.Typer) -> None:
         typer.echo("planner vs measured steady-state rounds, median |relative error|: " + ", ".join(
             f"{k} {100 * v['median_abs_relative_error']:.1f}% (max "
             f"{100 * v['max_abs_relative_error']:.1f}%)" for k, v in errors.items() if v["n"]))
+
+    @bench_app.command("pipeline")
+    def pipeline(
+        out: Path = typer.Option(Path("bench/pipeline"), help="output directory"),
+        model: str = typer.Option("tiny", help="model preset"),
+        steps: int = typer.Option(150, help="optimizer steps per run"),
+        batch_size: int = typer.Option(8, help="sequences per step (all peers together)"),
+        micro_batches: int = typer.Option(4, help="pipeline micro-batches per step"),
+        codecs: list[str] = typer.Option(["int8", "int4"], help="activation codecs to compare"),
+        link: str = typer.Option("home", help="link profile of every peer (in-process)"),
+        memory_cap_mb: float | None = typer.Option(
+            None, help="per-peer training-state cap (default: between a stage's and the "
+            "whole model's need)"),
+        reuse: bool = typer.Option(False, help="read back the finished data-parallel run"),
+        placement: bool = typer.Option(
+            False, help="instead: step time of the placement chosen from a two-site link "
+            "matrix against random placements (4 peers, 2 x 2 stages)"),
+    ) -> None:
+        """Data parallel vs a 2-stage pipeline vs compressed activations: tokens/s, loss."""
+        from farlink.bench.pipeline import run, run_placement
+
+        if placement:
+            found = run_placement(out, model, batch_size=batch_size,
+                                  micro_batches=micro_batches)
+            print_rows(found["rows"], ["label", "pipelines", "predicted_link_step_s",
+                                       "measured_step_s"], "farlink bench pipeline --placement")
+            return
+        result = run(out, model, steps, batch_size, micro_batches, tuple(codecs), link,
+                     memory_cap_mb=memory_cap_mb, reuse=reuse)
+        print_rows(result["rows"], ["label", "final_heldout_loss", "tokens_per_s",
+                                    "activation_bytes_per_token", "activation_bytes_reduction",
+                                    "heldout_loss_vs_fp32", "memory_mib_per_peer",
+                                    "fits_memory_cap"], "farlink bench pipeline")
 
     @bench_app.command("backends")
     def backends(
