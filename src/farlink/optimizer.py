@@ -106,11 +106,10 @@ def build_exchange(cfg: RunConfig, collective: Collective, sender: str, index: i
     from farlink.codecs import make_compressor
     from farlink.robust.aggregators import make_aggregator
     from farlink.robust.attacks import make_attack
-    from farlink.robust.auth import make_authenticator
+    from farlink.robust.auth import make_authenticator, run_secret
     from farlink.sync.exchange import Exchange
 
-    secret = os.environ.get("FARLINK_SECRET") or cfg.secret  # keeps secrets out of config files
-    auth = make_authenticator(cfg.auth, secret=secret, key_file=cfg.key_file,
+    auth = make_authenticator(cfg.auth, secret=run_secret(cfg), key_file=cfg.key_file,
                               allowed_keys=cfg.allowed_keys, peer_id=sender)
     tamper = make_attack(cfg.attack, seed=index) if cfg.is_attacker(index) else None
     return Exchange(

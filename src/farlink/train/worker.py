@@ -246,18 +246,28 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--resume", action="store_true")
     parser.add_argument("--join", action="store_true",
                         help="heal from live peers in a first zero-weight round")
+    parser.add_argument("--stop-at-step", type=int, default=None,
+                        help="stop after this inner step (this invocation only)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=os.environ.get("FARLINK_LOG", "WARNING"),
                         format=f"%(asctime)s w{args.index} %(name)s %(levelname)s %(message)s")
     cfg = RunConfig.model_validate_json((args.run_dir / "config.json").read_text())
-    if args.resume:
-        cfg = cfg.model_copy(update={"resume": True})
+    cfg = cfg.model_copy(update={"run_dir": args.run_dir, "resume": args.resume,
+                                 "stop_at_step": args.stop_at_step})
+    return run_worker(cfg, args.index, args.lighthouse, joining=args.join)
+
+
+def run_worker(cfg: RunConfig, index: int, lighthouse: str, joining: bool = False) -> int:
+    """Train as worker ``index`` of ``cfg`` until the run ends or a stop request; the exit code.
+
+    ``farlink join`` calls it with its own config in memory, so a joiner never rewrites the
+    config saved in a run dir it shares."""
     interrupt.install(raise_now=False)  # stop between steps, never mid-update
     from farlink.comm.errors import MembershipRefused
     from farlink.robust.gate import AdmissionError
 
     try:
-        worker = Worker(cfg, args.index, args.lighthouse, joining=args.join)
+        worker = Worker(cfg, index, lighthouse, joining=joining)
     except (AdmissionError, MembershipRefused) as exc:  # say why; no retrying until a timeout
         print(f"error: {exc}", file=sys.stderr, flush=True)
         return 3
