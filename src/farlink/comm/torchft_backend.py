@@ -87,6 +87,8 @@ class TorchftCollective(Collective):
                 "and this peer has no --auth. Fix: start it with the run's --auth and its secret "
                 "(--secret or FARLINK_SECRET), or an ed25519 --key-file listed in --allowed-keys."
             )
+        from farlink.comm import torchft_listeners as listeners
+
         if admission is not None:
             from farlink.comm.torchft_admission import GatedHTTPTransport
             from farlink.robust.gate import open_tunnel
@@ -99,6 +101,8 @@ class TorchftCollective(Collective):
             except BaseException:
                 self._tunnel.close()
                 raise
+        else:
+            transport = listeners.HostHTTPTransport(host, timedelta(seconds=round_timeout))
         self.quorum_timeout = quorum_timeout
         self.min_replicas = min_replicas
         self.attempt_timeout = quorum_attempt_timeout(join_timeout)
@@ -107,27 +111,32 @@ class TorchftCollective(Collective):
         self._get_state = self._set_state = None
         self._bytes_per_second: float | None = None  # measured on earlier rounds
         self._round_bytes = 0
-        self._store = TCPStore(host, 0, is_master=True, wait_for_workers=False)
+        # every listener on ``host`` only (torchft's defaults bind all interfaces)
+        listen_fd = listeners.store_listener(host)
+        self._store = TCPStore(host, 0, is_master=True, wait_for_workers=False,
+                               master_listen_fd=listen_fd)
+        listeners.bind_gloo_to(host)
         self.pg = ProcessGroupGloo(timeout=timedelta(seconds=round_timeout))
-        self.manager = Manager(
-            pg=self.pg,
-            load_state_dict=self._load_state,
-            state_dict=self._state,
-            min_replica_size=min_replicas,
-            use_async_quorum=False,
-            replica_id=replica_id,
-            store_addr=host,
-            store_port=self._store.port,
-            rank=0,
-            world_size=1,
-            lighthouse_addr=lighthouse_addr,
-            hostname=host,
-            timeout=timedelta(seconds=round_timeout),
-            quorum_timeout=timedelta(seconds=quorum_timeout),
-            connect_timeout=timedelta(seconds=connect_timeout),
-            init_sync=False,
-            checkpoint_transport=transport,
-        )
+        with listeners.manager_bound_to(host):
+            self.manager = Manager(
+                pg=self.pg,
+                load_state_dict=self._load_state,
+                state_dict=self._state,
+                min_replica_size=min_replicas,
+                use_async_quorum=False,
+                replica_id=replica_id,
+                store_addr=host,
+                store_port=self._store.port,
+                rank=0,
+                world_size=1,
+                lighthouse_addr=lighthouse_addr,
+                hostname=host,
+                timeout=timedelta(seconds=round_timeout),
+                quorum_timeout=timedelta(seconds=quorum_timeout),
+                connect_timeout=timedelta(seconds=connect_timeout),
+                init_sync=False,
+                checkpoint_transport=transport,
+            )
 
     # --- state transfer (called from torchft's quorum thread / eager heal) ---------------------
     def _state(self) -> dict:

@@ -26,6 +26,7 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, Ti
 from farlink import interrupt
 from farlink.config import RunConfig, to_toml_dict
 from farlink.robust.auth import run_authenticator
+from farlink.train import lifeline
 from farlink.train.lighthouse import Lighthouse
 from farlink.train.metrics import read_metrics
 
@@ -41,6 +42,7 @@ class RunResult:
     returncodes: list[int]
     summary: dict = field(default_factory=dict)
     interrupted: bool = False
+    problem: str | None = None  # the run ended but its result is wrong (see never_averaged)
 
 
 def write_run_config(cfg: RunConfig) -> None:
@@ -63,7 +65,8 @@ def spawn_worker(cfg: RunConfig, index: int, lighthouse: str, resume: bool,
     environment then names the veth Gloo must bind and the address peers reach it at)."""
     logs = cfg.run_dir / "logs"
     logs.mkdir(parents=True, exist_ok=True)
-    env = {"OMP_NUM_THREADS": str(cfg.threads), **(extra_env or {})}
+    # the worker stops by itself if this process dies without stopping it (see lifeline)
+    env = {"OMP_NUM_THREADS": str(cfg.threads), **lifeline.child_env(), **(extra_env or {})}
     out = open(logs / f"w{index}.log", "ab")
     argv = worker_command(cfg.run_dir, index, lighthouse, resume, join)
     # a new session: Ctrl-C reaches the launcher only, and it stops workers in order
@@ -100,11 +103,13 @@ def result_evals(evals: list[dict], holders: list[str] | None) -> list[dict]:
 def summarize(cfg: RunConfig) -> dict:
     """Final figures from the workers' metrics: held-out loss (of the run's result, see
     :func:`final_replicas`), bytes, utilization."""
-    per_worker, evals, last = {}, [], {}
+    per_worker, evals, last, groups = {}, [], {}, []
     for path in sorted((cfg.run_dir / "metrics").glob("w*.jsonl")):
         records = read_metrics(path)
         evals += [r for r in records if r["kind"] == "eval"]
         ends = [r for r in records if r["kind"] == "end"]
+        groups += [r["world_size"] for r in records if r.get("committed") and "world_size" in r]
+        groups += [r["widest_group"] for r in ends if r.get("widest_group")]
         if ends:
             end = last[path.stem] = ends[-1]
             # utilization: inner compute over wall-clock, evaluation/checkpoint time set aside
@@ -134,6 +139,7 @@ def summarize(cfg: RunConfig) -> dict:
         "final_heldout_loss": final["loss"] if final else None,
         "final_heldout_ppl": final["ppl"] if final else None,
         "total_tokens": sum(w["tokens"] for w in per_worker.values()),
+        "widest_group": max(groups, default=None),
         "final_replicas": {"holders": holders, "consistent": consistent,
                            "states": {w: [e.get("outer_step"), e.get("fingerprint")]
                                       for w, e in last.items()}},
@@ -141,6 +147,18 @@ def summarize(cfg: RunConfig) -> dict:
         "evals": [{k: r[k] for k in ("worker", "step", "tokens", "loss", "bytes_sent", "wall_s")}
                   for r in evals],
     }
+
+
+def never_averaged(cfg: RunConfig, summary: dict) -> str | None:
+    """What is wrong when several workers committed rounds but no round had two of them: each
+    trained its own model, which is not the run that was asked for."""
+    if cfg.workers < 2 or summary.get("widest_group") != 1:
+        return None
+    return (f"no round averaged two or more of the {cfg.workers} workers (every committed round "
+            "had a group of 1): they trained independent models, not one. Fix: let rounds wait "
+            f"for everyone with --min-replicas {cfg.workers} (or at least 2), check that the "
+            "peers reach each other (logs in " f"{cfg.run_dir / 'logs'}), or raise "
+            "--quorum-timeout / --join-timeout.")
 
 
 def export_model(cfg: RunConfig, holders: list[str] | None = None) -> Path | None:
@@ -283,7 +301,12 @@ def launch(cfg: RunConfig, show_progress: bool = True,
     model_path = export_model(cfg, summary["final_replicas"]["holders"])
     if model_path is not None:
         summary["model"] = str(model_path)
+    problem = None if interrupted else never_averaged(cfg, summary)
+    if problem is not None:
+        summary["problem"] = problem
     (cfg.run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
+    if problem is not None:
+        console.print(f"[red]error: {problem}[/]")
     if not summary["final_replicas"]["consistent"] and not interrupted:
         console.print("[yellow]workers ended on different states (a straggler that missed the "
                       "last round commits its own); the run's result is the state most hold, "
@@ -294,4 +317,4 @@ def launch(cfg: RunConfig, show_progress: bool = True,
                       f"`farlink train --resume --run-dir {cfg.run_dir}`")
     elif any(codes):
         console.print(f"[red]workers exited with codes {codes}; logs in {cfg.run_dir / 'logs'}[/]")
-    return RunResult(cfg.run_dir, codes, summary, interrupted)
+    return RunResult(cfg.run_dir, codes, summary, interrupted, problem)
