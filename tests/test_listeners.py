@@ -41,12 +41,13 @@ def test_loopback_run_binds_no_public_interface(tmp_path: Path, cache_dir: Path,
             time.sleep(0.5)
         pids = descendants(launcher.pid) | {launcher.pid}
         sockets = listening(pids)
+        names = {pid: command_line(pid) for pid in pids}
     finally:
         launcher.terminate()
         launcher.wait(timeout=60)
-    workers = [p for p in pids if "farlink.train.worker" in command_line(p)]
+    workers = [p for p in pids if "farlink.train.worker" in names[p]]
     assert len(workers) == 2
     assert {pid for pid, _, _ in sockets} >= set(workers), sockets  # the scan sees them
-    public = [(command_line(pid)[:80], host, port) for pid, host, port in sockets
+    public = [(names[pid][:80], host, port) for pid, host, port in sockets
               if not ipaddress.ip_address(host).is_loopback]
     assert not public, public
