@@ -21,6 +21,11 @@ def alive(pid: int) -> bool:
     return fields is not None and fields[0] != "Z"
 
 
+def parent(pid: int) -> int | None:
+    fields = _stat(pid)
+    return int(fields[1]) if fields is not None else None
+
+
 def descendants(root: int) -> set[int]:
     """Every live process below ``root``."""
     children: dict[int, list[int]] = {}
