@@ -26,7 +26,7 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, Ti
 from farlink import interrupt
 from farlink.config import RunConfig, to_toml_dict
 from farlink.robust.auth import run_authenticator
-from farlink.train import lifeline
+from farlink import lifeline
 from farlink.train.lighthouse import Lighthouse
 from farlink.train.metrics import read_metrics
 

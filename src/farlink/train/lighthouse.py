@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from farlink.train.lifeline import popen_tied
+from farlink.lifeline import popen_tied
 
 if TYPE_CHECKING:
     from farlink.robust.auth import Authenticator

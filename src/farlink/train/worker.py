@@ -353,7 +353,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.resume:
         cfg = cfg.model_copy(update={"resume": True})
     interrupt.install(raise_now=False)  # stop between steps, never mid-update
-    from farlink.train.lifeline import watch_parent
+    from farlink.lifeline import watch_parent
 
     watch_parent()  # a launcher killed with SIGKILL leaves no worker behind
     from farlink.comm.errors import MembershipRefused

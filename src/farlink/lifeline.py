@@ -11,6 +11,9 @@ workers waiting for quorums, the Lighthouse holding its port.
   :func:`popen_tied` therefore forks from the main thread or from one spawner thread that lives
   as long as the process. A parent that died between ``fork`` and ``prctl`` would never send
   the signal, so the child checks its parent is still the one that forked it.
+* The hivemind bootstrap peer that ``farlink train`` starts is a DHT process *forked* from the
+  launcher (no ``exec``): :func:`tie_forked_child` sets the same signal from inside it, and on
+  that signal it stops its own children (hivemind's p2pd) before it exits, as nothing else will.
 * A worker watches for itself (:func:`watch_parent`): a thread polls ``getppid()`` against the
   launcher's pid, which the launcher passes in ``FARLINK_PARENT_PID``. The parent pid changes
   only when the whole launcher process is gone (a child of a dead thread is handed to another
@@ -23,6 +26,7 @@ workers waiting for quorums, the Lighthouse holding its port.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import ctypes.util
 import logging
@@ -71,6 +75,35 @@ def popen_tied(argv: list[str], **kwargs: Any) -> subprocess.Popen:
         if _spawner is None:
             _spawner = ThreadPoolExecutor(1, thread_name_prefix="farlink-spawner")
     return _spawner.submit(start).result()
+
+
+def tie_forked_child(parent: int) -> None:
+    """Call first thing in a child forked (not exec'd) by ``parent`` from its main thread: on
+    the parent's death, SIGTERM its own children, then exit."""
+    if sys.platform != "linux":
+        return
+
+    def stop(signum: int, frame: object) -> None:
+        for child in _children(os.getpid()):
+            with contextlib.suppress(OSError):
+                os.kill(child, signal.SIGTERM)
+        os._exit(0)
+
+    signal.signal(signal.SIGTERM, stop)
+    _die_with(parent)
+
+
+def _children(pid: int) -> list[int]:
+    found = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                stat = open(f"/proc/{entry}/stat").read()
+            except OSError:
+                continue
+            if int(stat[stat.rindex(")") + 2:].split()[1]) == pid:
+                found.append(int(entry))
+    return found
 
 
 def child_env() -> dict[str, str]:
