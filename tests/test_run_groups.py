@@ -49,3 +49,18 @@ def test_run_whose_rounds_never_averaged_fails_loudly(tmp_path: Path, cache_dir:
     assert "--min-replicas 2" in out
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert summary["widest_group"] == 1 and "independent models" in summary["problem"]
+
+
+def test_min_replicas_default_of_a_local_swarm_is_every_worker() -> None:
+    from farlink.config import RunConfig, load_config
+
+    local = load_config(None, {"backend": "hivemind", "workers": 3})
+    assert local.min_replicas == 3
+    assert RunConfig.model_validate_json(local.model_dump_json()).min_replicas == 3  # workers
+    assert load_config(None, {"backend": "hivemind", "workers": 3,
+                              "min_replicas": 2}).min_replicas == 2  # the user's choice
+    # joining someone else's swarm: its size is unknown here
+    assert load_config(None, {"backend": "hivemind", "initial_peers": "/ip4/10.0.0.1/tcp/1/p2p/x"}
+                       ).min_replicas == 1
+    # torchft's Lighthouse waits join_timeout for every live peer; 1 keeps the run elastic
+    assert load_config(None, {"workers": 3}).min_replicas == 1
