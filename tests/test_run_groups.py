@@ -14,7 +14,8 @@ BASE = {"vocab_size": 512, "seq_len": 64, "batch_size": 4, "eval_batches": 2, "w
         "steps": 30, "inner_steps": 10, "warmup_steps": 5, "backend": "hivemind"}
 
 
-def farlink_train(run_dir: Path, cache_dir: Path, **overrides: object) -> subprocess.CompletedProcess:
+def farlink_train(run_dir: Path, cache_dir: Path,
+                  **overrides: object) -> subprocess.CompletedProcess:
     flags = [f"--{k.replace('_', '-')}={v}" for k, v in {**BASE, **overrides}.items()]
     return subprocess.run(
         [sys.executable, "-c", "from farlink.cli import main; main()", "train", *flags,

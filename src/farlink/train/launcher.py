@@ -157,7 +157,7 @@ def never_averaged(cfg: RunConfig, summary: dict) -> str | None:
     return (f"no round averaged two or more of the {cfg.workers} workers (every committed round "
             "had a group of 1): they trained independent models, not one. Fix: let rounds wait "
             f"for everyone with --min-replicas {cfg.workers} (or at least 2), check that the "
-            "peers reach each other (logs in " f"{cfg.run_dir / 'logs'}), or raise "
+            f"peers reach each other (logs in {cfg.run_dir / 'logs'}), or raise "
             "--quorum-timeout / --join-timeout.")
 
 
