@@ -14,10 +14,9 @@ workers waiting for quorums, the Lighthouse holding its port.
 * The hivemind bootstrap peer that ``farlink train`` starts is a DHT process *forked* from the
   launcher (no ``exec``): :func:`tie_forked_child` sets the same signal from inside it, and on
   that signal it stops its own children (hivemind's p2pd) before it exits, as nothing else will.
-* A worker watches for itself (:func:`watch_parent`): a thread polls ``getppid()`` against the
-  launcher's pid, which the launcher passes in ``FARLINK_PARENT_PID``. The parent pid changes
-  only when the whole launcher process is gone (a child of a dead thread is handed to another
-  thread of the same process), so the thread pitfall does not apply. On the launcher's death
+* A worker watches for itself (:func:`watch_parent`): a thread waits on a pidfd of the
+  launcher, whose pid the launcher passes in ``FARLINK_PARENT_PID``; a pidfd becomes readable
+  only when the whole process has exited, so the thread pitfall does not apply. On its death
   the worker asks its loop to stop at the next step boundary, as on SIGTERM: its last
   checkpoint (written after every committed round) is what ``--resume`` continues from. A
   worker stuck where it cannot stop (waiting for a quorum from the Lighthouse that died with
@@ -31,6 +30,7 @@ import ctypes
 import ctypes.util
 import logging
 import os
+import select
 import signal
 import subprocess
 import sys
@@ -111,7 +111,7 @@ def child_env() -> dict[str, str]:
     return {PARENT_ENV: str(os.getpid())}
 
 
-def watch_parent(grace: float = 10.0, interval: float = 0.5) -> threading.Thread | None:
+def watch_parent(grace: float = 10.0) -> threading.Thread | None:
     """Stop this worker when the launcher named in ``FARLINK_PARENT_PID`` dies (see above).
 
     Nothing to watch without that variable (a worker started by hand or by ``farlink join``).
@@ -122,8 +122,7 @@ def watch_parent(grace: float = 10.0, interval: float = 0.5) -> threading.Thread
     parent = int(raw)
 
     def watch() -> None:
-        while os.getppid() == parent:
-            time.sleep(interval)
+        _wait_for_exit(parent)
         print(f"farlink train (pid {parent}) is gone: stopping at the next step boundary; "
               "continue with `farlink train --resume`", file=sys.stderr, flush=True)
         interrupt.STOP.set()
@@ -135,3 +134,23 @@ def watch_parent(grace: float = 10.0, interval: float = 0.5) -> threading.Thread
     thread = threading.Thread(target=watch, name="farlink-lifeline", daemon=True)
     thread.start()
     return thread
+
+
+def _wait_for_exit(pid: int, interval: float = 0.5) -> None:
+    """Block until process ``pid`` has exited.
+
+    A pidfd names the process itself, so neither a reused pid nor a process in between (``ip
+    netns exec``, ``sudo``) confuses it; where there is none, poll the parent pid instead.
+    """
+    try:
+        handle = os.pidfd_open(pid)
+    except ProcessLookupError:
+        return  # gone before this process looked
+    except (AttributeError, OSError):  # no pidfd (old kernel, not Linux)
+        while os.getppid() == pid:
+            time.sleep(interval)
+        return
+    try:
+        select.select([handle], [], [])  # readable once the process has exited
+    finally:
+        os.close(handle)
