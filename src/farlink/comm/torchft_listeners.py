@@ -40,6 +40,10 @@ def _family(host: str) -> socket.AddressFamily:
     return socket.getaddrinfo(host, 0, type=socket.SOCK_STREAM)[0][0]
 
 
+def _resolve(host: str) -> str:
+    return socket.getaddrinfo(host, 0, type=socket.SOCK_STREAM)[0][4][0]
+
+
 def interface_of(host: str) -> str | None:
     """The network interface whose (IPv4) address is ``host``, e.g. ``lo`` for 127.0.0.1."""
     try:
@@ -80,9 +84,11 @@ def manager_bound_to(host: str) -> Iterator[None]:
 
     original = manager_module.ManagerServer
 
+    address = _resolve(host)  # the gRPC server takes an IP address, not a host name
+
     def bound_server(*args: Any, bind: str, **kwargs: Any) -> Any:
         port = bind.rsplit(":", 1)[1]
-        where = f"[{host}]" if ":" in host else host
+        where = f"[{address}]" if ":" in address else address
         return original(*args, bind=f"{where}:{port}", **kwargs)
 
     with _manager_lock:
