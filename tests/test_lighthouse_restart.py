@@ -106,7 +106,7 @@ def test_short_quorum_timeout_rides_out_a_restart() -> None:
     """--quorum-timeout at or below --join-timeout + 10 s used to leave a single attempt that a
     request stuck on the killed Lighthouse used up entirely; an outage shorter than
     --quorum-timeout must be ridden out whatever the two are set to."""
-    logs = _restart_run(quorum_timeout=6, join_timeout=3, outage=4)
+    logs = _restart_run(quorum_timeout=6, join_timeout=3, outage=3)
     for kind, payload in logs.values():
         assert kind == "done", payload
         assert [r[0] for r in payload] == list(range(6))

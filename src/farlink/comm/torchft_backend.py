@@ -171,12 +171,14 @@ class TorchftCollective(Collective):
         The wait is counted from the first failed attempt, not from the round's start: an attempt
         in flight when the Lighthouse dies can hang for a whole ``attempt_timeout``, and the
         outage only begins to show then. So a Lighthouse back within ``quorum_timeout`` of that
-        failure (hence of its death) is always reached: attempts go on until the deadline and the
-        last one starts at it. torchft keeps the failed quorum future and re-raises it on every
+        failure (hence of its death) is always reached: attempts go on until the deadline, the
+        last one starts at it, and if the Lighthouse answers by then one more whole attempt is
+        made (an attempt sent while it was down may hang on past the deadline). torchft keeps the failed quorum future and re-raises it on every
         later call, so it is dropped before retrying; the Manager's own client reconnects.
         """
         deadline = None
         delay = 0.5
+        last_chance = False
         while True:
             try:
                 self.manager.start_quorum(
@@ -190,7 +192,12 @@ class TorchftCollective(Collective):
                 now = time.monotonic()
                 deadline = now + self.quorum_timeout if deadline is None else deadline
                 if now >= deadline:
-                    raise QuorumUnavailable(self._no_quorum_message(exc)) from exc
+                    # an attempt started while it was down can hang past the deadline; a
+                    # Lighthouse that is back by then gets one whole attempt of its own
+                    if last_chance or not lighthouse_reachable(self.lighthouse_addr):
+                        raise QuorumUnavailable(self._no_quorum_message(exc)) from exc
+                    last_chance = True
+                    continue
                 log.warning("quorum failed (%s); retrying in %.1fs", exc, delay)
                 time.sleep(min(delay, deadline - now))
                 delay = min(delay * 2, 5.0)
