@@ -7,22 +7,28 @@ from __future__ import annotations
 import multiprocessing as mp
 import time
 
+import pytest
 import torch
 
 from farlink.train.lighthouse import Lighthouse, free_port
 
 
-def _peer(index: int, address: str, rounds: int, queue) -> None:  # noqa: ANN001
+def _peer(index: int, address: str, rounds: int, queue, quorum_timeout: float = 90,  # noqa: ANN001
+          join_timeout: float = 3) -> None:
     torch.set_num_threads(1)
-    from farlink.comm.torchft_backend import TorchftCollective
+    from farlink.comm.torchft_backend import QuorumUnavailable, TorchftCollective
 
     coll = TorchftCollective(f"p{index}", address, min_replicas=2, round_timeout=10,
-                             quorum_timeout=90, join_timeout=3)
+                             quorum_timeout=quorum_timeout, join_timeout=join_timeout)
     coll.register_state(lambda: {"x": torch.zeros(1)}, lambda s: None)
     log = []
     try:
         for _ in range(rounds):
-            info = coll.begin_round()
+            try:
+                info = coll.begin_round()
+            except QuorumUnavailable as exc:
+                queue.put(("error", index, str(exc)))
+                return
             t = torch.ones(3)
             coll.all_reduce_sum([t])
             log.append((info.round_id, info.world_size, t[0].item(), coll.commit(), time.time()))
@@ -63,3 +69,68 @@ def test_run_survives_a_lighthouse_restart() -> None:
         assert [r[0] for r in log] == list(range(14))  # no round lost or repeated
         assert all(world == 2 and value == 2.0 and ok for _, world, value, ok, _ in log)
         assert any(t > killed_at + 2 for *_, t in log)  # rounds committed after the restart
+
+
+def _restart_run(quorum_timeout: float, join_timeout: float, outage: float) -> dict:
+    """Two peers, the Lighthouse SIGKILLed after round 2 and back ``outage`` s later."""
+    port = free_port()
+    lighthouse = Lighthouse(port=port, min_replicas=2, join_timeout=join_timeout).start()
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    procs = [ctx.Process(target=_peer, args=(i, lighthouse.address, 6, queue, quorum_timeout,
+                                             join_timeout)) for i in range(2)]
+    for p in procs:
+        p.start()
+    logs, killed = {}, False
+    try:
+        while len(logs) < 2:
+            kind, index, payload = queue.get(timeout=120)
+            if kind == "round" and payload == 2 and not killed:
+                lighthouse.stop(kill=True)
+                killed = True
+                time.sleep(outage)
+                lighthouse = Lighthouse(port=port, min_replicas=2,
+                                        join_timeout=join_timeout).start()
+            elif kind in ("done", "error"):
+                logs[index] = (kind, payload)
+    finally:
+        for p in procs:
+            p.join(timeout=30)
+            if p.is_alive():
+                p.kill()
+        lighthouse.stop()
+    return logs
+
+
+def test_short_quorum_timeout_rides_out_a_restart() -> None:
+    """--quorum-timeout at or below --join-timeout + 10 s used to leave a single attempt that a
+    request stuck on the killed Lighthouse used up entirely; an outage shorter than
+    --quorum-timeout must be ridden out whatever the two are set to."""
+    logs = _restart_run(quorum_timeout=6, join_timeout=3, outage=3)
+    for kind, payload in logs.values():
+        assert kind == "done", payload
+        assert [r[0] for r in payload] == list(range(6))
+        assert all(world == 2 and value == 2.0 and ok for _, world, value, ok, _ in payload)
+
+
+def test_no_quorum_message_tells_a_down_lighthouse_from_missing_peers() -> None:
+    """A Lighthouse that is up (e.g. it was restarted) but gets too few peers must not be
+    reported as down ("restart it"); one that stays down must be."""
+    from farlink.comm.torchft_backend import QuorumUnavailable, TorchftCollective
+
+    lighthouse = Lighthouse(min_replicas=2, join_timeout=1).start()
+    coll = TorchftCollective("alone", lighthouse.address, min_replicas=2, round_timeout=5,
+                             quorum_timeout=1, join_timeout=1)
+    coll.register_state(lambda: {"x": torch.zeros(1)}, lambda s: None)
+    try:
+        with pytest.raises(QuorumUnavailable) as up:
+            coll.begin_round()
+        lighthouse.stop(kill=True)
+        with pytest.raises(QuorumUnavailable) as down:
+            coll.begin_round()
+    finally:
+        coll.close()
+        lighthouse.stop()
+    assert "is up, but fewer than min_replicas=2 peers" in str(up.value)
+    assert "restart" not in str(up.value).lower()
+    assert "does not answer" in str(down.value) and "restart it" in str(down.value)

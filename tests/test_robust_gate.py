@@ -228,17 +228,115 @@ def test_slow_loris_closed_after_bounded_time(gate, service):
     assert service.connections == 0
 
 
+def raw_from(gate: Gate, source: str) -> socket.socket:
+    """A connection from another loopback address (all of 127/8 is this machine)."""
+    sock = socket.socket()
+    sock.settimeout(10)
+    sock.bind((source, 0))
+    sock.connect(("127.0.0.1", gate.port))
+    return sock
+
+
+def closed_by_gate(sock: socket.socket, timeout: float = 5.0) -> bool:
+    """Whether the gate closed this connection (after its challenge) within ``timeout``."""
+    sock.settimeout(timeout)
+    try:
+        while sock.recv(4096):  # the challenge, then nothing: the gate says no more
+            pass
+        return True
+    except TimeoutError:
+        return False
+    except ConnectionResetError:
+        return True
+
+
 def test_pending_handshakes_are_bounded(service):
-    with Gate(SharedSecretAuth("s", "gate"), ("127.0.0.1", service.port), max_pending=2,
-              handshake_timeout=5.0) as g:
-        idle = [raw(g) for _ in range(2)]
-        for s in idle:
+    """Over the limits the oldest pending handshake makes room; a newcomer always gets its
+    challenge (it is never refused for others' load)."""
+    with Gate(SharedSecretAuth("s", "gate"), ("127.0.0.1", service.port), max_pending=3,
+              max_pending_per_source=2, handshake_timeout=30.0) as g:
+        a = [raw_from(g, "127.0.0.2") for _ in range(3)]  # per source: 2
+        for s in a:
             read_challenge(s)
-        with raw(g) as s:
-            code, reason = read_verdict(s)  # no challenge: refused at once
-            assert code == REFUSED and "too many handshakes" in reason
+        assert closed_by_gate(a[0]) and not closed_by_gate(a[1], 0.5)
+        b = [raw_from(g, "127.0.0.3") for _ in range(2)]  # 4 pending > 3: .2 holds the most
+        for s in b:
+            read_challenge(s)
+        assert closed_by_gate(a[1]) and not closed_by_gate(a[2], 0.5)
+        assert not any(closed_by_gate(s, 0.2) for s in b)
+        for s in a + b:
+            s.close()
+        assert service.connections == 0
+        assert [kind for kind, _, _ in g.events] == ["dropped", "dropped"]
+
+
+def test_idle_flood_does_not_lock_a_member_out(service, tmp_path: Path):
+    """66 idle connections (over the 64 in all) from the member's own address and 66 from
+    another: a member with the right secret still gets in at once, and the idle ones are
+    closed fast."""
+    log_path = tmp_path / "gate.log"
+    with Gate(SharedSecretAuth("s", "gate"), ("127.0.0.1", service.port), name="Lighthouse",
+              log_path=log_path) as g:
+        idle = [raw_from(g, source) for source in ("127.0.0.1", "127.0.0.9") for _ in range(66)]
+        time.sleep(0.5)
+        start = time.monotonic()
+        with Tunnel(SharedSecretAuth("s", "w0"), ("127.0.0.1", g.port)) as tunnel:
+            assert tunnel.peer_id == "w0"
+            with socket.create_connection(("127.0.0.1", tunnel.port), timeout=10) as s:
+                s.sendall(b"member bytes")
+                assert _exactly(s, 12) == b"member bytes"
+        assert time.monotonic() - start < 5  # at once, not after the idle ones time out
+        assert g.admitted == ["w0", "w0"] and not g.refusals
+        # every idle connection is gone within the handshake timeout (5 s), most at once
+        wait_for(lambda: all(closed_by_gate(s, 0.01) for s in idle), timeout=8.0)
         for s in idle:
             s.close()
+    wait_for(lambda: service.connections == 2)
+
+
+def test_flood_of_refusals_keeps_the_log_small(service, tmp_path: Path):
+    log_path = tmp_path / "gate.log"
+    with Gate(SharedSecretAuth("s", "gate"), ("127.0.0.1", service.port), log_path=log_path,
+              name="Lighthouse") as g:
+        for _ in range(300):
+            with raw(g) as s:
+                read_challenge(s)
+                s.sendall(b"GET / HTTP/1.1\r\n\r\n")  # not a proof: refused at once
+                assert read_verdict(s)[0] == REFUSED
+        wait_for(lambda: len(g.refusals) == 300)
+        time.sleep(10.2)  # the limiter's 10 s window is over: the next line counts the skipped
+        with raw(g) as s:
+            read_challenge(s)
+            s.sendall(b"GET / HTTP/1.1\r\n\r\n")
+            read_verdict(s)
+        wait_for(lambda: len(g.refusals) == 301)
+    lines = log_path.read_text().splitlines()
+    assert len(lines) == 21, len(lines)  # one window's burst, then the line with the count
+    assert "280 more refused lines left out" in lines[-1]
+
+
+def test_turned_away_before_the_challenge_is_not_called_a_refusal():
+    """A gate that answers with a verdict where the challenge belongs (an older gate, busy)
+    did not judge this peer's membership: the member must not be told its secret is wrong,
+    nor that the gate is "not a farlink handshake"."""
+    busy = socket.create_server(("127.0.0.1", 0))
+
+    def answer() -> None:
+        conn, _ = busy.accept()
+        with conn:
+            reason = b"too many handshakes in progress (64)"
+            conn.sendall(VERDICT_TAG + struct.pack("<BH", REFUSED, len(reason)) + reason)
+            time.sleep(0.5)
+
+    threading.Thread(target=answer, daemon=True).start()
+    try:
+        with pytest.raises(GateUnreachable) as err:
+            Tunnel(SharedSecretAuth("s", "w"), ("127.0.0.1", busy.getsockname()[1])).start()
+    finally:
+        busy.close()
+    text = str(err.value)
+    assert "before any handshake: too many handshakes in progress" in text, text
+    assert "not a farlink handshake" not in text and "wrong run secret" not in text
 
 
 def test_not_a_gate_and_service_down():

@@ -70,7 +70,9 @@ class RunConfig(*algorithm_options()):
     initial_peers: str = Field("", description="hivemind: comma list of multiaddrs to join")
     group_size: int | None = Field(
         None, ge=2, description="hivemind: Moshpit group size per round (default: everyone)")
-    min_replicas: int = Field(1, ge=1, description="fewest peers a round may commit with")
+    min_replicas: int = Field(
+        1, ge=1, description="fewest peers a round may commit with (a hivemind swarm that "
+        "farlink train starts itself: all --workers unless given)")
     lighthouse: str | None = Field(None, description="join this Lighthouse instead of starting one")
     emulate_link: str | None = Field(
         None, description="in-process WAN emulation: a link profile (datacenter, cross-region, "
@@ -113,6 +115,22 @@ class RunConfig(*algorithm_options()):
         False, exclude=True, description="start afresh in a run dir that holds a run: the old "
         "one is moved aside to DIR.old-<time>, never deleted")
     log_every: int = Field(10, ge=1, description="inner steps between metric lines")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _local_swarm_averages_everyone(cls, values: Any) -> Any:
+        """A hivemind swarm that ``farlink train`` starts itself knows all its peers, so its
+        rounds wait for all of them. With a group of one allowed, each peer reaches matchmaking
+        at its own moment, finds itself alone and "averages" with itself: N independent models.
+        A torchft Lighthouse instead waits ``join_timeout`` for every peer that heartbeats, so
+        there ``min_replicas`` 1 only keeps the run elastic."""
+        if not isinstance(values, dict) or values.get("min_replicas") is not None:
+            return values
+        local = not values.get("initial_peers") and values.get("lighthouse") is None
+        if values.get("backend") == "hivemind" and local:
+            values = {**values,
+                      "min_replicas": values.get("workers", cls.model_fields["workers"].default)}
+        return values
 
     @model_validator(mode="after")
     def _check(self) -> RunConfig:

@@ -92,16 +92,36 @@ def dht_options(
     return opts
 
 
+def _tied_dht_class():
+    """``hivemind.DHT`` whose process (forked from this one) stops, with its p2pd, when this
+    process dies: a launcher killed with SIGKILL leaves no bootstrap peer behind."""
+    import hivemind
+
+    from farlink.lifeline import tie_forked_child
+
+    parent = os.getpid()
+
+    class TiedDHT(hivemind.DHT):
+        def run(self) -> None:
+            tie_forked_child(parent)
+            super().run()
+
+    return TiedDHT
+
+
 def start_dht(
     initial_peers: Sequence[str],
     startup_timeout: float = 30.0,
     connect_attempts: int = 3,
+    tied: bool = False,
     **opts: Any,
 ):
     """A running ``hivemind.DHT``, or a :class:`CommError` subclass that says what to fix.
 
     Reaching the bootstrap peers is retried (``connect_attempts``): on a loaded machine or link a
     live peer can miss the daemon's short dial window, and a joiner should not give up on that.
+    ``tied``: the DHT process ends with this one (call from the main thread: the kernel ties a
+    child to the thread that forked it).
     """
     import hivemind
     from hivemind.p2p import P2PDaemonError
@@ -111,7 +131,8 @@ def start_dht(
     try:
         for attempt in range(1, connect_attempts + 1):
             try:
-                return hivemind.DHT(
+                dht_class = _tied_dht_class() if tied else hivemind.DHT
+                return dht_class(
                     initial_peers=peers or None, start=True, startup_timeout=startup_timeout, **opts
                 )
             except (P2PDaemonError, RuntimeError) as exc:
@@ -179,5 +200,7 @@ def start_bootstrap_peer(host: str = "127.0.0.1", port: int = 0, public: bool = 
     opts = dht_options([tcp_maddr(host, port)], public=public)
     if authorizer is not None:
         opts["authorizer"] = authorizer
-    dht = start_dht([], **opts)
+    import threading
+
+    dht = start_dht([], tied=threading.current_thread() is threading.main_thread(), **opts)
     return dht, [str(m) for m in dht.get_visible_maddrs()]

@@ -1,7 +1,8 @@
 """torchft's healing transfer behind the admission gate: state goes to members only.
 
 torchft heals a replica that is behind by having it GET the live peer's state from that peer's
-checkpoint HTTP server (``HTTPTransport``), which binds every interface and answers anyone. With
+checkpoint HTTP server (``HTTPTransport``), which answers anyone who reaches it (without
+``--auth`` farlink binds it to ``--host``: :mod:`farlink.comm.torchft_listeners`). With
 ``--auth`` farlink replaces it with :class:`GatedHTTPTransport`: the same server and request
 handler, bound to loopback, behind a :class:`~farlink.robust.gate.Gate` on the advertised host;
 the healing side fetches through a :class:`~farlink.robust.gate.Tunnel`, so it must prove
@@ -12,46 +13,23 @@ to anyone who asks) is therefore of no use to a non-member.
 from __future__ import annotations
 
 import logging
-import threading
 from datetime import timedelta
-from http.server import ThreadingHTTPServer
 from typing import Any
 
-from torchft.checkpointing import HTTPTransport, http_transport
-
+from farlink.comm.torchft_listeners import HostHTTPTransport
 from farlink.robust.auth import Authenticator
 from farlink.robust.gate import Gate, open_tunnel, parse_address
 
 log = logging.getLogger(__name__)
 
 
-class _LoopbackHTTPServer(ThreadingHTTPServer):
-    """The server torchft's constructor creates, bound to 127.0.0.1 instead of every interface."""
-
-    def __init__(self, server_address: Any, handler: Any) -> None:
-        super().__init__(("127.0.0.1", 0), handler)
-
-
-_construct_lock = threading.Lock()
-
-
-class GatedHTTPTransport(HTTPTransport):
-    """torchft's checkpoint transport, reachable only through a membership-proving gate.
-
-    torchft's constructor builds its server from a module-level class; it is swapped for a
-    loopback-only one while the constructor runs, so the state server never listens on a public
-    interface, not even for an instant.
-    """
+class GatedHTTPTransport(HostHTTPTransport):
+    """torchft's checkpoint transport, reachable only through a membership-proving gate: its
+    server listens on loopback only (from the start), the gate on the advertised host."""
 
     def __init__(self, auth: Authenticator, host: str, timeout: timedelta,
                  num_chunks: int = 0) -> None:
-        with _construct_lock:
-            saved = http_transport._IPv6HTTPServer
-            http_transport._IPv6HTTPServer = _LoopbackHTTPServer
-            try:
-                super().__init__(timeout=timeout, num_chunks=num_chunks)
-            finally:
-                http_transport._IPv6HTTPServer = saved
+        super().__init__("127.0.0.1", timeout, num_chunks)
         self._auth = auth
         self._fetch_timeout = timeout.total_seconds()
         self._gate = Gate(auth, ("127.0.0.1", self._server.server_address[1]), host,

@@ -19,6 +19,7 @@ through a gate of its own (:mod:`farlink.comm.torchft_admission`).
 from __future__ import annotations
 
 import logging
+import socket
 import time
 from datetime import timedelta
 
@@ -35,6 +36,28 @@ _TIMEOUT_SAFETY = 4.0
 
 class QuorumUnavailable(RuntimeError):
     """The Lighthouse gave no quorum in time (down, unreachable, or too few peers)."""
+
+
+def quorum_attempt_timeout(join_timeout: float) -> float:
+    """How long one quorum request may wait before it is retried.
+
+    With enough live peers the Lighthouse answers within ``join_timeout`` (it waits that long
+    for stragglers), so a request that outlives it by a margin (RPC latency, quorum ticks) is
+    stuck, e.g. on a Lighthouse that restarted. It does not depend on ``quorum_timeout``: the
+    retries that follow are what the quorum timeout bounds (see ``_start_quorum``).
+    """
+    return join_timeout + 10.0
+
+
+def lighthouse_reachable(address: str, timeout: float = 2.0) -> bool:
+    """Whether something accepts TCP connections at the Lighthouse's (or its gate's) address."""
+    from farlink.robust.gate import parse_address
+
+    try:
+        with socket.create_connection(parse_address(address), timeout=timeout):
+            return True
+    except (OSError, ValueError):
+        return False
 
 
 class TorchftCollective(Collective):
@@ -64,6 +87,8 @@ class TorchftCollective(Collective):
                 "and this peer has no --auth. Fix: start it with the run's --auth and its secret "
                 "(--secret or FARLINK_SECRET), or an ed25519 --key-file listed in --allowed-keys."
             )
+        from farlink.comm import torchft_listeners as listeners
+
         if admission is not None:
             from farlink.comm.torchft_admission import GatedHTTPTransport
             from farlink.robust.gate import open_tunnel
@@ -76,36 +101,42 @@ class TorchftCollective(Collective):
             except BaseException:
                 self._tunnel.close()
                 raise
+        else:
+            transport = listeners.HostHTTPTransport(host, timedelta(seconds=round_timeout))
         self.quorum_timeout = quorum_timeout
-        # The Lighthouse answers within join_timeout whenever enough peers are alive; a request
-        # that outlives that is stuck (e.g. on a Lighthouse that restarted) and is retried.
-        self.attempt_timeout = min(quorum_timeout, join_timeout + 10.0)
+        self.min_replicas = min_replicas
+        self.attempt_timeout = quorum_attempt_timeout(join_timeout)
         self.round_timeout = round_timeout
         self._healed = False
         self._get_state = self._set_state = None
         self._bytes_per_second: float | None = None  # measured on earlier rounds
         self._round_bytes = 0
-        self._store = TCPStore(host, 0, is_master=True, wait_for_workers=False)
+        # every listener on ``host`` only (torchft's defaults bind all interfaces)
+        listen_fd = listeners.store_listener(host)
+        self._store = TCPStore(host, 0, is_master=True, wait_for_workers=False,
+                               master_listen_fd=listen_fd)
+        listeners.bind_gloo_to(host)
         self.pg = ProcessGroupGloo(timeout=timedelta(seconds=round_timeout))
-        self.manager = Manager(
-            pg=self.pg,
-            load_state_dict=self._load_state,
-            state_dict=self._state,
-            min_replica_size=min_replicas,
-            use_async_quorum=False,
-            replica_id=replica_id,
-            store_addr=host,
-            store_port=self._store.port,
-            rank=0,
-            world_size=1,
-            lighthouse_addr=lighthouse_addr,
-            hostname=host,
-            timeout=timedelta(seconds=round_timeout),
-            quorum_timeout=timedelta(seconds=quorum_timeout),
-            connect_timeout=timedelta(seconds=connect_timeout),
-            init_sync=False,
-            checkpoint_transport=transport,
-        )
+        with listeners.manager_bound_to(host):
+            self.manager = Manager(
+                pg=self.pg,
+                load_state_dict=self._load_state,
+                state_dict=self._state,
+                min_replica_size=min_replicas,
+                use_async_quorum=False,
+                replica_id=replica_id,
+                store_addr=host,
+                store_port=self._store.port,
+                rank=0,
+                world_size=1,
+                lighthouse_addr=lighthouse_addr,
+                hostname=host,
+                timeout=timedelta(seconds=round_timeout),
+                quorum_timeout=timedelta(seconds=quorum_timeout),
+                connect_timeout=timedelta(seconds=connect_timeout),
+                init_sync=False,
+                checkpoint_transport=transport,
+            )
 
     # --- state transfer (called from torchft's quorum thread / eager heal) ---------------------
     def _state(self) -> dict:
@@ -135,13 +166,19 @@ class TorchftCollective(Collective):
         )
 
     def _start_quorum(self) -> None:
-        """Ask for a quorum; ride out a Lighthouse restart by retrying until quorum_timeout.
+        """Ask for a quorum; ride out a Lighthouse restart by retrying.
 
-        torchft keeps the failed quorum future and re-raises it on every later call, so it is
-        dropped before retrying; the Manager's own client reconnects to the new Lighthouse.
+        The wait is counted from the first failed attempt, not from the round's start: an attempt
+        in flight when the Lighthouse dies can hang for a whole ``attempt_timeout``, and the
+        outage only begins to show then. So a Lighthouse back within ``quorum_timeout`` of that
+        failure (hence of its death) is always reached: attempts go on until the deadline, the
+        last one starts at it, and if the Lighthouse answers by then one more whole attempt is
+        made (an attempt sent while it was down may hang on past the deadline). torchft keeps the failed quorum future and re-raises it on every
+        later call, so it is dropped before retrying; the Manager's own client reconnects.
         """
-        deadline = time.monotonic() + self.quorum_timeout
+        deadline = None
         delay = 0.5
+        last_chance = False
         while True:
             try:
                 self.manager.start_quorum(
@@ -152,15 +189,30 @@ class TorchftCollective(Collective):
                 self.manager._quorum_future = None
                 if self._tunnel is not None and isinstance(self._tunnel.failure, GateRefused):
                     raise QuorumUnavailable(str(self._tunnel.failure)) from exc
-                if time.monotonic() + delay > deadline:
-                    raise QuorumUnavailable(
-                        f"no quorum from the Lighthouse at {self.lighthouse_addr} within "
-                        f"{self.quorum_timeout:.0f}s ({exc}); is it running? Restart it on the "
-                        "same address and the workers reconnect."
-                    ) from exc
+                now = time.monotonic()
+                deadline = now + self.quorum_timeout if deadline is None else deadline
+                if now >= deadline:
+                    # an attempt started while it was down can hang past the deadline; a
+                    # Lighthouse that is back by then gets one whole attempt of its own
+                    if last_chance or not lighthouse_reachable(self.lighthouse_addr):
+                        raise QuorumUnavailable(self._no_quorum_message(exc)) from exc
+                    last_chance = True
+                    continue
                 log.warning("quorum failed (%s); retrying in %.1fs", exc, delay)
-                time.sleep(delay)
+                time.sleep(min(delay, deadline - now))
                 delay = min(delay * 2, 5.0)
+
+    def _no_quorum_message(self, exc: Exception) -> str:
+        """Why the wait ended, told from whether the Lighthouse answers now."""
+        waited = f"no quorum within {self.quorum_timeout:.0f}s of the first failed attempt ({exc})"
+        if lighthouse_reachable(self.lighthouse_addr):
+            return (f"{waited}. The Lighthouse at {self.lighthouse_addr} is up, but fewer than "
+                    f"min_replicas={self.min_replicas} peers asked for this round in time. Fix: "
+                    "check that the other workers are running (their logs), or lower "
+                    "--min-replicas, or raise --quorum-timeout.")
+        return (f"{waited}. The Lighthouse at {self.lighthouse_addr} does not answer. Fix: "
+                "restart it on the same address within --quorum-timeout (workers reconnect "
+                "then), or raise --quorum-timeout to ride out longer outages.")
 
     def load_committed_step(self, step: int) -> None:
         """Restore torchft's step counter on resume so peers do not heal from each other."""

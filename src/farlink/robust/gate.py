@@ -16,10 +16,15 @@ Wire format before relaying (integers little-endian)::
                                                           0 refused: the reason;
                                                           2 admitted, but the service is down)
 
-A handshake must complete within ``handshake_timeout`` seconds, a proof has at most
-``MAX_PROOF`` bytes and at most ``max_pending`` handshakes run at once, so garbage, a truncated
-proof or a connection that never answers is closed after a bounded time, and every refusal is
-logged with its reason. The gate does not authenticate itself to the peer and does not encrypt
+A handshake must complete within ``handshake_timeout`` seconds (5 s: a member needs one round
+trip) and a proof has at most ``MAX_PROOF`` bytes, so garbage, a truncated proof or a connection
+that never answers is closed after a bounded time, and every refusal is logged with its reason.
+Load never refuses anyone: one source address holds at most ``max_pending_per_source`` pending
+handshakes and the gate at most ``max_pending``; a newcomer over either limit takes the place of
+the *oldest* pending handshake (of its own address, else of the address holding the most), so
+idle connections cannot lock a member out, whose handshake takes one round trip. Log lines are
+rate-limited per kind, so a flood does not fill the disk (the count of the lines left out is
+logged). The gate does not authenticate itself to the peer and does not encrypt
 the bytes it relays (see docs/trust.md).
 """
 
@@ -74,8 +79,10 @@ def frame(tag: bytes, body: bytes) -> bytes:
     return tag + struct.pack("<H", len(body)) + body
 
 
-async def read_frame(reader: asyncio.StreamReader, tag: bytes, limit: int) -> bytes:
-    head = await reader.readexactly(len(tag) + 2)
+async def read_frame(reader: asyncio.StreamReader, tag: bytes, limit: int,
+                     read_tag: bytes | None = None) -> bytes:
+    """One frame; ``read_tag``: its tag was already read (by a caller that tells frames apart)."""
+    head = (read_tag or b"") + await reader.readexactly(len(tag) + 2 - len(read_tag or b""))
     if head[: len(tag)] != tag:
         raise ProtocolError(f"not a farlink handshake: expected {tag.decode()}, got "
                             f"{head[: len(tag)]!r}")
@@ -91,8 +98,10 @@ def verdict(code: int, text: str) -> bytes:
     return VERDICT_TAG + struct.pack("<BH", code, len(raw)) + raw
 
 
-async def read_verdict(reader: asyncio.StreamReader) -> tuple[int, str]:
-    head = await reader.readexactly(len(VERDICT_TAG) + 3)
+async def read_verdict(reader: asyncio.StreamReader,
+                       read_tag: bytes | None = None) -> tuple[int, str]:
+    head = (read_tag or b"") + await reader.readexactly(
+        len(VERDICT_TAG) + 3 - len(read_tag or b""))
     if head[: len(VERDICT_TAG)] != VERDICT_TAG:
         raise ProtocolError(f"not a farlink gate verdict: {head[:4]!r}")
     code, n = struct.unpack("<BH", head[len(VERDICT_TAG):])
@@ -135,6 +144,33 @@ async def relay(a_reader: asyncio.StreamReader, a_writer: asyncio.StreamWriter,
         await asyncio.gather(*tasks, return_exceptions=True)
         for writer in (a_writer, b_writer):
             writer.close()
+
+
+class LogLimiter:
+    """At most ``burst`` lines of one kind per ``window`` seconds; then one line says how many
+    were left out. A flood of refusals or failed connections costs bytes, not the disk."""
+
+    def __init__(self, burst: int = 20, window: float = 10.0) -> None:
+        self.burst, self.window = burst, window
+        self._state: dict[str, list[float | int]] = {}  # kind -> [window start, lines, skipped]
+
+    def admit(self, kind: str) -> tuple[bool, int]:
+        """(write this line?, lines of this kind left out since the last one written)."""
+        now = time.monotonic()
+        state = self._state.setdefault(kind, [now, 0, 0])
+        if now - state[0] >= self.window:
+            state[0], state[1] = now, 0
+        if state[1] >= self.burst:
+            state[2] += 1
+            return False, 0
+        skipped, state[2] = int(state[2]), 0
+        state[1] += 1
+        return True, skipped
+
+
+def _source(writer: asyncio.StreamWriter) -> str:
+    name = writer.get_extra_info("peername")
+    return str(name[0]) if isinstance(name, tuple) else str(name)
 
 
 def _peername(writer: asyncio.StreamWriter) -> str:
@@ -205,8 +241,9 @@ class _LoopServer:
 class Gate(_LoopServer):
     """Listens on ``host:port``; relays an admitted connection to ``upstream`` (loopback).
 
-    ``events`` keeps the last 1000 admissions and refusals as ``(kind, peer address, detail)``;
-    with ``log_path`` each is also appended to that file, and refusals go to the log as warnings.
+    ``events`` keeps the last 1000 admissions, refusals and evictions as ``(kind, peer address,
+    detail)``; with ``log_path`` they are also appended to that file, and refusals go to the log
+    as warnings, both rate-limited (:class:`LogLimiter`).
     """
 
     def __init__(
@@ -217,17 +254,24 @@ class Gate(_LoopServer):
         port: int = 0,
         *,
         name: str = "service",
-        handshake_timeout: float = 10.0,
+        handshake_timeout: float = 5.0,
         connect_timeout: float = 10.0,
         max_pending: int = 64,
+        max_pending_per_source: int = 4,
         log_path: Path | None = None,
     ) -> None:
+        if max_pending < 1 or max_pending_per_source < 1:
+            raise ValueError("max_pending and max_pending_per_source must be >= 1")
+        max_pending_per_source = min(max_pending_per_source, max_pending)
         self.auth, self.upstream = auth, upstream
         self.host, self.port, self.name = host, port, name
         self.handshake_timeout, self.connect_timeout = handshake_timeout, connect_timeout
-        self.max_pending, self.log_path = max_pending, log_path
+        self.max_pending, self.max_pending_per_source = max_pending, max_pending_per_source
+        self.log_path = log_path
         self.events: collections.deque[tuple[str, str, str]] = collections.deque(maxlen=1000)
-        self._pending = 0
+        # source address -> its pending handshakes (task -> peer name), oldest first
+        self._pending: dict[str, dict[asyncio.Task, str]] = {}
+        self._log_limit = LogLimiter()
         self._runner: _LoopThread | None = None
         self._server: asyncio.AbstractServer | None = None
 
@@ -257,7 +301,13 @@ class Gate(_LoopServer):
 
     def _record(self, kind: str, peer: str, detail: str) -> None:
         self.events.append((kind, peer, detail))
+        write, skipped = self._log_limit.admit(kind)
+        if not write:
+            return
         line = f"{self.name} gate {kind} {peer}: {detail}"
+        if skipped:
+            line += f" ({skipped} more {kind} lines left out in the last " \
+                    f"{self._log_limit.window:g} s)"
         if kind == "refused":
             log.warning("%s", line)
         else:
@@ -276,15 +326,17 @@ class Gate(_LoopServer):
             writer.close()
 
     async def _admit(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        peer = _peername(writer)
-        if self._pending >= self.max_pending:
-            await self._refuse(writer, peer, f"too many handshakes in progress ({self._pending})")
-            return
-        self._pending += 1
+        peer, source = _peername(writer), _source(writer)
+        task = asyncio.current_task()
+        queue = self._pending.setdefault(source, {})
+        queue[task] = peer
+        self._make_room(source)
         try:
             peer_id, reason = await self._check(reader, writer)
         finally:
-            self._pending -= 1
+            queue.pop(task, None)
+            if not queue and self._pending.get(source) is queue:
+                del self._pending[source]
         if peer_id is None:
             await self._refuse(writer, peer, reason)
             return
@@ -300,6 +352,23 @@ class Gate(_LoopServer):
         self._record("admitted", peer, peer_id)
         writer.write(verdict(ADMITTED, peer_id))
         await relay(reader, writer, up_reader, up_writer)
+
+    def _make_room(self, source: str) -> None:
+        """Drop the oldest pending handshakes over the per-source and overall limits (see the
+        module docstring): a newcomer is never the one turned away."""
+        def evict(address: str) -> None:
+            task, peer = next(iter(self._pending[address].items()))
+            del self._pending[address][task]
+            task.cancel()
+            self._record("dropped", peer, f"pending handshake closed to make room ({address} "
+                         f"holds the most; limits {self.max_pending_per_source} per address, "
+                         f"{self.max_pending} in all)")
+
+        while len(self._pending[source]) > self.max_pending_per_source:
+            evict(source)
+        while sum(map(len, self._pending.values())) > self.max_pending:
+            # the address holding the most; on a tie not the newcomer's own
+            evict(max(self._pending, key=lambda a: (len(self._pending[a]), a != source)))
 
     async def _check(self, reader: asyncio.StreamReader,
                      writer: asyncio.StreamWriter) -> tuple[str | None, str]:
@@ -364,6 +433,7 @@ class Tunnel(_LoopServer):
         self.failure: AdmissionError | None = None
         self._runner: _LoopThread | None = None
         self._server: asyncio.AbstractServer | None = None
+        self._log_limit = LogLimiter()
 
     @property
     def url(self) -> str:
@@ -393,14 +463,17 @@ class Tunnel(_LoopServer):
             raise GateUnreachable(f"cannot connect to {where}: {exc!r}. Fix: check the address "
                                   "and that the run is up.") from None
 
-        async def handshake() -> tuple[int, str]:
-            challenge = await read_frame(reader, CHALLENGE_TAG, MAX_CHALLENGE)
+        async def handshake() -> tuple[int, str, bool]:
+            tag = await reader.readexactly(len(CHALLENGE_TAG))
+            if tag == VERDICT_TAG:  # turned away before any challenge (an older gate, busy)
+                return (*await read_verdict(reader, read_tag=tag), False)
+            challenge = await read_frame(reader, CHALLENGE_TAG, MAX_CHALLENGE, read_tag=tag)
             writer.write(frame(PROOF_TAG, self.auth.prove(challenge)))
             await writer.drain()
-            return await read_verdict(reader)
+            return (*await read_verdict(reader), True)
 
         try:
-            code, text = await asyncio.wait_for(handshake(), self.handshake_timeout)
+            code, text, proved = await asyncio.wait_for(handshake(), self.handshake_timeout)
         except TimeoutError:
             writer.close()
             raise GateUnreachable(
@@ -414,6 +487,9 @@ class Tunnel(_LoopServer):
         if code == ADMITTED:
             return reader, writer, text
         writer.close()
+        if not proved:  # nothing was checked: not a verdict on this peer's membership
+            raise GateUnreachable(f"{where} turned this connection away before any handshake: "
+                                  f"{text}. Fix: retry; if it persists the gate is flooded.")
         if code == REFUSED:
             raise GateRefused(f"{where} refused this peer: {text}. {FIX}")
         raise GateUnreachable(f"{where} admitted this peer but said: {text}")
@@ -424,7 +500,9 @@ class Tunnel(_LoopServer):
             reader, writer, _ = await self._open()
         except AdmissionError as exc:
             self.failure = exc
-            log.error("%s", exc)
+            write, skipped = self._log_limit.admit("failed")
+            if write:  # a client retrying in a loop would otherwise log every attempt
+                log.error("%s%s", exc, f" ({skipped} similar lines left out)" if skipped else "")
             local_writer.close()
             return
         except asyncio.CancelledError:  # the tunnel is closing

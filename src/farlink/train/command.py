@@ -90,7 +90,7 @@ def register(app: typer.Typer, bench_app: typer.Typer) -> None:
             )
         if result.interrupted:
             raise typer.Exit(130)
-        if any(result.returncodes):
+        if any(result.returncodes) or result.problem is not None:
             raise typer.Exit(1)
 
     @app.command(context_settings={"help_option_names": ["-h", "--help"]})

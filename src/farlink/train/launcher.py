@@ -28,6 +28,7 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
 from farlink import interrupt
+from farlink import lifeline
 from farlink.config import ConfigError, RunConfig
 from farlink.robust.auth import SECRET_ENV, run_authenticator, run_secret
 from farlink.train.checkpoint import EXIT_DISK_FULL, is_disk_full
@@ -48,6 +49,7 @@ class RunResult:
     returncodes: list[int]
     summary: dict = field(default_factory=dict)
     interrupted: bool = False
+    problem: str | None = None  # the run ended but its result is wrong (see never_averaged)
 
 
 def worker_command(run_dir: Path, index: int, lighthouse: str, resume: bool,
@@ -68,7 +70,8 @@ def spawn_worker(cfg: RunConfig, index: int, lighthouse: str, resume: bool,
     environment then names the veth Gloo must bind and the address peers reach it at)."""
     logs = cfg.run_dir / "logs"
     logs.mkdir(parents=True, exist_ok=True)
-    env = {"OMP_NUM_THREADS": str(cfg.threads)}
+    # the worker stops by itself if this process dies without stopping it (see lifeline)
+    env = {"OMP_NUM_THREADS": str(cfg.threads), **lifeline.child_env()}
     secret = run_secret(cfg)
     if secret is not None:  # the worker's environment: not argv, not a file
         env[SECRET_ENV] = secret
@@ -109,11 +112,13 @@ def result_evals(evals: list[dict], holders: list[str] | None) -> list[dict]:
 def summarize(cfg: RunConfig) -> dict:
     """Final figures from the workers' metrics: held-out loss (of the run's result, see
     :func:`final_replicas`), bytes, utilization."""
-    per_worker, evals, last = {}, [], {}
+    per_worker, evals, last, groups = {}, [], {}, []
     for path in sorted((cfg.run_dir / "metrics").glob("w*.jsonl")):
         records = read_metrics(path)
         evals += [r for r in records if r["kind"] == "eval"]
         ends = [r for r in records if r["kind"] == "end"]
+        groups += [r["world_size"] for r in records if r.get("committed") and "world_size" in r]
+        groups += [r["widest_group"] for r in ends if r.get("widest_group")]
         if ends:
             end = last[path.stem] = ends[-1]
             # utilization: inner compute over wall-clock, evaluation/checkpoint time set aside
@@ -143,6 +148,7 @@ def summarize(cfg: RunConfig) -> dict:
         "final_heldout_loss": final["loss"] if final else None,
         "final_heldout_ppl": final["ppl"] if final else None,
         "total_tokens": sum(w["tokens"] for w in per_worker.values()),
+        "widest_group": max(groups, default=None),
         "final_replicas": {"holders": holders, "consistent": consistent,
                            "states": {w: [e.get("outer_step"), e.get("fingerprint")]
                                       for w, e in last.items()}},
@@ -150,6 +156,18 @@ def summarize(cfg: RunConfig) -> dict:
         "evals": [{k: r[k] for k in ("worker", "step", "tokens", "loss", "bytes_sent", "wall_s")}
                   for r in evals],
     }
+
+
+def never_averaged(cfg: RunConfig, summary: dict) -> str | None:
+    """What is wrong when several workers committed rounds but no round had two of them: each
+    trained its own model, which is not the run that was asked for."""
+    if cfg.workers < 2 or summary.get("widest_group") != 1:
+        return None
+    return (f"no round averaged two or more of the {cfg.workers} workers (every committed round "
+            "had a group of 1): they trained independent models, not one. Fix: let rounds wait "
+            f"for everyone with --min-replicas {cfg.workers} (or at least 2), check that the "
+            f"peers reach each other (logs in {cfg.run_dir / 'logs'}), or raise "
+            "--quorum-timeout / --join-timeout.")
 
 
 def export_model(cfg: RunConfig, holders: list[str] | None = None) -> Path | None:
@@ -386,6 +404,9 @@ def launch(cfg: RunConfig, show_progress: bool = True,
     summary["returncodes"] = codes
     summary["checkpoint_fallbacks"] = checkpoint_fallbacks(cfg)
     _report_checkpoint_fallbacks(summary["checkpoint_fallbacks"])
+    problem = None if interrupted else never_averaged(cfg, summary)
+    if problem is not None:
+        summary["problem"] = problem
     try:
         model_path = export_model(cfg, summary["final_replicas"]["holders"])
         if model_path is not None:
@@ -396,6 +417,8 @@ def launch(cfg: RunConfig, show_progress: bool = True,
             raise
         console.print(f"[red]disk full writing the run's summary and model under "
                       f"{cfg.run_dir}; each worker's final model is in {cfg.run_dir / 'final'}[/]")
+    if problem is not None:
+        console.print(f"[red]error: {problem}[/]")
     if not summary["final_replicas"]["consistent"] and not interrupted:
         console.print("[yellow]workers ended on different states (a straggler that missed the "
                       "last round commits its own); the run's result is the state most hold, "
@@ -411,4 +434,4 @@ def launch(cfg: RunConfig, show_progress: bool = True,
     elif any(codes):
         report_failures(cfg, codes)
         console.print(f"[red]workers exited with codes {codes}; logs in {cfg.run_dir / 'logs'}[/]")
-    return RunResult(cfg.run_dir, codes, summary, interrupted)
+    return RunResult(cfg.run_dir, codes, summary, interrupted, problem)

@@ -19,6 +19,8 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from farlink.lifeline import popen_tied
+
 if TYPE_CHECKING:
     from farlink.robust.auth import Authenticator
     from farlink.robust.gate import Gate
@@ -68,7 +70,8 @@ class Lighthouse:
             "--quorum_tick_ms", "20",
         ]
         out = open(self.log_path, "ab") if self.log_path else subprocess.DEVNULL
-        self.proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT)
+        # tied to this process: a launcher killed with SIGKILL takes its Lighthouse along
+        self.proc = popen_tied(argv, stdout=out, stderr=subprocess.STDOUT)
         deadline = time.time() + wait
         while time.time() < deadline:
             if self.proc.poll() is not None:

@@ -65,6 +65,7 @@ class Worker:
         self.joining = joining
         self.tokens = 0
         self.pace_overruns = 0  # inner steps slower than --pace-seconds allowed
+        self.widest_group = 0  # most peers of a committed round: 1 means it never averaged
         self.compute_s = 0.0
         self.comm_s = 0.0
         self.wall_offset = 0.0  # wall-clock of earlier lives of this worker (resume)
@@ -169,6 +170,8 @@ class Worker:
                 time.sleep((slowdown - 1) * (time.perf_counter() - t0))
             tokens = x.numel()
             outcome = self.sync.step(tokens)
+            if outcome.synced and outcome.committed:
+                self.widest_group = max(self.widest_group, outcome.world_size)
             elapsed = time.perf_counter() - t0
             self.compute_s += elapsed - outcome.comm_seconds
             self.comm_s += outcome.comm_seconds
@@ -205,6 +208,7 @@ class Worker:
                            wall_s=round(self.wall(), 3),
                            failed_rounds=self.sync.collective.stats.failed_rounds,
                            pace_overruns=self.pace_overruns, outer_step=algo.outer_step,
+                           widest_group=self.widest_group,
                            fingerprint=algo.fingerprint(), model_sha256=model_sha256,
                            **algo.traffic())
         return 0 if finished or stopped else 1
@@ -263,6 +267,9 @@ def run_worker(cfg: RunConfig, index: int, lighthouse: str, joining: bool = Fals
     ``farlink join`` calls it with its own config in memory, so a joiner never rewrites the
     config saved in a run dir it shares."""
     interrupt.install(raise_now=False)  # stop between steps, never mid-update
+    from farlink.lifeline import watch_parent
+
+    watch_parent()  # a launcher killed with SIGKILL leaves no worker behind
     from farlink.comm.errors import MembershipRefused
     from farlink.robust.gate import AdmissionError
 

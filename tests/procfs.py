@@ -1,0 +1,91 @@
+"""What a process tree is and what it listens on, read from Linux's /proc (no psutil here)."""
+
+from __future__ import annotations
+
+import ipaddress
+import os
+from pathlib import Path
+
+
+def _stat(pid: int) -> list[str] | None:
+    try:
+        raw = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return raw[raw.rindex(")") + 2:].split()  # fields after "pid (comm)"
+
+
+def alive(pid: int) -> bool:
+    """Running (a zombie has finished: only its exit status is left)."""
+    fields = _stat(pid)
+    return fields is not None and fields[0] != "Z"
+
+
+def parent(pid: int) -> int | None:
+    fields = _stat(pid)
+    return int(fields[1]) if fields is not None else None
+
+
+def descendants(root: int) -> set[int]:
+    """Every live process below ``root``."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit() and (fields := _stat(int(entry))) is not None:
+            children.setdefault(int(fields[1]), []).append(int(entry))
+    found, todo = set(), [root]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            if child not in found and alive(child):
+                found.add(child)
+                todo.append(child)
+    return found
+
+
+def command_line(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode().strip()
+    except OSError:
+        return ""
+
+
+def _socket_inodes(pid: int) -> set[str]:
+    inodes = set()
+    try:
+        fds = os.listdir(f"/proc/{pid}/fd")
+    except OSError:
+        return inodes
+    for fd in fds:
+        try:
+            target = os.readlink(f"/proc/{pid}/fd/{fd}")
+        except OSError:
+            continue
+        if target.startswith("socket:["):
+            inodes.add(target[8:-1])
+    return inodes
+
+
+def _address(hex_addr: str) -> str:
+    raw = bytes.fromhex(hex_addr)
+    if len(raw) == 4:
+        return str(ipaddress.IPv4Address(raw[::-1]))
+    # IPv6: four 32-bit words, each in host (little-endian) order
+    words = b"".join(raw[i:i + 4][::-1] for i in range(0, 16, 4))
+    return str(ipaddress.IPv6Address(words))
+
+
+def listening(pids: set[int]) -> list[tuple[int, str, int]]:
+    """(pid, address, port) of every TCP socket in LISTEN state that one of ``pids`` holds."""
+    owner = {inode: pid for pid in pids for inode in _socket_inodes(pid)}
+    found = []
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            lines = Path(table).read_text().splitlines()[1:]
+        except OSError:
+            continue
+        for line in lines:
+            fields = line.split()
+            local, state, inode = fields[1], fields[3], fields[9]
+            if state == "0A" and inode in owner:  # 0A: TCP_LISTEN
+                host, port = local.split(":")
+                found.append((owner[inode], _address(host), int(port, 16)))
+    return found

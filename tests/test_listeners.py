@@ -1,0 +1,55 @@
+"""A run on loopback (the default --host) listens on loopback only: no process of it (launcher,
+Lighthouse, workers, their torchft or hivemind servers) binds every interface. docs/trust.md
+lists the sockets; this reads the real ones from /proc during a real run."""
+
+from __future__ import annotations
+
+import ipaddress
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from procfs import command_line, descendants, listening, parent
+
+from farlink.train.metrics import read_metrics
+
+BASE = {"vocab_size": 512, "seq_len": 64, "batch_size": 4, "eval_batches": 2, "workers": 2,
+        "steps": 400, "inner_steps": 10, "warmup_steps": 5, "join_timeout": 10}
+
+
+def rounds_committed(run_dir: Path) -> int:
+    return min((sum(r["kind"] == "sync" and r["committed"] for r in read_metrics(path))
+                for path in (run_dir / "metrics").glob("w*.jsonl")), default=0)
+
+
+@pytest.mark.parametrize("backend", ["torchft", "hivemind"])
+def test_loopback_run_binds_no_public_interface(tmp_path: Path, cache_dir: Path,
+                                                backend: str) -> None:
+    run_dir = tmp_path / "run"
+    flags = [f"--{k.replace('_', '-')}={v}" for k, v in {**BASE, "backend": backend}.items()]
+    launcher = subprocess.Popen(
+        [sys.executable, "-c", "from farlink.cli import main; main()", "train", *flags,
+         "--run-dir", str(run_dir), "--cache-dir", str(cache_dir)],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 300
+        # after two committed rounds every listener exists (Gloo's pairs, the state server)
+        while (run_dir / "metrics").exists() is False or rounds_committed(run_dir) < 2:
+            assert launcher.poll() is None and time.monotonic() < deadline, "no rounds"
+            time.sleep(0.5)
+        pids = descendants(launcher.pid) | {launcher.pid}
+        sockets = listening(pids)
+        names = {pid: command_line(pid) for pid in pids}
+        workers = {p: descendants(p) | {p} for p in descendants(launcher.pid)
+                   if "farlink.train.worker" in names[p] and parent(p) == launcher.pid}
+    finally:
+        launcher.terminate()
+        launcher.wait(timeout=60)
+    assert len(workers) == 2, names
+    for tree in workers.values():  # the scan sees each worker's listeners (or its p2pd's)
+        assert any(pid in tree for pid, _, _ in sockets), (tree, sockets)
+    public = [(names[pid][:80], host, port) for pid, host, port in sockets
+              if not ipaddress.ip_address(host).is_loopback]
+    assert not public, public
