@@ -13,6 +13,10 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from farlink.model.config import PRESETS
+
+HF_MODEL_PREFIX = "hf:"
+
 
 class ConfigError(ValueError):
     """A configuration that cannot run; the message names the field and the fix."""
@@ -22,9 +26,15 @@ class RunConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
     # what to train
-    model: str = Field("tiny", description="model preset (tiny, small, 125m, 350m, 1b)")
+    model: str = Field("tiny", description=f"model preset ({', '.join(PRESETS)}), or "
+                       f"{HF_MODEL_PREFIX}DIR: a local transformers model directory (its "
+                       "config.json; its weights too if it has them)")
+    tokenizer: str | None = Field(
+        None, description="a tokenizer.json or Hugging Face tokenizer directory to use instead "
+        "of training a BPE (default: the hf:DIR model's own tokenizer.json if it has one)")
     corpus: str = Field("kjv", description="'kjv' (shipped), a .txt file/dir, or hf:PATH#column")
-    vocab_size: int = Field(4096, ge=260, description="BPE vocabulary size")
+    vocab_size: int = Field(4096, ge=260, description="BPE vocabulary size (a given tokenizer "
+                            "brings its own)")
     seq_len: int = Field(128, ge=8, description="tokens per sequence")
     batch_size: int = Field(8, ge=1, description="sequences per inner step per worker")
     steps: int = Field(500, ge=1, description="inner steps per worker (the token budget)")
@@ -128,6 +138,7 @@ class RunConfig(BaseModel):
             raise ValueError(
                 f"algorithm {self.algorithm!r} unknown; choose from {', '.join(ALGORITHMS)}"
             )
+        self._check_model()
         from farlink.codecs import make_compressor
         from farlink.robust.aggregators import make_aggregator
         from farlink.robust.attacks import make_attack
@@ -166,6 +177,43 @@ class RunConfig(BaseModel):
                              "hierarchical_diloco")
         self._check_network()
         return self
+
+    def _check_model(self) -> None:
+        """A preset, or a transformers directory (the ``hf`` extra); a given tokenizer exists."""
+        from farlink.extras import require
+
+        directory = self.hf_model_dir
+        if directory is None and self.model not in PRESETS:
+            raise ValueError(f"model {self.model!r} unknown; choose a preset "
+                             f"({', '.join(PRESETS)}) or {HF_MODEL_PREFIX}DIR")
+        if directory is not None:
+            if not (directory / "config.json").is_file():
+                raise ValueError(f"model {self.model!r}: {directory} has no config.json; give a "
+                                 "directory written by a transformers model's save_pretrained()")
+            require("transformers", f"--model {self.model}")
+        if self.tokenizer is not None and not Path(self.tokenizer).exists():
+            raise ValueError(f"tokenizer {self.tokenizer!r} does not exist; give a "
+                             "tokenizer.json file or a Hugging Face tokenizer directory")
+        if self.backend == "hivemind":
+            require("hivemind", "--backend hivemind (community mode)")
+
+    @property
+    def hf_model_dir(self) -> Path | None:
+        """The transformers model directory of ``--model hf:DIR``, or None for a preset."""
+        if self.model.startswith(HF_MODEL_PREFIX):
+            return Path(self.model[len(HF_MODEL_PREFIX):])
+        return None
+
+    @property
+    def given_tokenizer(self) -> Path | None:
+        """The tokenizer a run uses instead of training a BPE: ``--tokenizer``, else the
+        ``hf:DIR`` model's own ``tokenizer.json`` (its weights were trained with those ids)."""
+        if self.tokenizer is not None:
+            return Path(self.tokenizer)
+        directory = self.hf_model_dir
+        if directory is not None and (directory / "tokenizer.json").is_file():
+            return directory
+        return None
 
     def _check_network(self) -> None:
         """Topology, islands and the hierarchical schedule (see farlink.comm.islands)."""

@@ -30,6 +30,7 @@ from farlink.train.lighthouse import Lighthouse
 from farlink.train.metrics import read_metrics
 
 if TYPE_CHECKING:
+    from farlink.data import PreparedData
     from farlink.emulate.topology import Topology
 
 console = Console(stderr=True)
@@ -47,6 +48,16 @@ def write_run_config(cfg: RunConfig) -> None:
     cfg.run_dir.mkdir(parents=True, exist_ok=True)
     (cfg.run_dir / "config.json").write_text(cfg.model_dump_json(indent=1))
     (cfg.run_dir / "config.toml").write_text(tomli_w.dumps({"train": to_toml_dict(cfg)}))
+
+
+def write_model_files(cfg: RunConfig, data: PreparedData) -> None:
+    """The run directory keeps its tokenizer and model shape next to the weights, so
+    ``farlink export`` and ``farlink generate`` need nothing from the cache or the inputs."""
+    from farlink.data.tokenizer import atomic_write_bytes
+    from farlink.model.build import write_model_description
+
+    atomic_write_bytes(cfg.run_dir / "tokenizer.json", data.tokenizer.to_str().encode("utf-8"))
+    write_model_description(cfg, data.vocab_size)
 
 
 def worker_command(run_dir: Path, index: int, lighthouse: str, resume: bool,
@@ -193,7 +204,9 @@ def launch(cfg: RunConfig, show_progress: bool = True,
         shutil.rmtree(cfg.run_dir)  # a fresh run never mixes with an old one's metrics
     write_run_config(cfg)
     with console.status(f"preparing corpus {cfg.corpus!r} and tokenizer"):
-        data = prepare_data(cfg.corpus, cfg.vocab_size, cfg.cache_dir)
+        data = prepare_data(cfg.corpus, cfg.vocab_size, cfg.cache_dir,
+                            tokenizer=cfg.given_tokenizer)
+    write_model_files(cfg, data)
     console.print(
         f"[bold]farlink[/] {cfg.algorithm} ({cfg.codec}) | {cfg.workers} workers | "
         f"model {cfg.model} | corpus {cfg.corpus}: {len(data.train):,} train / "
