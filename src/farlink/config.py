@@ -11,7 +11,14 @@ import tomllib
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    ValidationInfo,
+    model_validator,
+)
 
 from farlink.model.config import PRESETS
 
@@ -138,7 +145,6 @@ class RunConfig(BaseModel):
             raise ValueError(
                 f"algorithm {self.algorithm!r} unknown; choose from {', '.join(ALGORITHMS)}"
             )
-        self._check_model()
         from farlink.codecs import make_compressor
         from farlink.robust.aggregators import make_aggregator
         from farlink.robust.attacks import make_attack
@@ -178,14 +184,19 @@ class RunConfig(BaseModel):
         self._check_network()
         return self
 
-    def _check_model(self) -> None:
-        """A preset, or a transformers directory (the ``hf`` extra); a given tokenizer exists."""
+    @model_validator(mode="after")
+    def _check_model(self, info: ValidationInfo) -> RunConfig:
+        """A preset, or a transformers directory (the ``hf`` extra); a given tokenizer exists.
+        A stored run config (``context={"stored": True}``: read back to report on a run) is not
+        checked against this machine's files and packages; only a run about to start is."""
         from farlink.extras import require
 
         directory = self.hf_model_dir
         if directory is None and self.model not in PRESETS:
             raise ValueError(f"model {self.model!r} unknown; choose a preset "
                              f"({', '.join(PRESETS)}) or {HF_MODEL_PREFIX}DIR")
+        if (info.context or {}).get("stored"):
+            return self
         if directory is not None:
             if not (directory / "config.json").is_file():
                 raise ValueError(f"model {self.model!r}: {directory} has no config.json; give a "
@@ -196,6 +207,7 @@ class RunConfig(BaseModel):
                              "tokenizer.json file or a Hugging Face tokenizer directory")
         if self.backend == "hivemind":
             require("hivemind", "--backend hivemind (community mode)")
+        return self
 
     @property
     def hf_model_dir(self) -> Path | None:
@@ -293,6 +305,13 @@ def load_config(path: Path | None = None, overrides: dict[str, Any] | None = Non
             f"{'.'.join(str(p) for p in e['loc']) or 'config'}: {e['msg']}" for e in exc.errors()
         )
         raise ConfigError(f"invalid configuration: {problems}") from None
+
+
+def load_stored_config(run_dir: Path) -> RunConfig:
+    """A run directory's ``config.json`` as the run wrote it, for reading the run's results:
+    the paths in it belong to where the run started, so they are not checked here."""
+    path = Path(run_dir) / "config.json"
+    return RunConfig.model_validate_json(path.read_text(), context={"stored": True})
 
 
 def to_toml_dict(cfg: RunConfig) -> dict[str, Any]:

@@ -7,7 +7,7 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-from farlink.config import RunConfig
+from farlink.config import load_stored_config
 from farlink.train.audit import audit_run
 from farlink.train.launcher import summarize
 
@@ -16,7 +16,7 @@ def report(run_dir: Path, plot: bool = True) -> dict:
     config_path = run_dir / "config.json"
     if not config_path.is_file():
         raise FileNotFoundError(f"{run_dir} is not a farlink run directory (no config.json)")
-    cfg = RunConfig.model_validate_json(config_path.read_text())
+    cfg = load_stored_config(run_dir)
     # the stored run_dir is as the run was started (often relative to another directory): the
     # directory asked about is the one to read
     cfg = cfg.model_copy(update={"run_dir": run_dir})
