@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
+from typer.testing import CliRunner
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
 from farlink.config import ConfigError, load_config
@@ -37,6 +38,13 @@ def farlink(*args: str, cwd: Path, timeout: float = 400) -> subprocess.Completed
     return subprocess.run([sys.executable, "-m", "farlink.cli", *args], cwd=cwd,
                           capture_output=True, text=True, timeout=timeout,
                           env={**os.environ, "COLUMNS": "200"})
+
+
+def cli(*args: str):  # noqa: ANN201
+    """The CLI in this process, for the commands that only read a run directory."""
+    from farlink.cli import app
+
+    return CliRunner().invoke(app, list(args))
 
 
 def tiny_llama_config(vocab_size: int = 512) -> LlamaConfig:
@@ -92,8 +100,8 @@ def test_export_of_a_trained_run_loads_with_auto_classes(gpt_run: Path, tmp_path
     run = json.loads((gpt_run / "model.json").read_text())
     assert run["architecture"] == "farlink-gpt" and run["config"]["vocab_size"] == 512
     out = tmp_path / "export"
-    done = farlink("export", str(gpt_run), "--hf", str(out), cwd=tmp_path)
-    assert done.returncode == 0, done.stderr
+    done = cli("export", str(gpt_run), "--hf", str(out))
+    assert done.exit_code == 0, done.output
     hf_model = AutoModelForCausalLM.from_pretrained(str(out)).eval()
     hf_tokenizer = AutoTokenizer.from_pretrained(str(out))
     assert isinstance(hf_model, LlamaForCausalLM)
@@ -107,8 +115,8 @@ def test_export_of_a_trained_run_loads_with_auto_classes(gpt_run: Path, tmp_path
     assert delta <= 1e-5
     assert hf_tokenizer.eos_token == "<|endoftext|>"
     # nothing the user owns is overwritten
-    again = farlink("export", str(gpt_run), "--hf", str(out), cwd=tmp_path)
-    assert again.returncode == 2 and "not an empty directory" in again.stderr
+    again = cli("export", str(gpt_run), "--hf", str(out))
+    assert again.exit_code == 2 and "not an empty directory" in again.output
 
 
 def test_greedy_generation_matches_transformers_generate(gpt_run: Path, tmp_path: Path) -> None:
@@ -123,15 +131,16 @@ def test_greedy_generation_matches_transformers_generate(gpt_run: Path, tmp_path
     assert ours == theirs and len(ours) > len(prompt)
 
 
-def test_generate_cli_is_seeded_and_continues_the_prompt(gpt_run: Path, tmp_path: Path) -> None:
+def test_generate_cli_is_seeded_and_continues_the_prompt(gpt_run: Path) -> None:
     args = ["generate", str(gpt_run), "--prompt", "And God said", "--max-new-tokens", "30",
-            "--temperature", "1.0", "--top-k", "50"]
-    first = farlink(*args, "--seed", "7", cwd=tmp_path)
-    assert first.returncode == 0, first.stderr
-    assert first.stdout.startswith("And God said") and len(first.stdout) > len("And God said")
-    assert farlink(*args, "--seed", "7", cwd=tmp_path).stdout == first.stdout
-    samples = {farlink(*args, "--seed", str(s), cwd=tmp_path).stdout for s in (1, 2, 3)}
-    assert len(samples) > 1  # sampled, not greedy
+            "--temperature", "1.0", "--top-k", "50", "--num-samples", "3"]
+    first = cli(*args, "--seed", "7")
+    assert first.exit_code == 0, first.output
+    samples = first.output.split("---------------\n")
+    assert len(samples) == 3
+    assert all(t.startswith("And God said") and len(t) > len("And God said\n") for t in samples)
+    assert len(set(samples)) > 1  # sampled, not greedy
+    assert cli(*args, "--seed", "7").output == first.output  # seeded: reproducible
 
 
 def test_sample_top_k_one_is_greedy() -> None:
@@ -168,8 +177,8 @@ def test_hf_model_trains_through_the_cli_and_workers(hf_run: Path, gpt_run: Path
     ids = torch.randint(0, 512, (2, 64))
     with torch.no_grad():
         assert (ours(ids)[0] - reloaded(input_ids=ids).logits).abs().max().item() <= 1e-5
-    assert farlink("generate", str(hf_run), "--prompt", "The LORD", "--max-new-tokens", "5",
-                   cwd=tmp_path).stdout.startswith("The LORD")
+    assert cli("generate", str(hf_run), "--prompt", "The LORD", "--max-new-tokens", "5"
+               ).output.startswith("The LORD")
 
 
 def test_causal_lm_loss_is_the_hf_loss_on_the_unshifted_window() -> None:
@@ -237,15 +246,17 @@ def test_given_tokenizer_file_or_directory_replaces_the_bpe(tmp_path: Path,
 
 # --- report reads the directory it is given ------------------------------------------------------
 
-def test_report_from_another_directory_reads_the_given_run(gpt_run: Path,
-                                                           tmp_path: Path) -> None:
+def test_report_from_another_directory_reads_the_given_run(
+        gpt_run: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The run was started with the relative run dir runs/gpt; reporting it from elsewhere
     must read that run, not ./runs/gpt (absent here, or another run's)."""
     summary = json.loads((gpt_run / "summary.json").read_text())
     elsewhere = tmp_path / "elsewhere"
     (elsewhere / "runs" / "gpt").mkdir(parents=True)  # a decoy at the same relative path
-    done = farlink("report", str(gpt_run), cwd=elsewhere)
-    assert done.returncode == 0, done.stderr
+    monkeypatch.chdir(elsewhere)
+    monkeypatch.setenv("COLUMNS", "200")
+    done = cli("report", str(gpt_run))
+    assert done.exit_code == 0, done.output
     tokens = summary["per_worker"]["w0"]["tokens"]
-    assert re.search(rf"w0\s+│\s+{tokens:,}\s+│", done.stdout) and "w1" in done.stdout
-    assert f"held-out loss {summary['final_heldout_loss']}" in done.stdout
+    assert re.search(rf"w0\s+│\s+{tokens:,}\s+│", done.output) and "w1" in done.output
+    assert f"held-out loss {summary['final_heldout_loss']}" in done.output
