@@ -220,6 +220,15 @@ def test_hf_dir_and_tokenizer_are_checked_before_a_run(tmp_path: Path) -> None:
         load_config(None, {"tokenizer": str(tmp_path / "missing.json")})
     with pytest.raises(ConfigError, match="10b"):
         load_config(None, {"model": "huge"})
+    model_dir = tmp_path / "llama"
+    tiny_llama_config().save_pretrained(model_dir)
+    assert load_config(None, {"model": f"hf:{model_dir}"}).given_tokenizer is None  # train a BPE
+    (model_dir / "tokenizer.json").write_text("{}")
+    assert load_config(None, {"model": f"hf:{model_dir}"}).given_tokenizer == model_dir
+    other = tmp_path / "other.json"
+    other.write_text("{}")
+    assert load_config(None, {"model": f"hf:{model_dir}",
+                              "tokenizer": str(other)}).given_tokenizer == other
 
 
 def test_given_tokenizer_file_or_directory_replaces_the_bpe(tmp_path: Path,
