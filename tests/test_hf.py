@@ -269,3 +269,8 @@ def test_report_from_another_directory_reads_the_given_run(
     tokens = summary["per_worker"]["w0"]["tokens"]
     assert re.search(rf"w0\s+│\s+{tokens:,}\s+│", done.output) and "w1" in done.output
     assert f"held-out loss {summary['final_heldout_loss']}" in done.output
+    # without the plots extra the table still prints, and the missing PNG names the extra
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    done = cli("report", str(gpt_run))
+    assert done.exit_code == 0 and re.search(rf"w0\s+│\s+{tokens:,}\s+│", done.output)
+    assert "no plot" in done.output and "pip install 'farlink[plots]'" in done.output

@@ -187,8 +187,9 @@ class RunConfig(BaseModel):
     @model_validator(mode="after")
     def _check_inputs(self, info: ValidationInfo) -> RunConfig:
         """A preset, or a transformers directory; a given tokenizer exists; the extras the run
-        needs (``hf`` for hf:DIR, ``community`` for hivemind) are installed. A stored run config (``context={"stored": True}``: read back to report on a run) is not
-        checked against this machine's files and packages; only a run about to start is."""
+        needs (``hf`` for hf:DIR, ``community`` for hivemind) are installed. A stored run config
+        (``context={"stored": True}``: read back to report on a run) is not checked against
+        this machine's files and packages; only a run about to start is."""
         from farlink.extras import require
 
         directory = self.hf_model_dir

@@ -122,8 +122,9 @@ def eot_id(tokenizer: Tokenizer) -> int:
         token_id = tokenizer.token_to_id(token)
         if token_id is not None:
             return token_id
-    raise CorpusError(f"tokenizer has none of the end-of-text tokens {', '.join(END_OF_TEXT_TOKENS)}"
-                     "; farlink separates documents with one (add it as a special token)")
+    raise CorpusError(f"tokenizer has none of the end-of-text tokens "
+                      f"{', '.join(END_OF_TEXT_TOKENS)}; farlink separates documents with one "
+                      "(add it as a special token)")
 
 
 def eot_token(tokenizer: Tokenizer) -> str:

@@ -43,7 +43,7 @@ def report(run_dir: Path, plot: bool = True) -> dict:
             path = plot_curves(run_dir / "loss_vs_tokens.png", {cfg.algorithm: points},
                                "tokens (evaluating worker)", "held-out loss", str(run_dir))
         except MissingExtra as exc:
-            console.print(f"no plot: {exc}")
+            console.print(f"no plot: {exc}", markup=False)  # keep "farlink[plots]" literal
         else:
             console.print(f"plot: {path}")
     return {"summary": summary, "audit": audit}
