@@ -27,3 +27,25 @@ def test_run_survives_repeated_sigkill_and_loses_no_committed_step(tmp_path: Pat
     assert audit["lost_committed_steps"] == 0
     assert audit["outer_steps"] >= 18 - 1
     assert audit["last_eval_loss"] < audit["first_eval_loss"]
+
+
+@pytest.mark.slow
+def test_long_churn_kills_at_every_moment_and_survives_lighthouse_and_disk_damage(
+        tmp_path: Path, cache_dir: Path) -> None:
+    """The long churn bench at small scale: SIGKILLs aimed at inner steps, rounds, checkpoint
+    writes and heals, a Lighthouse SIGKILL and two damaged checkpoints."""
+    from farlink.bench.churn_long import run_long_churn
+
+    cfg = load_config(None, {
+        "workers": 4, "steps": 300, "inner_steps": 10, "min_replicas": 2, "log_every": 1,
+        "join_timeout": 30, "heartbeat_timeout": 2, "round_timeout": 15, "quorum_timeout": 90,
+        "run_dir": tmp_path / "run", "cache_dir": cache_dir, "warmup_steps": 20,
+    })
+    result = run_long_churn(cfg, kills=8, lighthouse_kills=1, corruptions=2, seed=3,
+                            timeout=2400)
+    assert result["returncodes"] == [0, 0, 0, 0], result
+    assert result["worker_sigkills"] >= 8 and result["lighthouse_sigkills"] == 1
+    assert result["corrupted_checkpoints"] == 2 == result["corrupt_checkpoints_refused"]
+    assert result["consistent"], result["audit"]
+    assert result["lost_committed_tokens"] == 0
+    assert result["outer_steps"] == 30

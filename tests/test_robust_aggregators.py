@@ -172,3 +172,37 @@ def test_claimed_tokens_cannot_buy_influence():
     assert _rel_err(weighted_mean(updates, weights), honest) > 50
     for name in ("trimmed_mean", "centered_clip", "norm_bounded"):
         assert _rel_err(make_aggregator(name)(updates, weights), honest) < 0.1, name
+
+
+def test_centered_clip_defaults_median_start_median_radius_three_iterations():
+    """farlink's defaults, each pinned: start at the coordinate median, tau = the median
+    distance of the updates from it, 3 iterations (see the module doc for the paper's)."""
+    x = X.double().numpy()
+    w = W.double().numpy()
+    v0 = np.median(x, axis=0)
+    distances = np.sort(np.linalg.norm(x - v0, axis=1))
+    tau = distances[(len(distances) - 1) // 2]  # the lower median for an even count
+    expected = _numpy_centered_clip(x, w, v0, tau, 3)
+    np.testing.assert_allclose(centered_clip(X.double(), W).numpy(), expected, rtol=1e-9)
+    for other in (_numpy_centered_clip(x, w, v0, tau, 1),        # not 1 iteration
+                  _numpy_centered_clip(x, w, v0, 2 * tau, 3),    # not another radius
+                  _numpy_centered_clip(x, w, x.mean(0), tau, 3)):  # not another start
+        assert np.abs(other - expected).max() > 1e-3
+
+
+def test_centered_clip_paper_form_one_step_from_the_previous_aggregate():
+    """Karimireddy et al.: v = v_prev + mean_i clip(x_i - v_prev, tau), one iteration, by hand."""
+    previous = torch.tensor([1.0, 0.0, 1.0], dtype=torch.float64)
+    x = torch.tensor([[1.0, 0.0, 1.0], [4.0, 4.0, 1.0], [1.0, 0.5, 1.0]], dtype=torch.float64)
+    # offsets: 0; (3, 4, 0) of norm 5 clipped to tau = 1 -> (0.6, 0.8, 0); (0, 0.5, 0) kept
+    got = centered_clip(x, torch.ones(3), tau=1.0, iters=1, reference=previous)
+    expected = previous + torch.tensor([0.6, 0.8 + 0.5, 0.0], dtype=torch.float64) / 3
+    torch.testing.assert_close(got, expected)
+
+
+def test_per_tensor_suffix():
+    rule = make_aggregator("krum:1+per_tensor")
+    assert rule(torch.tensor([[0.0], [1.5], [2.0], [100.0], [3.0]]), torch.ones(5)).item() == 2.0
+    assert make_aggregator("mean+per_tensor") is weighted_mean  # the mean splits exactly
+    with pytest.raises(ValueError):
+        make_aggregator("nope+per_tensor")

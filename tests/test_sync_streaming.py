@@ -89,3 +89,44 @@ def test_communication_overlaps_compute() -> None:
     _, compute, comm, _ = overlapped[0]
     assert comm < 0.5 * 8 * 0.05, comm
     assert compute / (compute + comm) > 0.8
+
+
+def _hand_run(overlap_steps: int, alpha: float, steps: int) -> list[list[torch.Tensor]]:
+    """Two workers, one fragment synced at step 2 of every H = 4; no gradients, so the inner
+    optimizer leaves the parameters where the test puts them."""
+    cfg = RunConfig(algorithm="streaming_diloco", inner_steps=4, fragments=1, steps=8,
+                    warmup_steps=0, overlap_steps=overlap_steps, mix_alpha=alpha)
+    local = {0: torch.tensor([[0.0, 1.0]]), 1: torch.tensor([[1.0, 0.0]])}
+
+    def member(rank: int, coll):  # noqa: ANN001, ANN202
+        model = nn.Linear(2, 1, bias=False)
+        with torch.no_grad():
+            model.weight.copy_(torch.tensor([[1.0, 2.0]]))
+        algo = StreamingDiLoCo(model, cfg, coll, Exchange(coll, make_compressor("none"),
+                                                          sender=f"p{rank}"))
+        after = []
+        for t in range(1, steps + 1):
+            if t == 2:
+                with torch.no_grad():
+                    algo.params[0].copy_(local[rank])
+            algo.step(16)
+            after.append(algo.params[0].detach().clone())
+        algo.finish()
+        return after
+
+    return InProcessGroup(2).run(member, timeout=60)
+
+
+def test_tau_zero_applies_the_outer_update_in_the_step_it_is_launched() -> None:
+    alpha = 0.25  # not 0.5, which would hide a swapped local/global mix
+    # By hand: theta0 = [1, 2]; deltas [1, 1] and [0, 2], equal tokens: g = [0.5, 1.5];
+    # first Nesterov step (lr 0.7, momentum 0.9): theta1 = theta0 - 0.7 * 1.9 * g
+    theta1 = torch.tensor([[1.0, 2.0]]) - 0.7 * 1.9 * torch.tensor([[0.5, 1.5]])
+    local = {0: torch.tensor([[0.0, 1.0]]), 1: torch.tensor([[1.0, 0.0]])}
+    for rank, after in enumerate(_hand_run(0, alpha, 3)):
+        mixed = alpha * local[rank] + (1 - alpha) * theta1
+        torch.testing.assert_close(after[1], mixed)  # right after step 2, its launch step
+        torch.testing.assert_close(after[2], mixed)
+    for rank, after in enumerate(_hand_run(1, alpha, 3)):  # tau = 1: one step later
+        torch.testing.assert_close(after[1], local[rank])
+        torch.testing.assert_close(after[2], alpha * local[rank] + (1 - alpha) * theta1)

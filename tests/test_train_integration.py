@@ -64,7 +64,7 @@ def test_diloco_three_workers_agree_and_learn(tmp_path: Path, cache_dir: Path) -
 
 @pytest.mark.parametrize("algorithm,codec", [
     ("ddp", "none"), ("local_sgd", "none"), ("streaming_diloco", "int4+ef"), ("demo", "none"),
-    ("diloco", "int8+ef"),
+    ("diloco", "int8+ef"), ("sparseloco", "none"),
 ])
 def test_every_algorithm_keeps_replicas_in_agreement(tmp_path: Path, cache_dir: Path,
                                                      algorithm: str, codec: str) -> None:

@@ -100,3 +100,36 @@ def run(out: Path, rates: list[float], steps: int, inner_steps: int, workers: in
     plot_curves(out / "churn_loss_vs_tokens.png", series, "tokens (evaluating worker)",
                 "held-out loss", "held-out loss under churn")
     return {"rows": rows}
+
+
+def run_long(out: Path, kills: int, lighthouse_kills: int, corruptions: int, steps: int,
+             inner_steps: int, workers: int, seed: int = 0) -> dict:
+    """The long mode (:mod:`farlink.bench.churn_long`): its figures go into ``churn.json`` under
+    ``long``, next to the kill-rate rows, and a timeline PNG."""
+    import json
+
+    from farlink.bench.churn_long import plot_timeline, run_long_churn
+
+    cfg = load_config(None, {
+        "steps": steps, "inner_steps": inner_steps, "workers": workers, "min_replicas": 2,
+        # a live worker slowed by a busy machine is waited for (a dead one stops heartbeating
+        # and is dropped after 2 s): one left out of the last round would wait for a quorum
+        # that never comes
+        "join_timeout": 30, "heartbeat_timeout": 2, "round_timeout": 15, "quorum_timeout": 90,
+        # every inner step logged: the driver aims its kills by the workers' own records
+        "log_every": 1, "eval_every": 10, "run_dir": out / "runs" / "long",
+    })
+    started = time.time()
+    result = run_long_churn(cfg, kills, lighthouse_kills, corruptions, seed=seed)
+    result["seed"] = seed
+    result["cpus"] = os.cpu_count()
+    path = out / "churn.json"
+    doc = json.loads(path.read_text()) if path.exists() else None
+    if doc is None:
+        write_json(path, "churn", [], {"steps": steps, "inner_steps": inner_steps})
+        doc = json.loads(path.read_text())
+    doc["long"] = {k: v for k, v in result.items() if k != "evals"}
+    doc["long"]["bench_wall_s"] = round(time.time() - started, 1)
+    path.write_text(json.dumps(doc, indent=1, default=str))
+    plot_timeline(out / "churn_long_timeline.png", result, cfg.run_dir)
+    return result

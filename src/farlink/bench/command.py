@@ -52,6 +52,28 @@ def register(app: typer.Typer, bench_app: typer.Typer) -> None:
                                     "bytes_per_worker", "bytes_reduction_vs_ddp",
                                     "compute_utilization", "wall_s"], "farlink bench algorithms")
 
+    @bench_app.command("probe")
+    def probe(
+        out: Path = typer.Option(Path("bench/algorithms"), help="output directory"),
+        steps: int = typer.Option(150, help="inner steps per worker (the token budget)"),
+        inner_steps: int = typer.Option(15, help="H for the local-update algorithms"),
+        workers: int = typer.Option(4, help="workers (threads of one process)"),
+        only: list[str] | None = typer.Option(None, help="run only these labels"),
+        warmup_steps: int = typer.Option(10, help="inner lr warmup"),
+        outer_lr: float | None = typer.Option(None, help="outer lr of the selected variants"),
+        tag: str = typer.Option("", help="appended to the selected variants' labels"),
+    ) -> None:
+        """Frontier candidates with the workers as threads of one process (cheap sweeps)."""
+        from farlink.bench.algorithms import probe as run_probe
+
+        extra = {"warmup_steps": warmup_steps, "eval_batches": 8}
+        if outer_lr is not None:
+            extra["outer_lr"] = outer_lr
+        result = run_probe(out, steps, inner_steps, workers, only, extra, tag)
+        print_rows(result["rows"], ["label", "final_heldout_loss", "loss_vs_ddp",
+                                    "bytes_per_token", "bytes_per_token_reduction_vs_ddp"],
+                   "farlink bench probe")
+
     @bench_app.command("overhead")
     def overhead(
         out: Path = typer.Option(Path("bench/overhead"), help="output directory"),
@@ -71,14 +93,35 @@ def register(app: typer.Typer, bench_app: typer.Typer) -> None:
     def churn(
         out: Path = typer.Option(Path("bench/churn"), help="output directory"),
         rates: list[float] = typer.Option([0.0, 1.0, 4.0], help="kills per 100 outer steps"),
-        steps: int = typer.Option(2000, help="inner steps per worker"),
-        inner_steps: int = typer.Option(20, help="H"),
+        steps: int | None = typer.Option(
+            None, help="inner steps per worker (default 2000; --long: 6000)"),
+        inner_steps: int | None = typer.Option(None, help="H (default 20; --long: 10)"),
         workers: int = typer.Option(4, help="worker processes"),
+        long: bool = typer.Option(
+            False, "--long", help="instead of kill rates: a schedule of SIGKILLs aimed at every "
+            "moment (inner step, round, checkpoint write, heal), Lighthouse kills and damaged "
+            "checkpoints"),
+        kills: int = typer.Option(100, help="--long: worker SIGKILLs"),
+        lighthouse_kills: int = typer.Option(2, help="--long: Lighthouse SIGKILLs"),
+        corruptions: int = typer.Option(3, help="--long: checkpoints damaged on disk"),
+        seed: int = typer.Option(0, help="--long: schedule and victims"),
     ) -> None:
         """Loss vs tokens with workers SIGKILLed and restarted; audits lost committed progress."""
-        from farlink.bench.churn import run
+        from farlink.bench.churn import run, run_long
 
-        result = run(out, rates, steps, inner_steps, workers)
+        if long:
+            result = run_long(out, kills, lighthouse_kills, corruptions, steps or 6000,
+                              inner_steps or 10, workers, seed)
+            columns = ["worker_sigkills", "lighthouse_sigkills", "corrupted_checkpoints",
+                       "corrupt_checkpoints_refused", "outer_steps", "consistent",
+                       "lost_committed_tokens", "wall_s"]
+            print_rows([result], columns, "farlink bench churn --long")
+            print(f"SIGKILLs by moment: {result['sigkills_by_moment']}")
+            if not result["targets_met"]:
+                print(f"the run ended before every fault was injected ({result['targets']}); "
+                      "raise --steps")
+            return
+        result = run(out, rates, steps or 2000, inner_steps or 20, workers)
         print_rows(result["rows"], ["kills_per_100_outer_steps", "kills", "outer_steps",
                                     "consistent", "lost_committed_tokens", "final_heldout_loss"],
                    "farlink bench churn")
@@ -176,6 +219,39 @@ def register(app: typer.Typer, bench_app: typer.Typer) -> None:
         typer.echo("planner vs measured steady-state rounds, median |relative error|: " + ", ".join(
             f"{k} {100 * v['median_abs_relative_error']:.1f}% (max "
             f"{100 * v['max_abs_relative_error']:.1f}%)" for k, v in errors.items() if v["n"]))
+
+    @bench_app.command("pipeline")
+    def pipeline(
+        out: Path = typer.Option(Path("bench/pipeline"), help="output directory"),
+        model: str = typer.Option("tiny", help="model preset"),
+        steps: int = typer.Option(150, help="optimizer steps per run"),
+        batch_size: int = typer.Option(8, help="sequences per step (all peers together)"),
+        micro_batches: int = typer.Option(4, help="pipeline micro-batches per step"),
+        codecs: list[str] = typer.Option(["int8", "int4"], help="activation codecs to compare"),
+        link: str = typer.Option("home", help="link profile of every peer (in-process)"),
+        memory_cap_mb: float | None = typer.Option(
+            None, help="per-peer training-state cap (default: between a stage's and the "
+            "whole model's need)"),
+        reuse: bool = typer.Option(False, help="read back the finished data-parallel run"),
+        placement: bool = typer.Option(
+            False, help="instead: step time of the placement chosen from a two-site link "
+            "matrix against random placements (4 peers, 2 x 2 stages)"),
+    ) -> None:
+        """Data parallel vs a 2-stage pipeline vs compressed activations: tokens/s, loss."""
+        from farlink.bench.pipeline import run, run_placement
+
+        if placement:
+            found = run_placement(out, model, batch_size=batch_size,
+                                  micro_batches=micro_batches)
+            print_rows(found["rows"], ["label", "pipelines", "predicted_link_step_s",
+                                       "measured_step_s"], "farlink bench pipeline --placement")
+            return
+        result = run(out, model, steps, batch_size, micro_batches, tuple(codecs), link,
+                     memory_cap_mb=memory_cap_mb, reuse=reuse)
+        print_rows(result["rows"], ["label", "final_heldout_loss", "tokens_per_s",
+                                    "activation_bytes_per_token", "activation_bytes_reduction",
+                                    "heldout_loss_vs_fp32", "memory_mib_per_peer",
+                                    "fits_memory_cap"], "farlink bench pipeline")
 
     @bench_app.command("backends")
     def backends(

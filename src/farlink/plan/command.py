@@ -59,6 +59,9 @@ def plan_command(
     target: Annotated[float, typer.Option(help="Utilization the bandwidth requirement is solved for.")] = 0.95,
     hardware_file: Annotated[Path | None, typer.Option(help="Your own GPU table (TOML, same schema as the built-in).")] = None,
     links_file: Annotated[Path | None, typer.Option(help="Your own link table (TOML).")] = None,
+    pipeline_stages: Annotated[int | None, typer.Option(help="Also model the workers as pipelines of this many stages (needs a model preset, for its width).", min=2)] = None,
+    micro_batches: Annotated[int, typer.Option(help="Pipeline: micro-batches per step.", min=1)] = 8,
+    activation_codec: Annotated[str, typer.Option(help="Pipeline: codec of activations and their gradients.")] = "fp32",
     as_json: Annotated[bool, typer.Option("--json", help="Print machine-readable JSON instead of a table.")] = False,
 ) -> None:
     """Predict round time, utilization, bytes per token, bandwidth need, wall-clock and cost."""
@@ -90,12 +93,19 @@ def plan_command(
         if name == "all" and inner_steps < fragments:
             names = tuple(a for a in names if a != "streaming_diloco")
         results = [plan(replace(scenario, algorithm=a), hardware, links, target) for a in names]
+        pipeline = None
+        if pipeline_stages is not None:
+            pipeline = _pipeline_plan(model, n_params, pipeline_stages, workers, results[0],
+                                      batch_tokens, micro_batches, activation_codec, mfu,
+                                      inner_steps)
     except PlanInputError as exc:
         _fail(str(exc))
         return
 
     if as_json:
         payload = {"model": model_label, "results": [r.to_dict() for r in results]}
+        if pipeline is not None:
+            payload["pipeline"] = pipeline.to_dict()
         typer.echo(json.dumps(_jsonable(payload), indent=2, allow_nan=False))
         return
     from rich.console import Console
@@ -110,6 +120,39 @@ def plan_command(
     for r in results:
         for note in r.notes:
             console.print(f"[yellow]note ({r.algorithm}):[/] {note}", highlight=False)
+    if pipeline is not None:
+        p = pipeline
+        console.print(
+            f"pipeline: {p.pipelines} x {p.stages} stages, {p.micro_batches} micro-batches, "
+            f"activations {p.activation_codec}: step {p.step_s:.4g} s (stage compute "
+            f"{p.stage_compute_s:.3g} s, boundary {p.boundary_s:.3g} s per micro-batch), "
+            f"utilization {p.utilization:.1%}, {p.tokens_per_s:.4g} tokens/s, "
+            f"{p.activation_bytes_per_token:.4g} activation bytes/token, "
+            f"{p.memory_gib_per_gpu:.3g} GiB per GPU" + ("" if p.fits_memory else " (does not fit)"),
+            highlight=False)
+
+
+def _pipeline_plan(model: str, n_params: float, stages: int, workers: int, result,
+                   batch_tokens: float, micro_batches: int, codec: str, mfu: float,
+                   inner_steps: int):
+    """The pipeline alternative on the same GPUs and link (:mod:`farlink.plan.pipeline`)."""
+    from farlink.plan.pipeline import plan_pipeline
+    from farlink.plan.tables import PlanInputError
+
+    try:
+        from farlink.model.config import PRESETS
+    except ImportError:
+        PRESETS = {}
+    config = PRESETS.get(model.strip().lower())
+    if config is None:
+        raise PlanInputError(f"--pipeline-stages needs the model's width: give a preset "
+                             f"({', '.join(PRESETS)}) as --model, not {model!r}")
+    if stages > config.n_layer:
+        raise PlanInputError(f"{stages} stages for {config.n_layer} blocks: use at most "
+                             f"{config.n_layer} pipeline stages")
+    return plan_pipeline(n_params, config.d_model, stages, workers, result.gpu, result.link,
+                         int(batch_tokens), micro_batches, codec, mfu, result.gpus_per_worker,
+                         inner_steps)
 
 
 def bench_planner_command(

@@ -1,7 +1,12 @@
 """Rules that turn the peers' updates of one round into one update.
 
-Every rule takes the stacked updates of one tensor (``[n_peers, ...]``) and their weights (tokens
-each update was computed on) and returns one tensor of the update's shape.
+Every rule takes the stacked updates (``[n_peers, ...]``) and their weights (tokens each update
+was computed on) and returns one tensor of the update's shape. The exchange hands a rule each
+peer's *whole* update flattened into one vector, because the rules' guarantees are about whole
+updates: Krum must pick one peer's update, not tensor ``a`` from one peer and tensor ``b`` from
+another, and centered clipping bounds the norm of a peer's whole contribution. ``NAME+per_tensor``
+(a :class:`PerTensor` rule) applies the rule to each named tensor separately instead, which is
+cheaper in memory and lets a peer that is an outlier in one tensor still count in the others.
 
 ``mean`` is plain DiLoCo. The others bound what a minority of bad peers can do:
 
@@ -9,8 +14,15 @@ each update was computed on) and returns one tensor of the update's shape.
 - ``trimmed_mean[:f]``: per coordinate, drop the ``floor(f n)`` largest and smallest values and
   take the token-weighted mean of the rest (f = 0.25 by default);
 - ``centered_clip[:tau]``: Karimireddy, He & Jaggi (ICML 2021), ``v <- v + sum_i w_i
-  clip(x_i - v, tau) / sum_i w_i`` for a few iterations from the coordinate median; with no
-  ``tau`` it uses the median distance of the updates from the start point (scale-free);
+  clip(x_i - v, tau) / sum_i w_i``. The paper starts from the previous round's aggregate
+  (worker momentum makes that a good centre), takes one iteration (L = 1 in its experiments)
+  and uses a fixed radius ``tau`` tuned per task. farlink's defaults differ, because a round's
+  update here (a DiLoCo pseudo-gradient, a DeMo step) has no stable scale across rounds or runs
+  and a newcomer has no previous aggregate: the start is the round's coordinate median, ``tau``
+  is the median distance of the updates from that start (the lower middle one for an even
+  count; scale-free), and 3 iterations move the
+  centre from the median towards the honest mean. ``centered_clip:TAU`` fixes the radius;
+  :func:`centered_clip` with ``reference=`` and ``iters=1`` is the paper's form;
 - ``norm_bounded[:c]``: scale each update down to at most ``c`` x the median norm, then the
   weighted mean; limits magnitude attacks (scaling, noise), not direction (sign flips);
 - ``krum[:f]``: Blanchard et al. (NeurIPS 2017), the update whose ``n - f - 2`` nearest
@@ -29,6 +41,16 @@ from collections.abc import Callable
 import torch
 
 Aggregator = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+class PerTensor:
+    """A rule applied to each named tensor separately (``NAME+per_tensor``)."""
+
+    def __init__(self, rule: Aggregator) -> None:
+        self.rule = rule
+
+    def __call__(self, updates: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        return self.rule(updates, weights)
 
 WEIGHT_CAP = 2.0
 
@@ -186,8 +208,13 @@ _PARAMETERS: dict[str, tuple[str, Callable[[str], object]]] = {
 
 
 def make_aggregator(name: str) -> Aggregator:
-    """``NAME`` or ``NAME:ARG`` (e.g. ``trimmed_mean:0.2``, ``centered_clip:1.0``, ``krum:1``)."""
-    base, _, arg = name.strip().lower().partition(":")
+    """``NAME`` or ``NAME:ARG`` (e.g. ``trimmed_mean:0.2``, ``centered_clip:1.0``, ``krum:1``),
+    optionally ``+per_tensor`` (each named tensor aggregated on its own, see the module doc)."""
+    spec = name.strip().lower()
+    if spec.endswith("+per_tensor"):
+        rule = make_aggregator(spec.removesuffix("+per_tensor"))
+        return rule if rule is weighted_mean else PerTensor(rule)  # the mean splits exactly
+    base, _, arg = spec.partition(":")
     if base not in AGGREGATORS:
         raise ValueError(f"unknown aggregator {base!r}; choose from {', '.join(AGGREGATORS)}")
     if not arg:

@@ -14,6 +14,7 @@ ALGORITHMS: dict[str, str] = {
     "diloco": "farlink.sync.diloco:DiLoCo",
     "streaming_diloco": "farlink.sync.streaming:StreamingDiLoCo",
     "demo": "farlink.sync.demo:DeMo",
+    "sparseloco": "farlink.sync.sparseloco:SparseLoCo",
     "hierarchical_diloco": "farlink.sync.hierarchical:HierarchicalDiLoCo",
 }
 

@@ -1,21 +1,45 @@
-"""DeMo, decoupled momentum optimization (arXiv 2411.19870).
+"""DeMo, decoupled momentum optimization (arXiv 2411.19870; reference: bloc97/DeMo).
 
-Each worker keeps its own momentum ``m <- beta * m + g`` and never synchronizes it. Every step it
-extracts the fast-moving part of m: chunked DCT, top-k coefficients per chunk (the ``dct_topk``
-codec), subtracts what it extracted from m (error feedback: the rest keeps accumulating), and
-all-gathers only those sparse coefficients. The average of everyone's extracted components drives
-a sign-SGD step with decoupled weight decay, so replicas stay identical while sending a small
-fraction of what gradient all-reduce sends.
+Each worker keeps its own momentum and never synchronizes it. Every step:
+
+1. ``m <- beta * m + lr * g`` (``beta`` = ``--demo-beta``, 0.999; ``lr`` the step's learning
+   rate, as the reference accumulates it);
+2. chunked DCT of ``m``, the top-k coefficients of every chunk (the ``dct_topk`` codec: 64-wide
+   chunks, 64x64 tiles for matrices, k = 32);
+3. ``m <- m - sent``, where ``sent`` is the inverse DCT of exactly those coefficients (error
+   feedback: what was not sent keeps accumulating);
+4. all-gather the sparse coefficients, encoded once: the bytes a peer receives decode to exactly
+   the ``sent`` this worker subtracted;
+5. average each DCT coefficient over the peers that sent it (the reference's scatter-mean,
+   ``reduce="contributors"``), one inverse DCT, and a sign-SGD step with decoupled weight decay:
+   ``p <- p * (1 - lr * wd) - lr * sign(avg)``.
+
+Replicas stay identical (everyone applies the same average) while sending
+``n_chunks * k * (4 + 2)`` bytes per tensor instead of the dense gradient.
+
+Where farlink differs from the reference, on purpose:
+
+- chunking: a dimension that is not a multiple of the chunk is zero-padded to whole chunks (the
+  reference picks the largest divisor of the dimension not above the chunk, which degrades to
+  1-wide chunks for a prime size such as a tokenizer's vocabulary); on dimensions that are
+  multiples of the chunk both are the same. Padding only changes which coefficients exist; error
+  feedback stays exact because what is subtracted is what is sent.
+- tensors with more than two dimensions are viewed as matrices ``(prod(shape[:-1]), shape[-1])``.
+- peers whose update carries no tokens (a newcomer healing in this round) do not count as
+  contributors. With a Byzantine-robust ``--aggregator`` the rule replaces the scatter-mean and
+  sees each peer's decoded (dense) update.
+- the wire may carry fp16 values (``--codec dct_topk:64:32:fp16``); the momentum then subtracts
+  the fp16-rounded values, i.e. still exactly what peers decode.
 """
 
 from __future__ import annotations
 
 import torch
 
-from farlink.codecs import make_compressor
+from farlink.codecs import DctTopKCodec, make_compressor
 from farlink.comm.base import RoundInfo
-from farlink.sync.base import StepOutcome, SyncAlgorithm, TensorState
-from farlink.sync.exchange import ExchangeResult
+from farlink.sync.base import StepOutcome, SyncAlgorithm, TensorState, lr_at
+from farlink.sync.exchange import Encoded, ExchangeResult
 
 
 class DeMo(SyncAlgorithm):
@@ -23,40 +47,53 @@ class DeMo(SyncAlgorithm):
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
-        cfg = self.cfg
-        self.extractor = make_compressor(f"dct_topk:{cfg.demo_chunk}:{cfg.demo_topk}")
-        if self.exchange.compressor.codec.name == "fp32":
-            # the wire format *is* the sparse DCT coefficients unless the user chose otherwise
-            self.exchange.compressor = self.extractor
+        cfg, compressor = self.cfg, self.exchange.compressor
+        if compressor.error_feedback:
+            raise ValueError("demo keeps its own error feedback in the momentum; drop '+ef' "
+                             f"from --codec {compressor.spec}")
+        if isinstance(compressor.codec, DctTopKCodec):
+            self.codec = compressor.codec  # the user chose the chunk, k or fp16 values
+        elif compressor.codec.name == "fp32":
+            self.codec = DctTopKCodec(cfg.demo_chunk, cfg.demo_topk)
+            self.exchange.compressor = make_compressor(self.codec.name)
+        else:
+            raise ValueError(f"demo sends DCT top-k coefficients; use --codec none (then "
+                             f"--demo-chunk/--demo-topk) or dct_topk[:CHUNK:K[:fp16]], "
+                             f"not {compressor.spec}")
+        self.exchange.combine = self._combine
         self.momentum = [torch.zeros_like(p) for p in self.params]
-        self._extracted: dict[str, torch.Tensor] = {}
+        self._extracted: dict[str, Encoded] = {}
 
     def current_lr(self) -> float:
-        from farlink.sync.base import lr_at
-
         cfg = self.cfg
         return lr_at(self.inner_steps_done, cfg.demo_lr, cfg.warmup_steps, cfg.steps)
 
     def step(self, tokens: int) -> StepOutcome:
-        beta = self.cfg.demo_beta
+        beta, lr = self.cfg.demo_beta, self.current_lr()
         self._extracted = {}
         with torch.no_grad():
             for name, m, p in zip(self.names, self.momentum, self.params):
                 grad = p.grad if p.grad is not None else torch.zeros_like(p)
-                m.mul_(beta).add_(grad)
-                sent, _ = self.extractor.codec.roundtrip(m)
+                m.mul_(beta).add_(grad, alpha=lr)
+                sparse = self.codec.encode_coefficients(m)
+                sent = self.codec.decode_coefficients(sparse).to(m.dtype)
                 m.sub_(sent)  # error feedback: what was not sent stays in the momentum
-                self._extracted[name] = sent
+                self._extracted[name] = Encoded(self.codec.pack(sparse), sent)
         committed, seconds, info = self.run_round(self._build, self._apply, float(tokens))
         self.inner_steps_done += 1
         for p in self.params:
             p.grad = None
         return self.round_outcome(committed, seconds, info)
 
-    def _build(self, info: RoundInfo) -> dict[str, torch.Tensor]:
-        if info.healed:
-            return {n: torch.zeros_like(t) for n, t in self._extracted.items()}
+    def _build(self, info: RoundInfo) -> dict[str, Encoded | torch.Tensor]:
+        if info.healed:  # a healed worker's momentum belongs to its old state: send nothing
+            return {n: torch.zeros_like(e.tensor) for n, e in self._extracted.items()}
         return self._extracted
+
+    def _combine(self, name: str, payloads: list[bytes], shape: torch.Size) -> torch.Tensor:
+        """Each DCT coefficient averaged over the peers that sent it, then one inverse DCT."""
+        sparse = [self.codec.unpack(payload, shape) for payload in payloads]
+        return self.codec.decode_coefficients(sparse, reduce="contributors")
 
     def _apply(self, result: ExchangeResult, info: RoundInfo) -> None:
         if result.total_weight <= 0:

@@ -8,22 +8,57 @@ This is the only place where an algorithm's update leaves the worker. Two paths:
   signed, all-gathered as real bytes, and each received message is verified, decoded and checked
   before a (possibly Byzantine-robust) aggregator combines them. A message that fails any check is
   dropped with its reason logged (and recorded in the ledger); the round goes on without it.
+
+An algorithm whose update *is* a codec's output (DeMo's DCT top-k, SparseLoCo's sparse 2-bit
+values) hands over :class:`Encoded` entries: their bytes are sent as they are, so what peers
+decode is exactly what the sender took out of its error-feedback state (re-encoding a decoded
+tensor would not give back the same bytes). Such an algorithm may also set :attr:`Exchange.combine`
+to average the accepted payloads its own way (DeMo averages each DCT coefficient over the peers
+that sent it); Byzantine-robust rules still see the decoded dense updates.
+
+Robust rules aggregate each peer's whole update, flattened into one vector (Krum picks one peer,
+centered clipping bounds the whole update's norm); ``NAME+per_tensor`` applies them tensor by
+tensor instead (see :mod:`farlink.robust.aggregators`).
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 
 from farlink.codecs import CodecError, Compressor, envelope
 from farlink.comm.base import Collective
-from farlink.robust.aggregators import Aggregator, weighted_mean
+from farlink.robust.aggregators import Aggregator, PerTensor, weighted_mean
 from farlink.robust.auth import Authenticator, AuthError
 from farlink.robust.validate import UpdateRejected, check_update
 
 log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Encoded:
+    """An update already encoded by the exchange's codec: ``payload`` goes on the wire as is;
+    ``tensor`` is its decoded form (what every receiver reconstructs), used for its shape and
+    by an emulated attacker that tampers with the dense update."""
+
+    payload: bytes
+    tensor: torch.Tensor
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.tensor.shape
+
+
+Update = dict[str, "torch.Tensor | Encoded"]
+# name, the accepted peers' payloads of that tensor, its shape -> the combined dense tensor
+Combine = Callable[[str, list[bytes], torch.Size], torch.Tensor]
+
+
+def dense_of(value: torch.Tensor | Encoded) -> torch.Tensor:
+    return value.tensor if isinstance(value, Encoded) else value
 
 
 @dataclass
@@ -58,6 +93,7 @@ class Exchange:
         self.ledger = ledger
         self.tamper = tamper
         self.screen_ratio = screen_ratio  # reject updates with norm > ratio x the round's median
+        self.combine: Combine | None = None  # set by an algorithm that averages payloads itself
 
     @property
     def dense(self) -> bool:
@@ -69,13 +105,14 @@ class Exchange:
             and self.collective.exact_all_reduce
         )  # decided by the run's configuration alone, so every peer takes the same path
 
-    def average(
-        self, tensors: dict[str, torch.Tensor], weight: float, round_id: int
-    ) -> ExchangeResult:
-        """Token-weighted aggregate of every participant's ``tensors`` for this round."""
-        if self.tamper is not None:
-            tensors = self.tamper(tensors, round_id)
-        if self.dense:
+    def average(self, tensors: Update, weight: float, round_id: int) -> ExchangeResult:
+        """Token-weighted aggregate of every participant's ``tensors`` for this round.
+
+        Entries may be :class:`Encoded` (sent as they are; the run then takes the gathered path).
+        """
+        if self.tamper is not None:  # an emulated attacker: its update is re-encoded below
+            tensors = self.tamper({n: dense_of(t) for n, t in tensors.items()}, round_id)
+        if self.dense and not any(isinstance(t, Encoded) for t in tensors.values()):
             return self._all_reduce(tensors, weight)
         return self._gather(tensors, weight, round_id)
 
@@ -97,10 +134,9 @@ class Exchange:
             offset += numel
         return ExchangeResult(out, total)
 
-    def _gather(
-        self, tensors: dict[str, torch.Tensor], weight: float, round_id: int
-    ) -> ExchangeResult:
-        payloads = {n: self.compressor.encode(n, t) for n, t in tensors.items()}
+    def _gather(self, tensors: Update, weight: float, round_id: int) -> ExchangeResult:
+        payloads = {n: t.payload if isinstance(t, Encoded) else self.compressor.encode(n, t)
+                    for n, t in tensors.items()}
         message = envelope.pack(
             self.sender, round_id, weight, payloads,
             {n: tuple(t.shape) for n, t in tensors.items()},
@@ -108,6 +144,7 @@ class Exchange:
         )
         received = self.collective.all_gather_bytes(self.authenticator.sign(message))
         decoded: dict[str, dict[str, torch.Tensor]] = {}
+        raw_payloads: dict[str, dict[str, bytes]] = {}
         claimed: dict[str, float] = {}
         result = ExchangeResult({}, 0.0)
         for index, raw in enumerate(received):
@@ -123,6 +160,7 @@ class Exchange:
                     raise UpdateRejected(f"second update from {peer} in one round", "duplicate")
                 claimed[peer] = env.weight
                 decoded[peer] = self._decode(env, tensors, round_id)
+                raw_payloads[peer] = env.payloads
             except (CodecError, AuthError, UpdateRejected) as exc:
                 self._reject(result, peer, round_id, claimed.get(peer, 0.0), exc)
         for peer, reason in self._screen_norms(decoded).items():
@@ -137,10 +175,31 @@ class Exchange:
         peers = list(decoded)
         w = torch.tensor([claimed[p] for p in peers], dtype=torch.float32)
         result.total_weight = float(w.sum())
-        result.tensors = {
-            n: self.aggregator(torch.stack([decoded[p][n] for p in peers]), w) for n in tensors
-        }
+        if self.combine is not None and self.aggregator is weighted_mean:
+            senders = [p for p in peers if claimed[p] > 0]  # a zero-weight peer only receives
+            result.tensors = {
+                n: self.combine(n, [raw_payloads[p][n] for p in senders], dense_of(t).shape)
+                for n, t in tensors.items()
+            } if senders else {n: torch.zeros(dense_of(t).shape) for n, t in tensors.items()}
+        else:
+            result.tensors = self._aggregate(peers, decoded, w, list(tensors))
         return result
+
+    def _aggregate(self, peers: list[str], decoded: dict[str, dict[str, torch.Tensor]],
+                   w: torch.Tensor, names: list[str]) -> dict[str, torch.Tensor]:
+        """The aggregator over each peer's whole update (one flattened vector per peer), or
+        tensor by tensor for a :class:`PerTensor` rule."""
+        if isinstance(self.aggregator, PerTensor):
+            return {n: self.aggregator(torch.stack([decoded[p][n] for p in peers]), w)
+                    for n in names}
+        flat = torch.stack([torch.cat([decoded[p][n].reshape(-1) for n in names])
+                            for p in peers])
+        combined, out, offset = self.aggregator(flat, w), {}, 0
+        for n in names:
+            ref = decoded[peers[0]][n]
+            out[n] = combined[offset : offset + ref.numel()].reshape(ref.shape)
+            offset += ref.numel()
+        return out
 
     def _reject(self, result: ExchangeResult, peer: str, round_id: int, tokens: float,
                 exc: Exception) -> None:
@@ -163,7 +222,7 @@ class Exchange:
                 for p, n in norms.items() if n > self.screen_ratio * median}
 
     def _decode(
-        self, env: envelope.Envelope, expected: dict[str, torch.Tensor], round_id: int
+        self, env: envelope.Envelope, expected: Update, round_id: int
     ) -> dict[str, torch.Tensor]:
         if env.round_id != round_id:
             raise UpdateRejected(
@@ -171,7 +230,8 @@ class Exchange:
         if set(env.payloads) != set(expected):
             raise UpdateRejected("update names a different set of tensors", "shape")
         out = {}
-        for name, ref in expected.items():
+        for name, value in expected.items():
+            ref = dense_of(value)
             if tuple(env.shapes[name]) != tuple(ref.shape):
                 raise UpdateRejected(
                     f"{name}: shape {env.shapes[name]} != {tuple(ref.shape)}", "shape")

@@ -7,6 +7,8 @@ boundaries where checkpoints are taken. A round runs on a background thread: the
 snapshot is sent while the worker keeps computing; τ (``overlap_steps``) inner steps later the
 averaged pseudo-gradient is applied by the outer Nesterov step to the fragment's global copy and
 mixed into the local fragment: ``local = α * local + (1 - α) * global`` (α = ``mix_alpha``).
+With τ = 0 there is no overlap: the round blocks and its update lands in the step that launched
+it, before the next inner step.
 Peak bandwidth drops by about P (one fragment in flight instead of the whole model), and the
 exposed communication is only what exceeds τ steps of compute.
 """
@@ -97,6 +99,8 @@ class StreamingDiLoCo(DiLoCo):
             if self._inflight is not None:  # tau too long for the schedule: wait, stay correct
                 self._land(outcome)
             self._launch(fragment, t)
+            if self.cfg.overlap_steps == 0:  # tau = 0: no overlap, the update lands right now
+                self._land(outcome)
         return outcome
 
     def join(self) -> None:

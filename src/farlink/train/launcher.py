@@ -8,6 +8,7 @@ Ctrl-C asks the workers to stop between steps; their last checkpoints are the co
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
@@ -26,6 +27,7 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, Ti
 from farlink import interrupt
 from farlink.config import RunConfig, to_toml_dict
 from farlink.robust.auth import run_authenticator
+from farlink.train.checkpoint import EXIT_DISK_FULL, is_disk_full
 from farlink.train.lighthouse import Lighthouse
 from farlink.train.metrics import read_metrics
 
@@ -155,14 +157,51 @@ def summarize(cfg: RunConfig) -> dict:
 
 
 def export_model(cfg: RunConfig, holders: list[str] | None = None) -> Path | None:
-    """Copy the final model of a worker holding the run's result to ``run_dir/model.safetensors``."""
+    """Copy the final model of a worker holding the run's result to ``run_dir/model.safetensors``:
+    one whose file still hashes to the SHA-256 that worker recorded in its end record when it
+    wrote it (a file changed since, by a bad disk or a stray write, is skipped with a warning)."""
     finals = sorted((cfg.run_dir / "final").glob("w*.safetensors"))
     preferred = [f for f in finals if holders is None or f.stem in holders]
-    if not (preferred or finals):
-        return None
-    target = cfg.run_dir / "model.safetensors"
-    shutil.copyfile((preferred or finals)[0], target)
-    return target
+    recorded = {path.stem: ends[-1].get("model_sha256")
+                for path in (cfg.run_dir / "metrics").glob("w*.jsonl")
+                if (ends := [r for r in read_metrics(path) if r["kind"] == "end"])}
+    checked = any(recorded.values())  # runs that predate model digests export unchecked
+    for candidate in preferred or finals:
+        if checked:
+            digest = hashlib.sha256(candidate.read_bytes()).hexdigest()
+            if digest != recorded.get(candidate.stem):
+                console.print(f"[yellow]{candidate} does not match the SHA-256 its worker "
+                              "recorded when writing it; not exported[/]")
+                continue
+        target = cfg.run_dir / "model.safetensors"
+        shutil.copyfile(candidate, target)
+        return target
+    return None
+
+
+def checkpoint_fallbacks(cfg: RunConfig) -> list[dict]:
+    """Checkpoints the workers found corrupt on resume, and what each resumed from instead."""
+    found = []
+    for path in sorted((cfg.run_dir / "metrics").glob("w*.jsonl")):
+        rejected = None
+        for r in read_metrics(path):
+            if r["kind"] == "checkpoint_rejected":
+                rejected = rejected or []
+                rejected.append(r)
+            elif r["kind"] == "resume" and rejected:
+                found += [{"worker": r["worker"], "rejected": x["path"], "reason": x["reason"],
+                           "resumed_from": r["path"]} for x in rejected]
+                rejected = None
+    return found
+
+
+def _report_checkpoint_fallbacks(fallbacks: list[dict]) -> None:
+    for f in fallbacks:
+        instead = (f"resumed from {Path(f['resumed_from']).name}" if f["resumed_from"]
+                   else "no intact checkpoint left: started from the initial state")
+        console.print(f"[yellow]{f['worker']}: {f['reason']}; set aside as "
+                      f"{Path(f['rejected']).name}, {instead}; a live peer ahead of it, if any, "
+                      "heals it at its first quorum[/]")
 
 
 def _progress_state(cfg: RunConfig) -> tuple[int, float | None, float | None]:
@@ -293,10 +332,18 @@ def launch(cfg: RunConfig, show_progress: bool = True,
     if net_plan is not None:
         summary.update(network_summary(net_plan, cfg, summary["per_worker"]))
     summary["returncodes"] = codes
-    model_path = export_model(cfg, summary["final_replicas"]["holders"])
-    if model_path is not None:
-        summary["model"] = str(model_path)
-    (cfg.run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
+    summary["checkpoint_fallbacks"] = checkpoint_fallbacks(cfg)
+    _report_checkpoint_fallbacks(summary["checkpoint_fallbacks"])
+    try:
+        model_path = export_model(cfg, summary["final_replicas"]["holders"])
+        if model_path is not None:
+            summary["model"] = str(model_path)
+        (cfg.run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
+    except OSError as exc:
+        if not is_disk_full(exc):
+            raise
+        console.print(f"[red]disk full writing the run's summary and model under "
+                      f"{cfg.run_dir}; each worker's final model is in {cfg.run_dir / 'final'}[/]")
     if not summary["final_replicas"]["consistent"] and not interrupted:
         console.print("[yellow]workers ended on different states (a straggler that missed the "
                       "last round commits its own); the run's result is the state most hold, "
@@ -305,6 +352,10 @@ def launch(cfg: RunConfig, show_progress: bool = True,
     if interrupted:
         console.print(f"checkpoints kept under {cfg.run_dir / 'checkpoints'}; continue with "
                       f"`farlink train --resume --run-dir {cfg.run_dir}`")
+    elif EXIT_DISK_FULL in codes:
+        console.print(f"[red]disk full writing checkpoint under {cfg.run_dir / 'checkpoints'}: "
+                      "free space there, then continue with "
+                      f"`farlink train --resume --run-dir {cfg.run_dir}`[/]")
     elif any(codes):
         console.print(f"[red]workers exited with codes {codes}; logs in {cfg.run_dir / 'logs'}[/]")
     return RunResult(cfg.run_dir, codes, summary, interrupted)

@@ -34,6 +34,9 @@ def report(run_dir: Path, plot: bool = True) -> dict:
     console.print(f"held-out loss {summary['final_heldout_loss']} (ppl "
                   f"{summary['final_heldout_ppl']}); outer steps {audit['outer_steps']}, "
                   f"replicas consistent: {audit['consistent']}, restarts {audit['restarts']}")
+    if audit["redone_committed_steps"]:
+        console.print(f"rounds computed again to the same state after their checkpoint was lost: "
+                      f"{audit['redone_steps']}")
     if plot and summary["evals"]:
         from farlink.bench.report import plot_curves
         from farlink.extras import MissingExtra

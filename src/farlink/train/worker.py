@@ -20,7 +20,8 @@ import torch
 
 from farlink import interrupt
 from farlink.config import RunConfig
-from farlink.train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from farlink.train.checkpoint import (EXIT_DISK_FULL, TEMP_PREFIX, DiskFull, is_disk_full,
+                                      load_newest_intact, remove_stale_temps, save_checkpoint)
 from farlink.train.metrics import MetricsLog
 
 log = logging.getLogger("farlink.worker")
@@ -170,16 +171,26 @@ class Worker:
         save_checkpoint(self.ckpt_dir, self.algo.inner_steps_done, tensors, meta)
 
     def _resume(self) -> None:
-        path = latest_checkpoint(self.ckpt_dir)
+        restored = load_newest_intact(self.ckpt_dir)
+        for aside, reason in restored.rejected:  # logged by the loader; the launcher reports it
+            self.metrics.write("checkpoint_rejected", worker=self.replica_id, path=str(aside),
+                               reason=reason)
+        path, tensors, meta = restored.path, restored.tensors, restored.meta
         if path is None:
-            log.warning("no checkpoint under %s; starting fresh", self.ckpt_dir)
+            log.warning("no intact checkpoint under %s; starting from the initial state (a live "
+                        "peer ahead of it, if any, heals it at its first quorum)", self.ckpt_dir)
+            if restored.rejected:
+                self.metrics.write("resume", worker=self.replica_id, path=None, inner_steps=0,
+                                   fell_back=True)
             return
-        tensors, meta = load_checkpoint(path)
         if meta["algorithm"] != self.cfg.algorithm:
             raise SystemExit(
                 f"checkpoint {path} was written by algorithm {meta['algorithm']!r}, "
                 f"not {self.cfg.algorithm!r}"
             )
+        if restored.rejected:
+            log.warning("resuming from the older checkpoint %s; a live peer ahead of it, if "
+                        "any, heals it at its first quorum", path)
         self.algo.load_state_dict(tensors)
         torch.set_rng_state(tensors["rng.torch"])
         self.sampler.load_state_dict(meta["sampler"])
@@ -193,7 +204,8 @@ class Worker:
         elif hasattr(self.collective, "round_id"):
             self.collective.round_id = self.algo.outer_step
         self.metrics.write("resume", worker=self.replica_id, path=str(path),
-                           inner_steps=self.algo.inner_steps_done)
+                           inner_steps=self.algo.inner_steps_done,
+                           outer_step=self.algo.outer_step, fell_back=bool(restored.rejected))
 
     # --- evaluation ----------------------------------------------------------------------------
     def evaluate(self) -> float:
@@ -289,12 +301,7 @@ class Worker:
         if pending is not None and not stopped:
             self._save()
         finished = algo.finished()
-        if finished:
-            from safetensors.torch import save_model
-
-            final = cfg.run_dir / "final"
-            final.mkdir(parents=True, exist_ok=True)
-            save_model(self.model, str(final / f"{self.replica_id}.safetensors"))
+        model_sha256 = self._save_final_model() if finished else None
         self.metrics.write("end", worker=self.replica_id, finished=finished,
                            inner_steps=algo.inner_steps_done, tokens=self.tokens,
                            bytes_sent=self._bytes_sent(),
@@ -303,8 +310,32 @@ class Worker:
                            wall_s=round(self.wall(), 3),
                            failed_rounds=self.collective.stats.failed_rounds,
                            pace_overruns=self.pace_overruns, outer_step=algo.outer_step,
-                           fingerprint=algo.fingerprint(), **self._traffic())
+                           fingerprint=algo.fingerprint(), model_sha256=model_sha256,
+                           **self._traffic())
         return 0 if finished or stopped else 1
+
+    def _save_final_model(self) -> str:
+        """Write ``final/wK.safetensors`` atomically; its SHA-256 goes into the end record, so
+        the exported model is a file known to be the one this worker wrote."""
+        import hashlib
+
+        from safetensors.torch import save_model
+
+        final = self.cfg.run_dir / "final"
+        path = final / f"{self.replica_id}.safetensors"
+        tmp = path.with_name(f".{path.name}{TEMP_PREFIX}{os.getpid()}")
+        try:
+            final.mkdir(parents=True, exist_ok=True)
+            remove_stale_temps(final)
+            save_model(self.model, str(tmp))
+            digest = hashlib.sha256(tmp.read_bytes()).hexdigest()
+            os.replace(tmp, path)
+        except Exception as exc:  # safetensors reports a failed write as its own error type
+            tmp.unlink(missing_ok=True)
+            if is_disk_full(exc) or "No space left" in str(exc):
+                raise DiskFull(final, "the final model") from exc
+            raise
+        return digest
 
     def _bytes_sent(self) -> int:
         """Bytes this worker sent, on every collective it holds."""
@@ -358,6 +389,17 @@ def main(argv: list[str] | None = None) -> int:
         return 3
     try:
         code = worker.run()
+    except (DiskFull, OSError) as exc:
+        if not (isinstance(exc, DiskFull) or is_disk_full(exc)):
+            raise
+        # one line, not a traceback: what is full and how to go on (partial files are removed)
+        line = str(exc) if isinstance(exc, DiskFull) else f"disk full under {cfg.run_dir}: {exc}"
+        try:
+            print(f"error: {line}; free space there, then continue with `farlink train "
+                  f"--resume --run-dir {cfg.run_dir}`", file=sys.stderr, flush=True)
+        except OSError:
+            pass  # the log sits on the same full disk
+        return EXIT_DISK_FULL
     finally:
         worker.close()
     return code

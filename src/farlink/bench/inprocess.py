@@ -1,0 +1,79 @@
+"""One training variant with its workers as threads of one process (``InProcessGroup``).
+
+The algorithms, the exchange, the codecs and the byte accounting are the real ones; only the
+process boundary and the backend are replaced by the in-process collective. On a machine with
+few cores this makes a hyperparameter sweep affordable (one interpreter, one tokenizer load, no
+Lighthouse) while the numbers it reports are the same quantities ``bench algorithms`` reports:
+held-out loss of the replicas' final state at equal tokens, and bytes each worker sent.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any
+
+import torch
+
+from farlink.codecs import make_compressor
+from farlink.comm.inprocess import InProcessGroup
+from farlink.config import RunConfig, load_config
+from farlink.robust.aggregators import make_aggregator
+from farlink.sync import algorithm_class
+from farlink.sync.exchange import Exchange
+
+
+def train_in_process(label: str, values: dict[str, Any], eval_points: int = 4) -> dict:
+    """Train ``values`` (RunConfig fields) with ``workers`` threads; return a result row with
+    held-out loss at ``eval_points`` evenly spaced token counts (worker 0's replica)."""
+    from farlink.data import ShardSampler, evaluate, heldout_batches, prepare_data
+    from farlink.model import GPT, preset_config
+
+    cfg: RunConfig = load_config(None, values)
+    torch.set_num_threads(cfg.threads)
+    data = prepare_data(cfg.corpus, cfg.vocab_size, cfg.cache_dir)
+    heldout = heldout_batches(data.heldout, cfg.seq_len, cfg.batch_size, cfg.eval_batches)
+    model_cfg = preset_config(cfg.model, vocab_size=data.vocab_size, seq_len=cfg.seq_len)
+    marks = {round(cfg.steps * (i + 1) / eval_points) for i in range(eval_points)}
+    init_lock = threading.Lock()
+    started = time.perf_counter()
+
+    def member(rank: int, collective) -> dict:  # noqa: ANN001
+        with init_lock:  # the global RNG is shared by threads: seed and build atomically
+            torch.manual_seed(cfg.seed)
+            model = GPT(model_cfg)
+        sampler = ShardSampler(data.train, shard=rank, num_shards=cfg.workers,
+                               seq_len=cfg.seq_len, batch_size=cfg.batch_size, seed=cfg.seed)
+        exchange = Exchange(collective, make_compressor(cfg.codec), sender=f"w{rank}",
+                            aggregator=make_aggregator(cfg.aggregator))
+        algo = algorithm_class(cfg.algorithm)(model, cfg, collective, exchange)
+        evals = []
+        while not algo.finished():
+            x, y = sampler.next_batch()
+            _, loss = model(x, y)
+            loss.backward()
+            algo.step(x.numel())
+            if rank == 0 and algo.inner_steps_done in marks:
+                evals.append({"step": algo.inner_steps_done,
+                              "tokens": algo.inner_steps_done * x.numel() * cfg.workers,
+                              "bytes_sent": collective.stats.bytes_sent,
+                              "loss": evaluate(model, heldout)})
+        algo.finish()
+        return {"evals": evals, "bytes_sent": collective.stats.bytes_sent,
+                "final_loss": evaluate(model, heldout), "params": sum(p.numel() for p in algo.params)}
+
+    results = InProcessGroup(cfg.workers).run(member, timeout=24 * 3600)
+    tokens = cfg.steps * cfg.batch_size * cfg.seq_len  # per worker
+    bytes_sent = max(r["bytes_sent"] for r in results)
+    return {
+        "label": label,
+        "config": {k: v for k, v in values.items() if k not in ("run_dir", "cache_dir")},
+        "final_heldout_loss": results[0]["final_loss"],
+        "worker_losses": [r["final_loss"] for r in results],
+        "evals": results[0]["evals"],
+        "params": results[0]["params"],
+        "tokens_per_worker": tokens,
+        "bytes_per_worker": bytes_sent,
+        "bytes_per_token": bytes_sent / tokens,
+        "wall_s": time.perf_counter() - started,
+    }

@@ -1,0 +1,382 @@
+"""The pipeline trainer: micro-batches through stage peers, forward then backward, then a step.
+
+The trainer holds the data and wires each micro-batch through the stages (SWARM's trainer, as in
+Petals): it sends tokens to a first-stage peer, that peer's activations to a peer of the next
+stage, and so on; the last stage computes the loss and returns the gradient of its input, which
+flows back stage by stage. Every stage's input stays with the trainer until the micro-batch is
+done, so when a peer fails mid-micro-batch (connection refused or reset: a crash, a SIGKILL) the
+trainer re-runs that stage's part on another live peer of the stage instead of losing the
+micro-batch. Up to ``in_flight`` micro-batches move at once (default: one per stage); stage
+peers run backward before forward, so the schedule settles into 1F1B: each stage alternates one
+forward and one backward while its links carry other micro-batches' activations.
+
+A step commits when every micro-batch of the batch has gone all the way back; then each live
+peer steps its optimizer on its accumulated gradients, normalised to the micro-batches it served
+(one peer per stage: exactly the unsplit model's gradient of the mean loss). The tied embedding's
+two copies (first stage's input embedding, last stage's head) receive each other's gradient
+first. Peers of one stage drift apart between averages, and every ``average_every`` steps the
+trainer averages their parameters (local SGD within a stage; Adam moments stay per peer).
+
+Activations and their gradients go through a codec (``activation_codec``, ``gradient_codec``:
+``fp32``, ``int8``, ``int4``, ``topk:F``...): the bytes reported are the exact frames sent.
+"""
+
+from __future__ import annotations
+
+import itertools
+import socket
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import torch
+
+from farlink.comm.base import LinkModel
+from farlink.parallel import wire
+from farlink.parallel.stages import model_parameter_name
+from farlink.parallel.swarm_router import ThroughputRouter
+from farlink.sync.base import lr_at
+
+
+class PeerFailure(ConnectionError):
+    """A stage peer could not be reached or vanished mid-request."""
+
+
+class StageError(RuntimeError):
+    """A stage peer answered with an error: a bug or bad input, not a failure to route around."""
+
+
+@dataclass
+class StepReport:
+    step: int
+    loss: float  # mean over the step's micro-batches
+    tokens: int
+    seconds: float
+    reroutes: int  # stage passes redone on another peer because a peer failed
+    failed_peers: list[str]
+    lost_stage_gradients: int  # micro-batch gradients that died with a peer before its step
+    bytes: dict[str, int] = field(default_factory=dict)  # frame bytes this step, by kind
+
+
+def _addr(peer: str) -> tuple[str, int]:
+    host, _, port = peer.rpartition(":")
+    return host, int(port)
+
+
+class PipelineTrainer:
+    """Drives stage peers (``"host:port"`` lists, one list per stage) through training steps."""
+
+    def __init__(self, stages: list[list[str]], micro_batches: int = 4,
+                 in_flight: int | None = None, activation_codec: str = "fp32",
+                 gradient_codec: str | None = None, lr: float = 3e-3, warmup_steps: int = 0,
+                 average_every: int = 0, links: dict[str, LinkModel] | None = None,
+                 timeout: float = 120.0, total_steps: int | None = None,
+                 pipelines: list[list[str]] | None = None,
+                 path_links: dict[tuple[str, str], LinkModel] | None = None) -> None:
+        if len(stages) < 2:
+            raise ValueError("a pipeline needs at least 2 stages")
+        if micro_batches < 1:
+            raise ValueError(f"micro_batches must be >= 1, got {micro_batches}")
+        wire.codec_for(activation_codec)  # bad specs fail here, not mid-step
+        wire.codec_for(gradient_codec or activation_codec)
+        self.n_stages = len(stages)
+        self.router = ThroughputRouter(stages)
+        self.micro_batches = micro_batches
+        self.in_flight = in_flight or self.n_stages
+        self.activation_codec = activation_codec
+        self.gradient_codec = gradient_codec or activation_codec
+        self.lr, self.warmup_steps, self.average_every = lr, warmup_steps, average_every
+        self.total_steps = total_steps
+        self.pipelines = pipelines
+        self.path_links = path_links
+        if pipelines is not None and any(len(p) != self.n_stages for p in pipelines):
+            raise ValueError(f"every fixed pipeline needs one peer per stage ({self.n_stages})")
+        self.links = links or {}
+        self.timeout = timeout
+        self.steps = 0
+        self.bytes: dict[str, int] = {}
+        self._served: dict[str, int] = {}  # backward passes per peer in the current step
+        self._lock = threading.Lock()
+        self._keys = itertools.count()
+
+    # -- transport ----------------------------------------------------------------------------
+    def _count(self, kind: str, nbytes: int) -> None:
+        with self._lock:
+            self.bytes[kind] = self.bytes.get(kind, 0) + nbytes
+
+    def call(self, peer: str, message: wire.Message, kind: str = "control",
+             codecs: dict[str, str] | None = None,
+             reply_codecs: dict[str, str] | None = None,
+             reply_kind: str | None = None, source: str | None = None) -> wire.Message:
+        """One request and its reply; PeerFailure when the peer is unreachable or dies. Frame
+        bytes are counted under ``kind`` (the reply's under ``reply_kind``, default the same):
+        ``tokens``, ``activations``, ``gradients``, ``tied``, ``averaging``, ``control``.
+        With ``path_links``, a message that carries ``source``'s output is held for the link
+        from ``source`` to ``peer`` (the trainer relays it on loopback), else for ``peer``'s
+        own link in ``links``."""
+        link = self.links.get(peer)
+        if self.path_links is not None and source is not None:
+            link = self.path_links.get((source, peer))
+        if reply_codecs:
+            message.meta["reply_codecs"] = reply_codecs
+        try:
+            with socket.create_connection(_addr(peer), timeout=self.timeout) as sock:
+                self._count(kind, wire.send(sock, message, codecs, link))
+                reply = wire.recv(sock)
+        except OSError as exc:  # refused, reset, closed mid-message, timed out
+            raise PeerFailure(f"stage peer {peer}: {exc}") from exc
+        self._count(reply_kind or kind, reply.nbytes)
+        if reply.op == "error":
+            raise StageError(f"stage peer {peer}: {reply.meta.get('error')}")
+        return reply
+
+    # -- one micro-batch ----------------------------------------------------------------------
+    def _timed(self, stage: int, message: wire.Message, kind: str, reply_kind: str,
+               codecs: dict[str, str] | None, reply_codecs: dict[str, str] | None,
+               stats: dict, source: str | None = None,
+               wired: int | None = None) -> tuple[str, wire.Message]:
+        """Send to the best live peer of ``stage`` (with fixed pipelines, pipeline ``wired``'s
+        peer while it lives), re-routing until one answers."""
+        while True:
+            peer = self._fixed_peer(stage, wired)
+            if peer is not None:
+                self.router.begin(peer)
+            else:
+                peer = self.router.choose(stage)
+            started = time.perf_counter()
+            try:
+                reply = self.call(peer, wire.Message(message.op, dict(message.meta),
+                                                     message.tensors), kind, codecs, reply_codecs,
+                                  reply_kind, source)
+            except PeerFailure:
+                self._peer_failed(peer, stats)
+                continue
+            self.router.finished(peer, time.perf_counter() - started)
+            return peer, reply
+
+    def _fixed_peer(self, stage: int, wired: int | None) -> str | None:
+        if self.pipelines is None or wired is None:
+            return None
+        peer = self.pipelines[wired % len(self.pipelines)][stage]
+        return peer if peer in self.router.live(stage) else None
+
+    def _peer_failed(self, peer: str, stats: dict) -> None:
+        self.router.failed(peer)
+        with self._lock:
+            stats["reroutes"] += 1
+            if peer not in stats["failed"]:
+                stats["failed"].append(peer)
+
+    def _micro_batch(self, tokens: torch.Tensor, targets: torch.Tensor, scale: float,
+                     stats: dict, index: int = 0) -> float:
+        last = self.n_stages - 1
+        act = {"x": self.activation_codec}
+        grad = {"dy": self.gradient_codec}
+        inputs: list[torch.Tensor] = [tokens]
+        peers: list[str] = []
+        keys: list[str] = []
+        for s in range(last):
+            key = f"{self.steps}:{next(self._keys)}"
+            message = wire.Message("forward", {"mb": key}, {"x": inputs[s]})
+            peer, reply = self._timed(s, message, "tokens" if s == 0 else "activations",
+                                      "activations", act if s else None,
+                                      {"y": self.activation_codec}, stats,
+                                      peers[-1] if peers else None, index)
+            inputs.append(reply.tensors["y"])
+            peers.append(peer)
+            keys.append(key)
+        message = wire.Message("loss", {"scale": scale},
+                               {"x": inputs[last], "targets": targets.to(torch.int32)})
+        peer, reply = self._timed(last, message, "activations", "gradients", act,
+                                  {"dx": self.gradient_codec}, stats, peers[-1], index)
+        self._served_by(peer)
+        loss, dy = reply.meta["loss"], reply.tensors["dx"]
+        source = peer
+        for s in reversed(range(last)):
+            dy, source = self._backward(s, peers[s], keys[s], inputs[s], dy, stats, source,
+                                        peers[s - 1] if s else None)
+        return loss
+
+    def _backward(self, s: int, peer: str, key: str, x: torch.Tensor, dy: torch.Tensor,
+                  stats: dict, source: str | None = None,
+                  upstream: str | None = None) -> tuple[torch.Tensor | None, str]:
+        """Stage ``s``'s backward pass; (its input's gradient, the peer that ran it)."""
+        reply_codecs = {"dx": self.gradient_codec}
+        while True:
+            self.router.begin(peer)
+            try:
+                started = time.perf_counter()
+                reply = self.call(peer, wire.Message("backward", {"mb": key}, {"dy": dy}),
+                                  "gradients", {"dy": self.gradient_codec}, reply_codecs,
+                                  source=source)
+                self.router.finished(peer, time.perf_counter() - started)
+                self._served_by(peer)
+                return reply.tensors.get("dx"), peer
+            except PeerFailure:
+                self._peer_failed(peer, stats)
+            # the graph died with the peer: redo this stage's forward on another peer of it
+            key = f"{self.steps}:{next(self._keys)}"
+            message = wire.Message("forward", {"mb": key}, {"x": x})
+            peer, _ = self._timed(s, message, "tokens" if s == 0 else "activations",
+                                  "activations", {"x": self.activation_codec} if s else None,
+                                  {"y": self.activation_codec}, stats, upstream)
+
+    def _served_by(self, peer: str) -> None:
+        with self._lock:
+            self._served[peer] = self._served.get(peer, 0) + 1
+
+    # -- one step -----------------------------------------------------------------------------
+    def lr_at(self, step: int) -> float:
+        """farlink's schedule (linear warmup, then cosine decay over ``total_steps``), or a
+        constant rate after the warmup when the total is not known."""
+        if self.total_steps is None:
+            return self.lr * min(1.0, (step + 1) / self.warmup_steps) if self.warmup_steps \
+                else self.lr
+        return lr_at(step, self.lr, self.warmup_steps, self.total_steps)
+
+    def step(self, tokens: torch.Tensor, targets: torch.Tensor) -> StepReport:
+        """One optimizer step on ``tokens``/``targets`` ([batch, time]), split into
+        ``micro_batches`` along the batch."""
+        started = time.perf_counter()
+        before = dict(self.bytes)
+        stats: dict = {"reroutes": 0, "failed": []}
+        losses = self.forward_backward(tokens, targets, stats)
+        lost = self._apply(len(losses), stats)
+        self.steps += 1
+        if self.average_every and self.steps % self.average_every == 0:
+            self.average_stages()
+        delta = {k: v - before.get(k, 0) for k, v in self.bytes.items()}
+        return StepReport(self.steps, sum(losses) / len(losses), tokens.numel(),
+                          time.perf_counter() - started, stats["reroutes"], stats["failed"],
+                          lost, delta)
+
+    def forward_backward(self, tokens: torch.Tensor, targets: torch.Tensor,
+                         stats: dict | None = None) -> list[float]:
+        """Every micro-batch of the batch forward and backward, gradients left accumulated on
+        the peers (no step); the micro-batches' losses, in order."""
+        if tokens.shape[0] % self.micro_batches:
+            raise ValueError(f"a batch of {tokens.shape[0]} rows does not split into "
+                             f"{self.micro_batches} equal micro-batches; use a batch size that "
+                             "is a multiple of the micro-batch count")
+        stats = stats if stats is not None else {"reroutes": 0, "failed": []}
+        self._served = {}
+        chunks = list(zip(tokens.chunk(self.micro_batches), targets.chunk(self.micro_batches)))
+        scale = 1.0 / len(chunks)  # equal chunks: the mean of their means is the batch mean
+        with ThreadPoolExecutor(self.in_flight) as pool:
+            futures = [pool.submit(self._micro_batch, x, y, scale, stats, i)
+                       for i, (x, y) in enumerate(chunks)]
+            return [f.result() for f in futures]
+
+    def _apply(self, n_micro: int, stats: dict) -> int:
+        """Sum the tied gradients across the first and last stage, then step every live peer
+        (the peers are asked side by side). Returns how many micro-batch gradients died with
+        peers before this step."""
+        last = self.n_stages - 1
+
+        def tied_grad(peer: str) -> torch.Tensor | None:
+            try:
+                return self.call(peer, wire.Message("tied_grad"), "tied").tensors["g"]
+            except PeerFailure:
+                self._peer_failed(peer, stats)
+                return None
+
+        tied: dict[int, torch.Tensor] = {}
+        ends = [(s, p) for s in (0, last) for p in self.router.live(s)]
+        with ThreadPoolExecutor(max(1, len(ends))) as pool:
+            for (s, _), g in zip(ends, pool.map(lambda e: tied_grad(e[1]), ends)):
+                if g is not None:
+                    tied[s] = g if s not in tied else tied[s] + g
+        lost = sum(n for p, n in self._served.items() if p in stats["failed"])
+        lr = self.lr_at(self.steps)
+
+        def step(stage: int, peer: str) -> None:
+            served = self._served.get(peer, 0)
+            meta = {"lr": lr, "scale": n_micro / served if served else 0.0}
+            other_end = last if stage == 0 else 0
+            tensors = {}
+            if served and stage in (0, last) and other_end in tied:
+                tensors["tied"] = tied[other_end]
+            try:
+                self.call(peer, wire.Message("step", meta, tensors),
+                          "tied" if tensors else "control")
+            except PeerFailure:
+                self._peer_failed(peer, stats)
+
+        everyone = [(s, p) for s in range(self.n_stages) for p in self.router.live(s)]
+        with ThreadPoolExecutor(len(everyone)) as pool:
+            list(pool.map(lambda e: step(*e), everyone))
+        return lost
+
+    def average_stages(self) -> None:
+        """Local SGD within each stage: every live peer of a stage takes their mean weights."""
+        for s in range(self.n_stages):
+            peers = self.router.live(s)
+            if len(peers) < 2:
+                continue
+            states = []
+            for peer in peers:
+                try:
+                    states.append(self.call(peer, wire.Message("state"), "averaging").tensors)
+                except PeerFailure:
+                    self.router.failed(peer)
+            if not states:
+                continue
+            mean = {n: torch.stack([st[n] for st in states]).mean(0) for n in states[0]}
+            for peer in self.router.live(s):
+                try:
+                    self.call(peer, wire.Message("load", {}, mean), "averaging")
+                except PeerFailure:
+                    self.router.failed(peer)
+
+    def evaluate(self, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> float:
+        """Mean per-token held-out loss through the stages (forward only, training codecs)."""
+        stats: dict = {"reroutes": 0, "failed": []}
+        total, count = 0.0, 0
+        last = self.n_stages - 1
+        for tokens, targets in batches:
+            x = tokens
+            for s in range(last):
+                _, reply = self._timed(s, wire.Message("evaluate", {}, {"x": x}), "evaluation",
+                                       "evaluation", {"x": self.activation_codec} if s else None,
+                                       {"y": self.activation_codec}, stats)
+                x = reply.tensors["y"]
+            message = wire.Message("evaluate", {}, {"x": x, "targets": targets.to(torch.int32)})
+            _, reply = self._timed(last, message, "evaluation", "evaluation",
+                                   {"x": self.activation_codec}, None, stats)
+            total += reply.meta["loss"] * targets.numel()
+            count += targets.numel()
+        return total / count
+
+    # -- membership and inspection ------------------------------------------------------------
+    def add_peer(self, stage: int, peer: str) -> None:
+        """A peer joins ``stage``: it takes the weights of a live peer of the stage first."""
+        donors = self.router.live(stage)
+        if donors:
+            state = self.call(donors[0], wire.Message("state"), "averaging").tensors
+            self.call(peer, wire.Message("load", {}, state), "averaging")
+        self.router.add(stage, peer)
+
+    def gradients(self) -> dict[str, torch.Tensor]:
+        """The accumulated gradients of the first live peer of every stage, named as in the
+        unsplit ``GPT`` (the tied embedding's two parts summed into ``embed.weight``)."""
+        grads: dict[str, torch.Tensor] = {}
+        for s in range(self.n_stages):
+            peer = self.router.live(s)[0]
+            start = self.call(peer, wire.Message("ping")).meta["start"]
+            for name, g in self.call(peer, wire.Message("grads")).tensors.items():
+                grads[model_parameter_name(name, start)] = g
+        grads["embed.weight"] = grads["embed.weight"] + grads.pop("lm_head.weight")
+        return grads
+
+    def close(self, shutdown: bool = True) -> None:
+        if not shutdown:
+            return
+        for s in range(self.n_stages):
+            for peer in self.router.live(s):
+                try:
+                    with socket.create_connection(_addr(peer), timeout=5) as sock:
+                        wire.send(sock, wire.Message("shutdown"))
+                except OSError:
+                    pass
+

@@ -1,0 +1,175 @@
+"""SparseLoCo (arXiv 2508.15706): DiLoCo's inner loop, a sparse 2-bit outer exchange.
+
+Each worker runs H inner AdamW steps from the shared parameters θ, as in DiLoCo. Instead of an
+outer Nesterov momentum, every worker keeps an error-feedback accumulator ``e`` per tensor:
+
+1. ``e <- beta * e + Δ`` with Δ = θ - θ_local (beta = 0.95, the paper's);
+2. ``e`` is cut into chunks of ``CHUNK`` (4096) consecutive elements and the ``TOPK`` (64)
+   largest-magnitude entries of each chunk are kept (1.56% density);
+3. their values are quantized to 2 bits: the sign and whether the magnitude is above the median
+   magnitude of the kept values, four bins, each decoded as the mean of the values in it (four
+   fp32 numbers per tensor); indices are bit-packed, ``ceil(log2(CHUNK))`` bits each;
+4. ``e <- e - sent``, ``sent`` being exactly what peers decode from those bytes (encoded once),
+   so what is not sent, including the quantization error, stays in ``e``;
+5. peers average the sparse updates (token-weighted, like DiLoCo) and take a plain outer SGD step
+   ``θ <- θ - lr_outer * avg`` (lr 1.0, no momentum: the accumulator stands in for it).
+
+Bytes per tensor of ``n`` elements, ``c = min(CHUNK, n)`` elements per chunk,
+``m = ceil(n / c)`` chunks and ``k = min(c, max(1, ceil(TOPK * c / CHUNK)))`` kept per chunk::
+
+    16 + ceil(2 * m * k / 8) + ceil(b * m * k / 8),   b = max(1, (c - 1).bit_length())
+
+(a tensor smaller than a chunk keeps the same density). ``--outer-lr`` and ``--outer-momentum``
+(which sets ``beta``), when given, replace the paper's 1.0 and 0.95. A failed round leaves the
+accumulator as it was before the round (the next round's Δ spans the missed steps, as in DiLoCo).
+
+Choices of this implementation: the chunks are consecutive elements of the flattened tensor (the
+last one zero-padded); the 2-bit bins are sign x (above/below the median kept magnitude) with
+bin-mean reconstruction; the average is weighted by tokens (equal to the plain mean when every
+worker processes the same batch).
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import torch
+
+from farlink.codecs import Compressor
+from farlink.codecs._util import all_finite, as_flat_float32, require_finite, top_indices
+from farlink.codecs.base import Codec, CodecError
+from farlink.comm.base import RoundInfo
+from farlink.sync.base import StepOutcome, TensorState
+from farlink.sync.diloco import DiLoCo
+from farlink.sync.exchange import Encoded
+
+CHUNK = 4096
+TOPK = 64
+BETA = 0.95
+OUTER_LR = 1.0
+_LOOKUP_BYTES = 4 * 4  # four fp32 bin means
+
+
+def _pack_bits(values: np.ndarray, bits: int) -> bytes:
+    """``values`` (non-negative ints < 2**bits) as a little-endian bit stream."""
+    planes = (values.astype(np.int64)[:, None] >> np.arange(bits)) & 1
+    return np.packbits(planes.astype(np.uint8).reshape(-1), bitorder="little").tobytes()
+
+
+def _unpack_bits(buffer: bytes | memoryview, count: int, bits: int) -> np.ndarray:
+    raw = np.frombuffer(buffer, dtype=np.uint8)
+    planes = np.unpackbits(raw, count=count * bits, bitorder="little").reshape(count, bits)
+    return (planes.astype(np.int64) << np.arange(bits)).sum(1)
+
+
+class SparseTwoBitCodec(Codec):
+    """Chunk-wise top-k with 2-bit values and bit-packed indices (see the module doc)."""
+
+    def __init__(self, chunk: int = CHUNK, topk: int = TOPK) -> None:
+        if chunk <= 0 or not 0 < topk <= chunk:
+            raise ValueError(f"need 0 < topk <= chunk, got chunk={chunk}, topk={topk}")
+        self.chunk, self.topk = chunk, topk
+        self.name = f"sparseloco:{chunk}:{topk}"
+
+    def geometry(self, numel: int) -> tuple[int, int, int, int]:
+        """(elements per chunk, chunks, kept per chunk, bits per index) for ``numel``."""
+        c = max(1, min(self.chunk, numel))
+        k = min(c, max(1, math.ceil(self.topk * c / self.chunk)))
+        return c, -(-max(numel, 1) // c), k, max(1, (c - 1).bit_length())
+
+    def max_payload_nbytes(self, shape: tuple[int, ...]) -> int:
+        c, m, k, b = self.geometry(math.prod(shape))
+        return _LOOKUP_BYTES + math.ceil(2 * m * k / 8) + math.ceil(b * m * k / 8)
+
+    def encode(self, tensor: torch.Tensor) -> bytes:
+        flat = as_flat_float32(tensor)
+        require_finite(flat, self.name)
+        c, m, k, b = self.geometry(flat.numel())
+        chunks = torch.nn.functional.pad(flat, (0, m * c - flat.numel())).view(m, c).numpy()
+        idx = top_indices(np.abs(chunks), k)  # sorted ascending within each chunk
+        vals = np.take_along_axis(chunks, idx, axis=1).reshape(-1)
+        large = np.abs(vals) > np.median(np.abs(vals))
+        codes = 2 * (vals >= 0) + large
+        lookup = np.array([vals[codes == i].mean() if (codes == i).any() else 0.0
+                           for i in range(4)], dtype=np.float32)
+        return lookup.tobytes() + _pack_bits(codes, 2) + _pack_bits(idx.reshape(-1), b)
+
+    def decode(self, payload: bytes, shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
+        numel = math.prod(shape)
+        c, m, k, b = self.geometry(numel)
+        expected = self.max_payload_nbytes(tuple(shape))
+        if len(payload) != expected:
+            raise CodecError(f"{self.name} payload for shape {tuple(shape)} must be {expected} "
+                             f"bytes, got {len(payload)}")
+        view = memoryview(payload)
+        lookup = torch.from_numpy(np.frombuffer(view[:_LOOKUP_BYTES], dtype="<f4").copy())
+        if not all_finite(lookup):
+            raise CodecError(f"{self.name} payload has NaN or Inf values")
+        code_end = _LOOKUP_BYTES + math.ceil(2 * m * k / 8)
+        codes = _unpack_bits(view[_LOOKUP_BYTES:code_end], m * k, 2)
+        idx = _unpack_bits(view[code_end:], m * k, b).reshape(m, k)
+        if idx.size and int(idx.max()) >= c:
+            raise CodecError(f"{self.name} index >= {c} (chunk size)")
+        if k > 1 and not bool((idx[:, 1:] > idx[:, :-1]).all()):
+            raise CodecError(f"{self.name} indices within a chunk are not strictly increasing")
+        out = torch.zeros(m, c)
+        out.scatter_(1, torch.from_numpy(idx), lookup[torch.from_numpy(codes)].view(m, k))
+        return out.reshape(-1)[:numel].reshape(shape).to(dtype)
+
+
+class SparseLoCo(DiLoCo):
+    name = "sparseloco"
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        cfg, given = self.cfg, self.cfg.model_fields_set
+        if self.exchange.compressor.codec.name != "fp32" or self.exchange.compressor.error_feedback:
+            raise ValueError(f"sparseloco sends its own sparse 2-bit values with its own error "
+                             f"feedback; drop --codec {self.exchange.compressor.spec}")
+        self.codec = SparseTwoBitCodec()
+        self.exchange.compressor = Compressor(self.codec)
+        self.beta = cfg.outer_momentum if "outer_momentum" in given else BETA
+        outer_lr = cfg.outer_lr if "outer_lr" in given else OUTER_LR
+        self.outer_opt = torch.optim.SGD(self.global_params, lr=outer_lr, momentum=0.0)
+        self.error = [torch.zeros_like(p) for p in self.params]
+
+    def sync(self) -> StepOutcome:
+        before = [e.clone() for e in self.error]
+        update = self._sparse_update()
+        weight = float(self.tokens_since_sync)
+
+        def build(info: RoundInfo) -> dict[str, Encoded | torch.Tensor]:
+            if info.healed:  # a healed worker's Δ belongs to its old state: send nothing
+                return {n: torch.zeros_like(e.tensor) for n, e in update.items()}
+            return update
+
+        committed, seconds, info = self.run_round(build, self._apply, weight)
+        if not committed or weight == 0 or (info is not None and info.healed):
+            with torch.no_grad():  # nothing of this round was applied: keep e as it was
+                for e, old in zip(self.error, before):
+                    e.copy_(old)
+        return self.round_outcome(committed, seconds, info)
+
+    def _sparse_update(self) -> dict[str, Encoded]:
+        """``e <- beta e + Δ``; the top-k 2-bit part of ``e`` leaves it and is sent."""
+        out = {}
+        with torch.no_grad():
+            for n, g, p, e in zip(self.names, self.global_params, self.params, self.error):
+                e.mul_(self.beta).add_(g - p.detach())
+                payload = self.codec.encode(e)
+                sent = self.codec.decode(payload, e.shape, e.dtype)
+                e.sub_(sent)
+                out[n] = Encoded(payload, sent)
+        return out
+
+    def state_dict(self) -> TensorState:
+        state = super().state_dict()
+        state.update({f"error.{n}": e.clone() for n, e in zip(self.names, self.error)})
+        return state
+
+    def load_state_dict(self, state: TensorState) -> None:
+        super().load_state_dict(state)
+        with torch.no_grad():
+            for n, e in zip(self.names, self.error):
+                e.copy_(state[f"error.{n}"])
