@@ -30,7 +30,8 @@ from farlink.train.generate import sample
 
 RUN_FLAGS = ["--workers", "2", "--steps", "20", "--inner-steps", "10", "--vocab-size", "512",
              "--seq-len", "64", "--batch-size", "4", "--eval-batches", "2", "--warmup-steps",
-             "2", "--join-timeout", "10", "--heartbeat-timeout", "3"]
+             "2", "--join-timeout", "10", "--heartbeat-timeout", "3",
+             "--min-replicas", "2"]  # every round has both: a slow starter cannot train alone
 
 
 def farlink(*args: str, cwd: Path, timeout: float = 400) -> subprocess.CompletedProcess:
@@ -159,6 +160,9 @@ def test_hf_model_trains_through_the_cli_and_workers(hf_run: Path, gpt_run: Path
     summary = json.loads((hf_run / "summary.json").read_text())
     assert summary["returncodes"] == [0, 0]
     assert summary["final_replicas"]["consistent"]
+    syncs = [json.loads(line) for line in (hf_run / "metrics" / "w1.jsonl").open()
+             if '"kind": "sync"' in line]
+    assert [(r["world_size"], r["committed"]) for r in syncs] == [(2, True), (2, True)]
     finals = [load_file(str(p)) for p in sorted((hf_run / "final").glob("w*.safetensors"))]
     assert len(finals) == 2 and any(k.startswith("hf.model.layers.") for k in finals[0])
     assert all((finals[0][k] == finals[1][k]).all() for k in finals[0])  # identical replicas
