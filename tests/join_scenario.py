@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import time
@@ -26,11 +27,13 @@ def two_workers_then_join(cfg: RunConfig, lighthouse: Lighthouse, log: Path) -> 
         while committed_outer_steps(cfg.run_dir) < 2:
             assert time.time() < deadline, "the first two workers made no progress"
             time.sleep(0.5)
+        # the saved config never holds the secret: a joiner is given it, as a person would
+        env = {**os.environ, "FARLINK_SECRET": cfg.secret} if cfg.secret else None
         with open(log, "wb") as join_log:
             procs.append(subprocess.Popen(
                 [sys.executable, "-m", "farlink.cli", "join", "--lighthouse", lighthouse.address,
                  "--config", str(cfg.run_dir / "config.toml"), "--index", "2"],
-                stdout=join_log, stderr=subprocess.STDOUT))
+                stdout=join_log, stderr=subprocess.STDOUT, env=env))
         for p in procs:
             p.wait(timeout=600)
     finally:

@@ -2,13 +2,18 @@
 
 Precedence: built-in defaults < ``--config FILE.toml`` < explicit flags. Validation happens once,
 here, so a bad value fails before any process starts, with the field's name in the message.
+
+A few fields belong to one invocation, not to the run (``Field(exclude=True)``): ``--resume``,
+``--overwrite``, ``--stop-at-step`` and the secret's sources. They are never saved in the run's
+``config.toml``/``config.json``, so a saved config neither holds a secret nor makes a later
+``--resume`` stop again where an earlier invocation was told to stop.
 """
 
 from __future__ import annotations
 
-import os
 import tomllib
 from pathlib import Path
+from collections.abc import Iterable
 from typing import Any, Literal
 
 from pydantic import (
@@ -27,6 +32,9 @@ HF_MODEL_PREFIX = "hf:"
 
 class ConfigError(ValueError):
     """A configuration that cannot run; the message names the field and the fix."""
+
+
+LATEST_RUN = Path("runs/latest")  # the default run dir: a link to the newest run under runs/
 
 
 class RunConfig(BaseModel):
@@ -114,8 +122,13 @@ class RunConfig(BaseModel):
     heartbeat_timeout: float = Field(5.0, gt=0, description="Lighthouse: a silent peer is dead (s)")
     quorum_timeout: float = Field(120.0, gt=0, description="wait for a quorum (s)")
     round_retries: int = Field(2, ge=0, description="retries of a failed round before moving on")
-    auth: str = Field("none", description="none, secret (HMAC with --secret) or ed25519")
-    secret: str | None = Field(None, description="run secret: every update is MACed with it")
+    auth: str = Field("none", description="none, secret (HMAC with the run secret) or ed25519")
+    secret: str | None = Field(
+        None, exclude=True, repr=False, description="run secret: every update is MACed with it "
+        "(never saved; FARLINK_SECRET or --secret-file keep it out of `ps` too)")
+    secret_file: Path | None = Field(
+        None, exclude=True, description="file holding the run secret, readable by its owner "
+        "only (chmod 600); never saved")
     key_file: Path | None = Field(None, description="ed25519: this peer's private key file")
     allowed_keys: Path | None = Field(None, description="ed25519: file/dir of members' keys")
     screen_ratio: float = Field(
@@ -127,19 +140,25 @@ class RunConfig(BaseModel):
     threads: int = Field(1, ge=1, description="torch threads per worker")
 
     # bookkeeping
-    run_dir: Path = Field(Path("runs/latest"), description="metrics, checkpoints, final model")
+    run_dir: Path = Field(LATEST_RUN, description="metrics, checkpoints, final model (default: "
+                          "a new runs/<time> dir, linked as runs/latest)")
     cache_dir: Path = Field(Path.home() / ".cache" / "farlink", description="tokenizer/data cache")
     eval_every: int = Field(1, ge=1, description="evaluate every N outer steps")
     eval_batches: int = Field(16, ge=1, description="held-out batches per evaluation")
     checkpoint_every: int = Field(1, ge=1, description="checkpoint every N outer steps")
     stop_at_step: int | None = Field(
-        None, ge=1, description="stop cleanly after this inner step, as a preemption would")
-    resume: bool = Field(False, description="continue from the run dir's checkpoints")
+        None, ge=1, exclude=True,
+        description="stop cleanly after this inner step, as a preemption would (this "
+        "invocation only)")
+    resume: bool = Field(False, exclude=True, description="continue from the run dir's checkpoints")
+    overwrite: bool = Field(
+        False, exclude=True, description="start afresh in a run dir that holds a run: the old "
+        "one is moved aside to DIR.old-<time>, never deleted")
     log_every: int = Field(10, ge=1, description="inner steps between metric lines")
 
     @model_validator(mode="after")
     def _check(self) -> RunConfig:
-        from farlink.sync import ALGORITHMS
+        from farlink.sync import ALGORITHMS, algorithm_class
 
         if self.algorithm not in ALGORITHMS:
             raise ValueError(
@@ -155,10 +174,14 @@ class RunConfig(BaseModel):
         if 0 < self.screen_ratio <= 1:
             raise ValueError(f"screen_ratio={self.screen_ratio:g} would reject honest updates; "
                              "use a value above 1, or 0 to turn the screen off")
-        if self.auth == "secret" and not (self.secret or os.environ.get("FARLINK_SECRET")):
-            raise ValueError("auth 'secret' needs --secret or FARLINK_SECRET")
         if self.auth not in ("none", "secret", "ed25519"):
             raise ValueError(f"auth {self.auth!r} unknown; choose none, secret or ed25519")
+        if self.secret and self.secret_file:
+            raise ValueError("give the run secret once: --secret or --secret-file, not both")
+        if self.resume and self.overwrite:
+            raise ValueError("--resume continues the run in run_dir, --overwrite moves it aside "
+                             "to start afresh: give one of them")
+        self._check_rounds(algorithm_class(self.algorithm))
         if self.min_replicas > self.workers and self.lighthouse is None:
             raise ValueError(f"min_replicas={self.min_replicas} exceeds workers={self.workers}")
         if self.warmup_steps >= self.steps and self.steps > 1:
@@ -228,6 +251,16 @@ class RunConfig(BaseModel):
             return directory
         return None
 
+    def _check_rounds(self, algorithm: type) -> None:
+        """An algorithm that syncs every H inner steps needs at least one round: with
+        steps < inner_steps no worker ever syncs and each ends on its own model."""
+        if algorithm.syncs_every_step or self.round_seconds is not None:
+            return  # ddp/demo sync each step; a time budget always runs its rounds
+        if self.steps < self.inner_steps:
+            raise ValueError(f"steps={self.steps} is below inner_steps={self.inner_steps}: "
+                             f"{self.algorithm} would never sync (0 outer rounds); give "
+                             f"--steps of at least --inner-steps, or a smaller --inner-steps")
+
     def _check_network(self) -> None:
         """Topology, islands and the hierarchical schedule (see farlink.comm.islands)."""
         from farlink.comm.islands import parse_islands
@@ -286,8 +319,10 @@ class RunConfig(BaseModel):
         return 1 if self.algorithm == "ddp" else self.inner_steps
 
 
-def load_config(path: Path | None = None, overrides: dict[str, Any] | None = None) -> RunConfig:
-    """Defaults < TOML file < overrides (flags left unset are ``None`` and ignored)."""
+def load_config(path: Path | None = None, overrides: dict[str, Any] | None = None,
+                ignore: Iterable[str] = ()) -> RunConfig:
+    """Defaults < TOML file < overrides (flags left unset are ``None`` and ignored); keys of
+    the file named in ``ignore`` are dropped."""
     values: dict[str, Any] = {}
     if path is not None:
         path = Path(path)
@@ -298,6 +333,7 @@ def load_config(path: Path | None = None, overrides: dict[str, Any] | None = Non
         except tomllib.TOMLDecodeError as exc:
             raise ConfigError(f"config file {path} is not valid TOML: {exc}") from exc
         values = values.get("train", values)
+        values = {k: v for k, v in values.items() if k not in set(ignore)}
     values.update({k: v for k, v in (overrides or {}).items() if v is not None})
     try:
         return RunConfig.model_validate(values)
@@ -316,5 +352,9 @@ def load_stored_config(run_dir: Path) -> RunConfig:
 
 
 def to_toml_dict(cfg: RunConfig) -> dict[str, Any]:
+    """The run's saved settings (invocation-only fields and the secret left out)."""
     return {k: (str(v) if isinstance(v, Path) else v) for k, v in cfg.model_dump().items()
             if v is not None}
+
+
+INVOCATION_FIELDS = frozenset(n for n, f in RunConfig.model_fields.items() if f.exclude)

@@ -16,8 +16,8 @@ def _finished_summary(cfg: RunConfig) -> dict | None:
     path, saved = cfg.run_dir / "summary.json", cfg.run_dir / "config.json"
     if not (path.is_file() and saved.is_file()):
         return None
-    if RunConfig.model_validate_json(saved.read_text()) != cfg:
-        return None
+    if RunConfig.model_validate_json(saved.read_text()).model_dump() != cfg.model_dump():
+        return None  # compared as saved: a secret and per-invocation flags are never saved
     summary = json.loads(path.read_text())
     done = len(summary.get("per_worker", {})) == cfg.workers and summary.get("returncodes") == [
         0] * cfg.workers
@@ -29,7 +29,8 @@ def run_variant(label: str, base: dict[str, Any], out: Path, reuse: bool = False
     """Train one variant in ``out/runs/<label>`` and return its summary row; with ``reuse``, a
     finished run of the identical configuration is read back instead of trained again; with
     ``network`` (a started emulate.Topology), the workers run inside its namespaces."""
-    values = {**base, **overrides, "run_dir": out / "runs" / label}
+    # a variant run again replaces its previous run, which stays next to it as label.old-<time>
+    values = {**base, **overrides, "run_dir": out / "runs" / label, "overwrite": True}
     cfg: RunConfig = load_config(None, values)
     s = _finished_summary(cfg) if reuse else None
     if s is None:

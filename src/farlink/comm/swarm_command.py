@@ -9,7 +9,6 @@ only switch that enables NAT traversal and relays.
 
 from __future__ import annotations
 
-import os
 import time
 from pathlib import Path
 from typing import Annotated, Any
@@ -58,7 +57,12 @@ def register(app: typer.Typer, bench_app: typer.Typer) -> None:
                               "only a bootstrap peer that signs its DHT answers.")
         ] = "none",
         secret: Annotated[
-            str | None, typer.Option(help="--auth secret: the run secret (or FARLINK_SECRET).")
+            str | None, typer.Option(help="--auth secret: the run secret (FARLINK_SECRET or "
+                                     "--secret-file keep it out of `ps`).")
+        ] = None,
+        secret_file: Annotated[
+            Path | None, typer.Option(help="--auth secret: a file holding the run secret, "
+                                      "readable by its owner only (chmod 600).")
         ] = None,
         key_file: Annotated[
             Path | None, typer.Option(help="--auth ed25519: a member's private key.")
@@ -76,10 +80,10 @@ def register(app: typer.Typer, bench_app: typer.Typer) -> None:
             authorizer = None
             if auth.strip().lower() != "none":
                 from farlink.comm.hivemind_admission import RunAuthorizer
-                from farlink.robust.auth import make_authenticator
+                from farlink.robust.auth import make_authenticator, resolve_secret
 
                 authorizer = RunAuthorizer(make_authenticator(
-                    auth, os.environ.get("FARLINK_SECRET") or secret, key_file, allowed_keys,
+                    auth, resolve_secret(secret, secret_file), key_file, allowed_keys,
                     "bootstrap"))
             dht, maddrs = start_bootstrap_peer(host, port, public, authorizer=authorizer)
         except (CommError, ValueError) as exc:

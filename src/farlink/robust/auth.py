@@ -303,15 +303,63 @@ def make_authenticator(
     raise ValueError(f"unknown auth kind {kind!r}; choose from {', '.join(AUTH_KINDS)}")
 
 
+SECRET_ENV = "FARLINK_SECRET"
+SECRET_SOURCES = f"{SECRET_ENV}=..., --secret-file PATH (mode 600) or --secret"
+
+
+def read_secret_file(path: Path) -> str:
+    """The run secret kept in ``path``; refused, as ssh refuses a private key, when the file is
+    readable or writable by anyone but its owner (a secret others can read proves nothing)."""
+    path = Path(path).expanduser()
+    try:
+        mode = path.stat().st_mode
+        text = path.read_text().strip()
+    except FileNotFoundError:
+        raise ValueError(f"secret file {path} does not exist") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ValueError(f"cannot read secret file {path}: {exc}") from None
+    if mode & 0o077:
+        raise ValueError(f"secret file {path} is accessible by group/others (mode "
+                         f"{mode & 0o777:o}); run `chmod 600 {path}`")
+    if not text:
+        raise ValueError(f"secret file {path} is empty")
+    return text
+
+
+def resolve_secret(secret: str | None, secret_file: Path | None) -> str | None:
+    """The run secret from ``--secret``, else ``--secret-file``, else ``FARLINK_SECRET``.
+
+    Nothing here ever writes it: the launcher hands it to its workers in their environment
+    (``FARLINK_SECRET``), where neither ``ps`` nor the run directory shows it.
+    """
+    if secret and secret_file:
+        raise ValueError("give the run secret once: --secret or --secret-file, not both")
+    if secret:
+        return secret
+    if secret_file:
+        return read_secret_file(secret_file)
+    return os.environ.get(SECRET_ENV) or None
+
+
+def run_secret(cfg: RunConfig) -> str | None:
+    """The secret of a run with ``--auth secret`` (None for other kinds); a ValueError that
+    names the sources when there is none."""
+    if (cfg.auth or "none").strip().lower() != "secret":
+        return None
+    secret = resolve_secret(cfg.secret, cfg.secret_file)
+    if not secret:
+        raise ValueError(f"auth 'secret' needs the run secret: give {SECRET_SOURCES}")
+    return secret
+
+
 def run_authenticator(cfg: RunConfig, peer_id: str, verifier: bool = False) -> Authenticator | None:
     """The authenticator a run's processes prove or check membership with; None for ``none``.
 
-    The secret comes from ``FARLINK_SECRET`` first, so it can stay out of config files.
     ``verifier`` builds one that only checks proofs (the Lighthouse gate needs no member key).
     """
     if (cfg.auth or "none").strip().lower() == "none":
         return None
-    secret = os.environ.get("FARLINK_SECRET") or cfg.secret
+    secret = run_secret(cfg)
     return make_authenticator(cfg.auth, secret=secret,
                               key_file=None if verifier else cfg.key_file,
                               allowed_keys=cfg.allowed_keys, peer_id=peer_id)

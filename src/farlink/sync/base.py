@@ -126,6 +126,9 @@ def state_digest(state: TensorState, include_schedule: bool = False) -> bytes:
 
 class SyncAlgorithm(ABC):
     name: ClassVar[str]
+    # True when every inner step is a round (ddp, demo); False when rounds come every
+    # --inner-steps steps, so a run needs steps >= inner_steps to sync at all
+    syncs_every_step: ClassVar[bool] = False
 
     def __init__(
         self, model: nn.Module, cfg: RunConfig, collective: Collective, exchange: Exchange

@@ -22,6 +22,7 @@ from farlink.sync.exchange import ExchangeResult
 
 class DDP(SyncAlgorithm):
     name = "ddp"
+    syncs_every_step = True
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)

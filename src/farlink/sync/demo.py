@@ -44,6 +44,7 @@ from farlink.sync.exchange import Encoded, ExchangeResult
 
 class DeMo(SyncAlgorithm):
     name = "demo"
+    syncs_every_step = True  # the sparse momentum components are all-gathered each step
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)

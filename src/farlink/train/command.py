@@ -13,7 +13,7 @@ from typing import Any, Optional, get_args, get_origin
 
 import typer
 
-from farlink.config import ConfigError, RunConfig, load_config
+from farlink.config import INVOCATION_FIELDS, LATEST_RUN, ConfigError, RunConfig, load_config
 
 
 def _flag_type(annotation: Any) -> Any:
@@ -62,12 +62,17 @@ def config_options(func: Any) -> Any:
 
 
 def _config_from(values: dict[str, Any]) -> RunConfig:
+    """The config of this invocation; ``--resume`` without ``--config`` starts from the run's
+    saved config (the run dir defaults to ``runs/latest``, the newest run)."""
     config_path = values.pop("config", None)
-    if values.get("resume") and values.get("run_dir") and config_path is None:
+    ignore: frozenset[str] = frozenset()
+    if values.get("resume") and config_path is None:
+        values["run_dir"] = values.get("run_dir") or LATEST_RUN
         saved = Path(values["run_dir"]) / "config.toml"
-        config_path = saved if saved.is_file() else None
+        if saved.is_file():  # a run saved by an older farlink may hold invocation fields
+            config_path, ignore = saved, INVOCATION_FIELDS
     try:
-        return load_config(config_path, values)
+        return load_config(config_path, values, ignore=ignore)
     except ConfigError as exc:
         typer.secho(f"error: {exc}", fg="red", err=True)
         raise typer.Exit(2) from None
@@ -84,14 +89,14 @@ def register(app: typer.Typer, bench_app: typer.Typer) -> None:
         cfg = _config_from(values)
         try:
             result = launch(cfg)
-        except (CorpusError, ConfigError) as exc:
+        except (CorpusError, ConfigError) as exc:  # refused before anything was written
             typer.secho(f"error: {exc}", fg="red", err=True)
             raise typer.Exit(2) from None
         s = result.summary
         if s.get("final_heldout_loss") is not None:
             console.print(
                 f"held-out loss {s['final_heldout_loss']:.4f} (ppl {s['final_heldout_ppl']:.1f}) "
-                f"after {s['total_tokens']:,} tokens; summary in {cfg.run_dir / 'summary.json'}"
+                f"after {s['total_tokens']:,} tokens; summary in {result.run_dir / 'summary.json'}"
             )
         if result.interrupted:
             raise typer.Exit(130)
@@ -107,18 +112,28 @@ def register(app: typer.Typer, bench_app: typer.Typer) -> None:
         """Start one worker that joins a running job through its Lighthouse (--lighthouse ADDR).
 
         It downloads the current parameters and outer-optimizer state from a live peer during
-        its first quorum and contributes from the next round on.
+        its first quorum and contributes from the next round on. It writes only its own files
+        (its metrics, checkpoints, final model); a run dir that already holds a run's config
+        keeps it as it is, and its own run dir gets its config.
         """
-        from farlink.train.launcher import write_run_config
-        from farlink.train.worker import main as worker_main
+        from farlink.robust.auth import run_secret
+        from farlink.train.rundir import check_resume, write_run_config
+        from farlink.train.worker import run_worker
 
         cfg = _config_from(values)
         if cfg.lighthouse is None:
             typer.secho("error: --lighthouse ADDR is required to join", fg="red", err=True)
             raise typer.Exit(2)
-        write_run_config(cfg)
-        argv = [str(cfg.run_dir), str(index), "--lighthouse", cfg.lighthouse, "--join"]
-        raise typer.Exit(worker_main(argv + (["--resume"] if cfg.resume else [])))
+        try:
+            run_secret(cfg)  # a missing or exposed secret fails here, not in the first round
+            if cfg.resume:
+                check_resume(cfg)
+        except ValueError as exc:
+            typer.secho(f"error: {exc}", fg="red", err=True)
+            raise typer.Exit(2) from None
+        if not (cfg.run_dir / "config.json").is_file():
+            write_run_config(cfg)  # a joiner's own run dir
+        raise typer.Exit(run_worker(cfg, index, cfg.lighthouse, joining=True))
 
     register_model_commands(app)
 

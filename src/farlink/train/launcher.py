@@ -4,6 +4,10 @@ The launcher owns no training state. It prepares the data once (so N workers do 
 tokenizer), starts the processes, draws a progress bar from the workers' JSONL metrics, and on
 Ctrl-C asks the workers to stop between steps; their last checkpoints are the committed state and
 ``farlink train --resume --run-dir DIR`` continues from them.
+
+Everything that can be checked is checked before anything is written or started (the run dir's
+rules in :mod:`farlink.train.rundir`, key files and the secret, the corpus and every worker's
+shard); a worker that fails anyway has the end of its log shown on the console.
 """
 
 from __future__ import annotations
@@ -20,16 +24,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-import tomli_w
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
 from farlink import interrupt
-from farlink.config import RunConfig, to_toml_dict
-from farlink.robust.auth import run_authenticator
+from farlink.config import ConfigError, RunConfig
+from farlink.robust.auth import SECRET_ENV, run_authenticator, run_secret
 from farlink.train.checkpoint import EXIT_DISK_FULL, is_disk_full
 from farlink.train.lighthouse import Lighthouse
 from farlink.train.metrics import read_metrics
+from farlink.train.rundir import open_run_dir, plan_run_dir
+from farlink.train.rundir import write_run_config as write_run_config  # where callers find it
 
 if TYPE_CHECKING:
     from farlink.data import PreparedData
@@ -46,12 +51,6 @@ class RunResult:
     interrupted: bool = False
 
 
-def write_run_config(cfg: RunConfig) -> None:
-    cfg.run_dir.mkdir(parents=True, exist_ok=True)
-    (cfg.run_dir / "config.json").write_text(cfg.model_dump_json(indent=1))
-    (cfg.run_dir / "config.toml").write_text(tomli_w.dumps({"train": to_toml_dict(cfg)}))
-
-
 def write_model_files(cfg: RunConfig, data: PreparedData) -> None:
     """The run directory keeps its tokenizer and model shape next to the weights, so
     ``farlink export`` and ``farlink generate`` need nothing from the cache or the inputs."""
@@ -63,9 +62,13 @@ def write_model_files(cfg: RunConfig, data: PreparedData) -> None:
 
 
 def worker_command(run_dir: Path, index: int, lighthouse: str, resume: bool,
-                   join: bool = False) -> list[str]:
+                   join: bool = False, stop_at_step: int | None = None) -> list[str]:
+    """A worker's argv: the run dir holds its config; this invocation's own flags (resume,
+    join, a stop point) ride along here. Never a secret: argv is visible to every local user."""
     argv = [sys.executable, "-m", "farlink.train.worker", str(run_dir), str(index),
             "--lighthouse", lighthouse]
+    if stop_at_step is not None:
+        argv += ["--stop-at-step", str(stop_at_step)]
     return argv + (["--resume"] if resume else []) + (["--join"] if join else [])
 
 
@@ -76,9 +79,13 @@ def spawn_worker(cfg: RunConfig, index: int, lighthouse: str, resume: bool,
     environment then names the veth Gloo must bind and the address peers reach it at)."""
     logs = cfg.run_dir / "logs"
     logs.mkdir(parents=True, exist_ok=True)
-    env = {"OMP_NUM_THREADS": str(cfg.threads), **(extra_env or {})}
+    env = {"OMP_NUM_THREADS": str(cfg.threads)}
+    secret = run_secret(cfg)
+    if secret is not None:  # the worker's environment: not argv, not a file
+        env[SECRET_ENV] = secret
+    env.update(extra_env or {})
     out = open(logs / f"w{index}.log", "ab")
-    argv = worker_command(cfg.run_dir, index, lighthouse, resume, join)
+    argv = worker_command(cfg.run_dir, index, lighthouse, resume, join, cfg.stop_at_step)
     # a new session: Ctrl-C reaches the launcher only, and it stops workers in order
     if network is not None:
         return network.spawn(index, argv, {**network.worker_env(index), **env}, stdout=out,
@@ -231,31 +238,90 @@ def _stop_all(procs: list[subprocess.Popen], grace: float = 20.0) -> None:
             p.wait()
 
 
+def check_launch(cfg: RunConfig, network: Topology | None = None) -> None:
+    """What a run needs besides its data, checked before anything is written or started:
+    the emulated network's limits, the secret and key files (ConfigError naming the fix)."""
+    if network is not None and cfg.backend != "torchft":
+        raise ConfigError("runs inside emulated namespaces use the torchft backend")
+    if network is not None and cfg.auth != "none":
+        raise ConfigError("runs inside emulated namespaces have no membership gate in front of "
+                          "the router's Lighthouse; use --auth none there")
+    try:  # a member's authenticator loads its key files and finds the secret
+        run_authenticator(cfg, "w0")
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+
+
+def check_data(cfg: RunConfig, data) -> None:
+    """Every worker's shard holds a batch and the held-out text a window (CorpusError saying
+    what to change), and the model preset fits the tokenizer, before a worker starts."""
+    from farlink.data import ShardSampler, heldout_batches
+    from farlink.model import preset_config
+
+    for shard in range(cfg.workers):
+        ShardSampler(data.train, shard=shard, num_shards=cfg.workers, seq_len=cfg.seq_len,
+                     batch_size=cfg.batch_size, seed=cfg.seed)
+    heldout_batches(data.heldout, cfg.seq_len, cfg.batch_size, cfg.eval_batches)
+    if cfg.hf_model_dir is not None:  # ConfigError if its embeddings or positions are too few
+        from farlink.model.hf import check_fits
+
+        check_fits(cfg.hf_model_dir, data.vocab_size, cfg.seq_len)
+        return
+    try:
+        preset_config(cfg.model, vocab_size=data.vocab_size, seq_len=cfg.seq_len)
+    except ValueError as exc:
+        raise ConfigError(f"model: {exc}") from None
+
+
+def log_tail(path: Path, lines: int = 15) -> list[str]:
+    """The last ``lines`` lines of a worker's log (where its traceback ends)."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(max(0, f.seek(0, os.SEEK_END) - 64 * 1024))
+            text = f.read().decode(errors="replace")
+    except OSError:
+        return []
+    return text.rstrip().splitlines()[-lines:]
+
+
+def report_failures(cfg: RunConfig, codes: list[int | None]) -> None:
+    """Each failed worker's exit code and the end of its log, on the console."""
+    secret = run_secret(cfg)  # checked before the launch, so present when needed
+    for index, code in enumerate(codes):
+        if not code:
+            continue
+        log_path = cfg.run_dir / "logs" / f"w{index}.log"
+        console.print(f"[red]worker w{index} exited with code {code}; the end of {log_path}:[/]")
+        for line in log_tail(log_path):
+            if secret:
+                line = line.replace(secret, "<secret>")
+            console.print("  " + line, markup=False, highlight=False, soft_wrap=True)
+
+
 def launch(cfg: RunConfig, show_progress: bool = True,
            network: Topology | None = None) -> RunResult:
     """Run ``cfg`` to the end (or Ctrl-C). With ``network`` (a started
     :class:`~farlink.emulate.Topology`), every worker runs in its own namespace behind the
     emulated WAN and the Lighthouse in the router namespace, so all traffic crosses real shaped,
-    delayed links."""
+    delayed links. ``RunResult.run_dir`` is where the run went (the default ``runs/latest``
+    becomes a new ``runs/<time>``)."""
     from farlink.data import prepare_data
 
-    if not cfg.resume and (cfg.run_dir / "metrics").exists():
-        shutil.rmtree(cfg.run_dir)  # a fresh run never mixes with an old one's metrics
-    write_run_config(cfg)
+    cfg, latest_link = plan_run_dir(cfg)  # refusals first: nothing written yet
+    check_launch(cfg, network)
     with console.status(f"preparing corpus {cfg.corpus!r} and tokenizer"):
         data = prepare_data(cfg.corpus, cfg.vocab_size, cfg.cache_dir,
                             tokenizer=cfg.given_tokenizer)
+    check_data(cfg, data)
+    moved = open_run_dir(cfg, latest_link)
+    if moved is not None:
+        console.print(f"--overwrite: the previous run is kept, moved to {moved}")
     write_model_files(cfg, data)
     console.print(
         f"[bold]farlink[/] {cfg.algorithm} ({cfg.codec}) | {cfg.workers} workers | "
         f"model {cfg.model} | corpus {cfg.corpus}: {len(data.train):,} train / "
         f"{len(data.heldout):,} held-out tokens | run dir {cfg.run_dir}"
     )
-    if network is not None and cfg.backend != "torchft":
-        raise ValueError("runs inside emulated namespaces use the torchft backend")
-    if network is not None and cfg.auth != "none":
-        raise ValueError("runs inside emulated namespaces have no membership gate in front of "
-                         "the router's Lighthouse; use --auth none there")
     from farlink.train.network import network_summary, prepare_network
 
     # --topology / hierarchical_diloco: measure the links, form islands, one Lighthouse per island
@@ -357,5 +423,6 @@ def launch(cfg: RunConfig, show_progress: bool = True,
                       "free space there, then continue with "
                       f"`farlink train --resume --run-dir {cfg.run_dir}`[/]")
     elif any(codes):
+        report_failures(cfg, codes)
         console.print(f"[red]workers exited with codes {codes}; logs in {cfg.run_dir / 'logs'}[/]")
     return RunResult(cfg.run_dir, codes, summary, interrupted)

@@ -73,11 +73,10 @@ def build_exchange(cfg: RunConfig, collective, sender: str, index: int, ledger=N
     from farlink.codecs import make_compressor
     from farlink.robust.aggregators import make_aggregator
     from farlink.robust.attacks import make_attack
-    from farlink.robust.auth import make_authenticator
+    from farlink.robust.auth import make_authenticator, run_secret
     from farlink.sync.exchange import Exchange
 
-    secret = os.environ.get("FARLINK_SECRET") or cfg.secret  # keeps secrets out of config files
-    auth = make_authenticator(cfg.auth, secret=secret, key_file=cfg.key_file,
+    auth = make_authenticator(cfg.auth, secret=run_secret(cfg), key_file=cfg.key_file,
                               allowed_keys=cfg.allowed_keys, peer_id=sender)
     tamper = make_attack(cfg.attack, seed=index) if cfg.is_attacker(index) else None
     return Exchange(
@@ -372,18 +371,28 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--resume", action="store_true")
     parser.add_argument("--join", action="store_true",
                         help="heal from live peers in a first zero-weight round")
+    parser.add_argument("--stop-at-step", type=int, default=None,
+                        help="stop after this inner step (this invocation only)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=os.environ.get("FARLINK_LOG", "WARNING"),
                         format=f"%(asctime)s w{args.index} %(name)s %(levelname)s %(message)s")
     cfg = RunConfig.model_validate_json((args.run_dir / "config.json").read_text())
-    if args.resume:
-        cfg = cfg.model_copy(update={"resume": True})
+    cfg = cfg.model_copy(update={"run_dir": args.run_dir, "resume": args.resume,
+                                 "stop_at_step": args.stop_at_step})
+    return run_worker(cfg, args.index, args.lighthouse, joining=args.join)
+
+
+def run_worker(cfg: RunConfig, index: int, lighthouse: str, joining: bool = False) -> int:
+    """Train as worker ``index`` of ``cfg`` until the run ends or a stop request; the exit code.
+
+    ``farlink join`` calls it with its own config in memory, so a joiner never rewrites the
+    config saved in a run dir it shares."""
     interrupt.install(raise_now=False)  # stop between steps, never mid-update
     from farlink.comm.errors import MembershipRefused
     from farlink.robust.gate import AdmissionError
 
     try:
-        worker = Worker(cfg, args.index, args.lighthouse, joining=args.join)
+        worker = Worker(cfg, index, lighthouse, joining=joining)
     except (AdmissionError, MembershipRefused) as exc:  # say why; no retrying until a timeout
         print(f"error: {exc}", file=sys.stderr, flush=True)
         return 3
