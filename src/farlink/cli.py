@@ -1,4 +1,4 @@
-"""``farlink train | join | swarm | bench | plan | report``.
+"""``farlink train | join | swarm | export | generate | bench | plan | report``.
 
 Each subsystem registers its own commands (``register(app, bench_app)`` in its ``command``
 module), so this file only wires them together and stays import-light: heavy imports (torch,
@@ -46,7 +46,13 @@ def main() -> None:
     from farlink import interrupt
 
     interrupt.install()
-    app()
+    from farlink.extras import MissingExtra
+
+    try:
+        app()
+    except MissingExtra as exc:  # an optional dependency: one line naming the extra, no trace
+        typer.secho(f"error: {exc}", fg="red", err=True)
+        raise SystemExit(2) from None
 
 
 if __name__ == "__main__":

@@ -20,9 +20,12 @@ from pathlib import Path
 from collections.abc import Iterable
 from typing import Any, Literal
 
-from pydantic import ConfigDict, Field, ValidationError, model_validator
+from pydantic import ConfigDict, Field, ValidationError, ValidationInfo, model_validator
 
+from farlink.model.config import PRESETS
 from farlink.sync import ALGORITHMS, algorithm_class, algorithm_options
+
+HF_MODEL_PREFIX = "hf:"
 
 
 class ConfigError(ValueError):
@@ -36,9 +39,15 @@ class RunConfig(*algorithm_options()):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
     # what to train
-    model: str = Field("tiny", description="model preset (tiny, small, 125m, 350m, 1b)")
+    model: str = Field("tiny", description=f"model preset ({', '.join(PRESETS)}), or "
+                       f"{HF_MODEL_PREFIX}DIR: a local transformers model directory (its "
+                       "config.json; its weights too if it has them)")
+    tokenizer: str | None = Field(
+        None, description="a tokenizer.json or Hugging Face tokenizer directory to use instead "
+        "of training a BPE (default: the hf:DIR model's own tokenizer.json if it has one)")
     corpus: str = Field("kjv", description="'kjv' (shipped), a .txt file/dir, or hf:PATH#column")
-    vocab_size: int = Field(4096, ge=260, description="BPE vocabulary size")
+    vocab_size: int = Field(4096, ge=260, description="BPE vocabulary size (a given tokenizer "
+                            "brings its own)")
     seq_len: int = Field(128, ge=8, description="tokens per sequence")
     batch_size: int = Field(8, ge=1, description="sequences per inner step per worker")
     steps: int = Field(500, ge=1, description="inner steps per worker (the token budget)")
@@ -157,11 +166,6 @@ class RunConfig(*algorithm_options()):
         if self.resume and self.overwrite:
             raise ValueError("--resume continues the run in run_dir, --overwrite moves it aside "
                              "to start afresh: give one of them")
-        from farlink.model import PRESETS
-
-        if self.model not in PRESETS:
-            raise ValueError(f"model preset {self.model!r} unknown; choose from "
-                             f"{', '.join(PRESETS)}")
         self._check_rounds(algorithm_class(self.algorithm))
         if self.min_replicas > self.workers and self.lighthouse is None:
             raise ValueError(f"min_replicas={self.min_replicas} exceeds workers={self.workers}")
@@ -191,6 +195,50 @@ class RunConfig(*algorithm_options()):
         self._check_network(caps.islands)
         algorithm.check_run(self)
         return self
+
+    @model_validator(mode="after")
+    def _check_inputs(self, info: ValidationInfo) -> RunConfig:
+        """A preset, or a transformers directory; a given tokenizer exists; the extras the run
+        needs (``hf`` for hf:DIR, ``community`` for hivemind) are installed. A stored run config
+        (``context={"stored": True}``: read back to report on a run) is not checked against
+        this machine's files and packages; only a run about to start is."""
+        from farlink.extras import require
+
+        directory = self.hf_model_dir
+        if directory is None and self.model not in PRESETS:
+            raise ValueError(f"model {self.model!r} unknown; choose a preset "
+                             f"({', '.join(PRESETS)}) or {HF_MODEL_PREFIX}DIR")
+        if (info.context or {}).get("stored"):
+            return self
+        if directory is not None:
+            if not (directory / "config.json").is_file():
+                raise ValueError(f"model {self.model!r}: {directory} has no config.json; give a "
+                                 "directory written by a transformers model's save_pretrained()")
+            require("transformers", f"--model {self.model}")
+        if self.tokenizer is not None and not Path(self.tokenizer).exists():
+            raise ValueError(f"tokenizer {self.tokenizer!r} does not exist; give a "
+                             "tokenizer.json file or a Hugging Face tokenizer directory")
+        if self.backend == "hivemind":
+            require("hivemind", "--backend hivemind (community mode)")
+        return self
+
+    @property
+    def hf_model_dir(self) -> Path | None:
+        """The transformers model directory of ``--model hf:DIR``, or None for a preset."""
+        if self.model.startswith(HF_MODEL_PREFIX):
+            return Path(self.model[len(HF_MODEL_PREFIX):])
+        return None
+
+    @property
+    def given_tokenizer(self) -> Path | None:
+        """The tokenizer a run uses instead of training a BPE: ``--tokenizer``, else the
+        ``hf:DIR`` model's own ``tokenizer.json`` (its weights were trained with those ids)."""
+        if self.tokenizer is not None:
+            return Path(self.tokenizer)
+        directory = self.hf_model_dir
+        if directory is not None and (directory / "tokenizer.json").is_file():
+            return directory
+        return None
 
     def _check_rounds(self, algorithm: type) -> None:
         """An algorithm that syncs every H inner steps needs at least one round: with
@@ -264,6 +312,13 @@ def load_config(path: Path | None = None, overrides: dict[str, Any] | None = Non
             f"{'.'.join(str(p) for p in e['loc']) or 'config'}: {e['msg']}" for e in exc.errors()
         )
         raise ConfigError(f"invalid configuration: {problems}") from None
+
+
+def load_stored_config(run_dir: Path) -> RunConfig:
+    """A run directory's ``config.json`` as the run wrote it, for reading the run's results:
+    the paths in it belong to where the run started, so they are not checked here."""
+    path = Path(run_dir) / "config.json"
+    return RunConfig.model_validate_json(path.read_text(), context={"stored": True})
 
 
 def to_toml_dict(cfg: RunConfig) -> dict[str, Any]:

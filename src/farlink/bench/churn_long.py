@@ -325,9 +325,10 @@ def run_long_churn(cfg: RunConfig, kills: int = 100, lighthouse_kills: int = 2,
 
 def plot_timeline(path: Path, result: dict, run_dir: Path) -> Path:
     """Committed outer step over wall-clock, with every fault marked where it struck."""
-    import matplotlib.pyplot as plt
-
+    from farlink.bench.report import pyplot
     from farlink.train.metrics import read_metrics
+
+    plt = pyplot()
 
     start = min((r["time"] for p in (run_dir / "metrics").glob("w*.jsonl")
                  for r in read_metrics(p)[:1]), default=0.0)

@@ -27,6 +27,13 @@ def print_rows(rows: list[dict], columns: list[str], title: str) -> None:
 
 
 def register(app: typer.Typer, bench_app: typer.Typer) -> None:
+    @bench_app.callback()
+    def needs_plots() -> None:
+        """Every benchmark ends in PNGs: without the plots extra, say so before running any."""
+        from farlink.extras import require
+
+        require("matplotlib", "farlink bench (its PNG plots)")
+
     @bench_app.command("algorithms")
     def algorithms(
         out: Path = typer.Option(Path("bench/algorithms"), help="output directory"),

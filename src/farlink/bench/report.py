@@ -8,10 +8,15 @@ import time
 from pathlib import Path
 from typing import Any
 
-import matplotlib
+from farlink.extras import require
 
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt
+
+def pyplot():  # noqa: ANN201 (matplotlib is the optional ``plots`` extra)
+    """matplotlib's pyplot on the Agg backend (no display needed), imported on first plot."""
+    require("matplotlib", "plots (PNG files)").use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
 
 
 def write_json(path: Path, name: str, rows: list[dict], extra: dict[str, Any] | None = None) -> Path:
@@ -35,6 +40,7 @@ def plot_curves(
     title: str,
     logx: bool = False,
 ) -> Path:
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for label, points in series.items():
         if not points:
@@ -66,6 +72,7 @@ def plot_panels(
     """One small plot per panel (title -> series), sharing axes: for grids of runs where one
     crowded plot would be unreadable."""
     rows = -(-len(panels) // columns)
+    plt = pyplot()
     fig, axes = plt.subplots(rows, columns, figsize=(3.6 * columns, 3.0 * rows), sharex=True,
                              sharey=True, squeeze=False)
     for ax, (title, series) in zip(axes.flat, panels.items()):

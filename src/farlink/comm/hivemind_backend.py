@@ -54,6 +54,10 @@ from typing import AsyncIterator  # noqa: UP035
 
 import msgpack
 import torch
+
+from farlink.extras import require
+
+require("hivemind", "community mode (--backend hivemind)")  # before hivemind's own imports
 from hivemind.averaging.allreduce import AveragingMode
 from hivemind.averaging.control import StepControl
 from hivemind.p2p import P2PContext, PeerID, ServicerBase

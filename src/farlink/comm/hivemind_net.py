@@ -16,6 +16,7 @@ from importlib import resources
 from typing import Any
 
 from farlink.comm.errors import DaemonFailed, MembershipRefused, PeerUnreachable
+from farlink.extras import require
 
 log = logging.getLogger(__name__)
 
@@ -28,7 +29,7 @@ PUBLIC = dict(nat_port_map=True, auto_nat=True, use_relay=True, use_auto_relay=T
 
 
 def p2pd_path() -> str:
-    import hivemind.hivemind_cli as cli
+    cli = require("hivemind.hivemind_cli", "community mode (hivemind)")
 
     return str(resources.files(cli) / "p2pd")
 
@@ -123,7 +124,7 @@ def start_dht(
     ``tied``: the DHT process ends with this one (call from the main thread: the kernel ties a
     child to the thread that forked it).
     """
-    import hivemind
+    hivemind = require("hivemind", "community mode (hivemind)")
     from hivemind.p2p import P2PDaemonError
 
     check_p2pd()

@@ -9,6 +9,7 @@ from farlink.data.tokenizer import (
     corpus_fingerprint,
     eot_id,
     get_tokenizer,
+    load_tokenizer,
     train_tokenizer,
 )
 
@@ -25,6 +26,7 @@ __all__ = [
     "heldout_indices",
     "kjv_path",
     "load_documents",
+    "load_tokenizer",
     "perplexity",
     "prepare_data",
     "shard_bounds",

@@ -121,7 +121,10 @@ def _load_hf(spec: str) -> list[str]:
                           "local json/jsonl/csv/parquet/text files")
     os.environ["HF_DATASETS_OFFLINE"] = "1"
     os.environ["HF_HUB_OFFLINE"] = "1"
-    import datasets  # deferred: heavy, and the offline switches must be set first
+    from farlink.extras import require
+
+    # deferred: heavy (the optional hf extra), and the offline switches must be set first
+    datasets = require("datasets", "--corpus hf:PATH")
 
     datasets.config.HF_DATASETS_OFFLINE = True
     datasets.config.HF_HUB_OFFLINE = True

@@ -24,6 +24,7 @@ from farlink.data.tokenizer import (
     corpus_fingerprint,
     eot_id,
     get_tokenizer,
+    load_tokenizer,
 )
 
 
@@ -75,13 +76,16 @@ def _save_npy(path: Path, array: np.ndarray) -> None:
 
 
 def prepare_data(source: str | os.PathLike[str], vocab_size: int, cache_dir: Path,
-                 heldout_fraction: float = 0.05) -> PreparedData:
-    """Load ``source``, split it, train/load the tokenizer on the train split, encode both."""
+                 heldout_fraction: float = 0.05,
+                 tokenizer: str | os.PathLike[str] | None = None) -> PreparedData:
+    """Load ``source``, split it, train/load the tokenizer on the train split (or use the given
+    ``tokenizer`` file/directory, whose own vocabulary then sets the size), encode both."""
     cache_dir = Path(cache_dir)
+    given = load_tokenizer(tokenizer) if tokenizer is not None else None  # fails before reading
     documents = load_documents(source)
     train_docs, heldout_docs = split_documents(documents, heldout_fraction)
-    tokenizer = get_tokenizer(train_docs, vocab_size, cache_dir)
-    tokenizer_hash = hashlib.sha256(tokenizer.to_str().encode("utf-8")).hexdigest()
+    tok = given if given is not None else get_tokenizer(train_docs, vocab_size, cache_dir)
+    tokenizer_hash = hashlib.sha256(tok.to_str().encode("utf-8")).hexdigest()
     fingerprint = hashlib.sha256(
         f"{corpus_fingerprint(documents)}|{tokenizer_hash}|{heldout_fraction!r}".encode()
     ).hexdigest()
@@ -93,8 +97,8 @@ def prepare_data(source: str | os.PathLike[str], vocab_size: int, cache_dir: Pat
         if path.is_file():
             arrays[split] = np.load(path, allow_pickle=False)
         else:
-            arrays[split] = encode_documents(tokenizer, docs)
+            arrays[split] = encode_documents(tok, docs)
             _save_npy(path, arrays[split])
-    return PreparedData(train=arrays["train"], heldout=arrays["heldout"], tokenizer=tokenizer,
-                        vocab_size=tokenizer.get_vocab_size(), fingerprint=fingerprint)
+    return PreparedData(train=arrays["train"], heldout=arrays["heldout"], tokenizer=tok,
+                        vocab_size=tok.get_vocab_size(), fingerprint=fingerprint)
 

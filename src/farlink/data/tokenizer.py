@@ -1,4 +1,5 @@
-"""A byte-level BPE tokenizer trained locally and cached by what it was trained on.
+"""A byte-level BPE tokenizer trained locally and cached by what it was trained on, or one the
+user gives (``--tokenizer FILE|DIR``: a ``tokenizer.json`` or a Hugging Face tokenizer directory).
 
 Islands cannot download a tokenizer (no network) and must agree on token ids exactly, so each
 trains the same deterministic BPE on the same documents and the result is cached under a key
@@ -16,7 +17,12 @@ from pathlib import Path
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
+from farlink.data.corpus import CorpusError
+
 EOT_TOKEN = "<|endoftext|>"
+#: document separators tried in order: farlink's own, then those of common given tokenizers
+#: (GPT-2/NeoX, Llama 3, Llama 2/Mistral/T5, Gemma, BERT)
+END_OF_TEXT_TOKENS = (EOT_TOKEN, "<|end_of_text|>", "</s>", "<eos>", "[SEP]")
 _FORMAT = "farlink-bpe-v1"  # bump when the recipe changes so old caches are not reused
 MIN_VOCAB = 256 + 1  # every byte plus the end-of-text token
 
@@ -92,8 +98,36 @@ def get_tokenizer(documents: Sequence[str], vocab_size: int, cache_dir: Path) ->
     return train_tokenizer(documents, vocab_size, cache_dir)
 
 
+def load_tokenizer(path: str | os.PathLike[str]) -> Tokenizer:
+    """A given tokenizer: a ``tokenizer.json`` file, or a directory holding one (what
+    ``save_pretrained`` writes for every fast Hugging Face tokenizer)."""
+    path = Path(path)
+    file = path / "tokenizer.json" if path.is_dir() else path
+    if not file.is_file():
+        hint = ("it has no tokenizer.json; save a fast tokenizer there with "
+                "AutoTokenizer.from_pretrained(...).save_pretrained(DIR)" if path.is_dir()
+                else "give a tokenizer.json file or a Hugging Face tokenizer directory")
+        raise CorpusError(f"tokenizer {str(path)!r} not found: {hint}")
+    try:
+        tokenizer = Tokenizer.from_file(str(file))
+    except Exception as exc:  # the Rust side raises a bare Exception for malformed JSON
+        raise CorpusError(f"{file} is not a tokenizers JSON file: {exc}") from exc
+    eot_id(tokenizer)  # fail now, not after the corpus is read, if it cannot separate documents
+    return tokenizer
+
+
 def eot_id(tokenizer: Tokenizer) -> int:
-    token_id = tokenizer.token_to_id(EOT_TOKEN)
-    if token_id is None:
-        raise ValueError(f"tokenizer has no {EOT_TOKEN} token; it was not made by farlink")
-    return token_id
+    """The id that ends each document: the first of :data:`END_OF_TEXT_TOKENS` it knows."""
+    for token in END_OF_TEXT_TOKENS:
+        token_id = tokenizer.token_to_id(token)
+        if token_id is not None:
+            return token_id
+    raise CorpusError(f"tokenizer has none of the end-of-text tokens "
+                      f"{', '.join(END_OF_TEXT_TOKENS)}; farlink separates documents with one "
+                      "(add it as a special token)")
+
+
+def eot_token(tokenizer: Tokenizer) -> str:
+    token = tokenizer.id_to_token(eot_id(tokenizer))
+    assert token is not None
+    return token

@@ -108,10 +108,9 @@ def published_checks() -> list[dict]:
 
 def write_published_report(out_dir: str | Path) -> dict[str, Path]:
     """``published_checks()`` as ``planner_checks.json`` and ``planner_checks.png`` in ``out_dir``."""
-    import matplotlib
+    from farlink.bench.report import pyplot
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)

@@ -85,10 +85,9 @@ def write_validation_report(measured: list[dict], predicted: list[dict], out_dir
                             metrics: tuple[str, ...] | None = None,
                             stem: str = "planner_validation") -> dict[str, Path]:
     """:func:`compare` as ``<stem>.json`` and a predicted-vs-measured scatter ``<stem>.png``."""
-    import matplotlib
+    from farlink.bench.report import pyplot
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     result = compare(measured, predicted, metrics)
     out = Path(out_dir)

@@ -1,4 +1,5 @@
-"""``farlink train`` and ``farlink join``: every RunConfig field becomes a flag.
+"""``farlink train`` and ``farlink join`` (every RunConfig field becomes a flag), and the commands
+that read a run directory: ``report``, ``export``, ``generate``.
 
 The flags are generated from the pydantic model, so a new option needs one line in
 :mod:`farlink.config` and nothing here; values given on the command line override the TOML file.
@@ -25,6 +26,15 @@ def _flag_type(annotation: Any) -> Any:
     return annotation
 
 
+def flag_help(description: str | None, default: Any) -> str:
+    """A flag's help: its description and its default, said once. A description that explains
+    its own default keeps it; an empty or absent default (an unset option) is not printed."""
+    text = description or ""
+    if "(default" in text or default is None or default == "":
+        return text
+    return f"{text} (default: {default})".strip()
+
+
 def config_options(func: Any) -> Any:
     """Give ``func`` one ``--flag`` per RunConfig field (None = not given) plus ``--config``."""
     params = [
@@ -37,12 +47,12 @@ def config_options(func: Any) -> Any:
         kind = _flag_type(field.annotation)
         flag = "--" + name.replace("_", "-")
         decl = [f"{flag}/--no-{name.replace('_', '-')}"] if kind is bool else [flag]
-        default = field.default
         params.append(
             inspect.Parameter(
                 name, inspect.Parameter.KEYWORD_ONLY, annotation=Optional[kind],
-                default=typer.Option(None, *decl, help=f"{field.description or ''} "
-                                     f"(default: {default})", show_default=False),
+                default=typer.Option(None, *decl, help=flag_help(field.description,
+                                                                 field.default),
+                                     show_default=False),
             )
         )
     original = inspect.signature(func)
@@ -125,6 +135,8 @@ def register(app: typer.Typer, bench_app: typer.Typer) -> None:
             write_run_config(cfg)  # a joiner's own run dir
         raise typer.Exit(run_worker(cfg, index, cfg.lighthouse, joining=True))
 
+    register_model_commands(app)
+
     @app.command("report")
     def report_cmd(run_dir: Path = typer.Argument(..., help="a run directory")) -> None:
         """Per-worker tokens, bytes, utilization, held-out loss and replica agreement of a run."""
@@ -135,3 +147,47 @@ def register(app: typer.Typer, bench_app: typer.Typer) -> None:
         except FileNotFoundError as exc:
             typer.secho(f"error: {exc}", fg="red", err=True)
             raise typer.Exit(2) from None
+
+
+def register_model_commands(app: typer.Typer) -> None:
+    """``farlink export`` and ``farlink generate``: what a finished run's model is for."""
+
+    @app.command("export")
+    def export_cmd(
+        run_dir: Path = typer.Argument(..., help="a finished run directory"),
+        hf: Path = typer.Option(..., "--hf", help="write a Hugging Face model directory here "
+                                "(AutoModelForCausalLM / AutoTokenizer load it)"),
+    ) -> None:
+        """Export a run's final model and tokenizer (farlink's GPT becomes a LlamaForCausalLM)."""
+        from farlink.train.export import export_hf
+
+        try:
+            out = export_hf(run_dir, hf)
+        except (FileNotFoundError, FileExistsError) as exc:
+            typer.secho(f"error: {exc}", fg="red", err=True)
+            raise typer.Exit(2) from None
+        typer.echo(f"wrote {out}")
+
+    @app.command("generate")
+    def generate_cmd(
+        run_dir: Path = typer.Argument(..., help="a finished run directory"),
+        prompt: str = typer.Option("", help="text to continue (empty: start a new document)"),
+        max_new_tokens: int = typer.Option(200, min=1, help="tokens to sample at most"),
+        temperature: float = typer.Option(0.8, min=0.0, help="0 = always the likeliest token"),
+        top_k: int = typer.Option(200, min=0, help="sample among the k likeliest (0 = all)"),
+        seed: int = typer.Option(1337, help="seed of the sampling generator"),
+        num_samples: int = typer.Option(1, min=1, help="independent samples to print"),
+    ) -> None:
+        """Sample text from a run's final model."""
+        from farlink.train.generate import generate
+
+        for k in range(num_samples):
+            try:
+                text = generate(run_dir, prompt, max_new_tokens, temperature, top_k or None,
+                                seed + k)
+            except FileNotFoundError as exc:
+                typer.secho(f"error: {exc}", fg="red", err=True)
+                raise typer.Exit(2) from None
+            typer.echo(text)
+            if k + 1 < num_samples:
+                typer.echo("---------------")

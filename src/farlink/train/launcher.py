@@ -38,6 +38,7 @@ from farlink.train.rundir import open_run_dir, plan_run_dir
 from farlink.train.rundir import write_run_config as write_run_config  # where callers find it
 
 if TYPE_CHECKING:
+    from farlink.data import PreparedData
     from farlink.emulate.topology import Topology
 
 console = Console(stderr=True)
@@ -50,6 +51,16 @@ class RunResult:
     summary: dict = field(default_factory=dict)
     interrupted: bool = False
     problem: str | None = None  # the run ended but its result is wrong (see never_averaged)
+
+
+def write_model_files(cfg: RunConfig, data: PreparedData) -> None:
+    """The run directory keeps its tokenizer and model shape next to the weights, so
+    ``farlink export`` and ``farlink generate`` need nothing from the cache or the inputs."""
+    from farlink.data.tokenizer import atomic_write_bytes
+    from farlink.model.build import write_model_description
+
+    atomic_write_bytes(cfg.run_dir / "tokenizer.json", data.tokenizer.to_str().encode("utf-8"))
+    write_model_description(cfg, data.vocab_size)
 
 
 def worker_command(run_dir: Path, index: int, lighthouse: str, resume: bool,
@@ -273,6 +284,11 @@ def check_data(cfg: RunConfig, data) -> None:
         ShardSampler(data.train, shard=shard, num_shards=cfg.workers, seq_len=cfg.seq_len,
                      batch_size=cfg.batch_size, seed=cfg.seed)
     heldout_batches(data.heldout, cfg.seq_len, cfg.batch_size, cfg.eval_batches)
+    if cfg.hf_model_dir is not None:  # ConfigError if its embeddings or positions are too few
+        from farlink.model.hf import check_fits
+
+        check_fits(cfg.hf_model_dir, data.vocab_size, cfg.seq_len)
+        return
     try:
         preset_config(cfg.model, vocab_size=data.vocab_size, seq_len=cfg.seq_len)
     except ValueError as exc:
@@ -316,11 +332,13 @@ def launch(cfg: RunConfig, show_progress: bool = True,
     cfg, latest_link = plan_run_dir(cfg)  # refusals first: nothing written yet
     check_launch(cfg, network)
     with console.status(f"preparing corpus {cfg.corpus!r} and tokenizer"):
-        data = prepare_data(cfg.corpus, cfg.vocab_size, cfg.cache_dir)
+        data = prepare_data(cfg.corpus, cfg.vocab_size, cfg.cache_dir,
+                            tokenizer=cfg.given_tokenizer)
     check_data(cfg, data)
     moved = open_run_dir(cfg, latest_link)
     if moved is not None:
         console.print(f"--overwrite: the previous run is kept, moved to {moved}")
+    write_model_files(cfg, data)
     console.print(
         f"[bold]farlink[/] {cfg.algorithm} ({cfg.codec}) | {cfg.workers} workers | "
         f"model {cfg.model} | corpus {cfg.corpus}: {len(data.train):,} train / "

@@ -7,7 +7,7 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-from farlink.config import RunConfig
+from farlink.config import load_stored_config
 from farlink.train.audit import audit_run
 from farlink.train.launcher import summarize
 
@@ -16,7 +16,10 @@ def report(run_dir: Path, plot: bool = True) -> dict:
     config_path = run_dir / "config.json"
     if not config_path.is_file():
         raise FileNotFoundError(f"{run_dir} is not a farlink run directory (no config.json)")
-    cfg = RunConfig.model_validate_json(config_path.read_text())
+    cfg = load_stored_config(run_dir)
+    # the stored run_dir is as the run was started (often relative to another directory): the
+    # directory asked about is the one to read
+    cfg = cfg.model_copy(update={"run_dir": run_dir})
     summary = summarize(cfg)
     audit = audit_run(run_dir)
     table = Table(title=f"{run_dir}: {cfg.algorithm} ({cfg.codec}), {cfg.workers} workers")
@@ -36,9 +39,14 @@ def report(run_dir: Path, plot: bool = True) -> dict:
                       f"{audit['redone_steps']}")
     if plot and summary["evals"]:
         from farlink.bench.report import plot_curves
+        from farlink.extras import MissingExtra
 
-        path = plot_curves(run_dir / "loss_vs_tokens.png",
-                           {cfg.algorithm: [(e["tokens"], e["loss"]) for e in summary["evals"]]},
-                           "tokens (evaluating worker)", "held-out loss", str(run_dir))
-        console.print(f"plot: {path}")
+        try:
+            points = [(e["tokens"], e["loss"]) for e in summary["evals"]]
+            path = plot_curves(run_dir / "loss_vs_tokens.png", {cfg.algorithm: points},
+                               "tokens (evaluating worker)", "held-out loss", str(run_dir))
+        except MissingExtra as exc:
+            console.print(f"no plot: {exc}", markup=False)  # keep "farlink[plots]" literal
+        else:
+            console.print(f"plot: {path}")
     return {"summary": summary, "audit": audit}

@@ -36,16 +36,15 @@ class Worker:
     def __init__(self, cfg: RunConfig, index: int, lighthouse: str, joining: bool = False) -> None:
         from farlink import Optimizer
         from farlink.data import ShardSampler, heldout_batches, prepare_data
-        from farlink.model import GPT, preset_config
+        from farlink.model.build import build_model
         from farlink.sync import algorithm_class
 
         self.cfg, self.index = cfg, index
         torch.set_num_threads(cfg.threads)
         torch.manual_seed(cfg.seed)
-        self.data = prepare_data(cfg.corpus, cfg.vocab_size, cfg.cache_dir)
-        self.model_cfg = preset_config(cfg.model, vocab_size=self.data.vocab_size,
-                                       seq_len=cfg.seq_len)
-        self.model = GPT(self.model_cfg)
+        self.data = prepare_data(cfg.corpus, cfg.vocab_size, cfg.cache_dir,
+                                 tokenizer=cfg.given_tokenizer)
+        self.model = build_model(cfg, self.data.vocab_size)
         self.sampler = ShardSampler(
             self.data.train, shard=index % cfg.workers, num_shards=cfg.workers,
             seq_len=cfg.seq_len, batch_size=cfg.batch_size, seed=cfg.seed,
