@@ -18,7 +18,10 @@ from farlink.train.launcher import launch
 from farlink.train.metrics import read_metrics
 
 BASE = {"vocab_size": 512, "seq_len": 64, "batch_size": 4, "eval_batches": 2, "workers": 2,
-        "steps": 40, "inner_steps": 10, "warmup_steps": 5, "join_timeout": 10}
+        "steps": 40, "inner_steps": 10, "warmup_steps": 5, "join_timeout": 10,
+        # every round holds both workers, so the two runs follow one schedule even when one
+        # worker starts late on a busy machine (an elastic round of one would differ)
+        "min_replicas": 2}
 
 
 def test_resumed_run_matches_uninterrupted_run_bit_for_bit(tmp_path: Path,
