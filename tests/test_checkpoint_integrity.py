@@ -24,7 +24,10 @@ from farlink.train.launcher import export_model, launch
 from farlink.train.metrics import read_metrics
 
 TINY = {"vocab_size": 512, "seq_len": 64, "batch_size": 4, "eval_batches": 2, "workers": 2,
-        "steps": 6, "inner_steps": 2, "warmup_steps": 2, "join_timeout": 5}
+        "steps": 6, "inner_steps": 2, "warmup_steps": 2, "join_timeout": 5,
+        # both workers in every round: the one that fell back heals from the other instead of
+        # racing through rounds alone while a busy machine delays its peer
+        "min_replicas": 2}
 
 
 def squash(text: str) -> str:
