@@ -35,6 +35,7 @@ from farlink.train.checkpoint import EXIT_DISK_FULL, is_disk_full
 from farlink.train.lighthouse import Lighthouse
 from farlink.train.metrics import read_metrics
 from farlink.train.rundir import open_run_dir, plan_run_dir
+from farlink.train.start_line import StartLine
 from farlink.train.rundir import write_run_config as write_run_config  # where callers find it
 
 if TYPE_CHECKING:
@@ -381,7 +382,9 @@ def launch(cfg: RunConfig, show_progress: bool = True,
         address = lighthouse.address
         if lighthouse.gate is not None:
             console.print(f"Lighthouse gate (members only): {address}")
-    procs = [spawn_worker(cfg, i, address, cfg.resume, network=network)
+    start_line = StartLine(cfg.workers)  # the first quorum waits for every worker
+    procs = [spawn_worker(cfg, i, address, cfg.resume, extra_env=start_line.env(),
+                          network=network)
              for i in range(cfg.workers)]
     interrupted = False
     total = cfg.steps * cfg.workers
@@ -407,6 +410,7 @@ def launch(cfg: RunConfig, show_progress: bool = True,
         _stop_all(procs)
     finally:
         _stop_all(procs)
+        start_line.remove()
         if lighthouse is not None:
             lighthouse.stop()
         if router_lighthouse is not None:

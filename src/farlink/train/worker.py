@@ -278,6 +278,11 @@ def run_worker(cfg: RunConfig, index: int, lighthouse: str, joining: bool = Fals
         print(f"error: {exc}", file=sys.stderr, flush=True)
         return 3
     try:
+        from farlink.train.start_line import StartLine
+
+        start_line = StartLine.from_env()
+        if start_line is not None and not joining:
+            start_line.wait(index, cfg.join_timeout)
         code = worker.run()
     except (DiskFull, OSError) as exc:
         if not (isinstance(exc, DiskFull) or is_disk_full(exc)):
