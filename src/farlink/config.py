@@ -49,7 +49,11 @@ class RunConfig(*algorithm_options()):
     vocab_size: int = Field(4096, ge=260, description="BPE vocabulary size (a given tokenizer "
                             "brings its own)")
     seq_len: int = Field(128, ge=8, description="tokens per sequence")
-    batch_size: int = Field(8, ge=1, description="sequences per inner step per worker")
+    batch_size: int = Field(8, ge=1, description="sequences per micro-batch per worker (an "
+                            "inner step takes --grad-accum of them)")
+    grad_accum: int = Field(1, ge=1, description="micro-batches per inner step: their gradients "
+                            "add up, so an inner step sees grad_accum x batch_size sequences "
+                            "whatever fits in the device's memory")
     steps: int = Field(500, ge=1, description="inner steps per worker (the token budget)")
     seed: int = Field(0, description="seed for init and data order")
 
@@ -107,6 +111,12 @@ class RunConfig(*algorithm_options()):
                         "scale:100, noise:STD, nan, free_rider[:stale]")
     attackers: str = Field("", description="comma list of worker indices that attack (emulation)")
     threads: int = Field(1, ge=1, description="torch threads per worker")
+    device: str = Field(
+        "auto", description="where a worker computes: auto (CUDA when present, else CPU), cpu, "
+        "cuda (worker i on GPU i mod the GPUs present) or cuda:N")
+    precision: Literal["fp32", "bf16"] = Field(
+        "fp32", description="fp32, or bf16: forward and backward under bf16 autocast (weights, "
+        "optimizer states and pseudo-gradients stay fp32)")
 
     # bookkeeping
     run_dir: Path = Field(LATEST_RUN, description="metrics, checkpoints, final model (default: "
@@ -215,6 +225,9 @@ class RunConfig(*algorithm_options()):
                 raise ValueError(f"model {self.model!r}: {directory} has no config.json; give a "
                                  "directory written by a transformers model's save_pretrained()")
             require("transformers", f"--model {self.model}")
+        from farlink.train.compute import check_device
+
+        check_device(self.device)  # ValueError naming what this machine has instead
         if self.tokenizer is not None and not Path(self.tokenizer).exists():
             raise ValueError(f"tokenizer {self.tokenizer!r} does not exist; give a "
                              "tokenizer.json file or a Hugging Face tokenizer directory")

@@ -36,10 +36,11 @@ def numel_of(shape: Sequence[int]) -> int:
 
 
 def as_flat_float32(tensor: torch.Tensor) -> torch.Tensor:
-    """A detached, contiguous, 1-D float32 CPU view/copy: the form every encoder works on."""
+    """A detached, contiguous, 1-D float32 view/copy on the tensor's own device: the form every
+    encoder works on (encoding runs where the tensor lives; only the bytes go to the host)."""
     if not tensor.is_floating_point():
         raise CodecError(f"codecs encode floating point tensors, got {tensor.dtype}")
-    return tensor.detach().to(device="cpu", dtype=torch.float32).reshape(-1).contiguous()
+    return tensor.detach().to(dtype=torch.float32).reshape(-1).contiguous()
 
 
 def all_finite(values: torch.Tensor) -> bool:
@@ -97,15 +98,16 @@ def to_wire(values: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 def wire_bytes(values: torch.Tensor) -> bytes:
-    """Little-endian bytes of a 16/32-bit float tensor (bf16 goes through an int16 view)."""
-    values = values.contiguous()
+    """Little-endian bytes of a 16/32-bit float tensor on any device (bf16 goes through an int16
+    view); the values are copied to host memory here, already in their wire dtype."""
+    values = values.detach().contiguous().cpu()
     if values.dtype == torch.bfloat16:
         return values.view(torch.int16).numpy().tobytes()
     return values.numpy().tobytes()
 
 
 def wire_floats(buffer: bytes | memoryview, dtype: torch.dtype, count: int) -> torch.Tensor:
-    """Parse ``count`` floats of wire dtype ``dtype`` from ``buffer`` into float32."""
+    """Parse ``count`` floats of wire dtype ``dtype`` from ``buffer`` into float32 (host)."""
     if dtype == torch.bfloat16:
         raw = np.frombuffer(buffer, dtype=np.int16, count=count).copy()
         return torch.from_numpy(raw).view(torch.bfloat16).float()
@@ -123,6 +125,15 @@ def top_indices(magnitude: np.ndarray, k: int) -> np.ndarray:
     n = magnitude.shape[-1]
     picked = np.argpartition(magnitude, n - k, axis=-1)[..., n - k :]
     return np.sort(picked, axis=-1)
+
+
+def top_positions(magnitude: torch.Tensor, k: int) -> torch.Tensor:
+    """:func:`top_indices` of a tensor, as int64 on the tensor's device: numpy's introselect
+    on the CPU, ``torch.topk`` on an accelerator (ties may be broken differently there; every
+    receiver decodes whichever positions the sender picked)."""
+    if magnitude.device.type == "cpu":
+        return torch.from_numpy(top_indices(magnitude.numpy(), k))
+    return torch.topk(magnitude, k, dim=-1, sorted=False).indices.sort(dim=-1).values
 
 
 def itemsize(dtype: torch.dtype) -> int:

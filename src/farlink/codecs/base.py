@@ -3,6 +3,11 @@
 Codecs are pure functions of their input (plus, for error feedback, a residual the caller keeps),
 so any algorithm that sends dense tensors can compose with any codec, and the byte count an
 algorithm reports is simply ``len(payload)`` of what it handed to the collective.
+
+A codec computes on the device of the tensor it is given (a GPU's pseudo-gradient is quantized,
+sparsified or transformed on that GPU); only the wire bytes, and the small tensors they are made
+of, move to host memory. ``decode`` parses the bytes on the host and rebuilds the tensor on the
+``device`` it is asked for (the CPU by default).
 """
 
 from __future__ import annotations
@@ -26,13 +31,15 @@ class Codec(ABC):
         """Serialize ``tensor`` (any shape, floating point) to a self-describing payload."""
 
     @abstractmethod
-    def decode(self, payload: bytes, shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
-        """Rebuild a tensor of ``shape``/``dtype``; raise :class:`CodecError` on a bad payload."""
+    def decode(self, payload: bytes, shape: torch.Size, dtype: torch.dtype,
+               device: torch.device | str | None = None) -> torch.Tensor:
+        """Rebuild a tensor of ``shape``/``dtype`` on ``device`` (None: the CPU); raise
+        :class:`CodecError` on a bad payload."""
 
     def roundtrip(self, tensor: torch.Tensor) -> tuple[torch.Tensor, int]:
         """What the receiver will see, and how many bytes it cost: used by error feedback."""
         payload = self.encode(tensor)
-        return self.decode(payload, tensor.shape, tensor.dtype), len(payload)
+        return self.decode(payload, tensor.shape, tensor.dtype, tensor.device), len(payload)
 
     def max_payload_nbytes(self, shape: tuple[int, ...]) -> int:
         """Bytes a tensor of ``shape`` costs on the wire, for planning without encoding.

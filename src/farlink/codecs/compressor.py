@@ -26,15 +26,16 @@ class Compressor:
         if not self.error_feedback:
             return self.codec.encode(tensor)
         target = tensor.detach().float()
-        if name in self.residuals:
-            target = target + self.residuals[name]
+        if name in self.residuals:  # a resumed residual comes from the checkpoint on the host
+            target = target + self.residuals[name].to(target.device)
         payload = self.codec.encode(target)
-        sent = self.codec.decode(payload, target.shape, torch.float32)
-        self.residuals[name] = target - sent
+        sent = self.codec.decode(payload, target.shape, torch.float32, target.device)
+        self.residuals[name] = target - sent  # kept where the tensor lives
         return payload
 
-    def decode(self, payload: bytes, shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
-        return self.codec.decode(payload, shape, dtype)
+    def decode(self, payload: bytes, shape: torch.Size, dtype: torch.dtype,
+               device: torch.device | str | None = None) -> torch.Tensor:
+        return self.codec.decode(payload, shape, dtype, device)
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         return {f"residual.{k}": v for k, v in self.residuals.items()}

@@ -34,7 +34,7 @@ from farlink.codecs._util import (
     require_finite,
     split_args,
     to_wire,
-    top_indices,
+    top_positions,
     wire_bytes,
     wire_floats,
 )
@@ -107,7 +107,7 @@ class DctTopKCodec(Codec):
             layout.n_chunks, layout.coefficients_per_chunk
         )
         k = self.k_for(layout)
-        indices = torch.from_numpy(top_indices(coeffs.abs().numpy(), k))
+        indices = top_positions(coeffs.abs(), k)
         values = to_wire(torch.gather(coeffs, 1, indices), self.value_dtype).float()
         return SparseDct(layout, indices, values)
 
@@ -115,11 +115,13 @@ class DctTopKCodec(Codec):
         """The wire bytes of ``sparse``: all values, then all indices, chunk-major."""
         index_dtype = _index_dtype(sparse.layout.coefficients_per_chunk)
         return wire_bytes(sparse.values.to(self.value_dtype)) + (
-            sparse.indices.numpy().astype(index_dtype).tobytes()
+            sparse.indices.cpu().numpy().astype(index_dtype).tobytes()
         )
 
-    def unpack(self, payload: bytes, shape: tuple[int, ...] | torch.Size) -> SparseDct:
-        """Parse and validate the payload of a tensor of ``shape``."""
+    def unpack(self, payload: bytes, shape: tuple[int, ...] | torch.Size,
+               device: torch.device | str | None = None) -> SparseDct:
+        """Parse and validate the payload of a tensor of ``shape`` (on the host), its
+        coefficients then on ``device`` (None: the CPU)."""
         layout = self.layout(shape)
         numel_of(layout.shape)
         expected = self.max_payload_nbytes(layout.shape)
@@ -140,7 +142,7 @@ class DctTopKCodec(Codec):
             raise CodecError(f"{self.name} indices within a chunk are not strictly increasing")
         if not all_finite(values):
             raise CodecError(f"{self.name} payload has NaN or Inf values")
-        return SparseDct(layout, indices, values)
+        return SparseDct(layout, indices.to(device), values.to(device))
 
     def dense_coefficients(
         self, sparse: SparseDct | Sequence[SparseDct], reduce: Reduce = "mean"
@@ -161,7 +163,7 @@ class DctTopKCodec(Codec):
             raise ValueError(f"unknown reduce {reduce!r}")
         indices = torch.cat([p.indices for p in parts], dim=1)
         values = torch.cat([p.values for p in parts], dim=1)
-        out = torch.zeros(layout.n_chunks, layout.coefficients_per_chunk)
+        out = torch.zeros(layout.n_chunks, layout.coefficients_per_chunk, device=values.device)
         out.scatter_add_(1, indices, values)
         if reduce == "mean":
             out /= len(parts)
@@ -182,5 +184,6 @@ class DctTopKCodec(Codec):
     def encode(self, tensor: torch.Tensor) -> bytes:
         return self.pack(self.encode_coefficients(tensor))
 
-    def decode(self, payload: bytes, shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
-        return self.decode_coefficients(self.unpack(payload, shape)).to(dtype)
+    def decode(self, payload: bytes, shape: torch.Size, dtype: torch.dtype,
+               device: torch.device | str | None = None) -> torch.Tensor:
+        return self.decode_coefficients(self.unpack(payload, shape, device)).to(dtype)

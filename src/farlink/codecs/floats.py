@@ -18,11 +18,13 @@ class _HalfCodec(Codec):
     def encode(self, tensor: torch.Tensor) -> bytes:
         return wire_bytes(to_wire(as_flat_float32(tensor), self.wire_dtype))
 
-    def decode(self, payload: bytes, shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
+    def decode(self, payload: bytes, shape: torch.Size, dtype: torch.dtype,
+               device: torch.device | str | None = None) -> torch.Tensor:
         numel = numel_of(shape)
         if len(payload) != 2 * numel:
             raise CodecError(f"{self.name} payload has {len(payload)} bytes, expected {2 * numel}")
-        return wire_floats(payload, self.wire_dtype, numel).reshape(tuple(shape)).to(dtype)
+        values = wire_floats(payload, self.wire_dtype, numel).reshape(tuple(shape))
+        return values.to(device=device, dtype=dtype)
 
     def max_payload_nbytes(self, shape: tuple[int, ...]) -> int:
         return 2 * numel_of(shape)

@@ -108,16 +108,18 @@ class BlockQuantCodec(Codec):
         scales, codes = self.quantize(tensor)
         scale_bytes = wire_bytes(scales.to(self.scale_dtype))
         if self.bits == 8:
-            return scale_bytes + codes.numpy().tobytes()
+            return scale_bytes + codes.cpu().numpy().tobytes()
         nibbles = (codes.to(torch.int16) + 8).to(torch.uint8)
         if nibbles.numel() % 2:
-            nibbles = torch.cat([nibbles, torch.tensor([8], dtype=torch.uint8)])
+            pad = torch.tensor([8], dtype=torch.uint8, device=nibbles.device)
+            nibbles = torch.cat([nibbles, pad])
         pairs = nibbles.view(-1, 2)
         packed = pairs[:, 0] | (pairs[:, 1] << 4)
-        return scale_bytes + packed.numpy().tobytes()
+        return scale_bytes + packed.cpu().numpy().tobytes()
 
     # -- decode -----------------------------------------------------------------------------
-    def decode(self, payload: bytes, shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
+    def decode(self, payload: bytes, shape: torch.Size, dtype: torch.dtype,
+               device: torch.device | str | None = None) -> torch.Tensor:
         numel = numel_of(shape)
         expected = self.max_payload_nbytes(tuple(shape))
         if len(payload) != expected:
@@ -131,7 +133,8 @@ class BlockQuantCodec(Codec):
         scales = wire_floats(view[:scale_len], self.scale_dtype, nb)
         if not all_finite(scales) or (nb and float(scales.min()) < 0):
             raise CodecError(f"{self.name} payload has a NaN, Inf or negative block scale")
-        codes = self._parse_codes(view[scale_len:], numel)
+        codes = self._parse_codes(view[scale_len:], numel).to(device)
+        scales = scales.to(device)
         padded = torch.nn.functional.pad(codes, (0, nb * self.block - numel))
         values = (padded.view(nb, self.block) * scales[:, None]).reshape(-1)[:numel]
         return values.reshape(tuple(shape)).to(dtype)

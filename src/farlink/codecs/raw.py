@@ -13,14 +13,15 @@ class Float32Codec(Codec):
     name = "fp32"
 
     def encode(self, tensor: torch.Tensor) -> bytes:
-        return tensor.detach().to(device="cpu", dtype=torch.float32).contiguous().numpy().tobytes()
+        return tensor.detach().to(dtype=torch.float32).contiguous().cpu().numpy().tobytes()
 
-    def decode(self, payload: bytes, shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
+    def decode(self, payload: bytes, shape: torch.Size, dtype: torch.dtype,
+               device: torch.device | str | None = None) -> torch.Tensor:
         numel = numel_of(shape)
         if len(payload) != 4 * numel:
             raise CodecError(f"fp32 payload has {len(payload)} bytes, expected {4 * numel}")
         array = np.frombuffer(payload, dtype=np.float32).copy()
-        return torch.from_numpy(array).reshape(tuple(shape)).to(dtype)
+        return torch.from_numpy(array).reshape(tuple(shape)).to(device=device, dtype=dtype)
 
     def max_payload_nbytes(self, shape: tuple[int, ...]) -> int:
         return 4 * numel_of(shape)

@@ -31,7 +31,7 @@ from farlink.codecs._util import (
     require_finite,
     split_args,
     to_wire,
-    top_indices,
+    top_positions,
     wire_bytes,
     wire_floats,
 )
@@ -82,15 +82,16 @@ class TopKCodec(Codec):
         require_finite(flat, self.name)
         k = self.k_for(flat.numel())
         if k == 0:
-            return torch.zeros(0, dtype=torch.int64), torch.zeros(0)
-        indices = torch.from_numpy(top_indices(flat.abs().numpy(), k))
+            return (torch.zeros(0, dtype=torch.int64, device=flat.device),
+                    torch.zeros(0, device=flat.device))
+        indices = top_positions(flat.abs(), k)
         values = to_wire(flat[indices], self.value_dtype).float()
         return indices, values
 
     def encode(self, tensor: torch.Tensor) -> bytes:
         indices, values = self.select(tensor)
         numel = tensor.numel()
-        idx = indices.numpy()
+        idx = indices.cpu().numpy()
         gaps = np.diff(idx, prepend=-1) - 1
         options: list[tuple[int, int]] = [(int(varint_nbytes(gaps).sum()), FMT_VARINT)]
         options.append((4 * idx.size, FMT_U32))
@@ -105,10 +106,11 @@ class TopKCodec(Codec):
             index_bytes = idx.astype("<u2").tobytes()
         return bytes([fmt]) + wire_bytes(values.to(self.value_dtype)) + index_bytes
 
-    def decode(self, payload: bytes, shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
+    def decode(self, payload: bytes, shape: torch.Size, dtype: torch.dtype,
+               device: torch.device | str | None = None) -> torch.Tensor:
         indices, values = self.parse(payload, numel_of(shape))
-        out = torch.zeros(numel_of(shape), dtype=torch.float32)
-        out[indices] = values
+        out = torch.zeros(numel_of(shape), dtype=torch.float32, device=device)
+        out[indices.to(out.device)] = values.to(out.device)
         return out.reshape(tuple(shape)).to(dtype)
 
     def parse(self, payload: bytes, numel: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -78,7 +78,7 @@ def cap_weights(weights: torch.Tensor, cap: float = WEIGHT_CAP) -> torch.Tensor:
 def weighted_mean(updates: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
     """Token-weighted average: the plain (non-robust) DiLoCo rule."""
     _check(updates, weights)
-    w = weights.to(updates.dtype)
+    w = weights.to(device=updates.device, dtype=updates.dtype)
     total = w.sum()
     if total <= 0:
         return torch.zeros_like(updates[0])

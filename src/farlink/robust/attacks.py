@@ -63,7 +63,7 @@ class GaussianNoise:
         for k in sorted(update):
             v = update[k]
             noise = torch.randn(v.shape, generator=gen, dtype=torch.float32) * self.std
-            out[k] = v + noise.to(v.dtype)
+            out[k] = v + noise.to(device=v.device, dtype=v.dtype)  # same noise on any device
         return {k: out[k] for k in update}
 
 

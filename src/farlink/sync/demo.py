@@ -84,6 +84,7 @@ class DeMo(SyncAlgorithm):
                              f"not {compressor.spec}")
         self.exchange.combine = self._combine
         self.momentum = [torch.zeros_like(p) for p in self.params]
+        self._devices = {n: p.device for n, p in zip(self.names, self.params)}
         self._extracted: dict[str, Encoded] = {}
 
     def current_lr(self) -> float:
@@ -116,7 +117,8 @@ class DeMo(SyncAlgorithm):
 
     def _combine(self, name: str, payloads: list[bytes], shape: torch.Size) -> torch.Tensor:
         """Each DCT coefficient averaged over the peers that sent it, then one inverse DCT."""
-        sparse = [self.codec.unpack(payload, shape) for payload in payloads]
+        device = self._devices[name]  # the average is built where the parameter lives
+        sparse = [self.codec.unpack(payload, shape, device) for payload in payloads]
         return self.codec.decode_coefficients(sparse, reduce="contributors")
 
     def _apply(self, result: ExchangeResult, info: RoundInfo) -> None:

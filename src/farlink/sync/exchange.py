@@ -119,8 +119,13 @@ class Exchange:
     def _all_reduce(self, tensors: dict[str, torch.Tensor], weight: float) -> ExchangeResult:
         names = list(tensors)
         flat = torch.cat([tensors[n].detach().float().reshape(-1) * weight for n in names])
-        flat = torch.cat([flat, torch.tensor([weight], dtype=torch.float32)])
-        self.collective.all_reduce_sum([flat])
+        device = flat.device
+        flat = torch.cat([flat, torch.tensor([weight], dtype=torch.float32, device=device)])
+        # the wire is host memory (Gloo and hivemind move bytes over host sockets): one copy
+        # there and back, none on the CPU, where ``cpu()`` is the tensor itself
+        wire = flat.cpu()
+        self.collective.all_reduce_sum([wire])
+        flat = wire.to(device)
         total = float(flat[-1])
         if not torch.isfinite(flat).all():
             # a peer sent NaN/Inf: a sum cannot say who, so the whole round is dropped everywhere
@@ -173,14 +178,16 @@ class Exchange:
         if not decoded:
             return result
         peers = list(decoded)
-        w = torch.tensor([claimed[p] for p in peers], dtype=torch.float32)
+        device = dense_of(next(iter(tensors.values()))).device if tensors else None
+        w = torch.tensor([claimed[p] for p in peers], dtype=torch.float32, device=device)
         result.total_weight = float(w.sum())
         if self.combine is not None and self.aggregator is weighted_mean:
             senders = [p for p in peers if claimed[p] > 0]  # a zero-weight peer only receives
             result.tensors = {
                 n: self.combine(n, [raw_payloads[p][n] for p in senders], dense_of(t).shape)
                 for n, t in tensors.items()
-            } if senders else {n: torch.zeros(dense_of(t).shape) for n, t in tensors.items()}
+            } if senders else {n: torch.zeros(dense_of(t).shape, device=dense_of(t).device)
+                               for n, t in tensors.items()}
         else:
             result.tensors = self._aggregate(peers, decoded, w, list(tensors))
         return result
@@ -223,7 +230,8 @@ class Exchange:
             if tuple(env.shapes[name]) != tuple(ref.shape):
                 raise UpdateRejected(
                     f"{name}: shape {env.shapes[name]} != {tuple(ref.shape)}", "shape")
-            tensor = self.compressor.decode(env.payloads[name], ref.shape, torch.float32)
+            tensor = self.compressor.decode(env.payloads[name], ref.shape, torch.float32,
+                                            ref.device)
             check_update(name, tensor, tuple(ref.shape), self.max_update_norm)
             out[name] = tensor
         return out

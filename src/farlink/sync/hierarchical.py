@@ -437,11 +437,12 @@ class HierarchicalDiLoCo(SyncAlgorithm):
         if self.leader:
             committed, world, step = outcome if outcome is not None else (False, 1,
                                                                           self.outer_step)
-            header = torch.tensor([1.0, float(committed), float(step), float(world)])
+            header = torch.tensor([1.0, float(committed), float(step), float(world)],
+                                  device=self.global_params[0].device)
             flat = torch.cat([header] + [_flat(b) for b in blocks])
         else:
             size = _HEADER + sum(t.numel() for b in blocks for t in b)
-            flat = torch.zeros(size, dtype=torch.float32)
+            flat = torch.zeros(size, dtype=torch.float32, device=self.global_params[0].device)
         round_id = self.last_round.round_id if self.last_round is not None else 0
         result = self.handoff_exchange.average({"handoff": flat}, float(self.leader), round_id)
         flat = result.tensors.get("handoff", torch.zeros_like(flat))  # no leader: not present

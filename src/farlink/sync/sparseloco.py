@@ -37,7 +37,7 @@ import numpy as np
 import torch
 
 from farlink.codecs import Compressor
-from farlink.codecs._util import all_finite, as_flat_float32, require_finite, top_indices
+from farlink.codecs._util import all_finite, as_flat_float32, require_finite, top_positions
 from farlink.codecs.base import Codec, CodecError
 from farlink.comm.base import RoundInfo
 from farlink.sync.base import Capabilities, StepOutcome, TensorState
@@ -86,16 +86,19 @@ class SparseTwoBitCodec(Codec):
         flat = as_flat_float32(tensor)
         require_finite(flat, self.name)
         c, m, k, b = self.geometry(flat.numel())
-        chunks = torch.nn.functional.pad(flat, (0, m * c - flat.numel())).view(m, c).numpy()
-        idx = top_indices(np.abs(chunks), k)  # sorted ascending within each chunk
-        vals = np.take_along_axis(chunks, idx, axis=1).reshape(-1)
+        chunks = torch.nn.functional.pad(flat, (0, m * c - flat.numel())).view(m, c)
+        positions = top_positions(chunks.abs(), k)  # on the tensor's device, sorted per chunk
+        # only the kept k of every c values go to the host, where they are quantized
+        idx = positions.cpu().numpy()
+        vals = torch.gather(chunks, 1, positions).reshape(-1).cpu().numpy()
         large = np.abs(vals) > np.median(np.abs(vals))
         codes = 2 * (vals >= 0) + large
         lookup = np.array([vals[codes == i].mean() if (codes == i).any() else 0.0
                            for i in range(4)], dtype=np.float32)
         return lookup.tobytes() + _pack_bits(codes, 2) + _pack_bits(idx.reshape(-1), b)
 
-    def decode(self, payload: bytes, shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
+    def decode(self, payload: bytes, shape: torch.Size, dtype: torch.dtype,
+               device: torch.device | str | None = None) -> torch.Tensor:
         numel = math.prod(shape)
         c, m, k, b = self.geometry(numel)
         expected = self.max_payload_nbytes(tuple(shape))
@@ -113,8 +116,9 @@ class SparseTwoBitCodec(Codec):
             raise CodecError(f"{self.name} index >= {c} (chunk size)")
         if k > 1 and not bool((idx[:, 1:] > idx[:, :-1]).all()):
             raise CodecError(f"{self.name} indices within a chunk are not strictly increasing")
-        out = torch.zeros(m, c)
-        out.scatter_(1, torch.from_numpy(idx), lookup[torch.from_numpy(codes)].view(m, k))
+        out = torch.zeros(m, c, device=device)
+        values = lookup[torch.from_numpy(codes)].view(m, k)
+        out.scatter_(1, torch.from_numpy(idx).to(out.device), values.to(out.device))
         return out.reshape(-1)[:numel].reshape(shape).to(dtype)
 
 
@@ -161,7 +165,7 @@ class SparseLoCo(DiLoCo):
             for n, g, p, e in zip(self.names, self.global_params, self.params, self.error):
                 e.mul_(self.beta).add_(g - p.detach())
                 payload = self.codec.encode(e)
-                sent = self.codec.decode(payload, e.shape, e.dtype)
+                sent = self.codec.decode(payload, e.shape, e.dtype, e.device)
                 e.sub_(sent)
                 out[n] = Encoded(payload, sent)
         return out

@@ -38,13 +38,15 @@ class Worker:
         from farlink.data import ShardSampler, heldout_batches, prepare_data
         from farlink.model.build import build_model
         from farlink.sync import algorithm_class
+        from farlink.train.compute import resolve_device
 
         self.cfg, self.index = cfg, index
+        self.device = resolve_device(cfg.device, index)
         torch.set_num_threads(cfg.threads)
         torch.manual_seed(cfg.seed)
         self.data = prepare_data(cfg.corpus, cfg.vocab_size, cfg.cache_dir,
                                  tokenizer=cfg.given_tokenizer)
-        self.model = build_model(cfg, self.data.vocab_size)
+        self.model = build_model(cfg, self.data.vocab_size).to(self.device)
         self.sampler = ShardSampler(
             self.data.train, shard=index % cfg.workers, num_shards=cfg.workers,
             seq_len=cfg.seq_len, batch_size=cfg.batch_size, seed=cfg.seed,
@@ -111,8 +113,10 @@ class Worker:
     # --- evaluation ----------------------------------------------------------------------------
     def evaluate(self) -> float:
         from farlink.data import evaluate
+        from farlink.train.compute import autocast
 
-        return evaluate(self.model, self.heldout)
+        with autocast(self.device, self.cfg.precision):
+            return evaluate(self.model, self.heldout)
 
     # --- the loop ------------------------------------------------------------------------------
     def _at_boundary(self, step: int) -> None:
@@ -138,9 +142,12 @@ class Worker:
 
     def run(self) -> int:
         """Train until the run's end or a stop request (SIGINT/SIGTERM, checked between steps)."""
+        from farlink.train.compute import accumulate_gradients, micro_batches
+
         cfg, algo = self.cfg, self.algo
         self.loop_start = time.time()
         self.metrics.write("start", worker=self.replica_id, params=self.model.num_parameters(),
+                           device=str(self.device), precision=cfg.precision,
                            inner_steps=algo.inner_steps_done, pid=os.getpid())
         loss_value = float("nan")
         if self.joining:
@@ -156,9 +163,9 @@ class Worker:
         while not algo.finished() and not stopped:
             t0 = time.perf_counter()
             self.model.train()
-            x, y = self.sampler.next_batch()
-            _, loss = self.model(x, y)
-            loss.backward()
+            loss_value, tokens = accumulate_gradients(
+                self.model, micro_batches(self.sampler.next_batch, cfg.grad_accum),
+                self.device, cfg.precision)
             if cfg.pace_seconds is not None:  # emulated device of a fixed speed
                 spare = slowdown * cfg.pace_seconds - (time.perf_counter() - t0)
                 if spare > 0:
@@ -167,7 +174,6 @@ class Worker:
                     self.pace_overruns += 1
             elif slowdown > 1:  # emulated slower device: stretch this step's compute
                 time.sleep((slowdown - 1) * (time.perf_counter() - t0))
-            tokens = x.numel()
             outcome = self.sync.step(tokens)
             if outcome.synced and outcome.committed:
                 self.widest_group = max(self.widest_group, outcome.world_size)
@@ -175,7 +181,6 @@ class Worker:
             self.compute_s += elapsed - outcome.comm_seconds
             self.comm_s += outcome.comm_seconds
             self.tokens += tokens
-            loss_value = float(loss.detach())
             step = algo.inner_steps_done
             fields = dict(
                 worker=self.replica_id, step=step, loss=round(loss_value, 5), tokens=self.tokens,
