@@ -74,6 +74,32 @@ def register(app: typer.Typer, bench_app: typer.Typer) -> None:
                                     "bytes_per_token", "bytes_per_token_reduction_vs_ddp"],
                    "farlink bench probe")
 
+    @bench_app.command("gpu")
+    def gpu(
+        out: Path = typer.Option(Path("bench/gpu"), help="output directory"),
+        batch_size: int = typer.Option(16, help="sequences of 1024 tokens per step (125m)"),
+        steps: int = typer.Option(20, help="timed inner steps of the step measurement"),
+        site_steps: int = typer.Option(30, help="inner steps of each farlink train run"),
+        loss_steps: int = typer.Option(100, help="inner steps of the CPU/GPU loss comparison"),
+        peak_tflops: float | None = typer.Option(
+            None, help="the GPU's dense bf16 peak, for a model farlink does not know"),
+    ) -> None:
+        """Tokens/s and MFU of the 125m preset in bf16 on one GPU (1 and 2 sites), and DiLoCo's
+        loss on the GPU (bf16) against the CPU (fp32). Needs a CUDA device."""
+        from farlink.bench.gpu import NoGpu, run
+
+        try:
+            result = run(out, batch_size, steps, site_steps, loss_steps,
+                         peak_tflops=peak_tflops)
+        except NoGpu as exc:
+            typer.secho(f"error: {exc}", fg="red", err=True)
+            raise typer.Exit(2) from None
+        print_rows(result["rows"], ["label", "tokens_per_s", "mfu", "n_params"],
+                   f"farlink bench gpu: {result['gpu']}")
+        loss = result["loss"]
+        Console().print(f"DiLoCo held-out loss: CPU fp32 {loss['cpu_fp32']:.4f}, GPU bf16 "
+                        f"{loss['gpu_bf16']:.4f} (gap {loss['relative_gap']:.2%})")
+
     @bench_app.command("overhead")
     def overhead(
         out: Path = typer.Option(Path("bench/overhead"), help="output directory"),
