@@ -24,6 +24,12 @@ authentication (``auth="secret"``/``"ed25519"``) work the same way, since they s
 algorithm. Peers that join late heal from live ones (``join()``); a lagging one heals inside a
 round. Every option is a ``farlink train`` flag (same name, ``_`` for ``-``).
 
+The model may live on any device (move it there before building its optimizer): the global
+copy, the outer optimizer's state, pseudo-gradients and codec residuals are kept on that device
+and codecs encode there; only the bytes on the wire pass through host memory. Autocast and
+gradient accumulation are your loop's (``farlink train`` has ``--precision`` and
+``--grad-accum``).
+
 Your optimizer keeps its own lr and scheduler: farlink neither rescales nor clips your gradients
 unless you ask (``lr_schedule=True`` uses warmup + cosine over ``steps``; ``grad_clip=1.0``).
 """

@@ -163,7 +163,7 @@ def measure_loss(out: Path, steps: int, vocab_size: int, device: str = "cuda:0")
     for label, where, precision in (("cpu_fp32", "cpu", "fp32"), ("gpu_bf16", device, "bf16")):
         run_dir = _launch(out, f"loss-{label}", model="tiny", device=where, precision=precision,
                           workers=2, min_replicas=2, steps=steps, inner_steps=20,
-                          seq_len=128, batch_size=8, eval_batches=8, threads=4,
+                          seq_len=128, batch_size=8, eval_batches=8, threads=4, warmup_steps=10,
                           vocab_size=vocab_size)
         evals = [r for r in read_metrics(run_dir / "metrics" / "w0.jsonl") if r["kind"] == "eval"]
         losses[label] = evals[-1]["loss"]
