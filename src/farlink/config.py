@@ -296,6 +296,11 @@ class RunConfig(*algorithm_options()):
         return factors[index % len(factors)]
 
     @property
+    def tokens_per_step(self) -> int:
+        """Tokens one worker trains on per inner step: grad_accum x batch_size x seq_len."""
+        return self.grad_accum * self.batch_size * self.seq_len
+
+    @property
     def sync_every(self) -> int:
         """Inner steps per outer round (1 for algorithms that sync every step)."""
         return 1 if algorithm_class(self.algorithm).capabilities.syncs_every_step \

@@ -91,7 +91,7 @@ def run(out: Path, rates: list[float], steps: int, inner_steps: int, workers: in
                      "outer_steps": a["outer_steps"], "consistent": a["consistent"],
                      "lost_committed_steps": a["lost_committed_steps"],
                      "lost_committed_tokens": a["lost_committed_steps"] * inner_steps
-                     * cfg.batch_size * cfg.seq_len * workers,
+                     * cfg.tokens_per_step * workers,
                      "final_heldout_loss": result["summary"]["final_heldout_loss"],
                      "returncodes": result["returncodes"]})
         series[f"{rate:g} kills/100 rounds"] = [

@@ -284,7 +284,7 @@ class LongChurn:
         kills = [e for e in self.events if e["event"] == "kill"]
         rejected = [r for v in self.workers.values() for r in v.tail.records
                     if r["kind"] == "checkpoint_rejected"]
-        tokens_per_round = cfg.inner_steps * cfg.batch_size * cfg.seq_len * cfg.workers
+        tokens_per_round = cfg.inner_steps * cfg.tokens_per_step * cfg.workers
         by_moment = {m: sum(e["moment"] == m for e in kills)
                      for m in sorted({e["moment"] for e in kills})}
         result = {

@@ -28,6 +28,7 @@ def train_in_process(label: str, values: dict[str, Any], eval_points: int = 4) -
     held-out loss at ``eval_points`` evenly spaced token counts (worker 0's replica)."""
     from farlink.data import ShardSampler, evaluate, heldout_batches, prepare_data
     from farlink.model import GPT, preset_config
+    from farlink.train.compute import accumulate_gradients, autocast, micro_batches, resolve_device
 
     cfg: RunConfig = load_config(None, values)
     torch.set_num_threads(cfg.threads)
@@ -42,6 +43,8 @@ def train_in_process(label: str, values: dict[str, Any], eval_points: int = 4) -
         with init_lock:  # the global RNG is shared by threads: seed and build atomically
             torch.manual_seed(cfg.seed)
             model = GPT(model_cfg)
+        device = resolve_device(cfg.device, rank)
+        model.to(device)
         sampler = ShardSampler(data.train, shard=rank, num_shards=cfg.workers,
                                seq_len=cfg.seq_len, batch_size=cfg.batch_size, seed=cfg.seed)
         exchange = Exchange(collective, make_compressor(cfg.codec), sender=f"w{rank}",
@@ -49,21 +52,25 @@ def train_in_process(label: str, values: dict[str, Any], eval_points: int = 4) -
         algo = algorithm_class(cfg.algorithm)(model, cfg, collective, exchange)
         evals = []
         while not algo.finished():
-            x, y = sampler.next_batch()
-            _, loss = model(x, y)
-            loss.backward()
-            algo.step(x.numel())
+            _, tokens = accumulate_gradients(
+                model, micro_batches(sampler.next_batch, cfg.grad_accum), device, cfg.precision)
+            algo.step(tokens)
             if rank == 0 and algo.inner_steps_done in marks:
                 evals.append({"step": algo.inner_steps_done,
-                              "tokens": algo.inner_steps_done * x.numel() * cfg.workers,
+                              "tokens": algo.inner_steps_done * tokens * cfg.workers,
                               "bytes_sent": collective.stats.bytes_sent,
-                              "loss": evaluate(model, heldout)})
+                              "loss": heldout_loss(model, device)})
         algo.finish()
         return {"evals": evals, "bytes_sent": collective.stats.bytes_sent,
-                "final_loss": evaluate(model, heldout), "params": sum(p.numel() for p in algo.params)}
+                "final_loss": heldout_loss(model, device),
+                "params": sum(p.numel() for p in algo.params)}
+
+    def heldout_loss(model, device) -> float:  # noqa: ANN001
+        with autocast(device, cfg.precision):
+            return evaluate(model, heldout)
 
     results = InProcessGroup(cfg.workers).run(member, timeout=24 * 3600)
-    tokens = cfg.steps * cfg.batch_size * cfg.seq_len  # per worker
+    tokens = cfg.steps * cfg.tokens_per_step  # per worker
     bytes_sent = max(r["bytes_sent"] for r in results)
     return {
         "label": label,

@@ -57,7 +57,7 @@ def run_variant(label: str, base: dict[str, Any], out: Path, reuse: bool = False
         "compute_utilization": min((w["compute_utilization"] for w in workers), default=0.0),
         "wall_s": max((w["wall_s"] for w in workers), default=0.0),
         "returncodes": codes,
-        "tokens_per_step": cfg.batch_size * cfg.seq_len,
+        "tokens_per_step": cfg.tokens_per_step,
         "fragments": cfg.fragments if fragmented else 1,
         "overlap_steps": cfg.overlap_steps if fragmented else None,
         "per_worker": s["per_worker"],

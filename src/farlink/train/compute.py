@@ -88,7 +88,8 @@ def accumulate_gradients(model: nn.Module, micro_batches: Iterator[Batch] | list
         raise ValueError("an inner step needs at least one micro-batch")
     total, tokens = torch.zeros((), device=device), 0
     for inputs, targets in batches:
-        inputs, targets = inputs.to(device, non_blocking=True), targets.to(device, non_blocking=True)
+        inputs = inputs.to(device, non_blocking=True)
+        targets = targets.to(device, non_blocking=True)
         with autocast(device, precision):
             _, loss = model(inputs, targets)
         (loss / len(batches)).backward()
