@@ -55,9 +55,12 @@ def advertised_host(cfg: RunConfig) -> str:
     return os.environ.get("FARLINK_EMULATED_HOST") or cfg.host
 
 
-def build_collective(cfg: RunConfig, replica_id: str, lighthouse: str) -> Collective:
+def build_collective(cfg: RunConfig, replica_id: str, lighthouse: str,
+                     **hivemind: Any) -> Collective:
     """The run's backend for one replica: ``lighthouse`` is the torchft Lighthouse address or
-    hivemind's initial peers (a comma list; empty: this peer starts the DHT)."""
+    hivemind's initial peers (a comma list; empty: this peer starts the DHT). ``hivemind``:
+    HivemindCollective options that override the ones derived from ``cfg`` (a volunteer's
+    run id, identity file, client mode)."""
     from farlink.robust.auth import run_authenticator
 
     admission = run_authenticator(cfg, replica_id)  # None without --auth: nothing to prove
@@ -83,7 +86,7 @@ def build_collective(cfg: RunConfig, replica_id: str, lighthouse: str) -> Collec
         from farlink.comm.hivemind_net import tcp_maddr
 
         peers = [p for p in lighthouse.split(",") if p] if lighthouse else []
-        return HivemindCollective(
+        options: dict[str, Any] = dict(
             run_id=f"farlink-{cfg.run_dir.name}",
             initial_peers=peers,
             host_maddrs=[tcp_maddr(advertised_host(cfg), 0)],
@@ -94,6 +97,7 @@ def build_collective(cfg: RunConfig, replica_id: str, lighthouse: str) -> Collec
             gather_timeout=cfg.round_timeout,
             admission=admission,
         )
+        return HivemindCollective(**{**options, **hivemind})
     if cfg.backend == "inprocess":
         from farlink.comm.inprocess import InProcessGroup
 
