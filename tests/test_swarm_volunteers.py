@@ -194,3 +194,32 @@ def test_shard_preference_and_ownership() -> None:
     # the oldest claim holds a shard; a tie goes to the smaller peer id
     claims = {"p2": (1, 10.0, 0), "p1": (1, 12.0, 0), "p3": (0, 5.0, 4), "p0": (0, 5.0, 4)}
     assert owners(claims) == {1: "p2", 0: "p0"}
+
+
+def test_shard_claims_in_a_real_dht_are_distinct_full_and_freed_when_a_volunteer_leaves() -> None:
+    from concurrent.futures import ThreadPoolExecutor
+
+    from farlink.comm.hivemind_net import dht_options, start_dht, tcp_maddr
+    from farlink.comm.swarm_shards import ShardClaim, SwarmFull
+
+    first = start_dht([], **dht_options([tcp_maddr("127.0.0.1")]))
+    dhts = [first]
+    try:
+        peers = [str(m) for m in first.get_visible_maddrs()]
+        dhts += [start_dht(peers, **dht_options([tcp_maddr("127.0.0.1")])) for _ in range(2)]
+        claims = [ShardClaim(d, "run_shards", 2, str(d.peer_id), ttl=8.0, settle=1.5)
+                  for d in dhts]
+        with ThreadPoolExecutor(2) as pool:  # two volunteers claim at the same moment
+            taken = list(pool.map(lambda c: c.acquire(), claims[:2]))
+        assert sorted(taken) == [0, 1], taken
+        with pytest.raises(SwarmFull, match="room for 2"):
+            claims[2].acquire()
+        claims[0].release()  # the first volunteer leaves: its claim is no longer refreshed
+        time.sleep(9.0)
+        assert claims[2].acquire() == taken[0]  # and its shard is picked up
+        assert claims[1].shard == taken[1]
+    finally:
+        for claim in locals().get("claims", []):
+            claim.release()
+        for dht in dhts:
+            dht.shutdown()
