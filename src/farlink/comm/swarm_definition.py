@@ -208,6 +208,10 @@ async def _fetch(peers: list[str], auth: Any, host: str, public: bool) -> bytes:
                 except AuthError as exc:
                     raise MembershipRefused(
                         f"the run's bootstrap peer {addr} did not admit this peer: {exc}") from None
+                except Exception as exc:  # noqa: BLE001 - no handshake there: try the next peer
+                    problems.append(f"{addr}: no membership handshake ({exc!r}; if the run "
+                                    "has no --auth, join without --auth)")
+                    continue
             try:
                 _, reader, writer = await p2p.call_binary_stream_handler(peer, DEFINITION_HANDLER)
                 try:
