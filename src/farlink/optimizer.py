@@ -91,7 +91,9 @@ def build_collective(cfg: RunConfig, replica_id: str, lighthouse: str,
             initial_peers=peers,
             host_maddrs=[tcp_maddr(advertised_host(cfg), 0)],
             min_group_size=cfg.min_replicas,
-            target_group_size=cfg.group_size,
+            # a full group starts its round at once; without a size hivemind's leader waits out
+            # the whole matchmaking window every round (about 3 s instead of 0.3 s on loopback)
+            target_group_size=cfg.group_size or max(cfg.workers, cfg.min_replicas),
             round_timeout=cfg.quorum_timeout,
             allreduce_timeout=cfg.round_timeout,
             gather_timeout=cfg.round_timeout,
