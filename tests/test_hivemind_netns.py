@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from farlink.emulate.capabilities import detect_capabilities
-from farlink.emulate.profiles import scaled
+from farlink.links import scaled
 from farlink.emulate.topology import Topology
 from farlink.train.metrics import read_metrics
 
