@@ -33,8 +33,8 @@ from pathlib import Path
 import torch
 
 from farlink import interrupt
-from farlink.train.background import Background
 from farlink.config import RunConfig
+from farlink.train.background import Background
 from farlink.train.checkpoint import (EXIT_DISK_FULL, TEMP_PREFIX, DiskFull, is_disk_full,
                                       remove_stale_temps)
 from farlink.train.metrics import MetricsLog
@@ -94,7 +94,7 @@ class Worker:
         self.setup_s = 0.0  # process start to the first step, every life
         self.wall_offset = 0.0  # wall-clock of earlier lives of this worker (resume)
         self.born = process_started_at()
-        self.evaluations = Background("evaluation")
+        self.evaluations = Background("evaluation", nice=19)  # spare CPU only
         self.shadow: torch.nn.Module | None = None  # the model copy evaluations read
         if cfg.resume:
             self._resume()
@@ -140,12 +140,19 @@ class Worker:
                            outer_step=self.algo.outer_step, fell_back=bool(rejected))
 
     # --- evaluation ----------------------------------------------------------------------------
-    def _evaluate_in_background(self, step: int) -> None:
+    def _evaluate_in_background(self, step: int, final: bool) -> None:
         """Copy the parameters as they are now into a private model and evaluate that copy in
         the background; the record carries the step (and tokens, bytes, wall-clock) of the copy.
-        The previous evaluation is waited for first: its model copy is the one reused."""
+
+        The evaluation gets only spare CPU, so on busy cores it may not be done by the next
+        boundary: that boundary's evaluation is skipped (an ``eval_skipped`` record says so)
+        rather than stalling training, except the last one, which waits for it."""
         from farlink.data import evaluate
 
+        if self.evaluations.running and not final:
+            self.metrics.write("eval_skipped", worker=self.replica_id, step=step,
+                               reason="the previous evaluation is still running")
+            return
         t0 = time.perf_counter()
         self.evaluations.wait()
         if self.shadow is None:
@@ -179,7 +186,7 @@ class Worker:
             self._save()
         rank0 = self.sync.rank == 0
         if rank0 and (boundary % cfg.eval_every == 0 or final):
-            self._evaluate_in_background(step)
+            self._evaluate_in_background(step, final)
 
     def _land_background_work(self) -> None:
         """Wait for the checkpoint write and the evaluation still running (a write's error,
