@@ -188,15 +188,19 @@ class Worker:
         if rank0 and (boundary % cfg.eval_every == 0 or final):
             self._evaluate_in_background(step, final)
 
-    def _land_background_work(self) -> None:
-        """Wait for the checkpoint write and the evaluation still running (a write's error,
-        such as a full disk, is raised here)."""
+    def _land_background_work(self, evaluation: bool) -> None:
+        """Wait for the checkpoint write in flight (its error, a full disk, is raised here) and,
+        if ``evaluation``, for the evaluation still running. A stopped worker does not wait for
+        an evaluation: the launcher's grace period is for its checkpoint."""
         t0 = time.perf_counter()
         self.sync.wait_for_checkpoint()
         t1 = time.perf_counter()
-        self.evaluations.wait()
         self.checkpoint_s += t1 - t0
-        self.eval_s += time.perf_counter() - t1
+        if evaluation:
+            self.evaluations.wait()
+            self.eval_s += time.perf_counter() - t1
+        elif self.evaluations.running:
+            log.warning("stopping without the result of the evaluation still running")
 
     def wall(self) -> float:
         """Wall-clock of this worker: since its process started, plus its earlier lives."""
@@ -275,7 +279,7 @@ class Worker:
         t0 = time.perf_counter()
         model_sha256 = self._save_final_model() if finished else None
         self.checkpoint_s += time.perf_counter() - t0
-        self._land_background_work()  # a stop too waits for the write in flight
+        self._land_background_work(evaluation=finished)  # a stop waits for the write only
         self.metrics.write("end", worker=self.replica_id, finished=finished,
                            inner_steps=algo.inner_steps_done, tokens=self.tokens,
                            bytes_sent=self.sync.bytes_sent(),
@@ -315,10 +319,8 @@ class Worker:
         return digest
 
     def close(self) -> None:
-        try:
-            self.evaluations.wait()  # its record goes into the metrics closed below
-        except Exception:  # noqa: BLE001 - an evaluation's error must not hide why we stop
-            log.exception("the last evaluation failed")
+        """Leave the run (``Optimizer.close`` lands a checkpoint write still in flight). An
+        evaluation still running here is abandoned: its thread dies with the process."""
         self.sync.close()
         self.metrics.close()
 
