@@ -15,7 +15,7 @@ from typer.testing import CliRunner
 from farlink.emulate import sysnet
 from farlink.emulate.capabilities import detect_capabilities
 from farlink.emulate.launch import launch_workers, start_lighthouse, wait_all, wait_for_port
-from farlink.emulate.profiles import scaled
+from farlink.links import scaled
 from farlink.emulate.topology import Topology
 
 CAPS = detect_capabilities()

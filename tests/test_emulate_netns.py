@@ -16,7 +16,7 @@ import pytest
 from farlink.emulate import registry, sysnet
 from farlink.emulate.capabilities import detect_capabilities
 from farlink.emulate.measure import measure_link
-from farlink.emulate.profiles import LinkProfile, scaled
+from farlink.links import LinkProfile, scaled
 from farlink.emulate.topology import Topology
 
 CAPS = detect_capabilities()
@@ -52,7 +52,7 @@ def test_measured_link_matches_profile(profile: LinkProfile) -> None:
         prefix = topo.prefix
     print(f"{profile.name}: {m.throughput_mbit:.1f} Mbit/s, RTT {m.rtt_ms:.1f} ms "
           f"(connect {m.connect_ms:.1f} ms)")
-    assert m.expected_rtt_ms == 2 * profile.delay_ms
+    assert m.expected_rtt_ms == 2 * profile.latency_ms
     assert within(m.throughput_mbit, profile.bandwidth_mbit), m
     assert within(m.rtt_ms, m.expected_rtt_ms), m
     assert not namespaces_with(prefix)
@@ -104,7 +104,7 @@ def test_cleanup_on_exit_and_on_exception() -> None:
 CRASHER = textwrap.dedent("""
     import sys, time
     from farlink.emulate.topology import Topology
-    from farlink.emulate.profiles import scaled
+    from farlink.links import scaled
     topo = Topology(2, scaled("cross-region", 20)).__enter__()
     topo.spawn(1, ["sleep", "300"])
     print(topo.prefix, topo.record.path, flush=True)

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from farlink.comm.inprocess import InProcessGroup
-from farlink.emulate.profiles import EmulationError, LinkProfile, get_profile, scaled
+from farlink.links import LinkError, LinkProfile, get_profile, scaled
 from farlink.emulate.shaper import ShapedCollective, ShapedLink
 
 torch.set_num_threads(1)
@@ -30,7 +30,7 @@ def within(measured: float, expected: float, tol: float = 0.2, wake_up_s: float 
 
 @pytest.mark.parametrize("nbytes,hops", [(1_000_000, 1), (250_000, 4), (0, 5)])
 def test_send_takes_latency_plus_serialization(nbytes: int, hops: int) -> None:
-    link = ShapedLink(LinkProfile(80, 20.0))
+    link = ShapedLink(LinkProfile(bandwidth_mbit=80, latency_ms=20.0))
     expected = hops * 0.020 + nbytes * 8 / 80e6
     assert link.transfer_time(nbytes, hops) == pytest.approx(expected)
     t = time.perf_counter()
@@ -41,7 +41,7 @@ def test_send_takes_latency_plus_serialization(nbytes: int, hops: int) -> None:
 
 
 def test_concurrent_senders_share_the_rate() -> None:
-    link = ShapedLink(LinkProfile(40, 0.0))
+    link = ShapedLink(LinkProfile(bandwidth_mbit=40))
     finish: list[float] = []
     t0 = time.perf_counter()
 
@@ -61,7 +61,7 @@ def test_concurrent_senders_share_the_rate() -> None:
 def test_downlink_and_loss_are_charged() -> None:
     home = get_profile("home")
     assert ShapedLink(home, direction="down").bytes_per_s == 200e6 / 8
-    lossy = ShapedLink(LinkProfile(80, 0.0, loss=0.2))
+    lossy = ShapedLink(LinkProfile(bandwidth_mbit=80, loss=0.2))
     assert lossy.transfer_time(800_000) == pytest.approx(800_000 / 0.8 * 8 / 80e6)
 
 
@@ -73,7 +73,7 @@ def test_unshaped_link_does_not_wait() -> None:
 
 def test_shaped_collective_on_inprocess_backend() -> None:
     group = InProcessGroup(2)
-    link_profile = LinkProfile(80, 10.0)
+    link_profile = LinkProfile(bandwidth_mbit=80, latency_ms=10.0)
     members = [ShapedCollective(group.member(r), ShapedLink(link_profile)) for r in range(2)]
     tensors = [torch.full((262_144,), float(r + 1)) for r in range(2)]  # 1 MiB of float32 each
     elapsed: list[float] = [0.0, 0.0]
@@ -100,21 +100,21 @@ def test_shaped_collective_on_inprocess_backend() -> None:
 
 
 @pytest.mark.parametrize("kwargs", [
-    {"bandwidth_mbit": -1, "delay_ms": 1}, {"bandwidth_mbit": 10, "delay_ms": -1},
-    {"bandwidth_mbit": 10, "delay_ms": 1, "jitter_ms": 5}, {"bandwidth_mbit": 10, "loss": 1.0},
+    {"bandwidth_mbit": -1, "latency_ms": 1}, {"bandwidth_mbit": 10, "latency_ms": -1},
+    {"bandwidth_mbit": 10, "latency_ms": 1, "jitter_ms": 5}, {"bandwidth_mbit": 10, "loss": 1.0},
     {"bandwidth_mbit": float("nan")},
 ])
 def test_bad_profiles_rejected(kwargs: dict) -> None:
-    with pytest.raises(EmulationError):
+    with pytest.raises(ValueError):  # pydantic's ValidationError names the field
         LinkProfile(**kwargs)
 
 
 def test_profile_lookup_and_scaling() -> None:
-    assert get_profile("Cross-Region").delay_ms == 40
-    with pytest.raises(EmulationError, match="choose from"):
+    assert get_profile("Cross-Region").latency_ms == 40
+    with pytest.raises(LinkError, match="choose from"):
         get_profile("moon")
     s = scaled("home", 10)
-    assert (s.up_mbit, s.download_mbit, s.delay_ms) == (10, 40, 60)
+    assert (s.up_mbit, s.down_mbit, s.latency_ms, s.jitter_ms) == (10, 40, 60, 10)
 
 
 def _readable_by_others(path: Path) -> bool:

@@ -12,7 +12,7 @@ import pytest
 from swarm_output import read_multiaddress
 
 from farlink.emulate.capabilities import detect_capabilities
-from farlink.emulate.profiles import scaled
+from farlink.links import scaled
 from farlink.emulate.topology import Topology
 
 CAPS = detect_capabilities()

@@ -10,7 +10,7 @@ import pytest
 from farlink.comm.islands import form_islands, format_islands, link_cost_ms, parse_islands
 from farlink.comm.linkprobe import ProbeServer, measure_links, probe_pair, round_robin
 from farlink.emulate.pairwise import GroupLinks, PairwiseNetwork, ShapedRelay
-from farlink.emulate.profiles import LinkProfile
+from farlink.links import LinkProfile
 
 DC, XR, IC = (10_000, 1.0), (1_000, 80.0), (200, 240.0)  # (Mbit/s, RTT ms) of three classes
 
@@ -140,8 +140,8 @@ def test_round_robin_covers_every_pair_once_in_disjoint_rounds() -> None:
 
 
 def test_probe_measures_a_shaped_asymmetric_link() -> None:
-    up = LinkProfile(40, 15.0, name="up")
-    down = LinkProfile(160, 15.0, name="down")
+    up = LinkProfile(bandwidth_mbit=40, latency_ms=15.0, name="up")
+    down = LinkProfile(bandwidth_mbit=160, latency_ms=15.0, name="down")
     with ProbeServer() as server:
         relay = ShapedRelay(server.address, up, down)
         try:

@@ -8,12 +8,12 @@ import math
 import pytest
 from typer.testing import CliRunner
 
+from farlink.links import LinkError, load_links
 from farlink.plan import (
     PlanInputError,
     Scenario,
     codec_cost,
     load_hardware,
-    load_links,
     parse_model_size,
     plan,
     plan_many,
@@ -282,13 +282,13 @@ def test_bad_table_files_give_clear_errors(tmp_path):
     assert "gpu.x.bf16_tflops" in text and "spot_usd_per_hour" in text and str(bad) in text
     broken = tmp_path / "links.toml"
     broken.write_text("[link.a\nbandwidth_mbit = 1")
-    with pytest.raises(PlanInputError, match="not valid TOML"):
+    with pytest.raises(LinkError, match="not valid TOML"):
         load_links(broken)
     inverted = tmp_path / "inv.toml"
     inverted.write_text("[link.a]\nbandwidth_mbit = 10\nbandwidth_min_mbit = 20\nlatency_ms = 1\n")
-    with pytest.raises(PlanInputError, match="bandwidth_min_mbit"):
+    with pytest.raises(LinkError, match="bandwidth_min_mbit"):
         load_links(inverted)
-    with pytest.raises(PlanInputError, match="cannot read"):
+    with pytest.raises(LinkError, match="cannot read"):
         load_links(tmp_path / "missing.toml")
 
 

@@ -8,7 +8,8 @@ import pytest
 from typer.testing import CliRunner
 
 from farlink.cli import app
-from farlink.plan import PlanInputError, load_hardware, load_links
+from farlink.links import load_links
+from farlink.plan import PlanInputError, load_hardware
 from farlink.plan.pipeline import plan_pipeline
 
 

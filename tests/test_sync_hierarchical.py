@@ -11,6 +11,7 @@ from torch import nn
 from farlink.codecs import make_compressor
 from farlink.comm.inprocess import InProcessCollective, InProcessGroup
 from farlink.config import RunConfig
+from farlink.robust.aggregators import make_aggregator
 from farlink.robust.auth import make_authenticator
 from farlink.sync import algorithm_class
 from farlink.sync.exchange import Exchange
@@ -66,8 +67,10 @@ def run_islands(fn, fail_island_commit: set[int] | None = None):
     return results
 
 
-def make_hier(island, upper, secret: str | None = None, **overrides) -> HierarchicalDiLoCo:
-    """With ``secret``, every exchange (island, hand-off, global) signs with it."""
+def make_hier(island, upper, secret: str | None = None, global_codec: str = "none",
+              global_aggregator: str = "mean", **overrides) -> HierarchicalDiLoCo:
+    """With ``secret``, every exchange (island, hand-off, global) signs with it; the global
+    exchange uses ``global_codec`` and ``global_aggregator``."""
     model = nn.Linear(2, 1, bias=False)
     with torch.no_grad():
         model.weight.copy_(torch.tensor([[1.0, 2.0]]))
@@ -81,7 +84,9 @@ def make_hier(island, upper, secret: str | None = None, **overrides) -> Hierarch
 
     exchange = Exchange(island, make_compressor("none"), sender=f"i{id(island)}",
                         authenticator=auth(f"i{id(island)}"))
-    top = None if upper is None else Exchange(upper, make_compressor("none"), sender=f"g{id(upper)}",
+    top = None if upper is None else Exchange(upper, make_compressor(global_codec),
+                                              sender=f"g{id(upper)}",
+                                              aggregator=make_aggregator(global_aggregator),
                                               authenticator=auth(f"g{id(upper)}"))
     return algorithm_class("hierarchical_diloco")(model, cfg, island, exchange,
                                                   global_exchange=top)
@@ -283,3 +288,41 @@ def test_an_outsiders_handoff_is_dropped_like_its_updates() -> None:
     assert list(member3.last_exchange.rejected) and member3.last_exchange.accepted == [
         member3.exchange.sender]
     torch.testing.assert_close(member3.global_params[0], torch.tensor([[1.0, 2.0]]))
+
+
+@pytest.mark.parametrize(("codec", "aggregator"), [("int4", "mean"), ("none", "median")])
+def test_the_global_tier_is_diloco_through_the_exchange(codec: str, aggregator: str) -> None:
+    """The leaders' round is plain DiLoCo between the island averages: with a lossy codec or a
+    robust aggregator on the global exchange, the leaders end on the same θ_g and momentum and
+    send the same bytes as two DiLoCo workers that hold θ_I and the islands' tokens, and the
+    result is not the fp32 mean's (the codec or the rule was applied)."""
+    def member(worker: int, island, upper):
+        algo = make_hier(island, upper, global_codec=codec, global_aggregator=aggregator)
+        _round(algo, worker, 0)
+        assert _round(algo, worker, 1).committed
+        return algo
+
+    leaders = [algo for algo in run_islands(member) if algo.leader]
+
+    def flat(rank: int, collective):  # noqa: ANN001, ANN202
+        model = nn.Linear(2, 1, bias=False)
+        with torch.no_grad():
+            model.weight.copy_(torch.tensor([[1.0, 2.0]]))
+        cfg = RunConfig(algorithm="diloco", steps=100, warmup_steps=0)
+        exchange = Exchange(collective, make_compressor(codec), sender=f"g{id(collective)}",
+                            aggregator=make_aggregator(aggregator))
+        algo = algorithm_class("diloco")(model, cfg, collective, exchange)
+        with torch.no_grad():
+            algo.params[0].copy_(THETA_I[rank])
+        algo.tokens_since_sync = (600, 400)[rank]  # the islands' tokens since θ_0
+        assert algo.sync().committed
+        return algo
+
+    reference = InProcessGroup(2).run(flat)
+    for leader, plain in zip(leaders, reference):
+        torch.testing.assert_close(leader.global_params[0], plain.global_params[0])
+        torch.testing.assert_close(
+            leader.outer_opt.state[leader.global_params[0]]["momentum_buffer"],
+            plain.outer_opt.state[plain.global_params[0]]["momentum_buffer"])
+        assert leader.traffic()["inter_bytes"] == plain.collective.stats.bytes_sent > 0
+        assert not torch.allclose(leader.global_params[0], THETA1)

@@ -22,10 +22,12 @@ from typing import Any, Literal
 
 from pydantic import ConfigDict, Field, ValidationError, ValidationInfo, model_validator
 
+from farlink.links import LinkError, get_profile, profile_names
 from farlink.model.config import PRESETS
 from farlink.sync import ALGORITHMS, algorithm_class, algorithm_options
 
 HF_MODEL_PREFIX = "hf:"
+_LINK_NAMES = ", ".join(profile_names())  # farlink/links.toml
 
 
 class ConfigError(ValueError):
@@ -68,8 +70,10 @@ class RunConfig(*algorithm_options()):
     topology: str = Field(
         "", description="emulated network: worker groups such as '0,1|2,3'; links inside a "
         "group are --intra-link, between groups --inter-link (in-process emulation on loopback)")
-    intra_link: str = Field("datacenter", description="link profile inside a topology group")
-    inter_link: str = Field("intercontinental", description="link profile between groups")
+    intra_link: str = Field("datacenter", description=f"link profile inside a topology group "
+                            f"({_LINK_NAMES})")
+    inter_link: str = Field("intercontinental", description=f"link profile between groups "
+                            f"({_LINK_NAMES})")
 
     # where and with whom
     workers: int = Field(4, ge=1, description="local worker processes to launch")
@@ -84,8 +88,8 @@ class RunConfig(*algorithm_options()):
         "farlink train starts itself: all --workers unless given)")
     lighthouse: str | None = Field(None, description="join this Lighthouse instead of starting one")
     emulate_link: str | None = Field(
-        None, description="in-process WAN emulation: a link profile (datacenter, cross-region, "
-        "intercontinental, home) delays every collective by latency + bytes/bandwidth")
+        None, description=f"in-process WAN emulation: a link profile ({_LINK_NAMES}) delays "
+        "every collective by its hop latency + bytes/bandwidth")
     host: str = Field("127.0.0.1", description="address this worker advertises")
     round_timeout: float = Field(30.0, gt=0, description="floor of a collective's timeout (s)")
     join_timeout: float = Field(30.0, gt=0, description="Lighthouse: wait for stragglers (s)")
@@ -172,12 +176,7 @@ class RunConfig(*algorithm_options()):
         if self.warmup_steps >= self.steps and self.steps > 1:
             raise ValueError(f"warmup_steps={self.warmup_steps} must be below steps={self.steps}")
         if self.emulate_link is not None:
-            from farlink.plan import load_links
-
-            links = load_links()
-            if self.emulate_link not in links:
-                raise ValueError(f"link profile {self.emulate_link!r} unknown; choose from "
-                                 f"{', '.join(links)}")
+            get_profile(self.emulate_link)  # a LinkError (a ValueError) names the choices
         if self.slowdown:
             try:
                 factors = [float(f) for f in self.slowdown.split(",")]
@@ -253,15 +252,13 @@ class RunConfig(*algorithm_options()):
     def _check_network(self, islands: bool) -> None:
         """Topology, islands and the hierarchical schedule (see farlink.comm.islands)."""
         from farlink.comm.islands import parse_islands
-        from farlink.emulate.profiles import EmulationError, get_profile
-
         for name in ("topology", "islands"):
             if getattr(self, name):
                 parse_islands(getattr(self, name), self.workers, name)  # ValueError says why
         for name in ("intra_link", "inter_link"):
             try:
                 get_profile(getattr(self, name))
-            except EmulationError as exc:
+            except LinkError as exc:
                 raise ValueError(f"{name}: {exc}") from None
         if self.topology and self.emulate_link is not None:
             raise ValueError("give either topology (per-pair links) or emulate_link (one link "

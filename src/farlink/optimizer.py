@@ -185,10 +185,9 @@ class Optimizer:
             self.collective = collective or build_collective(cfg, self.replica_id, lighthouse)
         if cfg.emulate_link is not None:
             from farlink.comm.base import LinkModel
-            from farlink.plan import load_links
+            from farlink.links import get_profile
 
-            link = load_links()[cfg.emulate_link]
-            self.collective.emulated_link = LinkModel.of(link.bandwidth_mbit, link.latency_ms)
+            self.collective.emulated_link = LinkModel.of_profile(get_profile(cfg.emulate_link))
         from farlink.robust.ledger import ContributionLedger
 
         self.ledger = ContributionLedger()  # whose updates were accepted, rejected, and why

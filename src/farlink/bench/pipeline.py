@@ -43,7 +43,7 @@ def run_pipeline(label: str, config, data, steps: int, batch_size: int, micro_ba
     from farlink.parallel.peers import start_pipeline, stop_pipeline
     from farlink.parallel.pipeline import PipelineTrainer
 
-    mbit, one_way_ms = link.bandwidth_mbit, link.latency_ms
+    mbit, one_way_ms = link.bandwidth_mbit, link.hop_latency_ms  # as --emulate-link holds DP
     peers = start_pipeline(config, 2, seed=seed, lr=lr, link_mbit=mbit, link_ms=one_way_ms,
                            memory_cap_mb=memory_cap_mb)
     try:
@@ -84,10 +84,10 @@ def run(out: Path, model: str = "tiny", steps: int = 150, batch_size: int = 8,
     from farlink.data import heldout_batches, prepare_data
     from farlink.model import preset_config
     from farlink.parallel.stage_server import training_memory_bytes
-    from farlink.plan import load_links
+    from farlink.links import get_profile
 
     torch.set_num_threads(1)
-    link = load_links()[link_name]
+    link = get_profile(link_name)
     warmup = min(warmup, steps // 5)
     eval_every = min(eval_every, steps)
     base = {"model": model, "steps": steps, "algorithm": "ddp", "workers": 2,
@@ -163,14 +163,13 @@ def run_placement(out: Path, model: str = "tiny", steps: int = 8, batch_size: in
         place,
         random_placements,
     )
-    from farlink.plan import load_links
+    from farlink.links import get_profile
 
     torch.set_num_threads(1)
-    table = load_links()
-    fast, slow = table[intra], table[inter]
+    fast, slow = get_profile(intra), get_profile(inter)
     groups = [list(s) for s in sites]
-    links = grouped_links(groups, (fast.bandwidth_mbit, 2 * fast.latency_ms),
-                          (slow.bandwidth_mbit, 2 * slow.latency_ms))
+    links = grouped_links(groups, (fast.bandwidth_mbit, 2 * fast.hop_latency_ms),
+                          (slow.bandwidth_mbit, 2 * slow.hop_latency_ms))
     data = prepare_data("kjv", 4096, Path.home() / ".cache" / "farlink")
     config = preset_config(model, vocab_size=data.vocab_size)
     rows_per_micro = batch_size // micro_batches

@@ -18,6 +18,7 @@ from pathlib import Path
 
 from farlink.bench.report import plot_curves, write_json
 from farlink.bench.runner import run_variant
+from farlink.links import LinkProfile
 from farlink.train.metrics import read_metrics
 
 
@@ -64,7 +65,7 @@ def run(out: Path, profile: str, steps: int, inner_steps: int, workers: int, fra
         bandwidth_mbit: float | None = None, reuse: bool = False) -> dict:
     from rich.console import Console
 
-    from farlink.emulate import get_profile, scaled
+    from farlink.links import get_profile, scaled
 
     link = scaled(profile, bandwidth_mbit) if bandwidth_mbit else get_profile(profile)
     mode, why = choose_emulation(emulation)
@@ -93,13 +94,12 @@ def run(out: Path, profile: str, steps: int, inner_steps: int, workers: int, fra
                                          for w, v in row["per_worker"].items()}
         rows.append(row)
     described = (f"network namespaces: each worker behind a veth with tc tbf at "
-                 f"{link.bandwidth_mbit:g} Mbit/s and {link.delay_ms:g} ms one-way delay "
+                 f"{link.bandwidth_mbit:g} Mbit/s and {link.latency_ms:g} ms one-way delay "
                  "(NFQUEUE), Lighthouse in the router namespace, WAN-tuned TCP (buffers for the "
                  "bandwidth-delay product, no slow start after idle)" if mode == "netns" else
                  "in-process: collectives held for latency + bytes/bandwidth of the profile "
                  f"(network namespaces not used: {why})")
-    validation = validate_planner(rows, link.bandwidth_mbit or 0.0, link.delay_ms,
-                                  out / "runs")
+    validation = validate_planner(rows, link, out / "runs")
     from farlink.plan.validate import write_validation_report
 
     write_validation_report(validation["measured"], validation["predicted"], out,
@@ -115,11 +115,11 @@ def run(out: Path, profile: str, steps: int, inner_steps: int, workers: int, fra
     return {"rows": rows, "planner_validation": validation, "emulation": mode}
 
 
-def validate_planner(rows: list[dict], bandwidth_mbit: float, latency_ms: float,
-                     runs_dir: Path) -> dict:
+def validate_planner(rows: list[dict], link: LinkProfile, runs_dir: Path) -> dict:
     """The planner against each measured run's steady-state rounds (after the first, which pays
     process-group setup), from the run's own measured inputs: mean step time, straggler spread,
-    per-sync local work and model size, plus the link profile. Predicted vs measured round time
+    per-sync local work and model size, plus the link profile the runs were emulated on (the same
+object the planner prices by name). Predicted vs measured round time
     and utilization, relative errors."""
     from farlink.bench.rounds import steady_rounds
     from farlink.model import preset_config
@@ -144,8 +144,8 @@ def validate_planner(rows: list[dict], bandwidth_mbit: float, latency_ms: float,
                  else r["codec"].removesuffix("+ef"))
         codec = "fp32" if codec == "none" else codec
         pred = predict_round(
-            r["algorithm"], r["workers"], steady.step_seconds, bandwidth_mbit * 1e6,
-            latency_ms / 1e3, n_params=n_params, inner_steps=r["inner_steps"], codec=codec,
+            r["algorithm"], r["workers"], steady.step_seconds, link.bandwidth_bps,
+            link.latency_s, jitter_s=link.jitter_s, loss=link.loss, n_params=n_params, inner_steps=r["inner_steps"], codec=codec,
             fragments=r.get("fragments", 1), overlap_steps=r.get("overlap_steps"),
             straggler_sigma=steady.straggler_sigma, local_seconds=steady.local_seconds)
         predicted.append({"label": r["label"], "round_seconds": pred.round_seconds,

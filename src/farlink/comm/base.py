@@ -15,8 +15,12 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from farlink.links import LinkProfile
 
 
 @dataclass
@@ -52,6 +56,13 @@ class LinkModel:
     def of(cls, mbit: float | None, one_way_ms: float) -> LinkModel:
         """From a link table's units (Mbit/s, None for unlimited; milliseconds one way)."""
         return cls(float("inf") if mbit is None else mbit * 1e6 / 8, one_way_ms / 1000)
+
+    @classmethod
+    def of_profile(cls, profile: LinkProfile) -> LinkModel | None:
+        """A named profile's upload rate and hop latency (delay + jitter, as the planner prices
+        a hop: a collective step waits for its latest packet); None for a link that is not
+        shaped (loopback)."""
+        return cls.of(profile.up_mbit, profile.hop_latency_ms) if profile.shaped else None
 
     def seconds(self, nbytes: int, hops: int) -> float:
         """How long ``nbytes`` over ``hops`` one-way latencies take."""

@@ -7,7 +7,8 @@ Two levels, clearly distinct in reports:
 * in-process emulation (:class:`ShapedLink`, :class:`ShapedCollective`): callers are held as
   long as their bytes would take; for fast tests and machines without namespaces.
 
-Names resolve lazily so ``farlink --help`` does not import torch.
+Both read their links from :mod:`farlink.links`, the table the planner prices. Names resolve
+lazily so ``farlink --help`` does not import torch.
 """
 
 from __future__ import annotations
@@ -15,8 +16,7 @@ from __future__ import annotations
 import importlib
 
 _EXPORTS = {
-    "LinkProfile": "profiles", "PROFILES": "profiles", "get_profile": "profiles",
-    "scaled": "profiles", "EmulationError": "profiles",
+    "EmulationError": "errors",
     "Capabilities": "capabilities", "detect_capabilities": "capabilities",
     "Topology": "topology",
     "LinkMeasurement": "measure", "measure_link": "measure",
@@ -27,7 +27,7 @@ _EXPORTS = {
 }
 
 __all__ = [  # noqa: RUF022 - grouped by module, like _EXPORTS
-    "LinkProfile", "PROFILES", "get_profile", "scaled", "EmulationError",
+    "EmulationError",
     "Capabilities", "detect_capabilities", "Topology", "LinkMeasurement", "measure_link",
     "cleanup_stale", "ForeignResourceError", "WorkerHandle", "launch_workers",
     "start_lighthouse", "wait_for_port", "wait_all", "ShapedLink", "ShapedCollective",

@@ -16,7 +16,7 @@ import sys
 from dataclasses import dataclass
 
 from farlink.emulate import registry, sysnet
-from farlink.emulate.profiles import EmulationError
+from farlink.emulate.errors import EmulationError
 
 CAP_NET_ADMIN = 12
 CAP_SYS_ADMIN = 21

@@ -48,11 +48,11 @@ def check_command(
 @emulate_app.command("profiles")
 def profiles_command() -> None:
     """List the named link profiles."""
-    from farlink.emulate.profiles import PROFILES
+    from farlink.links import load_links
 
-    for name, p in PROFILES.items():
-        typer.echo(f"{name:17s} up {_rate(p.up_mbit):>14s}  down {_rate(p.download_mbit):>14s}  "
-                   f"one-way {p.delay_ms:g} ms  jitter {p.jitter_ms:g} ms  loss {p.loss:g}")
+    for name, p in load_links().items():
+        typer.echo(f"{name:17s} up {_rate(p.up_mbit):>14s}  down {_rate(p.down_mbit):>14s}  "
+                   f"one-way {p.latency_ms:g} ms  jitter {p.jitter_ms:g} ms  loss {p.loss:g}")
 
 
 @emulate_app.command("measure")
@@ -66,12 +66,13 @@ def measure_command(
     """Build a 2-worker topology on PROFILE, measure TCP throughput and RTT, tear it down."""
     from farlink.emulate.capabilities import detect_capabilities
     from farlink.emulate.measure import measure_link
-    from farlink.emulate.profiles import EmulationError, get_profile, scaled
+    from farlink.emulate.errors import EmulationError
+    from farlink.links import LinkError, get_profile, scaled
     from farlink.emulate.topology import Topology
 
     try:
         link = scaled(profile, bandwidth) if bandwidth else get_profile(profile)
-    except EmulationError as exc:
+    except LinkError as exc:
         _fail(str(exc))
     caps = detect_capabilities()
     if not caps.full:

@@ -17,7 +17,8 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from farlink.emulate.profiles import EmulationError, LinkProfile
+from farlink.emulate.errors import EmulationError
+from farlink.links import LinkProfile
 from farlink.emulate.topology import Topology
 
 Command = Sequence[str]

@@ -15,7 +15,7 @@ import sys
 from dataclasses import dataclass
 
 from farlink.emulate.probe import LISTENING
-from farlink.emulate.profiles import EmulationError
+from farlink.emulate.errors import EmulationError
 from farlink.emulate.topology import Topology
 
 

@@ -26,7 +26,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from farlink.comm.linkprobe import Address, ProbeServer
-from farlink.emulate.profiles import LinkProfile, get_profile
+from farlink.links import LinkProfile, get_profile
 
 KIND = "in-process emulation (shaped TCP relays on loopback)"
 CHUNK = 1 << 16
@@ -105,7 +105,7 @@ class _Pipe:
                 data = b""
             now = time.perf_counter()
             self.free_at = max(now, self.free_at) + len(data) / (1.0 - p.loss) / self.bytes_per_s
-            delay = p.delay_ms + (self.rng.uniform(-p.jitter_ms, p.jitter_ms) if p.jitter_ms else 0)
+            delay = p.latency_ms + (self.rng.uniform(-p.jitter_ms, p.jitter_ms) if p.jitter_ms else 0)
             deliver = max(self.free_at + max(delay, 0.0) / 1000, self.last_delivery)  # in order
             self.last_delivery = deliver
             with self.ready:

@@ -26,7 +26,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from farlink.emulate import sysnet
-from farlink.emulate.profiles import EmulationError
+from farlink.emulate.errors import EmulationError
 
 log = logging.getLogger(__name__)
 

@@ -21,7 +21,7 @@ import time
 import torch
 
 from farlink.comm.base import Collective, RoundInfo
-from farlink.emulate.profiles import LinkProfile, get_profile
+from farlink.links import LinkProfile, get_profile
 
 KIND = "in-process emulation"
 SPIN_S = 0.002
@@ -50,7 +50,7 @@ class ShapedLink:
         if direction not in ("up", "down"):
             raise ValueError(f"direction must be 'up' or 'down', got {direction!r}")
         self.profile = get_profile(profile)
-        rate = self.profile.up_mbit if direction == "up" else self.profile.download_mbit
+        rate = self.profile.up_mbit if direction == "up" else self.profile.down_mbit
         self.bytes_per_s = float("inf") if rate is None else rate * 1e6 / 8
         self._free_at = 0.0  # when the wire finishes what is already reserved on it
         self._lock = threading.Lock()
@@ -60,7 +60,7 @@ class ShapedLink:
         """Seconds ``nbytes`` take on an idle link over ``hops`` one-way delays (no jitter)."""
         _check(nbytes, hops)
         p = self.profile
-        return hops * p.delay_ms / 1000 + nbytes / (1.0 - p.loss) / self.bytes_per_s
+        return hops * p.latency_ms / 1000 + nbytes / (1.0 - p.loss) / self.bytes_per_s
 
     def send(self, nbytes: int, hops: int = 1) -> float:
         """Hold the caller until ``nbytes`` would have arrived; returns the seconds held."""
@@ -71,9 +71,9 @@ class ShapedLink:
             wire_start = max(start, self._free_at)
             self._free_at = wire_start + nbytes / (1.0 - p.loss) / self.bytes_per_s
             latency = sum(
-                max(0.0, p.delay_ms + self._rng.uniform(-p.jitter_ms, p.jitter_ms))
+                max(0.0, p.latency_ms + self._rng.uniform(-p.jitter_ms, p.jitter_ms))
                 for _ in range(hops)
-            ) / 1000 if p.jitter_ms else hops * p.delay_ms / 1000
+            ) / 1000 if p.jitter_ms else hops * p.latency_ms / 1000
             arrival = self._free_at + latency
         sleep_until(arrival)
         return time.perf_counter() - start

@@ -11,7 +11,7 @@ import logging
 import shutil
 import subprocess
 
-from farlink.emulate.profiles import EmulationError
+from farlink.emulate.errors import EmulationError
 
 log = logging.getLogger(__name__)
 

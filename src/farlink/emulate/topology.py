@@ -31,13 +31,8 @@ from collections.abc import Mapping, Sequence
 
 from farlink.emulate import registry, sysnet
 from farlink.emulate.delayer import READY
-from farlink.emulate.profiles import (
-    EmulationError,
-    LinkProfile,
-    get_profile,
-    path_delay_ms,
-    path_loss,
-)
+from farlink.emulate.errors import EmulationError
+from farlink.links import LinkProfile, get_profile, path_latency_ms, path_loss
 
 log = logging.getLogger(__name__)
 
@@ -131,11 +126,11 @@ class Topology:
         return self.profiles[i]
 
     def expected_one_way_ms(self, a: int, b: int) -> float:
-        return path_delay_ms(self.profile(a), self.profile(b))
+        return path_latency_ms(self.profile(a), self.profile(b))
 
     def expected_throughput_mbit(self, a: int, b: int) -> float | None:
         """Rate from ``a`` to ``b``: the lower of a's upload and b's download (None: unshaped)."""
-        rates = [r for r in (self.profile(a).up_mbit, self.profile(b).download_mbit) if r]
+        rates = [r for r in (self.profile(a).up_mbit, self.profile(b).down_mbit) if r]
         return min(rates) if rates else None
 
     def worker_env(self, i: int) -> dict[str, str]:
@@ -276,9 +271,9 @@ class Topology:
             if prof.up_mbit:
                 sysnet.tc(self.namespace(i), "qdisc", "replace", "dev", self.ifname(i), "root",
                           *_tbf_args(prof.up_mbit, q))
-            if prof.download_mbit:
+            if prof.down_mbit:
                 sysnet.tc(self.router_namespace, "qdisc", "replace", "dev", f"flkr{i}", "root",
-                          *_tbf_args(prof.download_mbit, q))
+                          *_tbf_args(prof.down_mbit, q))
 
     def _rules_for(self, i: int | None) -> dict[str, list[float]]:
         """Delayer rules for packets arriving at worker ``i`` (None: at the router)."""
@@ -287,16 +282,16 @@ class Topology:
             if j == i:
                 continue
             if i is None:
-                spec = [src.delay_ms / 2000, src.jitter_ms / 2000, path_loss(None, src)]
+                spec = [src.latency_ms / 2000, src.jitter_ms / 2000, path_loss(None, src)]
             else:
                 dst = self.profiles[i]
-                spec = [path_delay_ms(src, dst) / 1000, (src.jitter_ms + dst.jitter_ms) / 2000,
+                spec = [path_latency_ms(src, dst) / 1000, (src.jitter_ms + dst.jitter_ms) / 2000,
                         path_loss(src, dst)]
             if any(spec):
                 rules[self.address(j)] = spec
         if i is not None:
             dst = self.profiles[i]
-            spec = [dst.delay_ms / 2000, dst.jitter_ms / 2000, path_loss(None, dst)]
+            spec = [dst.latency_ms / 2000, dst.jitter_ms / 2000, path_loss(None, dst)]
             if any(spec):
                 rules[self.router_address] = spec
         return rules
@@ -309,10 +304,10 @@ class Topology:
         if not plans:
             return
         fast = [f"w{i} ({p.name})" for i, p in enumerate(self.profiles)
-                if (p.download_mbit or float("inf")) > DELAYER_CEILING_MBIT]
+                if (p.down_mbit or float("inf")) > DELAYER_CEILING_MBIT]
         if fast:
             log.warning("delayed links faster than ~%g Mbit/s are capped by the user-space "
-                        "delayer: %s; use profiles.scaled() for rate-accurate runs",
+                        "delayer: %s; use farlink.links.scaled() for rate-accurate runs",
                         DELAYER_CEILING_MBIT, ", ".join(fast))
         from farlink.emulate.capabilities import nfqueue_problem
 

@@ -15,18 +15,16 @@ from farlink.plan.model import (
 )
 from farlink.plan.payload import codec_cost
 from farlink.plan.sizes import parse_model_size
-from farlink.plan.tables import GPU, LinkProfile, PlanInputError, load_hardware, load_links
+from farlink.plan.tables import GPU, PlanInputError, load_hardware
 
 __all__ = [
     "GPU",
-    "LinkProfile",
     "PlanInputError",
     "PlanResult",
     "RoundPrediction",
     "Scenario",
     "codec_cost",
     "load_hardware",
-    "load_links",
     "parse_model_size",
     "plan",
     "plan_many",

@@ -69,7 +69,8 @@ def plan_command(
 
     from farlink.plan.model import Scenario, plan, planned_algorithms
     from farlink.plan.sizes import parse_model_size
-    from farlink.plan.tables import PlanInputError, load_hardware, load_links
+    from farlink.links import LinkError, load_links
+    from farlink.plan.tables import PlanInputError, load_hardware
     from farlink.sync import capabilities
 
     try:
@@ -101,7 +102,7 @@ def plan_command(
             pipeline = _pipeline_plan(model, n_params, pipeline_stages, workers, results[0],
                                       batch_tokens, micro_batches, activation_codec, mfu,
                                       inner_steps)
-    except PlanInputError as exc:
+    except (PlanInputError, LinkError) as exc:
         _fail(str(exc))
         return
 

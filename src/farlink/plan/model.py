@@ -52,7 +52,8 @@ from dataclasses import asdict, dataclass, field
 
 from farlink.plan.network import BACKENDS, allgather_bytes, allreduce, tcp_throughput_bps
 from farlink.plan.payload import codec_cost
-from farlink.plan.tables import GPU, LinkProfile, PlanInputError, load_hardware, load_links, lookup
+from farlink.links import LinkProfile, load_links
+from farlink.plan.tables import GPU, PlanInputError, load_hardware, lookup
 from farlink.plan.variability import churn_factor, slowest_link_factor, straggler_factor
 
 def planned_algorithms() -> tuple[str, ...]:

@@ -17,7 +17,8 @@ from dataclasses import asdict, dataclass
 
 from farlink.plan.model import ADAM_BYTES_PER_PARAM, step_seconds
 from farlink.plan.payload import codec_cost
-from farlink.plan.tables import GPU, LinkProfile, PlanInputError
+from farlink.links import LinkProfile
+from farlink.plan.tables import GPU, PlanInputError
 
 
 @dataclass(frozen=True)

@@ -165,6 +165,25 @@ def state_digest(state: TensorState, include_schedule: bool = False) -> bytes:
     return digest.digest()
 
 
+def seal(state: TensorState) -> TensorState:
+    """``state`` with its SHA-256 (schedule included) added, for a transfer to a peer."""
+    return {**state, "integrity.sha256": torch.frombuffer(
+        bytearray(state_digest(state, include_schedule=True)), dtype=torch.uint8)}
+
+
+def unseal(state: TensorState) -> TensorState:
+    """A transferred state without its seal, if it hashes to what the sender sealed; else
+    :class:`StateTransferError` (nothing of it must be loaded)."""
+    state = dict(state)
+    hash_ = state.pop("integrity.sha256", None)
+    if hash_ is None:
+        raise StateTransferError("transferred state carries no integrity hash")
+    if bytes(hash_.numpy().tobytes()) != state_digest(state, include_schedule=True):
+        raise StateTransferError("transferred state does not match its hash; not loaded")
+    log.info("state from a live peer verified (%s)", bytes(hash_[:8].numpy()).hex())
+    return state
+
+
 def nesterov(lr: float, momentum: float) -> OuterOptimizerFactory:
     """The default outer optimizer: SGD with Nesterov momentum (DiLoCo: lr 0.7, momentum 0.9)."""
 
@@ -296,21 +315,11 @@ class SyncAlgorithm(ABC):
 
     def export_state(self) -> TensorState:
         """Committed state for a healing peer, sealed with its SHA-256 (checked on arrival)."""
-        state = self.shared_state()
-        state["integrity.sha256"] = torch.frombuffer(
-            bytearray(state_digest(state, include_schedule=True)), dtype=torch.uint8)
-        return state
+        return seal(self.shared_state())
 
     def import_state(self, state: TensorState) -> None:
         """Adopt a transferred state only if it hashes to what the sender sealed."""
-        state = dict(state)
-        seal = state.pop("integrity.sha256", None)
-        if seal is None:
-            raise StateTransferError("transferred state carries no integrity hash")
-        if bytes(seal.numpy().tobytes()) != state_digest(state, include_schedule=True):
-            raise StateTransferError("transferred state does not match its hash; not loaded")
-        log.info("healed from a live peer: state verified (%s)", bytes(seal[:8].numpy()).hex())
-        self.load_shared_state(state)
+        self.load_shared_state(unseal(state))
 
     def state_dict(self) -> TensorState:
         """Shared state plus this worker's private state, for an exact resume."""

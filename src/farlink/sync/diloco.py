@@ -63,7 +63,7 @@ class DiLoCo(SyncAlgorithm):
             raise ValueError("round_seconds (time-budgeted rounds) needs steps: the run lasts "
                              "steps / inner_steps rounds")
         self.global_params = [p.detach().clone() for p in self.params]
-        self.outer_opt = (self.outer_factory or self.default_outer_optimizer())(self.global_params)
+        self.outer_opt = self.make_outer_optimizer(self.global_params)
         self.tokens_since_sync = 0
         self.round_started = time.monotonic()
         self.steps_in_round = 0
@@ -72,6 +72,46 @@ class DiLoCo(SyncAlgorithm):
     def default_outer_optimizer(self) -> OuterOptimizerFactory:
         """Nesterov SGD with the options' lr and momentum (DiLoCo: 0.7, 0.9)."""
         return nesterov(self.cfg.outer_lr, self.cfg.outer_momentum)
+
+    def make_outer_optimizer(self, params: list[torch.Tensor]) -> torch.optim.Optimizer:
+        """The outer optimizer over ``params`` (a global copy): the injected one, or the default."""
+        return (self.outer_factory or self.default_outer_optimizer())(params)
+
+    # --- the outer step, on the run's global state or on a given one ----------------------------
+    def pseudo_gradient(self, local: list[torch.Tensor],
+                        start: list[torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+        """Δ = θ_start - θ_local, named: how far ``local`` moved from ``start`` (default θ_g)."""
+        start = self.global_params if start is None else start
+        return {n: (g - p.detach()) for n, g, p in zip(self.names, start, local)}
+
+    def outer_update(self, result: ExchangeResult, params: list[torch.Tensor] | None = None,
+                     opt: torch.optim.Optimizer | None = None) -> None:
+        """The outer step: the averaged Δ is the gradient of ``params`` (default θ_g) for
+        ``opt`` (default the outer optimizer); a round nobody contributed to changes nothing."""
+        params = self.global_params if params is None else params
+        opt = self.outer_opt if opt is None else opt
+        if result.total_weight <= 0:
+            return
+        for n, g in zip(self.names, params):
+            g.grad = result.tensors[n].to(g.dtype)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    def global_state(self, params: list[torch.Tensor] | None = None,
+                     opt: torch.optim.Optimizer | None = None) -> TensorState:
+        """θ_g and the outer optimizer's state (default: the run's own), as named tensors."""
+        params = self.global_params if params is None else params
+        state = {f"global.{n}": g.detach().clone() for n, g in zip(self.names, params)}
+        state.update(optimizer_state(self.outer_opt if opt is None else opt, "outer"))
+        return state
+
+    def load_global_state(self, state: TensorState, params: list[torch.Tensor] | None = None,
+                          opt: torch.optim.Optimizer | None = None) -> None:
+        params = self.global_params if params is None else params
+        with torch.no_grad():
+            for n, g in zip(self.names, params):
+                g.copy_(state[f"global.{n}"])
+        load_optimizer_state(self.outer_opt if opt is None else opt, state, "outer")
 
     # --- time-budgeted rounds (heterogeneous devices) -------------------------------------------
     @property
@@ -131,17 +171,10 @@ class DiLoCo(SyncAlgorithm):
         return self.round_outcome(committed, seconds, info)
 
     def _pseudo_gradient(self, info: RoundInfo) -> dict[str, torch.Tensor]:
-        return {
-            n: (g - p.detach())
-            for n, g, p in zip(self.names, self.global_params, self.params)
-        }
+        return self.pseudo_gradient(self.params)
 
     def _apply(self, result: ExchangeResult, info: RoundInfo) -> None:
-        if result.total_weight > 0:
-            for n, g in zip(self.names, self.global_params):
-                g.grad = result.tensors[n].to(g.dtype)
-            self.outer_opt.step()
-            self.outer_opt.zero_grad(set_to_none=True)
+        self.outer_update(result)
         with torch.no_grad():
             for g, p in zip(self.global_params, self.params):
                 p.copy_(g)
@@ -149,19 +182,17 @@ class DiLoCo(SyncAlgorithm):
 
     # --- state -----------------------------------------------------------------------------
     def shared_state(self) -> TensorState:
-        state = {f"global.{n}": g.detach().clone() for n, g in zip(self.names, self.global_params)}
-        state.update(optimizer_state(self.outer_opt, "outer"))
+        state = self.global_state()
         state["counter.outer_step"] = torch.tensor(self.outer_step)
         # where the sender is in the schedule (lr, end of run): a healed peer adopts it
         state["schedule.inner_steps"] = torch.tensor(self.inner_steps_done)
         return state
 
     def load_shared_state(self, state: TensorState) -> None:
+        self.load_global_state(state)
         with torch.no_grad():
-            for n, g, p in zip(self.names, self.global_params, self.params):
-                g.copy_(state[f"global.{n}"])
+            for g, p in zip(self.global_params, self.params):
                 p.copy_(g)
-        load_optimizer_state(self.outer_opt, state, "outer")
         self.outer_step = int(state["counter.outer_step"])
         self.inner_steps_done = int(state["schedule.inner_steps"])
         self.tokens_since_sync = 0

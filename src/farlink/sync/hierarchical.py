@@ -33,6 +33,13 @@ pseudo-gradient crosses the WAN and islands never profit from their fast links. 
   replica after each outer round, the working copies differ by their island's latest progress,
   and the last round is synchronous so the run ends on identical replicas.
 
+Composition: the algorithm *is* DiLoCo (a subclass) with an island round where DiLoCo has its
+round: θ_g, the outer optimizer, the pseudo-gradient, the outer step, the global state's tensors,
+the time budget and the step loop are DiLoCo's own (:mod:`farlink.sync.diloco`), and every tensor
+that leaves a worker (island average, global pseudo-gradient, hand-off) goes through an
+:class:`~farlink.sync.exchange.Exchange`, so codecs, aggregators, screening, authentication and
+byte counting apply to each tier as they do to flat DiLoCo.
+
 Transport: a worker holds two torchft Managers in one process, the island one (its island's own
 Lighthouse) and, for leaders, the global one (the main Lighthouse). Two Managers in a process do
 not interfere: each has its own replica id, TCPStore, manager server and process group on ports
@@ -59,19 +66,17 @@ from farlink.comm.base import RoundInfo
 from farlink.codecs import make_compressor
 from farlink.sync.base import (
     Capabilities,
-    StateTransferError,
     StepOutcome,
-    SyncAlgorithm,
     TensorState,
     load_optimizer_state,
-    load_worker_private_state,
     lr_at,
     nearest_step_boundary,
     optimizer_state,
+    seal,
     state_digest,
-    worker_private_state,
+    unseal,
 )
-from farlink.sync.diloco import DiLoCoOptions
+from farlink.sync.diloco import DiLoCo, DiLoCoOptions
 from farlink.sync.exchange import Exchange, ExchangeResult
 
 _HEADER = 4  # present, committed, outer_step, global world size
@@ -119,7 +124,7 @@ class HierarchicalOptions(DiLoCoOptions):
         "their island's progress since onto it); the last round stays synchronous")
 
 
-class HierarchicalDiLoCo(SyncAlgorithm):
+class HierarchicalDiLoCo(DiLoCo):
     name = "hierarchical_diloco"
     Options = HierarchicalOptions
     capabilities = Capabilities(time_budget=True, islands=True, backends=("torchft",),
@@ -140,11 +145,12 @@ class HierarchicalDiLoCo(SyncAlgorithm):
             raise ValueError(f"island_seconds={cfg.island_seconds} exceeds the global round's "
                              f"round_seconds={cfg.round_seconds}")
 
-    def __init__(self, *args, global_exchange: Exchange | None = None, **kwargs) -> None:
-        super().__init__(*args, **kwargs)
-        if self.cfg.steps is None:
+    def __init__(self, model, options, *args, global_exchange: Exchange | None = None,
+                 **kwargs) -> None:  # noqa: ANN001 - as DiLoCo's
+        if options.steps is None:
             raise ValueError("hierarchical_diloco needs steps (its last global round is "
                              "synchronous, so the run's end must be known)")
+        super().__init__(model, options, *args, **kwargs)
         if not self.collective.exact_all_reduce:
             raise ValueError("hierarchical_diloco needs an island collective whose all-reduce is "
                              "bitwise exact (the hand-off relies on it), e.g. torchft")
@@ -159,15 +165,10 @@ class HierarchicalDiLoCo(SyncAlgorithm):
         if global_exchange is not None:
             global_exchange.collective.register_state(self._export_global, self._import_global)
         self.overlap = cfg.overlap_global
-        self.global_params = [p.detach().clone() for p in self.params]
-        self.outer_opt = torch.optim.SGD(self.global_params, lr=cfg.outer_lr,
-                                         momentum=cfg.outer_momentum,
-                                         nesterov=cfg.outer_momentum > 0)
         if cfg.outer_momentum > 0:  # explicit zeros: same numerics as torch's first step, and
             for g in self.global_params:  # every replica's state has the same keys from the start
                 self.outer_opt.state[g]["momentum_buffer"] = torch.zeros_like(g)
         self.anchor = [p.detach().clone() for p in self.params]  # the island's common point
-        self.tokens_since_island = 0
         self.island_tokens = 0.0  # the island's tokens since the global state θ_g it builds on
         self.island_round = 0  # island rounds attempted in the current global period
         self.handoff_pending = False  # a hand-off did not get through: repeat it first
@@ -183,19 +184,14 @@ class HierarchicalDiLoCo(SyncAlgorithm):
         # round a private copy (so checkpoints and the training thread never see it half-updated)
         self._active_global: tuple[list[torch.Tensor], torch.optim.Optimizer] | None = None
         self.intra_bytes = self.inter_bytes = 0
-        self.total_rounds = max(1, cfg.steps // cfg.inner_steps)
         self.island_seconds = cfg.island_seconds or cfg.round_seconds
         self.per_global = (max(1, round(cfg.round_seconds / self.island_seconds)) if self.timed
                            else cfg.inner_steps // cfg.island_steps)
-        self.round_started = self.period_start = time.monotonic()
-        self.steps_in_round = 0
+        self.period_start = self.round_started
 
-    # --- schedule -------------------------------------------------------------------------------
-    @property
-    def timed(self) -> bool:
-        return self.cfg.round_seconds is not None
-
-    def _island_due(self) -> bool:
+    # --- schedule (DiLoCo's step loop calls round_due, then sync) --------------------------------
+    def round_due(self) -> bool:
+        """Whether an island round ends after the step just taken."""
         if not self.timed:
             return self.inner_steps_done % self.cfg.island_steps == 0
         deadline = self.period_start + (self.island_round + 1) * self.island_seconds
@@ -217,8 +213,9 @@ class HierarchicalDiLoCo(SyncAlgorithm):
     def at_boundary(self, outcome: StepOutcome) -> bool:
         return outcome.synced
 
-    def finished(self) -> bool:
-        return self.outer_step >= self.total_rounds if self.timed else super().finished()
+    def join(self) -> StepOutcome | None:
+        """A newcomer heals in its first island round (from its island's members)."""
+        return None
 
     def current_lr(self) -> float:
         if not self.timed or not self.lr_schedule:
@@ -227,20 +224,8 @@ class HierarchicalDiLoCo(SyncAlgorithm):
         return lr_at(int(progress * self.cfg.steps), self.cfg.lr, self.cfg.warmup_steps,
                      self.cfg.steps)
 
-    # --- the loop ----------------------------------------------------------------------------
-    def step(self, tokens: int) -> StepOutcome:
-        self.clip_and_step(self.inner_opt)
-        self.inner_steps_done += 1
-        self.tokens_since_island += tokens
-        self.steps_in_round += 1
-        if not self._island_due():
-            return StepOutcome(outer_step=self.outer_step)
-        outcome = self._island_round()
-        self.round_started = time.monotonic()
-        self.steps_in_round = 0
-        return outcome
-
-    def _island_round(self) -> StepOutcome:
+    # --- the island round ----------------------------------------------------------------------
+    def sync(self) -> StepOutcome:
         """One island round: [repeated hand-off] -> island average -> [hand-off of the overlapped
         global round] -> [synchronous global round -> hand-off] -> commit -> apply -> [start an
         overlapped global round]."""
@@ -281,7 +266,7 @@ class HierarchicalDiLoCo(SyncAlgorithm):
         if is_global:
             self.period_start = time.monotonic()
         if committed:
-            self.tokens_since_island = 0
+            self.tokens_since_sync = 0
         assert staged is not None
         seconds = time.perf_counter() - start
         delivered = [h for h in staged.handoffs if h["present"]]
@@ -302,8 +287,8 @@ class HierarchicalDiLoCo(SyncAlgorithm):
         pending = self._handoff(with_anchor=True) if self.handoff_pending else None
         if pending is not None and pending["present"]:
             anchor = pending["anchor"]
-        deltas = {n: (a - p.detach()) for n, a, p in zip(self.names, self.anchor, self.params)}
-        weight = 0.0 if info.healed else float(self.tokens_since_island)
+        deltas = self.pseudo_gradient(self.params, start=self.anchor)
+        weight = 0.0 if info.healed else float(self.tokens_since_sync)
         result = self.exchange.average(deltas, weight, info.round_id)
         self.last_exchange = result
         if result.total_weight > 0:
@@ -366,14 +351,10 @@ class HierarchicalDiLoCo(SyncAlgorithm):
             for attempt in range(self.cfg.round_retries + 1):
                 info = collective.begin_round()  # a leader behind the others heals here
                 self._global_info = info
-                tensors = {n: (g - p) for n, g, p in zip(self.names, params, island_params)}
+                tensors = self.pseudo_gradient(island_params, start=params)
                 result = exchange.average(tensors, 0.0 if info.healed else weight, info.round_id)
                 if collective.commit():
-                    if result.total_weight > 0:
-                        for n, g in zip(self.names, params):
-                            g.grad = result.tensors[n].to(g.dtype)
-                        opt.step()
-                        opt.zero_grad(set_to_none=True)
+                    self.outer_update(result, params, opt)
                     outcome = (True, info.world_size, info.round_id + 1)
                     break
                 outcome = (False, info.world_size, step)
@@ -393,11 +374,8 @@ class HierarchicalDiLoCo(SyncAlgorithm):
         self._inflight_result, self._inflight_error = None, None
         snapshot, tokens, step = self.snapshot, self.snapshot_tokens, self.outer_step
         params = [g.detach().clone() for g in self.global_params]
-        opt = torch.optim.SGD(params, lr=self.cfg.outer_lr, momentum=self.cfg.outer_momentum,
-                              nesterov=self.cfg.outer_momentum > 0)
-        if self.cfg.outer_momentum > 0:
-            for g, buf in zip(params, self._momentum()):
-                opt.state[g]["momentum_buffer"] = buf.clone()
+        opt = self.make_outer_optimizer(params)
+        self._copy_outer_state(self.outer_opt, opt)
         self._inflight_target = (params, opt)
 
         def run() -> None:
@@ -422,11 +400,13 @@ class HierarchicalDiLoCo(SyncAlgorithm):
             with torch.no_grad():
                 for g, new in zip(self.global_params, params):
                     g.copy_(new)
-            if self.cfg.outer_momentum > 0:
-                for g, new in zip(self.global_params, params):
-                    self.outer_opt.state[g]["momentum_buffer"] = \
-                        opt.state[new]["momentum_buffer"].clone()
+            self._copy_outer_state(opt, self.outer_opt)
         return self._inflight_result or (False, 1, self.outer_step)
+
+    @staticmethod
+    def _copy_outer_state(source: torch.optim.Optimizer, target: torch.optim.Optimizer) -> None:
+        """The outer optimizer's state (momentum) from one global copy's optimizer to another's."""
+        load_optimizer_state(target, optimizer_state(source, "outer"), "outer")
 
     # --- the hand-off over the island's fast link ---------------------------------------------
     def _momentum(self) -> list[torch.Tensor]:
@@ -481,9 +461,7 @@ class HierarchicalDiLoCo(SyncAlgorithm):
     # --- state ---------------------------------------------------------------------------------
     def _global_state(self, target: tuple[list[torch.Tensor], torch.optim.Optimizer] | None = None,
                       ) -> TensorState:
-        params, opt = target or (self.global_params, self.outer_opt)
-        state = {f"global.{n}": g.detach().clone() for n, g in zip(self.names, params)}
-        state.update(optimizer_state(opt, "outer"))
+        state = self.global_state(*(target or ()))
         state["counter.outer_step"] = torch.tensor(self.outer_step)
         return state
 
@@ -505,20 +483,11 @@ class HierarchicalDiLoCo(SyncAlgorithm):
             state.update({f"snapshot.{n}": s.clone() for n, s in zip(self.names, self.snapshot)})
         return state
 
-    def _load_global(self, state: TensorState,
-                     target: tuple[list[torch.Tensor], torch.optim.Optimizer] | None = None,
-                     ) -> None:
-        params, opt = target or (self.global_params, self.outer_opt)
-        with torch.no_grad():
-            for n, g in zip(self.names, params):
-                g.copy_(state[f"global.{n}"])
-        load_optimizer_state(opt, state, "outer")
-
     def load_shared_state(self, state: TensorState) -> None:
         """Adopt an island peer's committed state (island-level healing, resume). An overlapped
         global round in flight when the state was taken is not carried over: its hand-off
         arrives as 'not committed', and the island keeps its own progress."""
-        self._load_global(state)
+        self.load_global_state(state)
         self.outer_step = int(state["counter.outer_step"])
         with torch.no_grad():
             for n, a, p in zip(self.names, self.anchor, self.params):
@@ -532,43 +501,32 @@ class HierarchicalDiLoCo(SyncAlgorithm):
         self.snapshot_tokens = float(state.get("schedule.snapshot_tokens", torch.tensor(0.0)))
         self.snapshot = ([state[f"snapshot.{n}"].clone() for n in self.names]
                          if self.awaiting_handoff else None)
-        self.tokens_since_island = 0
+        self.tokens_since_sync = 0
 
     def _export_global(self) -> TensorState:
         """What a lagging leader receives from another island's leader: global state only (its
         own island's anchor stays, so its members remain in step with it)."""
-        state = self._global_state(self._active_global)
-        state["integrity.sha256"] = torch.frombuffer(
-            bytearray(state_digest(state, include_schedule=True)), dtype=torch.uint8)
-        return state
+        return seal(self._global_state(self._active_global))
 
     def _import_global(self, state: TensorState) -> None:
-        state = dict(state)
-        seal = state.pop("integrity.sha256", None)
-        if seal is None or bytes(seal.numpy().tobytes()) != state_digest(state, True):
-            raise StateTransferError("global state from another leader fails its hash; not loaded")
         # into the state the running global round works on; members adopt it with the round's
         # hand-off, which always carries the leader's global state
-        self._load_global(state, self._active_global)
+        self.load_global_state(unseal(state), *(self._active_global or ()))
 
     def state_dict(self) -> TensorState:
-        state = super().state_dict()
-        state.update(worker_private_state(self))
+        state = super().state_dict()  # DiLoCo's: shared state, worker-private state, tokens
         if self.global_exchange is not None:
             state.update({f"global_{k}": v for k, v in
                           self.global_exchange.compressor.state_dict().items()})
-        state["counter.tokens_since_island"] = torch.tensor(self.tokens_since_island)
         state["counter.intra_bytes"] = torch.tensor(self.intra_bytes)
         state["counter.inter_bytes"] = torch.tensor(self.inter_bytes)
         return state
 
     def load_state_dict(self, state: TensorState) -> None:
         super().load_state_dict(state)
-        load_worker_private_state(self, state)
         if self.global_exchange is not None:
             self.global_exchange.compressor.load_state_dict(
                 {k.removeprefix("global_"): v for k, v in state.items()
                  if k.startswith("global_residual.")})
-        self.tokens_since_island = int(state["counter.tokens_since_island"])
         self.intra_bytes = int(state["counter.intra_bytes"])
         self.inter_bytes = int(state["counter.inter_bytes"])

@@ -23,7 +23,7 @@ from pathlib import Path
 from farlink.comm.base import LinkModel
 from farlink.comm.islands import Islands, form_islands, format_islands, parse_islands
 from farlink.config import RunConfig
-from farlink.emulate.profiles import LinkProfile, get_profile
+from farlink.links import LinkProfile, get_profile
 
 NETWORK_FILE = "network.json"
 PROBE_PINGS = 4
@@ -135,7 +135,7 @@ def measure(workers: int, topology: Islands | None, intra: str, inter: str):
 
 def emulated_link(profile: LinkProfile | None) -> LinkModel | None:
     """A profile as :attr:`Collective.emulated_link` wants it (its uplink rate and delay)."""
-    return None if profile is None else LinkModel.of(profile.up_mbit, profile.delay_ms)
+    return None if profile is None else LinkModel.of_profile(profile)
 
 
 def crossing_bytes(plan: NetworkPlan, algorithm: str, per_worker: dict[str, dict]) -> int:

@@ -1,0 +1,46 @@
+"""User-editable TOML tables read through a pydantic model.
+
+The built-in tables (GPUs, links) ship as TOML so a user can read and change them without
+touching code, and a user's own file goes through the same model, so a typo or a negative
+bandwidth is reported with the file, the entry and the field instead of surfacing later as a
+nonsensical number.
+"""
+
+from __future__ import annotations
+
+import tomllib
+from importlib import resources
+from pathlib import Path
+from typing import TypeVar
+
+from pydantic import BaseModel, ValidationError
+
+Model = TypeVar("Model", bound=BaseModel)
+
+
+def load_table(model: type[Model], path: str | Path | None, package: str, resource: str,
+               error: type[ValueError]) -> Model:
+    """``path`` (or the built-in ``package``/``resource``) validated by ``model``; any problem
+    (unreadable, not TOML, an invalid entry) raises ``error`` naming the file and the fields."""
+    if path is None:
+        text = resources.files(package).joinpath(resource).read_text()
+        origin = f"built-in {Path(resource).name}"
+    else:
+        path = Path(path)
+        try:
+            text = path.read_text()
+        except OSError as exc:
+            raise error(f"cannot read {path}: {exc.strerror or exc}") from exc
+        origin = str(path)
+    try:
+        raw = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
+        raise error(f"{origin} is not valid TOML: {exc}") from exc
+    try:
+        return model.model_validate(raw)
+    except ValidationError as exc:
+        count = exc.error_count()
+        lines = [f"{origin} has {count} invalid entr{'y' if count == 1 else 'ies'}:"]
+        for err in exc.errors():
+            lines.append(f"  {'.'.join(str(p) for p in err['loc'])}: {err['msg']}")
+        raise error("\n".join(lines)) from None
