@@ -188,19 +188,16 @@ class Worker:
         if rank0 and (boundary % cfg.eval_every == 0 or final):
             self._evaluate_in_background(step, final)
 
-    def _land_background_work(self, evaluation: bool) -> None:
-        """Wait for the checkpoint write in flight (its error, a full disk, is raised here) and,
-        if ``evaluation``, for the evaluation still running. A stopped worker does not wait for
-        an evaluation: the launcher's grace period is for its checkpoint."""
+    def _land_background_work(self) -> None:
+        """Wait for the checkpoint write in flight (its error, a full disk, is raised here),
+        then for the evaluation still running: a process that exits while a thread is inside
+        torch aborts, so a stopped worker waits for it too."""
         t0 = time.perf_counter()
         self.sync.wait_for_checkpoint()
         t1 = time.perf_counter()
+        self.evaluations.wait()
         self.checkpoint_s += t1 - t0
-        if evaluation:
-            self.evaluations.wait()
-            self.eval_s += time.perf_counter() - t1
-        elif self.evaluations.running:
-            log.warning("stopping without the result of the evaluation still running")
+        self.eval_s += time.perf_counter() - t1
 
     def wall(self) -> float:
         """Wall-clock of this worker: since its process started, plus its earlier lives."""
@@ -279,7 +276,7 @@ class Worker:
         t0 = time.perf_counter()
         model_sha256 = self._save_final_model() if finished else None
         self.checkpoint_s += time.perf_counter() - t0
-        self._land_background_work(evaluation=finished)  # a stop waits for the write only
+        self._land_background_work()  # a stop too waits for the write in flight
         self.metrics.write("end", worker=self.replica_id, finished=finished,
                            inner_steps=algo.inner_steps_done, tokens=self.tokens,
                            bytes_sent=self.sync.bytes_sent(),
@@ -319,8 +316,12 @@ class Worker:
         return digest
 
     def close(self) -> None:
-        """Leave the run (``Optimizer.close`` lands a checkpoint write still in flight). An
-        evaluation still running here is abandoned: its thread dies with the process."""
+        """Leave the run (``Optimizer.close`` lands a checkpoint write still in flight), after
+        the evaluation still running (when the loop ended with an error)."""
+        try:
+            self.evaluations.wait()
+        except Exception:  # noqa: BLE001 - an evaluation's error must not hide why we stop
+            log.exception("the last evaluation failed")
         self.sync.close()
         self.metrics.close()
 
