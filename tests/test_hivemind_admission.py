@@ -33,13 +33,14 @@ def member(name: str, peers: list[str], secret: str = "run-secret") -> HivemindC
     return HivemindCollective("guarded", peers, admission=SharedSecretAuth(secret, name), **FAST)
 
 
-def start_bootstrap(secret: str) -> tuple[subprocess.Popen, list[str]]:
+def start_bootstrap(secret: str, run_dir) -> tuple[subprocess.Popen, list[str]]:
     """`farlink swarm start --auth secret` as a person runs it; its printed multiaddress."""
     proc = subprocess.Popen(
-        [sys.executable, "-m", "farlink.cli", "swarm", "start", "--auth", "secret"],
+        [sys.executable, "-m", "farlink.cli", "swarm", "start", "--auth", "secret",
+         "--vocab-size", "512", "--workers", "2", "--run-dir", str(run_dir)],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         env={**os.environ, "FARLINK_SECRET": secret})
-    deadline = time.monotonic() + 60
+    deadline = time.monotonic() + 300  # it prepares the run's data before it listens
     while time.monotonic() < deadline and proc.poll() is None:
         line = proc.stdout.readline().strip()
         if re.match(r"^/ip4/127\.0\.0\.1/tcp/\d+/p2p/\w+$", line):
@@ -48,8 +49,8 @@ def start_bootstrap(secret: str) -> tuple[subprocess.Popen, list[str]]:
     raise AssertionError(f"no multiaddress printed; stderr: {proc.stderr.read()}")
 
 
-def test_members_train_and_non_members_are_refused() -> None:
-    boot, maddrs = start_bootstrap("run-secret")
+def test_members_train_and_non_members_are_refused(tmp_path) -> None:
+    boot, maddrs = start_bootstrap("run-secret", tmp_path / "boot")
     a = b = mallory = None
     try:
         a, b = member("a", maddrs), member("b", maddrs)

@@ -6,7 +6,6 @@ import signal
 import subprocess
 import sys
 
-import pytest
 from swarm_output import read_multiaddress
 
 # The swarm sub-app on its own typer app, as farlink.cli wires it via register(app, bench_app).
@@ -26,10 +25,11 @@ def swarm(*args: str, **kw) -> subprocess.Popen:
     )
 
 
-def test_start_prints_full_multiaddress_and_stops_on_ctrl_c() -> None:
-    proc = swarm("start", "--host", "127.0.0.1", "--port", "0")
+def test_start_prints_full_multiaddress_and_stops_on_ctrl_c(tmp_path, cache_dir) -> None:
+    proc = swarm("start", "--host", "127.0.0.1", "--port", "0", "--vocab-size", "512",
+                 "--run-dir", str(tmp_path / "boot"), "--cache-dir", str(cache_dir))
     try:
-        addr = read_multiaddress(proc)
+        addr = read_multiaddress(proc, timeout=300)  # after the run's data is prepared
         assert "/p2p/12D3KooW" in addr
         proc.send_signal(signal.SIGINT)
         out, _ = proc.communicate(timeout=30)
@@ -43,28 +43,3 @@ def test_join_with_bad_address_says_how_to_fix() -> None:
     _, err = proc.communicate(timeout=60)
     assert proc.returncode == 2
     assert "not a valid multiaddress" in err and "farlink swarm start" in err
-
-
-@pytest.mark.slow
-def test_two_joiners_run_demo_rounds() -> None:
-    boot = swarm("start")
-    joiners = []
-    try:
-        addr = read_multiaddress(boot)
-        args = ("join", "--initial-peers", addr, "--rounds", "2", "--run-id", "clitest")
-        joiners = [swarm(*args), swarm(*args, "--client-mode")]
-        outs = [j.communicate(timeout=240)[0] for j in joiners]
-        for out in outs:
-            lines = [line for line in out.splitlines() if line.startswith("round ")]
-            assert len(lines) == 2, out
-            for line in lines:
-                assert (
-                    "group of 2" in line
-                    and "sum of ones = 2" in line
-                    and "NOT committed" not in line
-                )
-    finally:
-        boot.send_signal(signal.SIGINT)
-        boot.communicate(timeout=30)
-        for j in joiners:
-            j.kill()

@@ -1,61 +1,76 @@
-"""``farlink swarm start | join`` across the emulator's namespaces: every peer in its own network
-namespace behind a shaped, delayed home link, one of them in client mode (it accepts no
-connections and reaches the others only through connections it opens itself)."""
+"""``farlink swarm start | join`` across the emulator's namespaces: the bootstrap peer and two
+volunteers each in their own network namespace behind a shaped, delayed home link, one volunteer
+in client mode (it accepts no connections and reaches the others only through connections it
+opens itself). The volunteers fetch the run from the bootstrap peer, train it together and end on
+one state."""
 
 from __future__ import annotations
 
 import signal
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
-from swarm_output import read_multiaddress
 
 from farlink.emulate.capabilities import detect_capabilities
 from farlink.links import scaled
 from farlink.emulate.topology import Topology
+from farlink.train.metrics import read_metrics
 
 CAPS = detect_capabilities()
-LAUNCH = ("import typer; from farlink.comm.swarm_command import register; "
-          "app = typer.Typer(); register(app, typer.Typer()); app()")
+FLAGS = ("--vocab-size", "512", "--seq-len", "32", "--batch-size", "4", "--eval-batches", "2",
+         "--workers", "2", "--steps", "30", "--inner-steps", "10", "--warmup-steps", "5")
 
 pytestmark = [
-    pytest.mark.slow,  # three p2p daemons over 60 ms links: about a minute on 2 cores
+    pytest.mark.slow,  # three p2p daemons and two trainers over 60 ms links, on 2 cores
     pytest.mark.netns,
     pytest.mark.skipif(not CAPS.full, reason=f"namespace emulation unavailable: {CAPS.reason}"),
 ]
 
 
-def swarm_in(topo: Topology, index: int, *args: str) -> subprocess.Popen:
-    return topo.spawn(index, [sys.executable, "-c", LAUNCH, "swarm", *args],
+def farlink_in(topo: Topology, index: int, *args: str) -> subprocess.Popen:
+    return topo.spawn(index, [sys.executable, "-m", "farlink.cli", "swarm", *args],
                       stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
-def test_swarm_across_namespaces_with_a_client_mode_peer() -> None:
+def read_join_command(proc: subprocess.Popen) -> list[str]:
+    for line in proc.stdout:
+        if line.strip().startswith("farlink swarm join "):
+            return line.split()[1:]
+    raise AssertionError(f"no join command printed; stderr: {proc.stderr.read()}")
+
+
+def test_volunteers_train_across_namespaces_with_a_client_mode_peer(tmp_path: Path,
+                                                                     cache_dir: Path) -> None:
     with Topology(3, scaled("home", 20)) as topo:
-        boot = swarm_in(topo, 0, "start", "--host", topo.address(0))
-        joiners: list[subprocess.Popen] = []
+        boot = farlink_in(topo, 0, "start", "--host", topo.address(0), *FLAGS,
+                          "--run-dir", str(tmp_path / "boot"), "--cache-dir", str(cache_dir))
+        volunteers: list[subprocess.Popen] = []
         try:
-            addr = read_multiaddress(boot, topo.address(0), timeout=90)
-            common = ("join", "--initial-peers", addr, "--rounds", "2", "--run-id", "netns",
-                      "--pause", "2")
-            joiners = [swarm_in(topo, 1, *common, "--host", topo.address(1)),
-                       swarm_in(topo, 2, *common, "--host", topo.address(2), "--client-mode")]
-            outs = [j.communicate(timeout=300) for j in joiners]
+            command = read_join_command(boot)[1:]  # without "swarm"
+            volunteers = [
+                farlink_in(topo, i, *command, "--host", topo.address(i), "--run-dir",
+                           str(tmp_path / f"v{i}"), "--cache-dir", str(tmp_path / f"cache{i}"),
+                           *(["--client-mode"] if i == 2 else []))
+                for i in (1, 2)]
+            outs = [v.communicate(timeout=600) for v in volunteers]
         finally:
             boot.send_signal(signal.SIGINT)
             try:
                 boot.communicate(timeout=30)
             except subprocess.TimeoutExpired:
                 boot.kill()
-            for j in joiners:
-                if j.poll() is None:
-                    j.kill()
-    for (out, err), joiner in zip(outs, joiners):
-        assert joiner.returncode == 0, err
-        rounds = [line for line in out.splitlines() if line.startswith("round ")]
-        assert len(rounds) == 2, (out, err)
-        for line in rounds:
-            # both peers met across the shaped links, summed and gathered, and committed
-            assert "group of 2" in line and "sum of ones = 2" in line, line
-            assert "gathered 2 payloads" in line and "NOT committed" not in line, line
+            for v in volunteers:
+                if v.poll() is None:
+                    v.kill()
+    for (out, err), volunteer in zip(outs, volunteers):
+        assert volunteer.returncode == 0, (out, err[-3000:])
+    ends, groups = [], []
+    for i in (1, 2):
+        records = [r for path in (tmp_path / f"v{i}" / "metrics").glob("w*.jsonl")
+                   for r in read_metrics(path)]
+        ends.append([r for r in records if r["kind"] == "end"][-1])
+        groups += [r["world_size"] for r in records if r["kind"] == "sync" and r["committed"]]
+    assert all(e["finished"] for e in ends) and ends[0]["fingerprint"] == ends[1]["fingerprint"]
+    assert groups and set(groups) == {2}  # every committed round averaged both volunteers

@@ -82,7 +82,8 @@ class RunConfig(*algorithm_options()):
         "inprocess (peers as threads of one process: a single worker, or library use)")
     initial_peers: str = Field("", description="hivemind: comma list of multiaddrs to join")
     group_size: int | None = Field(
-        None, ge=2, description="hivemind: Moshpit group size per round (default: everyone)")
+        None, ge=2, description="hivemind: Moshpit group size per round (default: --workers, everyone; a "
+        "full group starts its round without waiting out the matchmaking window)")
     min_replicas: int = Field(
         1, ge=1, description="fewest peers a round may commit with (a hivemind swarm that "
         "farlink train starts itself: all --workers unless given)")

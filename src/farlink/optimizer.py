@@ -55,9 +55,12 @@ def advertised_host(cfg: RunConfig) -> str:
     return os.environ.get("FARLINK_EMULATED_HOST") or cfg.host
 
 
-def build_collective(cfg: RunConfig, replica_id: str, lighthouse: str) -> Collective:
+def build_collective(cfg: RunConfig, replica_id: str, lighthouse: str,
+                     **hivemind: Any) -> Collective:
     """The run's backend for one replica: ``lighthouse`` is the torchft Lighthouse address or
-    hivemind's initial peers (a comma list; empty: this peer starts the DHT)."""
+    hivemind's initial peers (a comma list; empty: this peer starts the DHT). ``hivemind``:
+    HivemindCollective options that override the ones derived from ``cfg`` (a volunteer's
+    run id, identity file, client mode)."""
     from farlink.robust.auth import run_authenticator
 
     admission = run_authenticator(cfg, replica_id)  # None without --auth: nothing to prove
@@ -83,17 +86,20 @@ def build_collective(cfg: RunConfig, replica_id: str, lighthouse: str) -> Collec
         from farlink.comm.hivemind_net import tcp_maddr
 
         peers = [p for p in lighthouse.split(",") if p] if lighthouse else []
-        return HivemindCollective(
+        options: dict[str, Any] = dict(
             run_id=f"farlink-{cfg.run_dir.name}",
             initial_peers=peers,
             host_maddrs=[tcp_maddr(advertised_host(cfg), 0)],
             min_group_size=cfg.min_replicas,
-            target_group_size=cfg.group_size,
+            # a full group starts its round at once; without a size hivemind's leader waits out
+            # the whole matchmaking window every round (about 3 s instead of 0.3 s on loopback)
+            target_group_size=cfg.group_size or max(cfg.workers, cfg.min_replicas),
             round_timeout=cfg.quorum_timeout,
             allreduce_timeout=cfg.round_timeout,
             gather_timeout=cfg.round_timeout,
             admission=admission,
         )
+        return HivemindCollective(**{**options, **hivemind})
     if cfg.backend == "inprocess":
         from farlink.comm.inprocess import InProcessGroup
 

@@ -1,14 +1,26 @@
-"""``farlink swarm start | join``: run a community swarm's bootstrap peer, or join one.
+"""``farlink swarm start | join``: a community run's bootstrap peer, and a volunteer that trains.
 
-``start`` prints the full multiaddresses others pass as ``--initial-peers`` and serves the DHT
-until Ctrl-C. ``join`` connects a worker and, until training is wired to it, runs a small demo of
-the collective (sum of small tensors and an all-gather) printing the group of each round.
+``start`` takes a run's config (``--config run.toml`` and/or flags, as ``farlink train``),
+prepares its data, saves it in its own run dir and starts a hivemind DHT peer that serves the
+run's definition (:mod:`farlink.comm.swarm_definition`) to admitted peers. It prints the exact
+command a volunteer runs and serves until Ctrl-C; it trains nothing itself.
+
+``join`` is that command. With only the bootstrap's address it fetches the definition (checked
+against ``--digest``, and on a restart against the copy in its run dir), prepares the corpus on
+its own machine and checks the data's fingerprint, claims a shard in the DHT
+(:mod:`farlink.comm.swarm_shards`), then runs the same worker as ``farlink train``
+(:func:`farlink.train.worker.run_worker`): its first round heals it from up-to-date peers
+(hivemind's chunked, hash-checked state download), and it trains the run's model with the run's
+algorithm until the run's ``steps`` are done or Ctrl-C. It writes only its own run dir
+(default ``runs/swarm-<digest>``); the same command later resumes from its checkpoints.
+
 Everything listens on loopback unless ``--host``/``--public`` say otherwise; ``--public`` is the
 only switch that enables NAT traversal and relays.
 """
 
 from __future__ import annotations
 
+import json
 import time
 from pathlib import Path
 from typing import Annotated, Any
@@ -16,145 +28,233 @@ from typing import Annotated, Any
 import typer
 
 from farlink import interrupt
-from farlink.comm.hivemind_net import start_bootstrap_peer, tcp_maddr
+
+CODE_REFUSED = 3  # membership not proven: the same code as a refused worker
 
 
-def make_hivemind_collective(
-    run_id: str,
-    initial_peers: list[str],
-    host: str = "127.0.0.1",
-    client_mode: bool = False,
-    public: bool = False,
-    port: int = 0,
-    **timeouts: Any,
-):
-    """The collective a training entry uses; ``timeouts`` go to HivemindCollective as is."""
-    from farlink.comm.hivemind_backend import HivemindCollective
+def _fail(message: str, code: int = 2) -> typer.Exit:
+    typer.secho(f"error: {message}", fg="red", err=True)
+    return typer.Exit(code)
 
-    return HivemindCollective(
-        run_id,
-        initial_peers,
-        host_maddrs=[tcp_maddr(host, port)],
-        client_mode=client_mode,
-        public=public,
-        **timeouts,
-    )
+
+def join_command(maddr: str, digest: str, auth: str) -> str:
+    """The command a volunteer runs (the secret, if any, travels out of band)."""
+    command = f"farlink swarm join --initial-peers {maddr} --digest {digest}"
+    if auth == "secret":
+        command += " --auth secret"
+    elif auth == "ed25519":
+        command += " --auth ed25519 --key-file YOUR_KEY --allowed-keys MEMBERS_KEYS"
+    return command
 
 
 def register(app: typer.Typer, bench_app: typer.Typer) -> None:
-    swarm = typer.Typer(help="Community mode: a hivemind DHT swarm of volunteer peers.")
+    from farlink.train.command import _config_from, config_options
+
+    swarm = typer.Typer(help="Community mode: a hivemind swarm of volunteer peers.")
     app.add_typer(swarm, name="swarm")
 
-    @swarm.command("start")
+    @swarm.command("start", context_settings={"help_option_names": ["-h", "--help"]})
+    @config_options
     def start(
-        host: Annotated[str, typer.Option(help="Address to listen on.")] = "127.0.0.1",
-        port: Annotated[int, typer.Option(help="TCP port (0 = any free port).")] = 0,
-        public: Annotated[
-            bool, typer.Option(help="Allow NAT port mapping, AutoNAT and relays (internet runs).")
-        ] = False,
-        auth: Annotated[
-            str, typer.Option(help="The run's --auth (none, secret, ed25519): members accept "
-                              "only a bootstrap peer that signs its DHT answers.")
-        ] = "none",
-        secret: Annotated[
-            str | None, typer.Option(help="--auth secret: the run secret (FARLINK_SECRET or "
-                                     "--secret-file keep it out of `ps`).")
-        ] = None,
-        secret_file: Annotated[
-            Path | None, typer.Option(help="--auth secret: a file holding the run secret, "
-                                      "readable by its owner only (chmod 600).")
-        ] = None,
-        key_file: Annotated[
-            Path | None, typer.Option(help="--auth ed25519: a member's private key.")
-        ] = None,
-        allowed_keys: Annotated[
-            Path | None, typer.Option(help="--auth ed25519: the members' public keys.")
-        ] = None,
+        port: int = typer.Option(0, "--port", help="TCP port (0 = any free port)."),
+        public: bool = typer.Option(False, "--public", help="Allow NAT port mapping, AutoNAT "
+                                    "and relays (internet runs)."),
+        **values: Any,
     ) -> None:
-        """Start a bootstrap peer and print its multiaddresses; runs until Ctrl-C."""
+        """Start the run's bootstrap peer: it serves the run's definition to volunteers and
+        prints the command they join with; runs until Ctrl-C."""
         from farlink.comm.errors import CommError
+        from farlink.comm.swarm_definition import DefinitionServer, make_definition
+        from farlink.config import ConfigError
+        from farlink.data import CorpusError, prepare_data
+        from farlink.robust.auth import run_authenticator
+        from farlink.train.launcher import check_data, check_launch, write_model_files
+        from farlink.train.rundir import open_run_dir, plan_run_dir
 
         interrupt.install()
-
+        values["backend"] = values.get("backend") or "hivemind"
+        cfg = _config_from(values)
         try:
+            if cfg.backend != "hivemind":
+                raise ConfigError("a swarm trains on the hivemind backend; drop --backend "
+                                  f"{cfg.backend} (or backend in the config file)")
+            if cfg.hf_model_dir is not None:
+                raise ConfigError("a swarm serves preset models only (--model "
+                                  f"{cfg.model} is a directory on this machine); pick a preset")
+            cfg, link = plan_run_dir(cfg)
+            check_launch(cfg)
+            data = prepare_data(cfg.corpus, cfg.vocab_size, cfg.cache_dir,
+                                tokenizer=cfg.given_tokenizer)
+            check_data(cfg, data)
+        except (ConfigError, CorpusError, ValueError) as exc:
+            raise _fail(str(exc)) from None
+        open_run_dir(cfg, link)
+        write_model_files(cfg, data)
+        blob = make_definition(cfg, data)
+        server = dht = None
+        try:
+            member = run_authenticator(cfg, "bootstrap")
             authorizer = None
-            if auth.strip().lower() != "none":
+            if member is not None:
                 from farlink.comm.hivemind_admission import RunAuthorizer
-                from farlink.robust.auth import make_authenticator, resolve_secret
 
-                authorizer = RunAuthorizer(make_authenticator(
-                    auth, resolve_secret(secret, secret_file), key_file, allowed_keys,
-                    "bootstrap"))
-            dht, maddrs = start_bootstrap_peer(host, port, public, authorizer=authorizer)
+                authorizer = RunAuthorizer(member)
+            from farlink.comm.hivemind_net import start_bootstrap_peer
+
+            dht, maddrs = start_bootstrap_peer(cfg.host, port, public, authorizer=authorizer)
+            server = DefinitionServer(dht, blob, auth=member, auth_kind=cfg.auth)
         except (CommError, ValueError) as exc:
-            typer.echo(f"error: {exc}", err=True)
-            raise typer.Exit(2) from exc
+            if dht is not None:
+                dht.shutdown()
+            raise _fail(str(exc)) from None
         try:  # Ctrl-C may arrive while the addresses are still being printed
-            typer.echo("bootstrap peer running; join with --initial-peers and one of:")
+            typer.echo(f"run {server.digest[:16]}: {cfg.algorithm} on model {cfg.model}, corpus "
+                       f"{cfg.corpus}, {cfg.workers} shards, rounds of at least "
+                       f"{cfg.min_replicas} peers; run dir {cfg.run_dir}")
+            typer.echo("bootstrap peer running; its addresses:")
             for addr in maddrs:
                 typer.echo(addr)
+            typer.echo("a volunteer joins with:")
+            typer.echo("  " + join_command(maddrs[0], server.digest, cfg.auth))
+            if cfg.auth == "secret":
+                typer.echo("  (with the run secret in FARLINK_SECRET, or --secret-file F)")
             while dht.is_alive():
                 interrupt.check()
                 time.sleep(1.0)
         except KeyboardInterrupt:
             typer.echo("shutting down")
         finally:
+            server.close()
             dht.shutdown()
 
-    @swarm.command("join")
+    @swarm.command("join", context_settings={"help_option_names": ["-h", "--help"]})
     def join(
         initial_peers: Annotated[
-            list[str], typer.Option("--initial-peers", help="Multiaddress of a live peer.")
+            list[str], typer.Option("--initial-peers", help="Multiaddress of a live peer (the "
+                                    "one `farlink swarm start` printed).")
         ],
-        run_id: Annotated[str, typer.Option(help="Run id shared by all peers.")] = "demo",
+        digest: Annotated[
+            str | None, typer.Option(help="The run's digest, as `farlink swarm start` prints "
+                                     "it; a definition that does not match is refused.")
+        ] = None,
+        run_dir: Annotated[
+            Path | None, typer.Option(help="This volunteer's own directory (default: "
+                                      "runs/swarm-<digest>); the same dir resumes.")
+        ] = None,
+        cache_dir: Annotated[
+            Path, typer.Option(help="Tokenized-data cache.")
+        ] = Path.home() / ".cache" / "farlink",
         host: Annotated[str, typer.Option(help="Address to listen on.")] = "127.0.0.1",
         client_mode: Annotated[
             bool, typer.Option(help="This peer cannot accept connections (behind NAT).")
         ] = False,
         public: Annotated[bool, typer.Option(help="Allow NAT traversal and relays.")] = False,
-        rounds: Annotated[int, typer.Option(help="Demo rounds to run (0 = until Ctrl-C).")] = 5,
-        min_group_size: Annotated[
-            int, typer.Option(help="Smallest group a round may run with.")
-        ] = 2,
-        pause: Annotated[float, typer.Option(help="Seconds between rounds.")] = 1.0,
+        auth: Annotated[str, typer.Option(help="none, secret or ed25519: what the run uses.")
+                        ] = "none",
+        secret: Annotated[
+            str | None, typer.Option(help="--auth secret: the run secret (FARLINK_SECRET or "
+                                     "--secret-file keep it out of `ps`).")
+        ] = None,
+        secret_file: Annotated[
+            Path | None, typer.Option(help="--auth secret: a file holding the run secret "
+                                      "(chmod 600).")
+        ] = None,
+        key_file: Annotated[
+            Path | None, typer.Option(help="--auth ed25519: this member's private key.")
+        ] = None,
+        allowed_keys: Annotated[
+            Path | None, typer.Option(help="--auth ed25519: the members' public keys.")
+        ] = None,
     ) -> None:
-        """Join a swarm and run a demo of the collective on small tensors."""
-        import torch
-
-        from farlink.comm.errors import CommError
-
-        interrupt.install()
+        """Join a swarm as a volunteer and train the run on a shard of its own until the run
+        ends or Ctrl-C."""
+        from farlink.comm.errors import CommError, MembershipRefused
+        from farlink.comm.swarm_definition import (
+            DefinitionError, data_fingerprint, digest_of, fetch_definition, parse_definition,
+            run_id_of, write_definition_files)
+        from farlink.comm.swarm_shards import ShardClaim, SwarmFull
+        from farlink.config import ConfigError, load_config
+        from farlink.data import CorpusError, prepare_data
+        from farlink.model.build import model_description
+        from farlink.optimizer import build_collective
+        from farlink.robust.auth import make_authenticator, resolve_secret
+        from farlink.train.rundir import holds_run, write_run_config
+        from farlink.train.worker import run_worker
 
         try:
-            coll = make_hivemind_collective(
-                run_id, initial_peers, host, client_mode, public, min_group_size=min_group_size
-            )
+            member = None
+            if auth.strip().lower() != "none":
+                member = make_authenticator(auth, resolve_secret(secret, secret_file), key_file,
+                                            allowed_keys, "volunteer")
+            blob = fetch_definition(initial_peers, member, host, public)
+            body = parse_definition(blob, digest)
+        except MembershipRefused as exc:
+            raise _fail(str(exc), CODE_REFUSED) from None
+        except (CommError, ValueError) as exc:
+            raise _fail(str(exc)) from None
+        except TimeoutError:
+            raise _fail(f"no answer from {initial_peers} within 60 s. Fix: check that `farlink "
+                        "swarm start` runs there and the address is the one it printed") from None
+        run_digest = digest_of(blob)
+        run_dir = run_dir or Path("runs") / f"swarm-{run_digest[:16]}"
+        saved = run_dir / "definition.json"
+        if saved.is_file() and digest_of(saved.read_bytes()) != run_digest:
+            raise _fail(f"{run_dir} holds a volunteer of another run (digest "
+                        f"{digest_of(saved.read_bytes())[:16]}, this run {run_digest[:16]}); "
+                        "nothing was changed. Join this run with another --run-dir")
+        if not saved.is_file() and holds_run(run_dir):
+            raise _fail(f"{run_dir} holds a run that is not this swarm's; nothing was changed. "
+                        "Join with another --run-dir")
+        write_definition_files(run_dir, blob, body)
+        try:
+            cfg = load_config(None, {
+                **body["config"], "run_dir": run_dir, "cache_dir": cache_dir,
+                "tokenizer": str(run_dir / "tokenizer.json"),
+                "initial_peers": ",".join(initial_peers), "host": host, "secret": secret,
+                "secret_file": secret_file, "key_file": key_file, "allowed_keys": allowed_keys})
+            data = prepare_data(cfg.corpus, cfg.vocab_size, cfg.cache_dir,
+                                tokenizer=cfg.given_tokenizer)
+            if data_fingerprint(data) != body["data"]["fingerprint"]:
+                raise DefinitionError(
+                    f"the corpus {cfg.corpus!r} on this machine gives other tokens than the "
+                    "run's (data fingerprints differ): every volunteer must read the same text. "
+                    "Fix: install the corpus the run names (or the run's farlink version)")
+            if model_description(cfg, data.vocab_size) != body["model"]:
+                raise DefinitionError("the model this farlink builds from the run's config "
+                                      "differs from the run's; install the run's farlink version")
+        except (ConfigError, CorpusError, DefinitionError) as exc:
+            raise _fail(str(exc)) from None
+        write_run_config(cfg)  # never the secret: RunConfig does not dump it
+        try:
+            collective = build_collective(
+                cfg, "volunteer", cfg.initial_peers, run_id=run_id_of(run_digest),
+                identity_path=str(run_dir / "identity.key"), client_mode=client_mode,
+                public=public)
+        except MembershipRefused as exc:
+            raise _fail(str(exc), CODE_REFUSED) from None
         except CommError as exc:
-            typer.echo(f"error: {exc}", err=True)
-            raise typer.Exit(2) from exc
-        typer.echo(f"joined as {coll.peer_id}")
-        done = 0
+            raise _fail(str(exc)) from None
+        state_path = run_dir / "swarm.json"
+        previous = json.loads(state_path.read_text()).get("shard") if state_path.is_file() \
+            else None
+        claim = ShardClaim(collective.dht, f"{collective.prefix}_shards", cfg.workers,
+                           str(collective.peer_id), progress=lambda: collective.round_id)
         try:
-            while rounds == 0 or done < rounds:
-                interrupt.check()
-                try:
-                    info = coll.begin_round()
-                except CommError as exc:
-                    typer.echo(f"round failed: {exc}", err=True)
-                    continue
-                ones = [torch.ones(16)]
-                coll.all_reduce_sum(ones)
-                names = coll.all_gather_bytes(str(coll.peer_id).encode())
-                ok = coll.commit()
-                typer.echo(
-                    f"round {info.round_id}: group of {info.world_size} (rank {info.rank}), "
-                    f"sum of ones = {ones[0][0].item():.0f}, gathered {len(names)} payloads, "
-                    f"{'committed' if ok else 'NOT committed'}, "
-                    f"{coll.stats.bytes_sent} bytes sent so far"
-                )
-                done += 1
-                time.sleep(pause)
-        except KeyboardInterrupt:
-            typer.echo("leaving")
+            shard = claim.acquire(previous)
+        except SwarmFull as exc:
+            collective.close()
+            raise _fail(str(exc)) from None
+        state_path.write_text(json.dumps({"digest": run_digest, "shard": shard,
+                                          "peer_id": str(collective.peer_id),
+                                          "join_round": claim.join_round}, indent=1))
+        resume = (run_dir / "checkpoints" / f"w{shard}").is_dir()
+        cfg = cfg.model_copy(update={"resume": resume})
+        typer.echo(f"volunteer {collective.peer_id} of run {run_digest[:16]}: shard {shard} of "
+                   f"{cfg.workers} (join round {claim.join_round}), "
+                   f"{'resuming its checkpoints' if resume else 'new'}; run dir {run_dir}; "
+                   "Ctrl-C leaves (committed rounds are kept)")
+        try:
+            code = run_worker(cfg, shard, cfg.initial_peers, joining=True, collective=collective)
         finally:
-            coll.close()
+            claim.release()
+        raise typer.Exit(code)

@@ -55,7 +55,8 @@ def process_started_at() -> float:
 
 
 class Worker:
-    def __init__(self, cfg: RunConfig, index: int, lighthouse: str, joining: bool = False) -> None:
+    def __init__(self, cfg: RunConfig, index: int, lighthouse: str, joining: bool = False,
+                 collective=None) -> None:
         from farlink import Optimizer
         from farlink.data import ShardSampler, heldout_batches, prepare_data
         from farlink.model.build import build_model
@@ -78,7 +79,7 @@ class Worker:
         inner = (algorithm.default_inner_optimizer(params, cfg)
                  if algorithm.capabilities.inner_optimizer else None)
         self.sync = Optimizer(self.model, inner, config=cfg, lighthouse=lighthouse, index=index,
-                              lr_schedule=True)
+                              lr_schedule=True, collective=collective)
         self.algo = self.sync.algorithm
         self.replica_id = self.sync.replica_id
         self.ckpt_dir = cfg.run_dir / "checkpoints" / self.replica_id
@@ -346,11 +347,13 @@ def main(argv: list[str] | None = None) -> int:
     return run_worker(cfg, args.index, args.lighthouse, joining=args.join)
 
 
-def run_worker(cfg: RunConfig, index: int, lighthouse: str, joining: bool = False) -> int:
+def run_worker(cfg: RunConfig, index: int, lighthouse: str, joining: bool = False,
+               collective=None) -> int:
     """Train as worker ``index`` of ``cfg`` until the run ends or a stop request; the exit code.
 
     ``farlink join`` calls it with its own config in memory, so a joiner never rewrites the
-    config saved in a run dir it shares."""
+    config saved in a run dir it shares. ``collective``: one already built (``farlink swarm
+    join`` builds its own first, to claim its shard through it); it is closed at the end."""
     interrupt.install(raise_now=False)  # stop between steps, never mid-update
     from farlink.lifeline import watch_parent
 
@@ -359,10 +362,14 @@ def run_worker(cfg: RunConfig, index: int, lighthouse: str, joining: bool = Fals
     from farlink.robust.gate import AdmissionError
 
     try:
-        worker = Worker(cfg, index, lighthouse, joining=joining)
-    except (AdmissionError, MembershipRefused) as exc:  # say why; no retrying until a timeout
-        print(f"error: {exc}", file=sys.stderr, flush=True)
-        return 3
+        worker = Worker(cfg, index, lighthouse, joining=joining, collective=collective)
+    except BaseException as exc:
+        if collective is not None:  # the worker that would have closed it does not exist
+            collective.close()
+        if isinstance(exc, (AdmissionError, MembershipRefused)):  # say why; no retrying
+            print(f"error: {exc}", file=sys.stderr, flush=True)
+            return 3
+        raise
     try:
         from farlink.train.start_line import StartLine
 

@@ -1,0 +1,154 @@
+"""Which shard of the corpus a volunteer trains: claimed in the swarm's DHT, not assigned.
+
+The run's train tokens are cut into ``workers`` contiguous shards, as for ``farlink train``
+(:func:`farlink.data.sampler.shard_bounds`); ``workers`` is the room the run has for volunteers.
+A volunteer has no index, so it derives one from who it is and when it comes:
+
+1. **Join round.** Every live claim carries the committed round of its holder; the largest is
+   the round the newcomer joins (0 in a new swarm).
+2. **Preference order.** The shard its own run dir trained before (a restart), then every shard
+   starting at ``SHA-256(peer id | join round) mod workers`` and going round. The peer id is the
+   volunteer's libp2p identity, kept in its run dir, so a restart is the same volunteer.
+3. **Claim.** It takes the first shard in that order that no live peer holds, stores
+   ``(shard, since, round)`` under its peer id in the DHT key of the run's claims, waits for the
+   DHT to settle and reads the claims back. A shard held by several claims belongs to the oldest
+   claim (earliest ``since``; ties: the smaller peer id); a volunteer that lost moves on. So two
+   live volunteers never train the same tokens.
+4. **Keep it.** The claim expires :data:`CLAIM_TTL` seconds after it was last stored and its
+   holder re-stores it every third of that. A volunteer that leaves (or is killed) stops
+   refreshing, and its shard is free for the next newcomer; a volunteer restarted within the TTL
+   finds its own claim and keeps its shard and data position.
+
+When every shard is held by a live volunteer the run is full, and a newcomer is told so.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+CLAIM_TTL = 30.0
+SETTLE_S = 2.0
+
+
+class SwarmFull(RuntimeError):
+    """Every shard of the run is held by a live volunteer."""
+
+
+def preference(peer_id: str, join_round: int, num_shards: int,
+               previous: int | None = None) -> list[int]:
+    """The order in which a volunteer tries the shards (see the module docstring)."""
+    start = int.from_bytes(hashlib.sha256(f"{peer_id}|{join_round}".encode()).digest()[:8],
+                           "big") % num_shards
+    order = [(start + k) % num_shards for k in range(num_shards)]
+    if previous is not None and 0 <= previous < num_shards:
+        order.remove(previous)
+        order.insert(0, previous)
+    return order
+
+
+def owners(claims: dict[str, tuple[int, float, int]]) -> dict[int, str]:
+    """shard -> the peer holding it: the oldest claim wins, ties go to the smaller peer id."""
+    best: dict[int, tuple[float, str]] = {}
+    for peer, (shard, since, _) in claims.items():
+        if shard not in best or (since, peer) < best[shard]:
+            best[shard] = (since, peer)
+    return {shard: peer for shard, (_, peer) in best.items()}
+
+
+class ShardClaim:
+    """This volunteer's claim on one shard, kept alive in the DHT until :meth:`release`.
+
+    ``dht``: the volunteer's running ``hivemind.DHT``; ``key``: the run's claims key;
+    ``progress``: this volunteer's committed round (refreshed into its claim).
+    """
+
+    def __init__(self, dht: Any, key: str, num_shards: int, peer_id: str,
+                 progress: Callable[[], int] = lambda: 0, ttl: float = CLAIM_TTL,
+                 settle: float = SETTLE_S) -> None:
+        self.dht, self.key, self.num_shards, self.peer_id = dht, key, num_shards, peer_id
+        self.progress, self.ttl, self.settle = progress, ttl, settle
+        self.shard: int | None = None
+        self.since = 0.0
+        self.join_round = 0
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def claims(self) -> dict[str, tuple[int, float, int]]:
+        """Live claims: peer id -> (shard, since, committed round)."""
+        found = self.dht.get(self.key, latest=True)
+        out: dict[str, tuple[int, float, int]] = {}
+        if found is None or not isinstance(found.value, dict):
+            return out
+        for peer, entry in found.value.items():
+            try:
+                shard, since, round_id = entry.value
+                out[str(peer)] = (int(shard), float(since), int(round_id))
+            except (TypeError, ValueError):
+                log.info("malformed shard claim from %s ignored", peer)
+        return out
+
+    def _store(self) -> None:
+        from hivemind.utils import get_dht_time
+
+        value = [self.shard, self.since, int(self.progress())]
+        if not self.dht.store(self.key, value, get_dht_time() + self.ttl, subkey=self.peer_id):
+            log.warning("could not store the shard claim in the DHT; retrying")
+
+    def acquire(self, previous: int | None = None) -> int:
+        """Claim a shard (see the module docstring); raises :class:`SwarmFull`."""
+        from hivemind.utils import get_dht_time
+
+        claims = self.claims()
+        mine = claims.get(self.peer_id)
+        self.join_round = max((c[2] for c in claims.values()), default=0)
+        if mine is not None:  # restarted within the TTL: our claim is still there
+            previous, self.since = mine[0], mine[1]
+        else:
+            self.since = get_dht_time()
+        tried: set[int] = set()
+        for _ in range(self.num_shards):
+            held = {s: p for s, p in owners(claims).items() if p != self.peer_id}
+            free = [s for s in preference(self.peer_id, self.join_round, self.num_shards,
+                                          previous) if s not in held and s not in tried]
+            if not free:
+                break
+            self.shard = free[0]
+            tried.add(self.shard)
+            self._store()
+            time.sleep(self.settle)
+            claims = self.claims()
+            claims[self.peer_id] = (self.shard, self.since, 0)
+            if owners(claims).get(self.shard) == self.peer_id:
+                self._thread = threading.Thread(target=self._refresh, daemon=True,
+                                                name="shard-claim")
+                self._thread.start()
+                log.info("claimed shard %d of %d (join round %d)", self.shard, self.num_shards,
+                         self.join_round)
+                return self.shard
+            log.info("shard %d was claimed first by another volunteer; trying the next",
+                     self.shard)
+        self.shard = None
+        raise SwarmFull(
+            f"all {self.num_shards} shards of this run are trained by live volunteers (the run "
+            f"has room for {self.num_shards}, its --workers). Try again later: a shard is free "
+            f"{self.ttl:.0f} s after its volunteer leaves")
+
+    def _refresh(self) -> None:
+        while not self._stop.wait(self.ttl / 3):
+            try:
+                self._store()
+            except Exception as exc:  # noqa: BLE001 - the DHT going down ends the run anyway
+                log.warning("refreshing the shard claim failed: %r", exc)
+
+    def release(self) -> None:
+        """Stop refreshing: the claim expires within the TTL."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
