@@ -153,8 +153,10 @@ def test_time_budgeted_rounds_keep_a_slow_worker_in_every_round(tmp_path: Path,
     a, b, c = final_params(cfg.run_dir)
     assert all((a[k] == b[k]).all() and (a[k] == c[k]).all() for k in a)
     per = result.summary["per_worker"]
-    # ~12 steps per round at full speed, ~3 at a quarter (the nearest step boundary to 1.2 s)
-    assert per["w2"]["tokens"] < 0.5 * per["w0"]["tokens"]
+    # ~12 steps per round at full speed, ~3 at a quarter (the nearest step boundary to 1.2 s);
+    # w1 is the full-speed reference: w0 shares its cores with its background evaluations
+    assert per["w2"]["tokens"] < 0.5 * per["w1"]["tokens"]
     assert per["w2"]["tokens"] >= 3 * 2 * cfg.batch_size * cfg.seq_len
-    # the slow worker waited less than a step per round for the others, on average
-    assert per["w2"]["compute_s"] > 0.6 * per["w2"]["wall_s"]
+    # the slow worker waited less than a step per round for the others, on average (its
+    # wall-clock also counts its process's setup, which is no waiting for others)
+    assert per["w2"]["compute_s"] > 0.6 * (per["w2"]["wall_s"] - per["w2"]["setup_s"])

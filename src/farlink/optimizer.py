@@ -214,6 +214,10 @@ class Optimizer:
             lr_schedule=lr_schedule, **extra)
         self.model = model
         self.rejected_checkpoints: list[tuple[Path, str]] = []  # set aside by the last load
+        from farlink.train.background import Background
+
+        self.checkpoint_writes = Background("checkpoint")  # save(background=True)
+        self.algorithm.before_round = self.checkpoint_writes.wait
 
     # --- the loop ------------------------------------------------------------------------------
     def step(self, tokens: int = 1) -> StepOutcome:
@@ -289,17 +293,34 @@ class Optimizer:
         torch.set_rng_state(tensors["rng.torch"])
         self.collective.load_committed_step(self.algorithm.outer_step)
 
-    def save(self, directory: str | Path, **meta: Any) -> Path:
+    def save(self, directory: str | Path, *, background: bool = False, **meta: Any) -> Path:
         """An atomic checkpoint under ``directory`` (the last two are kept), with ``meta``
-        (JSON: your data position, counters) returned by :meth:`load`. The contribution
-        ledger is :attr:`ledger` (``sync.ledger.save(path)``)."""
-        from farlink.train.checkpoint import save_checkpoint
+        (JSON: your data position, counters) returned by :meth:`load`; its path. The
+        contribution ledger is :attr:`ledger` (``sync.ledger.save(path)``).
+
+        ``background=True`` copies the state in memory and returns at once; a thread writes it
+        while training goes on. The checkpoint is published (``LATEST``) only once fully written,
+        one write is in flight at a time (a new save waits for the previous one), and the next
+        round begins only after the write landed, so no more committed progress is at risk than
+        with a synchronous save. A failed write (:class:`~farlink.train.checkpoint.DiskFull`)
+        is raised by the next round, save or :meth:`wait_for_checkpoint`."""
+        from farlink.train.checkpoint import checkpoint_path, save_checkpoint
 
         directory = Path(directory)
-        meta = {**meta, "algorithm": self.config.algorithm,
-                "inner_steps": self.algorithm.inner_steps_done,
+        step = self.algorithm.inner_steps_done
+        meta = {**meta, "algorithm": self.config.algorithm, "inner_steps": step,
                 "outer_step": self.algorithm.outer_step, "bytes_sent": self.bytes_sent()}
-        return save_checkpoint(directory, self.algorithm.inner_steps_done, self.state_dict(), meta)
+        if not background:
+            self.checkpoint_writes.wait()
+            return save_checkpoint(directory, step, self.state_dict(), meta)
+        # the live tensors change at the next inner step: the write gets its own copy
+        snapshot = {k: v.detach().clone() for k, v in self.state_dict().items()}
+        self.checkpoint_writes.submit(lambda: save_checkpoint(directory, step, snapshot, meta))
+        return checkpoint_path(directory, step)
+
+    def wait_for_checkpoint(self) -> None:
+        """Block until a background checkpoint write has landed; raise its error if it failed."""
+        self.checkpoint_writes.wait()
 
     def load(self, directory: str | Path) -> dict | None:
         """Resume from the newest intact checkpoint under ``directory``: its ``meta`` (with
@@ -321,8 +342,12 @@ class Optimizer:
         return {**meta, "path": str(path)}
 
     def close(self) -> None:
-        """Leave the run: release sockets, threads and the Manager(s)."""
-        self.collective.close()
+        """Leave the run (after a background checkpoint write has landed): release sockets,
+        threads and the Manager(s)."""
+        try:
+            self.checkpoint_writes.wait()
+        finally:
+            self.collective.close()
         if self.tiers is not None:
             self.tiers.close()
 

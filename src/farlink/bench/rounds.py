@@ -5,7 +5,9 @@ pays one-off costs (process-group setup: TCP and Gloo connections over the emula
 round trips each). So the comparison uses the rounds after the first one: time, compute share,
 the worker's own per-sync work, and how unevenly the workers computed (straggler spread). Every
 figure here is a difference of cumulative counters the workers log, so evaluation and
-checkpoint time (logged apart) never enters.
+checkpoint time (logged apart) never enters: ``utilization`` is the planner's round utilization,
+compute / (compute + blocked in rounds). A run's utilization over all its wall-clock is
+``compute_utilization`` in the run's summary.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ class SteadyRounds:
 
     rounds: float  # rounds in the measured window (per worker)
     round_seconds: float  # wall-clock per round: compute plus time blocked in rounds
-    utilization: float  # compute / (compute + blocked)
+    utilization: float  # compute / (compute + blocked): the round's, not the run's wall-clock
     step_seconds: float  # inner compute per step
     local_seconds: float  # per sync: round time not spent on the quorum or the wire
     quorum_seconds: float  # per sync: waiting for the quorum (absorbs stragglers)

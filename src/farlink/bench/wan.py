@@ -6,7 +6,8 @@ its own network namespace behind the profile's shaped, delayed link and the Ligh
 router namespace: real packets on a real (emulated) WAN. Elsewhere it falls back, with a message,
 to in-process emulation (every collective is held for ``hops x latency + bytes / bandwidth`` on
 top of the loopback transfer). The report names the emulation used. It reports per worker:
-compute utilization (inner compute / wall-clock, evaluation and checkpoints set aside), bytes sent
+compute utilization (inner compute / all of the worker's wall-clock: setup, rounds, evaluation
+and checkpoints count against it), bytes sent
 per token, wall-clock, held-out loss, and the peak bytes a single round put on the wire
 (Streaming DiLoCo's point: about 1/P of DiLoCo's).
 """

@@ -251,6 +251,10 @@ class SyncAlgorithm(ABC):
         self.quorum_seconds = 0.0
         self.network_seconds = 0.0
         self.round_seconds = 0.0
+        #: called before every round begins, outside its timing: the owner of background
+        #: checkpoint writes lands the previous write there (and raises its error, a full disk),
+        #: so no round is committed while an earlier committed round's checkpoint is unwritten
+        self.before_round: Callable[[], None] | None = None
         collective.register_state(self.export_state, self.import_state)
 
     @classmethod
@@ -382,6 +386,8 @@ class SyncAlgorithm(ABC):
         healed in this quorum sends its freshly loaded state's update); ``apply(result, info)`` runs
         only when every participant committed. Returns (committed, seconds blocked, round info).
         """
+        if self.before_round is not None:
+            self.before_round()
         start = time.perf_counter()
         network_before = self.collective.stats.comm_seconds
         info, committed = None, False

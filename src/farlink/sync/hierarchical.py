@@ -229,6 +229,8 @@ class HierarchicalDiLoCo(DiLoCo):
         """One island round: [repeated hand-off] -> island average -> [hand-off of the overlapped
         global round] -> [synchronous global round -> hand-off] -> commit -> apply -> [start an
         overlapped global round]."""
+        if self.before_round is not None:
+            self.before_round()
         start = time.perf_counter()
         sync_outcome: GlobalOutcome | None = None  # the leader's synchronous round, run once
         staged, committed = None, False

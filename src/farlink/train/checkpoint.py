@@ -114,11 +114,16 @@ def remove_stale_temps(root: Path) -> list[Path]:
     return removed
 
 
+def checkpoint_path(root: Path, step: int) -> Path:
+    """Where checkpoint ``step`` is published under ``root``."""
+    return root / f"step-{step:07d}"
+
+
 def save_checkpoint(
     root: Path, step: int, tensors: dict[str, torch.Tensor], meta: dict, keep: int = 2
 ) -> Path:
     """Write, sync and publish checkpoint ``step``; its meta gains the digests of its files."""
-    final = root / f"step-{step:07d}"
+    final = checkpoint_path(root, step)
     tmp = root / f"{TEMP_PREFIX}{step:07d}-{os.getpid()}"
     try:
         root.mkdir(parents=True, exist_ok=True)

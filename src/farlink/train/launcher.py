@@ -133,17 +133,17 @@ def summarize(cfg: RunConfig) -> dict:
         groups += [r["widest_group"] for r in ends if r.get("widest_group")]
         if ends:
             end = last[path.stem] = ends[-1]
-            # utilization: inner compute over wall-clock, evaluation/checkpoint time set aside
-            wall = max(end["wall_s"] - end.get("bookkeeping_s", 0.0), 1e-9)
             per_worker[path.stem] = {
                 "tokens": end["tokens"],
                 "bytes_sent": end["bytes_sent"],
                 "bytes_per_token": end["bytes_sent"] / max(end["tokens"], 1),
-                "compute_utilization": end["compute_s"] / wall,
+                # inner compute over all of the worker's wall-clock: setup, rounds, and what
+                # evaluation and checkpoints cost the loop all count against it
+                "compute_utilization": end["compute_s"] / max(end["wall_s"], 1e-9),
                 "wall_s": end["wall_s"],
                 "compute_s": end["compute_s"],
                 "comm_s": end["comm_s"],
-                "bookkeeping_s": end.get("bookkeeping_s", 0.0),
+                **{k: end.get(k, 0.0) for k in ("eval_s", "checkpoint_s", "setup_s")},
                 "failed_rounds": end.get("failed_rounds", 0),
                 "pace_overruns": end.get("pace_overruns", 0),
                 **{k: end[k] for k in ("intra_bytes", "inter_bytes") if k in end},

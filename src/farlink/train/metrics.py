@@ -1,8 +1,11 @@
-"""Per-worker JSONL metrics: one line per event, flushed at once so a crash loses nothing."""
+"""Per-worker JSONL metrics: one line per event, flushed at once so a crash loses nothing.
+
+Background evaluations write from their own thread: a lock keeps every line whole."""
 
 from __future__ import annotations
 
 import json
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -13,14 +16,17 @@ class MetricsLog:
         path.parent.mkdir(parents=True, exist_ok=True)
         self.path = path
         self._fh = open(path, "a", buffering=1)
+        self._lock = threading.Lock()
         self.start = time.time()
 
     def write(self, kind: str, **fields: Any) -> None:
         record = {"kind": kind, "time": round(time.time(), 3), **fields}
-        self._fh.write(json.dumps(record) + "\n")
+        with self._lock:
+            self._fh.write(json.dumps(record) + "\n")
 
     def close(self) -> None:
-        self._fh.close()
+        with self._lock:
+            self._fh.close()
 
 
 def read_metrics(path: Path) -> list[dict]:

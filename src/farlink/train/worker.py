@@ -9,11 +9,20 @@ Run as ``python -m farlink.train.worker RUN_DIR INDEX`` by the launcher (or ``fa
 The worker checkpoints after every committed round (atomic), so SIGINT, SIGTERM or SIGKILL at
 any instant loses at most the uncommitted inner steps of the current round; committed progress is
 never lost. On resume it restores parameters, optimizer states, data position and RNG exactly.
+
+Checkpoint writes and held-out evaluations run beside training (:mod:`farlink.train.background`):
+at a boundary the loop only copies tensors in memory and goes on, so its peers never wait for it
+to evaluate or write. Its time accounts count everything: ``compute_s`` (inner steps),
+``comm_s`` (blocked in rounds), ``eval_s`` and ``checkpoint_s`` (what evaluation and checkpoints
+still cost the loop: the copies, and waiting for a job still running), ``setup_s`` (process start
+to the first step) and ``wall_s``, all wall-clock since the process started (earlier lives
+included after a resume).
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 import logging
 import math
 import os
@@ -25,11 +34,24 @@ import torch
 
 from farlink import interrupt
 from farlink.config import RunConfig
+from farlink.train.background import Background
 from farlink.train.checkpoint import (EXIT_DISK_FULL, TEMP_PREFIX, DiskFull, is_disk_full,
                                       remove_stale_temps)
 from farlink.train.metrics import MetricsLog
 
 log = logging.getLogger("farlink.worker")
+
+
+def process_started_at() -> float:
+    """When this process started (epoch seconds; Linux's /proc), so that wall-clock also counts
+    the interpreter, imports and setup; elsewhere, the first call of this function."""
+    try:
+        ticks = int(Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()[19])
+        boot = next(int(line.split()[1]) for line in Path("/proc/stat").read_text().splitlines()
+                    if line.startswith("btime "))
+        return boot + ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError, StopIteration):
+        return time.time()
 
 
 class Worker:
@@ -68,20 +90,28 @@ class Worker:
         self.tokens = 0
         self.pace_overruns = 0  # inner steps slower than --pace-seconds allowed
         self.widest_group = 0  # most peers of a committed round: 1 means it never averaged
-        self.compute_s = 0.0
-        self.comm_s = 0.0
+        self.compute_s = 0.0  # inner steps: forward, backward, the inner optimizer
+        self.comm_s = 0.0  # blocked in rounds (quorum, wire, aggregation)
+        self.eval_s = 0.0  # evaluation's cost to the loop: snapshot, waiting for the last one
+        self.checkpoint_s = 0.0  # checkpoints' cost to the loop: snapshot, waiting for a write
+        self.setup_s = 0.0  # process start to the first step, every life
         self.wall_offset = 0.0  # wall-clock of earlier lives of this worker (resume)
-        self.loop_start = time.time()
-        self.bookkeeping_s = 0.0  # evaluation and checkpoints: neither compute nor communication
+        self.born = process_started_at()
+        self.evaluations = Background("evaluation", nice=19)  # spare CPU only
+        self.shadow: torch.nn.Module | None = None  # the model copy evaluations read
         if cfg.resume:
             self._resume()
 
     # --- checkpoints ---------------------------------------------------------------------------
     def _save(self) -> None:
-        self.sync.save(self.ckpt_dir, tokens=self.tokens, sampler=self.sampler.state_dict(),
-                       model=self.cfg.model, compute_s=self.compute_s, comm_s=self.comm_s,
-                       bookkeeping_s=self.bookkeeping_s, wall_s=self.wall())
+        """Snapshot the state and hand its write to the background (see ``Optimizer.save``)."""
+        t0 = time.perf_counter()
+        self.sync.save(self.ckpt_dir, background=True, tokens=self.tokens,
+                       sampler=self.sampler.state_dict(), model=self.cfg.model,
+                       compute_s=self.compute_s, comm_s=self.comm_s, eval_s=self.eval_s,
+                       checkpoint_s=self.checkpoint_s, setup_s=self.setup_s, wall_s=self.wall())
         self.sync.ledger.save(self.cfg.run_dir / "ledger" / f"{self.replica_id}.json")
+        self.checkpoint_s += time.perf_counter() - t0
 
     def _resume(self) -> None:
         try:
@@ -105,51 +135,90 @@ class Worker:
         self.sampler.load_state_dict(meta["sampler"])
         self.tokens = meta["tokens"]
         self.compute_s, self.comm_s = meta["compute_s"], meta["comm_s"]
-        self.bookkeeping_s = meta.get("bookkeeping_s", 0.0)
+        self.eval_s, self.checkpoint_s = meta.get("eval_s", 0.0), meta.get("checkpoint_s", 0.0)
+        self.setup_s = meta.get("setup_s", 0.0)
         self.wall_offset = meta.get("wall_s", 0.0)
         self.metrics.write("resume", worker=self.replica_id, path=meta["path"],
                            inner_steps=self.algo.inner_steps_done,
                            outer_step=self.algo.outer_step, fell_back=bool(rejected))
 
     # --- evaluation ----------------------------------------------------------------------------
-    def evaluate(self) -> float:
+    def _evaluate_in_background(self, step: int, final: bool) -> None:
+        """Copy the parameters as they are now into a private model and evaluate that copy in
+        the background; the record carries the step (and tokens, bytes, wall-clock) of the copy.
+
+        The evaluation gets only spare CPU, so on busy cores it may not be done by the next
+        boundary: that boundary's evaluation is skipped (an ``eval_skipped`` record says so)
+        rather than stalling training, except the last one, which waits for it."""
         from farlink.data import evaluate
         from farlink.train.compute import autocast
 
-        with autocast(self.device, self.cfg.precision):
-            return evaluate(self.model, self.heldout)
+        if self.evaluations.running and not final:
+            self.metrics.write("eval_skipped", worker=self.replica_id, step=step,
+                               reason="the previous evaluation is still running")
+            return
+        t0 = time.perf_counter()
+        self.evaluations.wait()
+        if self.shadow is None:
+            self.shadow = copy.deepcopy(self.model).requires_grad_(False)
+        with torch.no_grad():
+            for mine, live in zip(self.shadow.state_dict().values(),
+                                  self.model.state_dict().values()):
+                mine.copy_(live)
+        fields = dict(worker=self.replica_id, step=step, tokens=self.tokens,
+                      outer_step=self.algo.outer_step, bytes_sent=self.sync.bytes_sent(),
+                      wall_s=round(self.wall(), 3))
+        shadow, heldout, metrics = self.shadow, self.heldout, self.metrics
+        device, precision = self.device, self.cfg.precision
+
+        def job() -> None:
+            started = time.perf_counter()
+            with autocast(device, precision):  # autocast state is per thread
+                loss = evaluate(shadow, heldout)
+            metrics.write("eval", loss=round(loss, 5), ppl=round(math.exp(loss), 3),
+                          eval_s=round(time.perf_counter() - started, 3), **fields)
+
+        self.evaluations.submit(job)
+        self.eval_s += time.perf_counter() - t0
 
     # --- the loop ------------------------------------------------------------------------------
     def _at_boundary(self, step: int) -> None:
-        """Every H inner steps (token-aligned for every algorithm): checkpoint and evaluate."""
+        """Every H inner steps (token-aligned for every algorithm): checkpoint and evaluate,
+        both in the background."""
         cfg, algo = self.cfg, self.algo
-        t0 = time.perf_counter()
         boundary = step // cfg.inner_steps if cfg.round_seconds is None else algo.outer_step
         final = algo.finished()
         if boundary % cfg.checkpoint_every == 0 or final:
             self._save()
         rank0 = self.sync.rank == 0
         if rank0 and (boundary % cfg.eval_every == 0 or final):
-            heldout = self.evaluate()
-            self.metrics.write("eval", worker=self.replica_id, step=step, tokens=self.tokens,
-                               loss=round(heldout, 5), ppl=round(math.exp(heldout), 3),
-                               outer_step=algo.outer_step,
-                               bytes_sent=self.sync.bytes_sent(),
-                               wall_s=round(self.wall(), 3))
-        self.bookkeeping_s += time.perf_counter() - t0
+            self._evaluate_in_background(step, final)
+
+    def _land_background_work(self) -> None:
+        """Wait for the checkpoint write in flight (its error, a full disk, is raised here),
+        then for the evaluation still running: a process that exits while a thread is inside
+        torch aborts, so a stopped worker waits for it too."""
+        t0 = time.perf_counter()
+        self.sync.wait_for_checkpoint()
+        t1 = time.perf_counter()
+        self.evaluations.wait()
+        self.checkpoint_s += t1 - t0
+        self.eval_s += time.perf_counter() - t1
 
     def wall(self) -> float:
-        return self.wall_offset + time.time() - self.loop_start
+        """Wall-clock of this worker: since its process started, plus its earlier lives."""
+        return self.wall_offset + time.time() - self.born
 
     def run(self) -> int:
         """Train until the run's end or a stop request (SIGINT/SIGTERM, checked between steps)."""
         from farlink.train.compute import accumulate_gradients, micro_batches
 
         cfg, algo = self.cfg, self.algo
-        self.loop_start = time.time()
         self.metrics.write("start", worker=self.replica_id, params=self.model.num_parameters(),
                            device=str(self.device), precision=cfg.precision,
                            inner_steps=algo.inner_steps_done, pid=os.getpid())
+        life_started = time.perf_counter() - (time.time() - self.born)  # on perf_counter's clock
+        first_step = True
         loss_value = float("nan")
         if self.joining:
             outcome = self.sync.join()
@@ -161,8 +230,12 @@ class Worker:
                                    comm_s=round(outcome.comm_seconds, 4))
         slowdown = cfg.slowdown_of(self.index)
         stopped = interrupt.requested()
+        written = self.sync.checkpoint_writes
         while not algo.finished() and not stopped:
             t0 = time.perf_counter()
+            if first_step:  # imports, data, model, collectives, join, the start line
+                self.setup_s += t0 - life_started
+                first_step = False
             self.model.train()
             loss_value, tokens = accumulate_gradients(
                 self.model, micro_batches(self.sampler.next_batch, cfg.grad_accum),
@@ -175,12 +248,15 @@ class Worker:
                     self.pace_overruns += 1
             elif slowdown > 1:  # emulated slower device: stretch this step's compute
                 time.sleep((slowdown - 1) * (time.perf_counter() - t0))
-            outcome = self.sync.step(tokens)
+            waited_before = written.waited_s
+            outcome = self.sync.step(tokens)  # a round first lands the last checkpoint write
             if outcome.synced and outcome.committed:
                 self.widest_group = max(self.widest_group, outcome.world_size)
             elapsed = time.perf_counter() - t0
-            self.compute_s += elapsed - outcome.comm_seconds
+            waited = written.waited_s - waited_before
+            self.compute_s += elapsed - outcome.comm_seconds - waited
             self.comm_s += outcome.comm_seconds
+            self.checkpoint_s += waited
             self.tokens += tokens
             step = algo.inner_steps_done
             fields = dict(
@@ -204,12 +280,17 @@ class Worker:
         if pending is not None and not stopped:
             self._save()
         finished = algo.finished()
+        t0 = time.perf_counter()
         model_sha256 = self._save_final_model() if finished else None
+        self.checkpoint_s += time.perf_counter() - t0
+        self._land_background_work()  # a stop too waits for the write in flight
         self.metrics.write("end", worker=self.replica_id, finished=finished,
                            inner_steps=algo.inner_steps_done, tokens=self.tokens,
                            bytes_sent=self.sync.bytes_sent(),
                            compute_s=round(self.compute_s, 4), comm_s=round(self.comm_s, 4),
-                           bookkeeping_s=round(self.bookkeeping_s, 4),
+                           eval_s=round(self.eval_s, 4),
+                           checkpoint_s=round(self.checkpoint_s, 4),
+                           setup_s=round(self.setup_s, 4),
                            wall_s=round(self.wall(), 3),
                            failed_rounds=self.sync.collective.stats.failed_rounds,
                            pace_overruns=self.pace_overruns, outer_step=algo.outer_step,
@@ -242,6 +323,12 @@ class Worker:
         return digest
 
     def close(self) -> None:
+        """Leave the run (``Optimizer.close`` lands a checkpoint write still in flight), after
+        the evaluation still running (when the loop ended with an error)."""
+        try:
+            self.evaluations.wait()
+        except Exception:  # noqa: BLE001 - an evaluation's error must not hide why we stop
+            log.exception("the last evaluation failed")
         self.sync.close()
         self.metrics.close()
 
