@@ -67,6 +67,7 @@ def _site_ranks(root: int, site: int) -> list[int]:
     return ranks
 
 
+@pytest.mark.slow
 def test_a_site_whose_rank_is_sigkilled_restarts_and_rejoins(tmp_path):
     workdir = tmp_path / "run"
     proc = subprocess.Popen(
@@ -97,3 +98,67 @@ def test_a_site_whose_rank_is_sigkilled_restarts_and_rejoins(tmp_path):
     # nothing committed was lost: every round of the run committed, both sites hold the result
     assert survivor["outer_steps"] == restarted["outer_steps"] == 6
     assert survivor["fingerprints"] == restarted["fingerprints"]
+
+
+# --- farlink train --ranks-per-worker: the launcher starts each worker as a torchrun site ---
+
+SITE_RUN = {"workers": 2, "steps": 30, "inner_steps": 10, "warmup_steps": 10, "batch_size": 8,
+            "vocab_size": 512, "seq_len": 64, "eval_batches": 4, "join_timeout": 10,
+            "heartbeat_timeout": 3}
+
+
+def site_run(tmp_path: Path, cache_dir: Path, name: str, **overrides):  # noqa: ANN003, ANN201
+    from farlink.config import load_config
+    from farlink.train.launcher import launch
+
+    cfg = load_config(None, {**SITE_RUN, "run_dir": tmp_path / name, "cache_dir": cache_dir,
+                             **overrides})
+    return cfg, launch(cfg, show_progress=False)
+
+
+def test_train_with_two_ranks_per_worker_matches_one_rank(tmp_path, cache_dir):
+    from safetensors.torch import load_file
+
+    cfg2, sites = site_run(tmp_path, cache_dir, "k2", ranks_per_worker=2)
+    cfg1, plain = site_run(tmp_path, cache_dir, "k1")
+    assert sites.returncodes == [0, 0] and plain.returncodes == [0, 0]
+    s2, s1 = sites.summary, plain.summary
+    assert s2["final_replicas"]["consistent"] and s2["widest_group"] == 2
+    for run in (cfg2.run_dir, cfg1.run_dir):  # one metrics file per worker, not per rank
+        assert sorted(p.name for p in (run / "metrics").iterdir()) == ["w0.jsonl", "w1.jsonl"]
+    assert sorted(p.name for p in (cfg2.run_dir / "checkpoints" / "w0").iterdir()) == \
+        ["rank0", "rank1"]
+    loss2, loss1 = s2["final_heldout_loss"], s1["final_heldout_loss"]
+    assert abs(loss2 - loss1) <= 1e-4 * loss1, (loss2, loss1)
+    bytes2 = s2["per_worker"]["w0"]["bytes_sent"]  # both ranks' shards
+    bytes1 = s1["per_worker"]["w0"]["bytes_sent"]
+    assert abs(bytes2 - bytes1) <= 1e-3 * bytes1, (bytes2, bytes1)
+    # the exported model is whole (gathered from the shards), with the unsharded names
+    whole, sharded = load_file(str(cfg1.run_dir / "model.safetensors")), \
+        load_file(str(cfg2.run_dir / "model.safetensors"))
+    assert whole.keys() == sharded.keys()
+    assert all(whole[k].shape == sharded[k].shape for k in whole)
+
+
+@pytest.mark.slow
+def test_a_site_stopped_and_resumed_ends_bit_exact(tmp_path, cache_dir):
+    _, straight = site_run(tmp_path, cache_dir, "straight", ranks_per_worker=2)
+    cfg, _ = site_run(tmp_path, cache_dir, "resumed", ranks_per_worker=2, stop_at_step=15)
+    from farlink.train.launcher import launch
+
+    resumed = launch(cfg.model_copy(update={"resume": True, "stop_at_step": None}),
+                     show_progress=False)
+    assert resumed.returncodes == [0, 0]
+    assert (resumed.summary["final_replicas"]["states"]
+            == straight.summary["final_replicas"]["states"])
+
+
+def test_ranks_per_worker_refuses_what_cannot_run_on_shards():
+    from farlink.config import RunConfig
+
+    with pytest.raises(ValueError, match="demo cannot run on shards"):
+        RunConfig(algorithm="demo", codec="dct_topk", ranks_per_worker=2)
+    with pytest.raises(ValueError, match="runs on the torchft backend"):
+        RunConfig(backend="inprocess", ranks_per_worker=2)
+    with pytest.raises(ValueError, match="batch_size=9 does not split"):
+        RunConfig(batch_size=9, ranks_per_worker=2)

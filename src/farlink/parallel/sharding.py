@@ -149,13 +149,36 @@ class Site:
 
     def agree_min(self, value: int) -> int:
         """The smallest ``value`` over the site's ranks (e.g. the newest checkpoint all hold)."""
-        import torch.distributed as dist
-
         if self.size == 1:
             return value
-        tensor = torch.tensor([value], dtype=torch.int64)
-        dist.all_reduce(tensor, op=dist.ReduceOp.MIN, group=self.gloo_group())
-        return int(tensor.item())
+        return int(self._reduce(value, "MIN", torch.int64))
+
+    def _reduce(self, value: float, op: str, dtype: torch.dtype) -> torch.Tensor:
+        import torch.distributed as dist
+
+        tensor = torch.tensor([value], dtype=dtype)
+        dist.all_reduce(tensor, op=getattr(dist.ReduceOp, op), group=self.gloo_group())
+        return tensor
+
+    def mean(self, value: float) -> float:
+        """``value`` averaged over the site's ranks (a loss each computed on its rows)."""
+        return float(self._reduce(value, "SUM", torch.float64)) / self.size
+
+    def total(self, value: int) -> int:
+        """``value`` summed over the site's ranks (bytes each sent for its shard)."""
+        return int(self._reduce(value, "SUM", torch.int64))
+
+    def agree_any(self, flag: bool) -> bool:
+        """True on every rank if it is on any (a stop request that reached one rank)."""
+        return bool(self._reduce(int(flag), "MAX", torch.int64))
+
+    def gather(self, text: str) -> list[str]:
+        """Every rank's ``text``, in rank order, on every rank."""
+        import torch.distributed as dist
+
+        out: list[str] = [""] * self.size
+        dist.all_gather_object(out, text, group=self.gloo_group())
+        return out
 
     def close(self) -> None:
         import torch.distributed as dist
