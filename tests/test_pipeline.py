@@ -161,11 +161,13 @@ def _addresses(peers) -> list[list[str]]:
 
 def _kill_before(trainer: PipelineTrainer, victim, op: str, at_step: int) -> None:
     """SIGKILL ``victim`` just before the trainer's first ``op`` request to it in step
-    ``at_step`` (0-based), so that request meets a dead peer at a known point of the step."""
+    ``at_step`` (0-based) or, when the router sends it no such request then (it routes by
+    measured speed), in the first step after that does, so the request meets a dead peer at a
+    known point of a step."""
     original = trainer.call
 
     def call(peer, message, *args, **kwargs):
-        if (peer == victim.address and message.op == op and trainer.steps == at_step
+        if (peer == victim.address and message.op == op and trainer.steps >= at_step
                 and victim.process.poll() is None):
             victim.kill()
         return original(peer, message, *args, **kwargs)
@@ -190,9 +192,14 @@ def test_killing_a_peer_of_each_stage_mid_step_loses_no_committed_step() -> None
     finally:
         stop_pipeline(peers)
     assert [r.step for r in reports] == [1, 2, 3, 4, 5, 6]
-    assert reports[1].failed_peers == [peers[0][1].address] and reports[1].reroutes >= 1
-    assert reports[3].failed_peers == [peers[1][0].address] and reports[3].reroutes >= 1
-    assert all(r.failed_peers == [] for i, r in enumerate(reports) if i not in (1, 3))
+    killed_at = [(peer, i) for i, r in enumerate(reports) for peer in r.failed_peers]
+    first, second = peers[0][1].address, peers[1][0].address
+    # each victim fails once, in the step its kill was due (or the first after that routed
+    # work to it), and that step re-routed its work
+    assert sorted(p for p, _ in killed_at) == sorted([first, second]), killed_at
+    step_of = dict(killed_at)
+    assert step_of[first] >= 1 and step_of[second] >= 3, killed_at
+    assert all(reports[i].reroutes >= 1 for _, i in killed_at)
     assert survivor_steps == [6, 6]  # every step committed on every live peer
     assert all(r.lost_stage_gradients == 0 for r in reports)  # no finished work died
     assert all(torch.isfinite(torch.tensor(r.loss)) for r in reports)

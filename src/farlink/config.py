@@ -123,6 +123,11 @@ class RunConfig(*algorithm_options()):
         "fp32", description="fp32, or bf16: forward and backward under bf16 autocast (weights, "
         "optimizer states and pseudo-gradients stay fp32)")
 
+    ranks_per_worker: int = Field(
+        1, ge=1, description="processes that train one worker's replica together (a site, "
+        "started by torchrun): the model is sharded over them with FSDP2 (Gloo on CPU, NCCL on "
+        "CUDA), each takes batch_size / K rows, and each syncs only its own shard across workers")
+
     # bookkeeping
     run_dir: Path = Field(LATEST_RUN, description="metrics, checkpoints, final model (default: "
                           "a new runs/<time> dir, linked as runs/latest)")
@@ -203,6 +208,7 @@ class RunConfig(*algorithm_options()):
             raise ValueError(f"{self.algorithm} runs on the {' or '.join(caps.backends)} "
                              f"backend, not {self.backend}")
         self._check_network(caps.islands)
+        self._check_sites(caps.sharded)
         algorithm.check_run(self)
         return self
 
@@ -262,6 +268,26 @@ class RunConfig(*algorithm_options()):
             raise ValueError(f"steps={self.steps} is below inner_steps={self.inner_steps}: "
                              f"{self.algorithm} would never sync (0 outer rounds); give "
                              f"--steps of at least --inner-steps, or a smaller --inner-steps")
+
+    def _check_sites(self, sharded: bool) -> None:
+        """Several ranks per worker: an elementwise algorithm on torchft, a batch they split."""
+        k = self.ranks_per_worker
+        if k == 1:
+            return
+        if not sharded:
+            able = [n for n in ALGORITHMS if algorithm_class(n).capabilities.sharded]
+            raise ValueError(f"ranks_per_worker={k} shards the model (FSDP2) inside each "
+                             f"worker; {self.algorithm} cannot run on shards. Use one of "
+                             f"{', '.join(able)}, or ranks_per_worker=1")
+        if self.backend != "torchft":
+            raise ValueError(f"ranks_per_worker={k} runs on the torchft backend (a replica "
+                             f"group of {k} ranks), not {self.backend}")
+        if self.batch_size % k:
+            raise ValueError(f"batch_size={self.batch_size} does not split over "
+                             f"ranks_per_worker={k}: give a multiple of {k}")
+        if self.topology:
+            raise ValueError("ranks_per_worker > 1 does not run inside the emulated WAN "
+                             "(--topology) yet; use --emulate-link for an in-process link")
 
     def _check_network(self, islands: bool) -> None:
         """Topology, islands and the hierarchical schedule (see farlink.comm.islands)."""

@@ -61,12 +61,16 @@ def advertised_host(cfg: RunConfig) -> str:
     return os.environ.get("FARLINK_EMULATED_HOST") or cfg.host
 
 
-def build_collective(cfg: RunConfig, replica_id: str, lighthouse: str,
+def build_collective(cfg: RunConfig, replica_id: str, lighthouse: str, site=None,
                      **hivemind: Any) -> Collective:
     """The run's backend for one replica: ``lighthouse`` is the torchft Lighthouse address or
-    hivemind's initial peers (a comma list; empty: this peer starts the DHT). ``hivemind``:
-    HivemindCollective options that override the ones derived from ``cfg`` (a volunteer's
-    run id, identity file, client mode)."""
+    hivemind's initial peers (a comma list; empty: this peer starts the DHT). ``site``: a
+    started :class:`~farlink.parallel.sharding.Site` of several ranks (torchft only), whose
+    ranks form one replica group. ``hivemind``: HivemindCollective options that override the
+    ones derived from ``cfg`` (a volunteer's run id, identity file, client mode)."""
+    if site is not None and site.size > 1 and cfg.backend != "torchft":
+        raise ValueError(f"a site of {site.size} ranks per replica runs on the torchft backend "
+                         f"(one replica group of {site.size} ranks), not {cfg.backend!r}")
     from farlink.robust.auth import run_authenticator
 
     admission = run_authenticator(cfg, replica_id)  # None without --auth: nothing to prove
@@ -86,6 +90,9 @@ def build_collective(cfg: RunConfig, replica_id: str, lighthouse: str,
             quorum_timeout=cfg.quorum_timeout,
             join_timeout=cfg.join_timeout,
             admission=admission,
+            **({} if site is None or site.size == 1 else dict(
+                group_rank=site.rank, group_world_size=site.size,
+                store_addr=site.store_host, store_port=site.store_port)),
         )
     if cfg.backend == "hivemind":
         from farlink.comm.hivemind_backend import HivemindCollective
@@ -152,6 +159,11 @@ class Optimizer:
     ``outer_optimizer``: a factory ``params -> torch.optim.Optimizer`` for the outer step.
     ``collective``: a ready :class:`~farlink.comm.base.Collective` (e.g. an
     :class:`~farlink.comm.inprocess.InProcessGroup` member) instead of building one.
+    ``site``: for a model sharded with FSDP2 over several ranks (one replica trained by a
+    site of K processes, started by torchrun): the :class:`~farlink.parallel.sharding.Site`;
+    by default read from torchrun's environment and started here. Each rank then syncs its own
+    shard with the same rank of the other sites, saves its own part of every checkpoint
+    (``directory/rank{r}``), and the site resumes from the newest step all its ranks hold.
     """
 
     def __init__(
@@ -165,6 +177,7 @@ class Optimizer:
         outer_optimizer: OuterOptimizerFactory | None = None,
         lr_schedule: bool | None = None,
         collective: Collective | None = None,
+        site=None,
         **options: Any,
     ) -> None:
         if config is not None and options:
@@ -175,6 +188,8 @@ class Optimizer:
         if config is None:
             if inner_optimizer is not None:
                 options.setdefault("grad_clip", 0.0)  # the user's loop owns its gradients
+                if not lr_schedule:  # ... and its lr: farlink's warmup does not apply
+                    options.setdefault("warmup_steps", 0)
             config = RunConfig.model_validate(options)
             # the options given, the algorithm's defaults for the rest (so it can tell them
             # apart), and no length unless one is given (RunConfig's default is 500 steps)
@@ -182,6 +197,13 @@ class Optimizer:
                 {k: getattr(config, k) for k in cls.Options.model_fields if k in options})
         self.config = cfg = config
         self.index, self.replica_id = index, f"w{index}"
+        from farlink.parallel.sharding import Site, model_is_sharded
+
+        if site is None and model_is_sharded(model):
+            site = Site.from_env(replica_index=index)
+        if site is not None and site.size > 1 and not site.store_port:
+            site.start(host=advertised_host(cfg))
+        self.site = site if site is not None and site.size > 1 else None
         if lighthouse is None:
             lighthouse = (cfg.lighthouse or cfg.initial_peers
                           or os.environ.get("TORCHFT_LIGHTHOUSE", ""))
@@ -194,7 +216,8 @@ class Optimizer:
         if self.tiers is not None:
             self.collective = self.tiers.collective
         else:
-            self.collective = collective or build_collective(cfg, self.replica_id, lighthouse)
+            self.collective = collective or build_collective(cfg, self.replica_id, lighthouse,
+                                                             site=self.site)
         if cfg.emulate_link is not None:
             from farlink.comm.base import LinkModel
             from farlink.links import get_profile
@@ -306,7 +329,7 @@ class Optimizer:
         is raised by the next round, save or :meth:`wait_for_checkpoint`."""
         from farlink.train.checkpoint import checkpoint_path, save_checkpoint
 
-        directory = Path(directory)
+        directory = self._rank_directory(directory)
         step = self.algorithm.inner_steps_done
         meta = {**meta, "algorithm": self.config.algorithm, "inner_steps": step,
                 "outer_step": self.algorithm.outer_step, "bytes_sent": self.bytes_sent()}
@@ -329,17 +352,49 @@ class Optimizer:
         peer ahead of the one loaded heals this replica at its first quorum."""
         from farlink.train.checkpoint import load_newest_intact
 
-        restored = load_newest_intact(Path(directory))
+        directory = self._rank_directory(directory)
+        if self.site is not None:
+            return self._load_site(directory)
+        restored = load_newest_intact(directory)
         self.rejected_checkpoints = restored.rejected
         path, tensors, meta = restored.path, restored.tensors, restored.meta
         if path is None:
             return None
+        return self._restore(path, tensors, meta)
+
+    def _restore(self, path: Path, tensors: dict[str, torch.Tensor], meta: dict) -> dict:
         if meta["algorithm"] != self.config.algorithm:
             raise ValueError(f"checkpoint {path} was written by algorithm {meta['algorithm']!r}, "
                              f"not {self.config.algorithm!r}; resume with the same algorithm")
         self.load_state_dict(tensors)
         self.collective.stats.bytes_sent = meta["bytes_sent"]
         return {**meta, "path": str(path)}
+
+    def _rank_directory(self, directory: str | Path) -> Path:
+        """Where this process's part of a checkpoint lives: ``directory`` itself, or its rank's
+        subdirectory when a site of several ranks trains the replica."""
+        directory = Path(directory)
+        return directory if self.site is None else directory / f"rank{self.site.rank}"
+
+    def _load_site(self, directory: Path) -> dict | None:
+        """A site resumes from one step: the newest that every rank holds intact (a rank
+        killed while writing may lack the newest one). Each round of the agreement, every rank
+        offers its newest intact step not above the candidate; the smallest offer is the next
+        candidate, until every rank holds it."""
+        from farlink.train.checkpoint import intact_checkpoints
+
+        found, self.rejected_checkpoints = intact_checkpoints(directory)
+        candidate = max(found, default=-1)
+        while True:
+            candidate = self.site.agree_min(candidate)
+            if candidate < 0:
+                return None
+            offer = max((s for s in found if s <= candidate), default=-1)
+            if self.site.agree_min(int(offer == candidate)) == 1:
+                break
+            candidate = offer
+        restored = found[candidate]
+        return self._restore(restored.path, restored.tensors, restored.meta)
 
     def close(self) -> None:
         """Leave the run (after a background checkpoint write has landed): release sockets,

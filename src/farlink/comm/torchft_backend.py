@@ -1,6 +1,8 @@
 """Organizational mode: the collective interface on torchft (Lighthouse quorum + Gloo).
 
-Every worker is its own torchft replica group (one rank, its own TCPStore). Each outer round is a
+Every worker is a torchft replica group: one rank with its own TCPStore, or the K ranks of a site
+(:mod:`farlink.parallel.sharding`) sharing the store its rank 0 hosts; rank ``r`` of a site then
+talks across sites only with rank ``r`` of the others, about its own shard. Each outer round is a
 torchft *step*: ``begin_round`` asks the Lighthouse for a quorum (which drops peers whose heartbeat
 stopped and admits newcomers), reconfigures the Gloo process group to the quorum, and heals this
 worker from a live peer's committed state when it is behind; ``commit`` is torchft's
@@ -72,6 +74,10 @@ class TorchftCollective(Collective):
         connect_timeout: float = 30.0,
         join_timeout: float = 30.0,
         admission: Authenticator | None = None,
+        group_rank: int = 0,
+        group_world_size: int = 1,
+        store_addr: str | None = None,
+        store_port: int | None = None,
     ) -> None:
         super().__init__()
         from torch.distributed import TCPStore
@@ -112,9 +118,17 @@ class TorchftCollective(Collective):
         self._bytes_per_second: float | None = None  # measured on earlier rounds
         self._round_bytes = 0
         # every listener on ``host`` only (torchft's defaults bind all interfaces)
-        listen_fd = listeners.store_listener(host)
-        self._store = TCPStore(host, 0, is_master=True, wait_for_workers=False,
-                               master_listen_fd=listen_fd)
+        self.group_rank, self.group_world_size = group_rank, group_world_size
+        if group_world_size > 1:
+            if store_port is None:
+                raise ValueError("a replica group of several ranks shares its rank 0's store: "
+                                 "give store_addr and store_port (Site.start() provides them)")
+            self._store = None
+        else:
+            listen_fd = listeners.store_listener(host)
+            self._store = TCPStore(host, 0, is_master=True, wait_for_workers=False,
+                                   master_listen_fd=listen_fd)
+            store_addr, store_port = host, self._store.port
         listeners.bind_gloo_to(host)
         self.pg = ProcessGroupGloo(timeout=timedelta(seconds=round_timeout))
         with listeners.manager_bound_to(host):
@@ -125,10 +139,10 @@ class TorchftCollective(Collective):
                 min_replica_size=min_replicas,
                 use_async_quorum=False,
                 replica_id=replica_id,
-                store_addr=host,
-                store_port=self._store.port,
-                rank=0,
-                world_size=1,
+                store_addr=store_addr,
+                store_port=store_port,
+                rank=group_rank,
+                world_size=group_world_size,
                 lighthouse_addr=lighthouse_addr,
                 hostname=host,
                 timeout=timedelta(seconds=round_timeout),

@@ -74,6 +74,8 @@ class Capabilities:
     inner_optimizer: bool = True  # it steps an inner optimizer (DeMo replaces it)
     outer_optimizer: bool = False  # an outer optimizer can be injected (DiLoCo family)
     wire_codec: str | None = None  # the codec family it must send with (DeMo: dct_topk)
+    sharded: bool = False  # runs on a site's local shards (FSDP2): its state is elementwise, so
+    #                        each rank owns the part of it that matches its shard
 
 
 @dataclass
@@ -107,23 +109,44 @@ def nearest_step_boundary(now: float, started: float, steps: int, deadline: floa
 
 
 def optimizer_state(opt: torch.optim.Optimizer, prefix: str) -> TensorState:
-    """Flatten an optimizer's per-parameter state into named tensors (safetensors-friendly)."""
+    """Flatten an optimizer's per-parameter state into named tensors (safetensors-friendly).
+    The state of a sharded parameter is this rank's shard of it."""
+    from farlink.parallel.sharding import local_shard
+
     out: TensorState = {}
     for index, state in opt.state_dict()["state"].items():
         for key, value in state.items():
             tensor = value if torch.is_tensor(value) else torch.tensor(value)
-            out[f"{prefix}.{index}.{key}"] = tensor.detach().clone()
+            out[f"{prefix}.{index}.{key}"] = local_shard(tensor).detach().clone()
     return out
+
+
+def _optimizer_params(opt: torch.optim.Optimizer) -> list[torch.Tensor]:
+    return [p for group in opt.param_groups for p in group["params"]]
+
+
+def _like_param(param: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+    """A saved shard of a sharded parameter's state back as a DTensor laid out like it
+    (scalars such as Adam's step stay plain)."""
+    from farlink.parallel.sharding import is_sharded
+
+    if not is_sharded(param) or value.shape != param.to_local().shape:
+        return value
+    from torch.distributed.tensor import DTensor
+
+    return DTensor.from_local(value.to(param.device), param.device_mesh, param.placements,
+                              shape=param.shape, stride=param.stride())
 
 
 def load_optimizer_state(opt: torch.optim.Optimizer, tensors: TensorState, prefix: str) -> None:
     full = opt.state_dict()
+    params = _optimizer_params(opt)
     state: dict[int, dict[str, torch.Tensor]] = {}
     for name, value in tensors.items():
         if not name.startswith(prefix + "."):
             continue
         index, key = name[len(prefix) + 1 :].split(".", 1)
-        state.setdefault(int(index), {})[key] = value.clone()
+        state.setdefault(int(index), {})[key] = _like_param(params[int(index)], value.clone())
     full["state"] = state
     opt.load_state_dict(full)
 
@@ -222,8 +245,20 @@ class SyncAlgorithm(ABC):
         self.cfg = options
         self.collective = collective
         self.exchange = exchange
-        self.params = [p for p in model.parameters() if p.requires_grad]
+        from farlink.parallel.sharding import is_sharded, local_shard
+
+        #: the model's trainable parameters as the model holds them (DTensors under FSDP2):
+        #: what the inner optimizer steps and gradient clipping measures
+        self.module_params = [p for p in model.parameters() if p.requires_grad]
         self.names = [n for n, p in model.named_parameters() if p.requires_grad]
+        self.sharded = any(is_sharded(p) for p in self.module_params)
+        if self.sharded and not self.capabilities.sharded:
+            raise ValueError(f"{self.name} cannot run on a sharded model (FSDP2 across a site's "
+                             "ranks): its update is not elementwise. Use diloco, local_sgd, "
+                             "streaming or sparseloco, or one rank per replica")
+        #: what the algorithm synchronizes: this rank's shard of each parameter (a view sharing
+        #: its storage), the parameter itself when the model is not sharded
+        self.params = [local_shard(p) for p in self.module_params]
         self.lr_schedule = inner_optimizer is None if lr_schedule is None else lr_schedule
         if self.lr_schedule and options.steps is None:
             raise ValueError("the inner lr schedule (warmup + cosine) needs steps, the run's "
@@ -237,7 +272,7 @@ class SyncAlgorithm(ABC):
             self._check_covers(inner_optimizer)
             self.inner_opt = inner_optimizer
         else:
-            self.inner_opt = self.default_inner_optimizer(self.params, options)
+            self.inner_opt = self.default_inner_optimizer(self.module_params, options)
         if outer_optimizer is not None and not self.capabilities.outer_optimizer:
             raise ValueError(f"{self.name} takes no injected outer optimizer")
         self.outer_factory = outer_optimizer
@@ -268,7 +303,7 @@ class SyncAlgorithm(ABC):
         """An inner optimizer must step exactly the trainable parameters, or outer steps and
         checkpoints would silently leave some out."""
         held = {id(p) for group in optimizer.param_groups for p in group["params"]}
-        if held != {id(p) for p in self.params}:
+        if held != {id(p) for p in self.module_params}:
             raise ValueError("the inner optimizer must hold exactly the model's trainable "
                              "parameters (build it from model.parameters())")
 
@@ -373,7 +408,7 @@ class SyncAlgorithm(ABC):
             for group in optimizer.param_groups:
                 group["lr"] = lr
         if self.cfg.grad_clip > 0:
-            nn.utils.clip_grad_norm_(self.params, self.cfg.grad_clip)
+            nn.utils.clip_grad_norm_(self.module_params, self.cfg.grad_clip)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
 

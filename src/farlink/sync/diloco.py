@@ -54,7 +54,7 @@ class DiLoCoOptions(SyncOptions):
 class DiLoCo(SyncAlgorithm):
     name = "diloco"
     Options = DiLoCoOptions
-    capabilities = Capabilities(time_budget=True, outer_optimizer=True)
+    capabilities = Capabilities(time_budget=True, outer_optimizer=True, sharded=True)
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)

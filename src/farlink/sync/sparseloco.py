@@ -126,7 +126,7 @@ class SparseLoCo(DiLoCo):
     name = "sparseloco"
     # DiLoCo's options and rounds; its plain outer SGD is part of the method (not injected),
     # and the planner has no model of its exchange yet
-    capabilities = Capabilities(planned=False)
+    capabilities = Capabilities(planned=False, sharded=True)
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)

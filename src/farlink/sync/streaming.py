@@ -72,14 +72,15 @@ class StreamingOptions(DiLoCoOptions):
 class StreamingDiLoCo(DiLoCo):
     name = "streaming_diloco"
     Options = StreamingOptions
-    capabilities = Capabilities(fragments=True, outer_optimizer=True)
+    capabilities = Capabilities(fragments=True, outer_optimizer=True, sharded=True)
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         cfg = self.cfg
         self.num_fragments = min(cfg.fragments, len(self.params))
+        # whole parameters' sizes (not this rank's shards): every rank of a site assigns alike
         self.fragment_of = assign_fragments(
-            self.names, [p.numel() for p in self.params], self.num_fragments
+            self.names, [p.numel() for p in self.module_params], self.num_fragments
         )
         self.shifts = [fragment_shift(f, self.num_fragments, cfg.inner_steps)
                        for f in range(self.num_fragments)]

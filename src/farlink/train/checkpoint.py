@@ -196,23 +196,48 @@ class Restored:
     rejected: list[tuple[Path, str]] = field(default_factory=list)
 
 
-def load_newest_intact(root: Path) -> Restored:
-    """Load the newest checkpoint under ``root`` that verifies, newest first by step. Each one
-    that fails is renamed ``corrupt-step-NNNNNN`` so that it is neither tried again nor counted
-    among the checkpoints kept, and is reported in :attr:`Restored.rejected`."""
-    restored = Restored()
-    candidates = sorted((p for p in root.glob("step-*") if p.is_dir()), reverse=True) \
+def _candidates(root: Path) -> list[Path]:
+    """Published checkpoint directories under ``root``, newest first."""
+    return sorted((p for p in root.glob("step-*") if p.is_dir()), reverse=True) \
         if root.is_dir() else []
-    for path in candidates:
-        try:
-            restored.tensors, restored.meta = load_checkpoint(path)
-        except CheckpointCorrupt as exc:
-            aside = path.with_name(CORRUPT_PREFIX + path.name)
-            shutil.rmtree(aside, ignore_errors=True)
-            path.rename(aside)
-            restored.rejected.append((aside, str(exc)))
-            log.warning("%s; set aside as %s", exc, aside.name)
-            continue
-        restored.path = path
-        break
-    return restored
+
+
+def _verified(path: Path, rejected: list[tuple[Path, str]]) -> Restored | None:
+    """``path`` loaded if it verifies; else set aside as ``corrupt-step-NNNNNN`` (neither tried
+    again nor counted among the checkpoints kept), noted in ``rejected``, and None."""
+    try:
+        tensors, meta = load_checkpoint(path)
+    except CheckpointCorrupt as exc:
+        aside = path.with_name(CORRUPT_PREFIX + path.name)
+        shutil.rmtree(aside, ignore_errors=True)
+        path.rename(aside)
+        rejected.append((aside, str(exc)))
+        log.warning("%s; set aside as %s", exc, aside.name)
+        return None
+    return Restored(path, tensors, meta)
+
+
+def load_newest_intact(root: Path) -> Restored:
+    """Load the newest checkpoint under ``root`` that verifies, newest first by step; each
+    newer one that fails is set aside and reported in :attr:`Restored.rejected`."""
+    rejected: list[tuple[Path, str]] = []
+    for path in _candidates(root):
+        if (restored := _verified(path, rejected)) is not None:
+            restored.rejected = rejected
+            return restored
+    return Restored(rejected=rejected)
+
+
+def checkpoint_step(path: Path) -> int:
+    """The step of a checkpoint directory ``step-NNNNNNN``."""
+    return int(path.name.split("-", 1)[1])
+
+
+def intact_checkpoints(root: Path) -> tuple[dict[int, Restored], list[tuple[Path, str]]]:
+    """Every checkpoint under ``root`` that verifies, by step, and the ones set aside. The ranks
+    of a site resume from the newest step all of them hold intact, which need not be the newest
+    of each (a rank killed mid-write lacks it)."""
+    rejected: list[tuple[Path, str]] = []
+    found = {checkpoint_step(path): restored for path in _candidates(root)
+             if (restored := _verified(path, rejected)) is not None}
+    return found, rejected

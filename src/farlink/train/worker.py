@@ -54,6 +54,16 @@ def process_started_at() -> float:
         return time.time()
 
 
+class SilentLog:
+    """The metrics log of a site's ranks other than 0: rank 0 writes the worker's records."""
+
+    def write(self, kind: str, **fields) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
 class Worker:
     def __init__(self, cfg: RunConfig, index: int, lighthouse: str, joining: bool = False,
                  collective=None) -> None:
@@ -64,12 +74,22 @@ class Worker:
         from farlink.train.compute import resolve_device
 
         self.cfg, self.index = cfg, index
-        self.device = resolve_device(cfg.device, index)
+        self.site = self._join_site(cfg, index)  # None: this process is the whole replica
+        self.device = (resolve_device(cfg.device, index) if self.site is None
+                       else self.site.device(cfg.device))
+        if self.site is not None:
+            from farlink.optimizer import advertised_host
+
+            self.site.start(host=advertised_host(cfg), device=self.device)
         torch.set_num_threads(cfg.threads)
         torch.manual_seed(cfg.seed)
         self.data = prepare_data(cfg.corpus, cfg.vocab_size, cfg.cache_dir,
                                  tokenizer=cfg.given_tokenizer)
         self.model = build_model(cfg, self.data.vocab_size).to(self.device)
+        if self.site is not None:
+            from farlink.parallel.sharding import shard_model
+
+            shard_model(self.model)  # FSDP2 over the site's ranks: each holds 1/K of it
         self.sampler = ShardSampler(
             self.data.train, shard=index % cfg.workers, num_shards=cfg.workers,
             seq_len=cfg.seq_len, batch_size=cfg.batch_size, seed=cfg.seed,
@@ -81,11 +101,14 @@ class Worker:
         inner = (algorithm.default_inner_optimizer(params, cfg)
                  if algorithm.capabilities.inner_optimizer else None)
         self.sync = Optimizer(self.model, inner, config=cfg, lighthouse=lighthouse, index=index,
-                              lr_schedule=True, collective=collective)
+                              lr_schedule=True, collective=collective, site=self.site)
         self.algo = self.sync.algorithm
         self.replica_id = self.sync.replica_id
         self.ckpt_dir = cfg.run_dir / "checkpoints" / self.replica_id
-        self.metrics = MetricsLog(cfg.run_dir / "metrics" / f"{self.replica_id}.jsonl")
+        # a site's rank 0 speaks for the replica: one metrics file per worker, as with K=1
+        self.speaks = self.site is None or self.site.rank == 0
+        self.metrics = (MetricsLog(cfg.run_dir / "metrics" / f"{self.replica_id}.jsonl")
+                        if self.speaks else SilentLog())
         self.joining = joining
         self.tokens = 0
         self.pace_overruns = 0  # inner steps slower than --pace-seconds allowed
@@ -102,6 +125,39 @@ class Worker:
         if cfg.resume:
             self._resume()
 
+    @staticmethod
+    def _join_site(cfg: RunConfig, index: int):
+        """This rank's place in its site when a worker is several ranks (torchrun's env)."""
+        if cfg.ranks_per_worker == 1:
+            return None
+        from farlink.parallel.sharding import Site
+
+        site = Site.from_env(replica_index=index)
+        if site.size != cfg.ranks_per_worker:
+            raise SystemExit(f"ranks_per_worker={cfg.ranks_per_worker}, but this process is "
+                             f"one of WORLD_SIZE={site.size}: start each worker with torchrun "
+                             f"--nproc-per-node {cfg.ranks_per_worker}")
+        return site
+
+    def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The worker's next batch; on a site, this rank's rows of it (every rank draws the
+        whole batch, so the site trains on exactly what one process would)."""
+        x, y = self.sampler.next_batch()
+        if self.site is None:
+            return x, y
+        share = len(x) // self.site.size
+        rows = slice(self.site.rank * share, (self.site.rank + 1) * share)
+        return x[rows], y[rows]
+
+    def fingerprint(self) -> str:
+        """The committed state's hash; on a site, over every rank's shard (all ranks call it)."""
+        mine = self.algo.fingerprint()
+        if self.site is None:
+            return mine
+        import hashlib
+
+        return hashlib.sha256("".join(self.site.gather(mine)).encode()).hexdigest()[:16]
+
     # --- checkpoints ---------------------------------------------------------------------------
     def _save(self) -> None:
         """Snapshot the state and hand its write to the background (see ``Optimizer.save``)."""
@@ -110,7 +166,8 @@ class Worker:
                        sampler=self.sampler.state_dict(), model=self.cfg.model,
                        compute_s=self.compute_s, comm_s=self.comm_s, eval_s=self.eval_s,
                        checkpoint_s=self.checkpoint_s, setup_s=self.setup_s, wall_s=self.wall())
-        self.sync.ledger.save(self.cfg.run_dir / "ledger" / f"{self.replica_id}.json")
+        if self.speaks:
+            self.sync.ledger.save(self.cfg.run_dir / "ledger" / f"{self.replica_id}.json")
         self.checkpoint_s += time.perf_counter() - t0
 
     def _resume(self) -> None:
@@ -153,6 +210,9 @@ class Worker:
         from farlink.data import evaluate
         from farlink.train.compute import autocast
 
+        if self.site is not None:  # a sharded forward is a collective of the site's ranks
+            self._evaluate_now(step)
+            return
         if self.evaluations.running and not final:
             self.metrics.write("eval_skipped", worker=self.replica_id, step=step,
                                reason="the previous evaluation is still running")
@@ -180,6 +240,27 @@ class Worker:
 
         self.evaluations.submit(job)
         self.eval_s += time.perf_counter() - t0
+
+    def _evaluate_now(self, step: int) -> None:
+        """Evaluate the live sharded model on every rank of the site, in the loop (a background
+        copy would need collectives of its own); rank 0 writes the record."""
+        from farlink.data import evaluate
+        from farlink.train.compute import autocast
+
+        t0 = time.perf_counter()
+        with autocast(self.device, self.cfg.precision):
+            loss = evaluate(self.model, self.heldout)
+        seconds = time.perf_counter() - t0
+        self.metrics.write("eval", loss=round(loss, 5), ppl=round(math.exp(loss), 3),
+                           eval_s=round(seconds, 3), worker=self.replica_id, step=step,
+                           tokens=self.tokens, outer_step=self.algo.outer_step,
+                           bytes_sent=self.site_bytes_sent(), wall_s=round(self.wall(), 3))
+        self.eval_s += seconds
+
+    def site_bytes_sent(self) -> int:
+        """Bytes this worker sent: on a site, every rank's (each sends its own shard)."""
+        sent = self.sync.bytes_sent()
+        return sent if self.site is None else self.site.total(sent)
 
     # --- the loop ------------------------------------------------------------------------------
     def _at_boundary(self, step: int) -> None:
@@ -226,7 +307,7 @@ class Worker:
                 self.metrics.write("join", worker=self.replica_id, committed=outcome.committed,
                                    healed=bool(algo.last_round and algo.last_round.healed),
                                    outer_step=algo.outer_step, step=algo.inner_steps_done,
-                                   fingerprint=algo.fingerprint(), world_size=outcome.world_size,
+                                   fingerprint=self.fingerprint(), world_size=outcome.world_size,
                                    comm_s=round(outcome.comm_seconds, 4))
         slowdown = cfg.slowdown_of(self.index)
         stopped = interrupt.requested()
@@ -238,8 +319,10 @@ class Worker:
                 first_step = False
             self.model.train()
             loss_value, tokens = accumulate_gradients(
-                self.model, micro_batches(self.sampler.next_batch, cfg.grad_accum),
+                self.model, micro_batches(self.next_batch, cfg.grad_accum),
                 self.device, cfg.precision)
+            if self.site is not None:  # the site's batch: every rank's rows
+                loss_value, tokens = self.site.mean(loss_value), tokens * self.site.size
             if cfg.pace_seconds is not None:  # emulated device of a fixed speed
                 spare = slowdown * cfg.pace_seconds - (time.perf_counter() - t0)
                 if spare > 0:
@@ -266,7 +349,7 @@ class Worker:
             )
             if outcome.synced and cfg.sync_every > 1:
                 self.metrics.write("sync", committed=outcome.committed,
-                                   fingerprint=algo.fingerprint() if outcome.committed else None,
+                                   fingerprint=self.fingerprint() if outcome.committed else None,
                                    world_size=outcome.world_size,
                                    round_s=round(outcome.comm_seconds, 4),
                                    rejected=outcome.rejected, **fields)
@@ -276,6 +359,8 @@ class Worker:
                 self._at_boundary(step)
             stopped = interrupt.requested() or (cfg.stop_at_step is not None
                                                 and step >= cfg.stop_at_step)
+            if self.site is not None:  # a stop request reaches ranks apart: all stop together
+                stopped = self.site.agree_any(stopped)
         pending = self.sync.finish()
         if pending is not None and not stopped:
             self._save()
@@ -284,9 +369,10 @@ class Worker:
         model_sha256 = self._save_final_model() if finished else None
         self.checkpoint_s += time.perf_counter() - t0
         self._land_background_work()  # a stop too waits for the write in flight
+        fingerprint, bytes_sent = self.fingerprint(), self.site_bytes_sent()
         self.metrics.write("end", worker=self.replica_id, finished=finished,
                            inner_steps=algo.inner_steps_done, tokens=self.tokens,
-                           bytes_sent=self.sync.bytes_sent(),
+                           bytes_sent=bytes_sent,
                            compute_s=round(self.compute_s, 4), comm_s=round(self.comm_s, 4),
                            eval_s=round(self.eval_s, 4),
                            checkpoint_s=round(self.checkpoint_s, 4),
@@ -295,7 +381,7 @@ class Worker:
                            failed_rounds=self.sync.collective.stats.failed_rounds,
                            pace_overruns=self.pace_overruns, outer_step=algo.outer_step,
                            widest_group=self.widest_group,
-                           fingerprint=algo.fingerprint(), model_sha256=model_sha256,
+                           fingerprint=fingerprint, model_sha256=model_sha256,
                            **algo.traffic())
         return 0 if finished or stopped else 1
 
@@ -306,13 +392,23 @@ class Worker:
 
         from safetensors.torch import save_model
 
+        model = self.model
+        if self.site is not None:  # gather the shards (every rank); rank 0 writes the whole
+            from farlink.model.build import build_model
+            from farlink.parallel.sharding import full_state_dict
+
+            tensors = full_state_dict(self.model)
+            if not self.speaks:
+                return None
+            model = build_model(self.cfg, self.data.vocab_size)
+            model.load_state_dict(tensors)
         final = self.cfg.run_dir / "final"
         path = final / f"{self.replica_id}.safetensors"
         tmp = path.with_name(f".{path.name}{TEMP_PREFIX}{os.getpid()}")
         try:
             final.mkdir(parents=True, exist_ok=True)
             remove_stale_temps(final)
-            save_model(self.model, str(tmp))
+            save_model(model, str(tmp))
             digest = hashlib.sha256(tmp.read_bytes()).hexdigest()
             os.replace(tmp, path)
         except Exception as exc:  # safetensors reports a failed write as its own error type
@@ -331,6 +427,8 @@ class Worker:
             log.exception("the last evaluation failed")
         self.sync.close()
         self.metrics.close()
+        if self.site is not None:
+            self.site.close()
 
 
 def main(argv: list[str] | None = None) -> int:

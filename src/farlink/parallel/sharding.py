@@ -1,0 +1,187 @@
+"""A site: several ranks that train one replica together, with FSDP2 inside and farlink across.
+
+INTELLECT-1's shape: inside a node (a "site") the model is sharded over its K ranks with
+``fully_shard`` (FSDP2; NCCL on CUDA, Gloo on CPU); across sites the outer algorithm runs through
+torchft, as a replica group of K ranks. Rank ``r`` of one site exchanges only its own shard with
+rank ``r`` of every other site (torchft's cross-group process groups pair ranks that way), so the
+bytes a site sends per round are those of one whole replica, whatever K is.
+
+A site is started the way torchtitan and torchft examples start one, by ``torchrun``::
+
+    TORCHFT_LIGHTHOUSE=http://host:29510 REPLICA_GROUP_ID=0 \\
+        torchrun --nproc-per-node 2 your_train.py
+
+:meth:`Site.from_env` reads RANK, WORLD_SIZE, LOCAL_RANK and MASTER_ADDR/PORT (torchrun's) plus
+REPLICA_GROUP_ID; :meth:`Site.start` joins the site's process group (FSDP2's) and hosts the
+replica group's torchft store at rank 0 (a fresh one per start, so a site restarted by
+``torchrun --max-restarts`` never reads its previous life's manager address).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+
+def is_sharded(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor`` is a DTensor (a parameter ``fully_shard`` has sharded)."""
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(tensor, DTensor)
+
+
+def local_shard(tensor: torch.Tensor) -> torch.Tensor:
+    """The part of ``tensor`` this rank holds: a view sharing storage with a sharded parameter
+    (writes to it are what the next forward sees), or ``tensor`` itself when not sharded."""
+    return tensor.to_local() if is_sharded(tensor) else tensor
+
+
+def model_is_sharded(model: nn.Module) -> bool:
+    return any(is_sharded(p) for p in model.parameters())
+
+
+def shard_model(model: nn.Module, blocks: list[nn.Module] | None = None, mesh=None) -> nn.Module:
+    """FSDP2 over the site's ranks, torchtitan's way: each block its own unit, then the root
+    (embeddings, head). ``blocks`` default: the children of the first ``nn.ModuleList`` found
+    (a GPT's or a Hugging Face model's layers)."""
+    from torch.distributed.fsdp import fully_shard
+
+    if blocks is None:
+        blocks = next((list(m) for m in model.modules() if isinstance(m, nn.ModuleList)), [])
+    for block in blocks:
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model
+
+
+def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The whole model's tensors, gathered from every rank of the site (a collective: every
+    rank must call it); plain tensors, for export or evaluation."""
+    return {name: (t.full_tensor() if is_sharded(t) else t).detach().cpu()
+            for name, t in model.state_dict().items()}
+
+
+@dataclass
+class Site:
+    """Where this process stands in its site: rank ``rank`` of ``size``, in replica group
+    ``replica_index``; ``store_host``/``store_port``: the replica group's torchft store."""
+
+    rank: int = 0
+    size: int = 1
+    local_rank: int = 0
+    replica_index: int = 0
+    store_host: str = "127.0.0.1"
+    store_port: int = 0
+
+    @classmethod
+    def from_env(cls, replica_index: int | None = None) -> Site:
+        """torchrun's variables, and REPLICA_GROUP_ID (torchft's) for the replica's number."""
+        if replica_index is None:
+            replica_index = int(os.environ.get("REPLICA_GROUP_ID", "0"))
+        return cls(rank=int(os.environ.get("RANK", "0")),
+                   size=int(os.environ.get("WORLD_SIZE", "1")),
+                   local_rank=int(os.environ.get("LOCAL_RANK", "0")),
+                   replica_index=replica_index)
+
+    def device(self, requested: str = "auto") -> torch.device:
+        """This rank's device: ``cuda:LOCAL_RANK`` on a GPU node (auto), else the one asked for."""
+        if requested == "auto":
+            requested = "cuda" if torch.cuda.is_available() else "cpu"
+        if requested == "cuda":
+            return torch.device("cuda", self.local_rank)
+        return torch.device(requested)
+
+    def start(self, host: str = "127.0.0.1", device: torch.device | None = None) -> Site:
+        """Join the site's process group (NCCL on CUDA, Gloo on CPU) if none is up, and host the
+        torchft store of this replica group at rank 0 (its address reaches every rank)."""
+        import torch.distributed as dist
+
+        if self.size == 1:
+            return self
+        if not dist.is_initialized():
+            cuda = device is not None and device.type == "cuda"
+            if cuda:
+                torch.cuda.set_device(device)
+            dist.init_process_group("nccl" if cuda else "gloo", store=self._rendezvous(),
+                                    rank=self.rank, world_size=self.size)
+        self._store = None
+        address = [None]
+        if self.rank == 0:
+            from torch.distributed import TCPStore
+
+            from farlink.comm.torchft_listeners import store_listener
+
+            self._store = TCPStore(host, 0, is_master=True, wait_for_workers=False,
+                                   master_listen_fd=store_listener(host))
+            address = [(host, self._store.port)]
+        dist.broadcast_object_list(address, src=0, group=self.gloo_group())
+        self.store_host, self.store_port = address[0]
+        return self
+
+    def _rendezvous(self):
+        """The store the site's ranks meet in: torchrun's (MASTER_ADDR/PORT; its agent hosts it)
+        under a prefix of this start's number, so ranks restarted by ``--max-restarts`` never
+        read the addresses their previous life published there."""
+        from datetime import timedelta
+
+        from torch.distributed import PrefixStore, TCPStore
+
+        agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+        store = TCPStore(os.environ.get("MASTER_ADDR", "127.0.0.1"),
+                         int(os.environ["MASTER_PORT"]), self.size,
+                         is_master=self.rank == 0 and not agent, wait_for_workers=False,
+                         timeout=timedelta(minutes=10))
+        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+        return PrefixStore(f"farlink-site/attempt-{attempt}", store)
+
+    def gloo_group(self):
+        """A Gloo group over the site's ranks for small host-side agreements (NCCL's default
+        group cannot carry Python objects on CPU)."""
+        import torch.distributed as dist
+
+        if getattr(self, "_gloo", None) is None:
+            self._gloo = (dist.group.WORLD if dist.get_backend() == "gloo"
+                          else dist.new_group(backend="gloo"))
+        return self._gloo
+
+    def agree_min(self, value: int) -> int:
+        """The smallest ``value`` over the site's ranks (e.g. the newest checkpoint all hold)."""
+        if self.size == 1:
+            return value
+        return int(self._reduce(value, "MIN", torch.int64))
+
+    def _reduce(self, value: float, op: str, dtype: torch.dtype) -> torch.Tensor:
+        import torch.distributed as dist
+
+        tensor = torch.tensor([value], dtype=dtype)
+        dist.all_reduce(tensor, op=getattr(dist.ReduceOp, op), group=self.gloo_group())
+        return tensor
+
+    def mean(self, value: float) -> float:
+        """``value`` averaged over the site's ranks (a loss each computed on its rows)."""
+        return float(self._reduce(value, "SUM", torch.float64)) / self.size
+
+    def total(self, value: int) -> int:
+        """``value`` summed over the site's ranks (bytes each sent for its shard)."""
+        return int(self._reduce(value, "SUM", torch.int64))
+
+    def agree_any(self, flag: bool) -> bool:
+        """True on every rank if it is on any (a stop request that reached one rank)."""
+        return bool(self._reduce(int(flag), "MAX", torch.int64))
+
+    def gather(self, text: str) -> list[str]:
+        """Every rank's ``text``, in rank order, on every rank."""
+        import torch.distributed as dist
+
+        out: list[str] = [""] * self.size
+        dist.all_gather_object(out, text, group=self.gloo_group())
+        return out
+
+    def close(self) -> None:
+        import torch.distributed as dist
+
+        if self.size > 1 and dist.is_initialized():
+            dist.destroy_process_group()

@@ -1,0 +1,164 @@
+"""Sites of several ranks: FSDP2 (Gloo, CPU) inside each site, DiLoCo across, through torchft.
+
+Real processes throughout: a torchft Lighthouse, each site a ``torchrun`` of 2 ranks that shard a
+GPT with ``fully_shard``, and the same replicas run unsharded (one process per site) for the
+comparison. The kill test SIGKILLs one rank of one site mid-run; torchrun restarts that site,
+which resumes from the newest checkpoint all its ranks hold while the other site goes on.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from procfs import descendants
+
+pytest.importorskip("torchft")
+
+EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "fsdp_sites.py"
+
+
+def run_sites(workdir: Path, *args: str, timeout: float = 400) -> tuple[list[dict], str]:
+    proc = subprocess.run([sys.executable, str(EXAMPLE), "--workdir", str(workdir), *args],
+                          capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    results = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    return sorted(results, key=lambda r: r["site"]), proc.stdout
+
+
+def test_two_sites_of_two_ranks_train_what_unsharded_sites_train(tmp_path):
+    steps = ["--sites", "2", "--steps", "30", "--inner-steps", "10", "--batch", "8"]
+    sharded, _ = run_sites(tmp_path / "k2", *steps, "--ranks", "2")
+    plain, _ = run_sites(tmp_path / "k1", *steps, "--ranks", "1")
+    assert [r["ranks"] for r in sharded] == [2, 2] and [r["ranks"] for r in plain] == [1, 1]
+    # replicas identical across sites, shard by shard
+    assert sharded[0]["fingerprints"] == sharded[1]["fingerprints"]
+    assert len(set(sharded[0]["fingerprints"])) == 2  # two different shards
+    assert plain[0]["fingerprints"] == plain[1]["fingerprints"]
+    assert all(r["outer_steps"] == 3 for r in sharded + plain)
+    # the same model from the same batches: FSDP2 over 2 ranks changes reduction order only
+    heldout_k2, heldout_k1 = sharded[0]["heldout"], plain[0]["heldout"]
+    assert abs(heldout_k2 - heldout_k1) <= 1e-4 * heldout_k1, (heldout_k2, heldout_k1)
+    # each rank sends only its shard: a site moves what one unsharded replica moves
+    site_k2, site_k1 = sharded[0]["site_bytes_sent"], plain[0]["site_bytes_sent"]
+    assert abs(site_k2 - site_k1) <= 1e-3 * site_k1, (site_k2, site_k1)
+
+
+def _site_ranks(root: int, site: int) -> list[int]:
+    """PIDs of the training ranks of site ``site`` (torchrun's children) below ``root``."""
+    ranks = []
+    for pid in descendants(root):
+        try:
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+            environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if (b"--site-worker" in cmdline and b"torch.distributed.run" not in cmdline
+                and f"REPLICA_GROUP_ID={site}".encode() in environ
+                and any(e.startswith(b"LOCAL_RANK=") for e in environ)):
+            ranks.append(pid)
+    return ranks
+
+
+@pytest.mark.slow
+def test_a_site_whose_rank_is_sigkilled_restarts_and_rejoins(tmp_path):
+    workdir = tmp_path / "run"
+    proc = subprocess.Popen(
+        [sys.executable, str(EXAMPLE), "--workdir", str(workdir), "--sites", "2", "--ranks", "2",
+         "--steps", "60", "--inner-steps", "10", "--min-replicas", "1", "--max-restarts", "1"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        # wait until site 1 has committed and checkpointed two rounds on both ranks
+        deadline = time.time() + 240
+        marker = workdir / "site1" / "rank1" / "step-0000020"
+        while not marker.is_dir():
+            assert proc.poll() is None and time.time() < deadline, proc.communicate()
+            time.sleep(0.2)
+        victims = _site_ranks(proc.pid, site=1)
+        assert len(victims) == 2, victims
+        os.kill(max(victims), signal.SIGKILL)  # one rank of site 1, mid-run
+        out, err = proc.communicate(timeout=400)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, out[-3000:] + err[-3000:]
+    results = sorted((json.loads(line) for line in out.splitlines() if line.startswith("{")),
+                     key=lambda r: r["site"])
+    survivor, restarted = results
+    assert restarted["restarts"] == 1 and survivor["restarts"] == 0
+    # the restarted site resumed from a checkpoint every rank held, not from scratch
+    assert restarted["resumed_at"] is not None and restarted["resumed_at"] >= 20
+    # nothing committed was lost: every round of the run committed, both sites hold the result
+    assert survivor["outer_steps"] == restarted["outer_steps"] == 6
+    assert survivor["fingerprints"] == restarted["fingerprints"]
+
+
+# --- farlink train --ranks-per-worker: the launcher starts each worker as a torchrun site ---
+
+SITE_RUN = {"workers": 2, "steps": 30, "inner_steps": 10, "warmup_steps": 10, "batch_size": 8,
+            "vocab_size": 512, "seq_len": 64, "eval_batches": 4, "join_timeout": 10,
+            "heartbeat_timeout": 3}
+
+
+def site_run(tmp_path: Path, cache_dir: Path, name: str, **overrides):  # noqa: ANN003, ANN201
+    from farlink.config import load_config
+    from farlink.train.launcher import launch
+
+    cfg = load_config(None, {**SITE_RUN, "run_dir": tmp_path / name, "cache_dir": cache_dir,
+                             **overrides})
+    return cfg, launch(cfg, show_progress=False)
+
+
+def test_train_with_two_ranks_per_worker_matches_one_rank(tmp_path, cache_dir):
+    from safetensors.torch import load_file
+
+    cfg2, sites = site_run(tmp_path, cache_dir, "k2", ranks_per_worker=2)
+    cfg1, plain = site_run(tmp_path, cache_dir, "k1")
+    assert sites.returncodes == [0, 0] and plain.returncodes == [0, 0]
+    s2, s1 = sites.summary, plain.summary
+    assert s2["final_replicas"]["consistent"] and s2["widest_group"] == 2
+    for run in (cfg2.run_dir, cfg1.run_dir):  # one metrics file per worker, not per rank
+        assert sorted(p.name for p in (run / "metrics").iterdir()) == ["w0.jsonl", "w1.jsonl"]
+    assert sorted(p.name for p in (cfg2.run_dir / "checkpoints" / "w0").iterdir()) == \
+        ["rank0", "rank1"]
+    loss2, loss1 = s2["final_heldout_loss"], s1["final_heldout_loss"]
+    assert abs(loss2 - loss1) <= 1e-4 * loss1, (loss2, loss1)
+    bytes2 = s2["per_worker"]["w0"]["bytes_sent"]  # both ranks' shards
+    bytes1 = s1["per_worker"]["w0"]["bytes_sent"]
+    assert abs(bytes2 - bytes1) <= 1e-3 * bytes1, (bytes2, bytes1)
+    # the exported model is whole (gathered from the shards), with the unsharded names
+    whole, sharded = load_file(str(cfg1.run_dir / "model.safetensors")), \
+        load_file(str(cfg2.run_dir / "model.safetensors"))
+    assert whole.keys() == sharded.keys()
+    assert all(whole[k].shape == sharded[k].shape for k in whole)
+
+
+@pytest.mark.slow
+def test_a_site_stopped_and_resumed_ends_bit_exact(tmp_path, cache_dir):
+    _, straight = site_run(tmp_path, cache_dir, "straight", ranks_per_worker=2)
+    cfg, _ = site_run(tmp_path, cache_dir, "resumed", ranks_per_worker=2, stop_at_step=15)
+    from farlink.train.launcher import launch
+
+    resumed = launch(cfg.model_copy(update={"resume": True, "stop_at_step": None}),
+                     show_progress=False)
+    assert resumed.returncodes == [0, 0]
+    assert (resumed.summary["final_replicas"]["states"]
+            == straight.summary["final_replicas"]["states"])
+
+
+def test_ranks_per_worker_refuses_what_cannot_run_on_shards():
+    from farlink.config import RunConfig
+
+    with pytest.raises(ValueError, match="demo cannot run on shards"):
+        RunConfig(algorithm="demo", codec="dct_topk", ranks_per_worker=2)
+    with pytest.raises(ValueError, match="runs on the torchft backend"):
+        RunConfig(backend="inprocess", ranks_per_worker=2)
+    with pytest.raises(ValueError, match="batch_size=9 does not split"):
+        RunConfig(batch_size=9, ranks_per_worker=2)
