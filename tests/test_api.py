@@ -130,7 +130,7 @@ def test_api_checkpoint_resumes_bit_for_bit(tmp_path: Path, algorithm: str) -> N
     def run(steps: list[tuple[int, int]]) -> tuple[list[torch.Tensor], str]:
         ckpt = tmp_path / f"{algorithm}-{len(steps)}"
         for start, stop in steps:
-            own_wire = algorithm in ("demo", "sparseloco")  # they bring their own codec
+            own_wire = capabilities(algorithm).wire_codec is not None  # its own codec
             model, sync = replica(0, None, algorithm=algorithm, inner_steps=5,
                                   codec="none" if own_wire else "int8+ef",
                                   fragments=2, overlap_steps=1)
@@ -173,6 +173,27 @@ def test_a_newcomer_heals_from_a_live_replica_through_the_api(tmp_path: Path) ->
 
     (j0, f0, o0), (j1, f1, o1) = InProcessGroup(2).run(member)
     assert j0 == j1 and f0 == f1 and o0 == o1 == 4
+
+
+def test_sparseloco_outer_step_is_the_same_from_the_cli_and_the_api(tmp_path: Path) -> None:
+    """`farlink train` writes config.json and its workers read it back, which marks every field
+    as given; the API gets only the options its caller named. Both must build SparseLoCo's own
+    outer step (the paper's lr 1.0, accumulator decay 0.95), not DiLoCo's 0.7/0.9."""
+    cli = RunConfig(algorithm="sparseloco", backend="inprocess", run_dir=tmp_path)
+    (tmp_path / "config.json").write_text(cli.model_dump_json())
+    stored = RunConfig.model_validate_json((tmp_path / "config.json").read_text())
+
+    def outer(sync: farlink.Optimizer) -> tuple[float, float, float]:
+        group = sync.algorithm.outer_opt.param_groups[0]
+        return group["lr"], group["momentum"], sync.algorithm.beta
+
+    from_cli = outer(farlink.Optimizer(Tiny(), config=stored))
+    from_api = outer(farlink.Optimizer(Tiny(), algorithm="sparseloco", backend="inprocess",
+                                       steps=100))
+    assert from_cli == from_api == (1.0, 0.0, 0.95)
+    given = farlink.Optimizer(Tiny(), algorithm="sparseloco", backend="inprocess", steps=100,
+                              sparseloco_lr=0.5, sparseloco_beta=0.8)
+    assert outer(given) == (0.5, 0.0, 0.8)
 
 
 def test_options_that_do_not_exist_or_conflict_are_clear_errors() -> None:

@@ -149,7 +149,7 @@ def test_options_and_errors() -> None:
     group = InProcessGroup(1)
     algo = _algo(group.member(0))
     assert (algo.beta, algo.outer_opt.param_groups[0]["lr"]) == (0.95, 1.0)  # the paper's
-    algo = _algo(group.member(0), outer_lr=0.5, outer_momentum=0.8)
+    algo = _algo(group.member(0), sparseloco_lr=0.5, sparseloco_beta=0.8)
     assert (algo.beta, algo.outer_opt.param_groups[0]["lr"]) == (0.8, 0.5)
     with pytest.raises(ValueError, match="drop --codec"):
         _algo(group.member(0), codec="int8")

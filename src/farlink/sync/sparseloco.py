@@ -19,9 +19,11 @@ Bytes per tensor of ``n`` elements, ``c = min(CHUNK, n)`` elements per chunk,
 
     16 + ceil(2 * m * k / 8) + ceil(b * m * k / 8),   b = max(1, (c - 1).bit_length())
 
-(a tensor smaller than a chunk keeps the same density). ``--outer-lr`` and ``--outer-momentum``
-(which sets ``beta``), when given, replace the paper's 1.0 and 0.95. A failed round leaves the
-accumulator as it was before the round (the next round's Δ spans the missed steps, as in DiLoCo).
+(a tensor smaller than a chunk keeps the same density). Knobs (:class:`SparseLoCoOptions`, its
+own fields so its defaults are the paper's however the run is built): ``--sparseloco-lr`` (1.0)
+and ``--sparseloco-beta`` (0.95); DiLoCo's ``--outer-lr``/``--outer-momentum`` do not apply.
+A failed round leaves the accumulator as it was before the round (the next round's Δ spans the
+missed steps, as in DiLoCo).
 
 Choices of this implementation: the chunks are consecutive elements of the flattened tensor (the
 last one zero-padded); the 2-bit bins are sign x (above/below the median kept magnitude) with
@@ -33,15 +35,18 @@ from __future__ import annotations
 
 import math
 
+import logging
+
 import numpy as np
 import torch
+from pydantic import Field
 
 from farlink.codecs import Compressor
 from farlink.codecs._util import all_finite, as_flat_float32, require_finite, top_positions
 from farlink.codecs.base import Codec, CodecError
 from farlink.comm.base import RoundInfo
 from farlink.sync.base import Capabilities, StepOutcome, TensorState
-from farlink.sync.diloco import DiLoCo
+from farlink.sync.diloco import DiLoCo, DiLoCoOptions
 from farlink.sync.exchange import Encoded
 
 CHUNK = 4096
@@ -49,6 +54,8 @@ TOPK = 64
 BETA = 0.95
 OUTER_LR = 1.0
 _LOOKUP_BYTES = 4 * 4  # four fp32 bin means
+
+log = logging.getLogger(__name__)
 
 
 def _pack_bits(values: np.ndarray, bits: int) -> bytes:
@@ -122,23 +129,39 @@ class SparseTwoBitCodec(Codec):
         return out.reshape(-1)[:numel].reshape(shape).to(dtype)
 
 
+class SparseLoCoOptions(DiLoCoOptions):
+    """DiLoCo's schedule (H, time budgets) with SparseLoCo's own outer step: fields of their own
+    rather than DiLoCo's ``outer_lr``/``outer_momentum`` with other defaults, so a run built from
+    flags, from a TOML file, from a saved ``config.json`` or through the API gets the same values."""
+
+    sparseloco_lr: float = Field(OUTER_LR, gt=0, description="sparseloco: outer SGD learning "
+                                 "rate on the averaged sparse update (no momentum)")
+    sparseloco_beta: float = Field(BETA, ge=0, lt=1, description="sparseloco: decay of the "
+                                   "error-feedback accumulator (it stands in for outer momentum)")
+
+
 class SparseLoCo(DiLoCo):
     name = "sparseloco"
-    # DiLoCo's options and rounds; its plain outer SGD is part of the method (not injected),
-    # and the planner has no model of its exchange yet
-    capabilities = Capabilities(planned=False, sharded=True)
+    Options = SparseLoCoOptions
+    # DiLoCo's rounds; its plain outer SGD is part of the method (not injected), it sends with
+    # its own codec, and the planner has no model of its exchange yet
+    capabilities = Capabilities(planned=False, sharded=True, wire_codec="sparseloco")
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
-        cfg, given = self.cfg, self.cfg.model_fields_set
+        cfg = self.cfg
+        diloco = DiLoCoOptions.model_fields
+        if (cfg.outer_lr, cfg.outer_momentum) != (diloco["outer_lr"].default,
+                                                   diloco["outer_momentum"].default):
+            log.warning("sparseloco takes its outer step with --sparseloco-lr and "
+                        "--sparseloco-beta; --outer-lr/--outer-momentum (DiLoCo's) are ignored")
         if self.exchange.compressor.codec.name != "fp32" or self.exchange.compressor.error_feedback:
             raise ValueError(f"sparseloco sends its own sparse 2-bit values with its own error "
                              f"feedback; drop --codec {self.exchange.compressor.spec}")
         self.codec = SparseTwoBitCodec()
         self.exchange.compressor = Compressor(self.codec)
-        self.beta = cfg.outer_momentum if "outer_momentum" in given else BETA
-        outer_lr = cfg.outer_lr if "outer_lr" in given else OUTER_LR
-        self.outer_opt = torch.optim.SGD(self.global_params, lr=outer_lr, momentum=0.0)
+        self.beta = cfg.sparseloco_beta
+        self.outer_opt = torch.optim.SGD(self.global_params, lr=cfg.sparseloco_lr, momentum=0.0)
         self.error = [torch.zeros_like(p) for p in self.params]
 
     def sync(self) -> StepOutcome:
