@@ -196,6 +196,53 @@ def test_sparseloco_outer_step_is_the_same_from_the_cli_and_the_api(tmp_path: Pa
     assert outer(given) == (0.5, 0.0, 0.8)
 
 
+def test_two_replicas_on_hivemind_through_the_api() -> None:
+    """Two replicas a user starts (threads here, each with its own DHT on 127.0.0.1) say
+    workers=2: their rounds average the two of them (RunConfig's default of 4 launched workers
+    must not make them wait for two more), and they end identical after three DiLoCo rounds."""
+    replicas = []
+    for rank in range(2):
+        with _INIT:
+            torch.manual_seed(0)  # one init (as DiLoCo's θ starts); their data differ
+            model = Tiny()
+        peers = ",".join(replicas[0][1].addresses) if replicas else ""
+        sync = farlink.Optimizer(model, torch.optim.SGD(model.parameters(), lr=0.05),
+                                 algorithm="diloco", inner_steps=3, backend="hivemind",
+                                 workers=2, lighthouse=peers, index=rank, quorum_timeout=30)
+        replicas.append((model, sync))
+    assert replicas[0][1].addresses and replicas[1][1].config.min_replicas == 2
+    outcomes: list[list] = [[], []]
+
+    def loop(rank: int) -> None:
+        model, sync = replicas[rank]
+        for step in range(9):
+            x, y = data(rank, step)
+            nn.functional.mse_loss(model(x), y).backward()
+            outcome = sync.step(tokens=len(x))
+            if outcome.synced:
+                outcomes[rank].append((outcome.committed, outcome.world_size))
+
+    threads = [threading.Thread(target=loop, args=(r,)) for r in range(2)]
+    try:
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=120)
+        assert outcomes[0] == outcomes[1] == [(True, 2)] * 3
+        (m0, s0), (m1, s1) = replicas
+        assert s0.fingerprint() == s1.fingerprint() and s0.outer_step == 3
+        assert all(torch.equal(a, b) for a, b in zip(m0.parameters(), m1.parameters()))
+    finally:
+        for _, sync in replicas:
+            sync.close()
+
+
+def test_hivemind_through_the_api_asks_how_many_replicas() -> None:
+    with pytest.raises(ValueError, match="workers=N"):
+        farlink.Optimizer(Tiny(), torch.optim.SGD(Tiny().parameters(), lr=0.1),
+                          backend="hivemind")
+
+
 def test_options_that_do_not_exist_or_conflict_are_clear_errors() -> None:
     model = Tiny()
     with pytest.raises(ValueError, match="inner_stepz"):

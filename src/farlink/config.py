@@ -152,7 +152,9 @@ class RunConfig(*algorithm_options()):
         rounds wait for all of them. With a group of one allowed, each peer reaches matchmaking
         at its own moment, finds itself alone and "averages" with itself: N independent models.
         A torchft Lighthouse instead waits ``join_timeout`` for every peer that heartbeats, so
-        there ``min_replicas`` 1 only keeps the run elastic."""
+        there ``min_replicas`` 1 only keeps the run elastic. Replicas started through the API
+        (``farlink.Optimizer``) give ``workers`` (or ``min_replicas``) themselves: the number of
+        replicas they start, not the default of 4 launched workers."""
         if not isinstance(values, dict) or values.get("min_replicas") is not None:
             return values
         local = not values.get("initial_peers") and values.get("lighthouse") is None

@@ -154,7 +154,11 @@ class Optimizer:
     ``codec``, ``aggregator``, ``auth``, ``secret``, ``outer_lr``, ...). Without ``steps`` the
     run has no fixed length: your loop decides when it ends.
     ``lighthouse``: torchft Lighthouse address or hivemind initial peers (default: the config's
-    ``lighthouse``/``initial_peers``, then ``TORCHFT_LIGHTHOUSE``).
+    ``lighthouse``/``initial_peers``, then ``TORCHFT_LIGHTHOUSE``). On hivemind the first
+    replica gives none (it starts the DHT) and the others its :attr:`addresses`; every replica
+    says how many a round waits for: ``workers=N`` (all N replicas you start) or
+    ``min_replicas=M`` (elastic). The DHT listens on ``host`` (default 127.0.0.1) and never
+    maps ports, uses relays or public bootstrap peers.
     ``index``: this replica's number in the run (names it ``w{index}``).
     ``outer_optimizer``: a factory ``params -> torch.optim.Optimizer`` for the outer step.
     ``collective``: a ready :class:`~farlink.comm.base.Collective` (e.g. an
@@ -186,6 +190,14 @@ class Optimizer:
                                else options.get("algorithm", "diloco")))
         algo_options = config
         if config is None:
+            if options.get("backend") == "hivemind" and not {"workers", "min_replicas"} & set(
+                    options):
+                raise ValueError(
+                    "on the hivemind backend say how many replicas a round waits for: "
+                    "workers=N (the N replicas you start; every round averages all of them) or "
+                    "min_replicas=M (elastic: a round commits with M or more)")
+            if "min_replicas" in options:  # a group of the replicas asked for, not of RunConfig's
+                options.setdefault("workers", options["min_replicas"])  # 4 launched workers
             if inner_optimizer is not None:
                 options.setdefault("grad_clip", 0.0)  # the user's loop owns its gradients
                 if not lr_schedule:  # ... and its lr: farlink's warmup does not apply
@@ -275,6 +287,13 @@ class Optimizer:
     @property
     def inner_steps(self) -> int:
         return self.algorithm.inner_steps_done
+
+    @property
+    def addresses(self) -> list[str]:
+        """Where other replicas join this one: on hivemind its multiaddrs (pass them to the
+        next replica as ``lighthouse=``, a comma list); empty on torchft (the Lighthouse is the
+        address) and in-process."""
+        return self.collective.maddrs
 
     @property
     def rank(self) -> int:

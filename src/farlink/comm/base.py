@@ -119,6 +119,13 @@ class Collective(ABC):
         """On resume from a checkpoint: the rounds this worker has committed, so the group
         neither heals it (it is up to date) nor heals others from a stale count."""
 
+    @property
+    def maddrs(self) -> list[str]:
+        """Addresses another peer passes to join this one directly (hivemind: this peer's
+        multiaddrs, its ``initial_peers``); none where peers meet at a coordinator (torchft's
+        Lighthouse) or in one process."""
+        return []
+
     def register_state(self, get_state, set_state) -> None:  # noqa: ANN001 - callables
         """State a lagging or new peer receives from a live one (params, outer optimizer)."""
         self._get_state, self._set_state = get_state, set_state

@@ -131,8 +131,8 @@ class SparseTwoBitCodec(Codec):
 
 class SparseLoCoOptions(DiLoCoOptions):
     """DiLoCo's schedule (H, time budgets) with SparseLoCo's own outer step: fields of their own
-    rather than DiLoCo's ``outer_lr``/``outer_momentum`` with other defaults, so a run built from
-    flags, from a TOML file, from a saved ``config.json`` or through the API gets the same values."""
+    rather than DiLoCo's ``outer_lr``/``outer_momentum`` with other defaults, so a run built
+    from flags, a TOML file, a saved ``config.json`` or the API gets the same values."""
 
     sparseloco_lr: float = Field(OUTER_LR, gt=0, description="sparseloco: outer SGD learning "
                                  "rate on the averaged sparse update (no momentum)")
