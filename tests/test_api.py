@@ -243,6 +243,51 @@ def test_hivemind_through_the_api_asks_how_many_replicas() -> None:
                           backend="hivemind")
 
 
+def test_hierarchical_diloco_with_islands_the_user_forms() -> None:
+    """Two islands of two replicas (threads, in-process collectives): every replica passes its
+    island's collective, each island's leader also the collective the leaders share. After two
+    global rounds every replica holds the same committed state; only leaders crossed the slow
+    link."""
+    islands, leaders = [InProcessGroup(2), InProcessGroup(2)], InProcessGroup(2)
+    results: list = [None] * 4
+    errors: list[BaseException] = []
+
+    def member(worker: int) -> None:
+        k, rank = divmod(worker, 2)
+        try:
+            with _INIT:
+                torch.manual_seed(0)
+                model = Tiny()
+            sync = farlink.Optimizer(
+                model, torch.optim.SGD(model.parameters(), lr=0.05), index=worker,
+                algorithm="hierarchical_diloco", backend="inprocess", steps=8, inner_steps=4,
+                island_steps=2, collective=islands[k].member(rank),
+                global_collective=leaders.member(k) if rank == 0 else None)
+            user_loop(sync, model, worker, 0, 8)
+            results[worker] = (sync.fingerprint(), sync.outer_step, sync.metrics())
+        except BaseException as exc:  # noqa: BLE001 - re-raised below, peers released
+            errors.append(exc)
+            for group in [*islands, leaders]:
+                group.barrier.abort()
+
+    threads = [threading.Thread(target=member, args=(w,)) for w in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    if errors:
+        raise errors[0]
+    assert len({r[0] for r in results}) == 1 and all(r[1] == 2 for r in results)
+    crossed = [r[2]["inter_bytes"] > 0 for r in results]
+    assert crossed == [True, False, True, False]
+
+
+def test_global_links_are_refused_by_a_one_level_algorithm() -> None:
+    with pytest.raises(ValueError, match="hierarchical_diloco"):
+        farlink.Optimizer(Tiny(), torch.optim.SGD(Tiny().parameters(), lr=0.1), steps=10,
+                          inner_steps=5, backend="inprocess", global_lighthouse="h:1")
+
+
 def test_options_that_do_not_exist_or_conflict_are_clear_errors() -> None:
     model = Tiny()
     with pytest.raises(ValueError, match="inner_stepz"):

@@ -46,7 +46,7 @@ from torch import nn
 
 from farlink.comm.base import Collective
 from farlink.config import RunConfig
-from farlink.sync import StepOutcome, SyncAlgorithm, algorithm_class
+from farlink.sync import ALGORITHMS, StepOutcome, SyncAlgorithm, algorithm_class
 from farlink.sync.base import OuterOptimizerFactory
 
 log = logging.getLogger(__name__)
@@ -168,6 +168,11 @@ class Optimizer:
     by default read from torchrun's environment and started here. Each rank then syncs its own
     shard with the same rank of the other sites, saves its own part of every checkpoint
     (``directory/rank{r}``), and the site resumes from the newest step all its ranks hold.
+    ``global_lighthouse`` / ``global_collective``: ``hierarchical_diloco`` only, for islands
+    you form yourself (``farlink train`` forms them from measured links): every replica gives
+    its island's Lighthouse as ``lighthouse`` (or its island's ``collective``), and exactly one
+    replica per island, its leader, also gives the Lighthouse (or collective) the leaders
+    share; only leaders cross that slow link.
     """
 
     def __init__(
@@ -182,6 +187,8 @@ class Optimizer:
         lr_schedule: bool | None = None,
         collective: Collective | None = None,
         site=None,
+        global_lighthouse: str | None = None,
+        global_collective: Collective | None = None,
         **options: Any,
     ) -> None:
         if config is not None and options:
@@ -220,11 +227,24 @@ class Optimizer:
             lighthouse = (cfg.lighthouse or cfg.initial_peers
                           or os.environ.get("TORCHFT_LIGHTHOUSE", ""))
         from farlink.train.network import needs_network
-        from farlink.train.tiers import build_tiers
+        from farlink.train.tiers import Tiers, build_tiers, island_config
 
+        two_levels = cls.capabilities.islands
+        formed = global_lighthouse is not None or global_collective is not None
+        if formed and not two_levels:
+            tiered = [n for n in ALGORITHMS if algorithm_class(n).capabilities.islands]
+            raise ValueError(f"global_lighthouse/global_collective link island leaders in "
+                             f"{', '.join(tiered)}; {cls.name} has one level: drop them")
         # island/global collectives and emulated links when the launcher planned a network
         self.tiers = (build_tiers(cfg, index, lighthouse, build_collective)
-                      if collective is None and needs_network(cfg) else None)
+                      if collective is None and not formed and needs_network(cfg) else None)
+        if self.tiers is None and two_levels:  # islands the caller formed: its island's
+            # collective or Lighthouse, and for the island's leader the global one
+            island = collective or build_collective(island_config(cfg), self.replica_id,
+                                                    lighthouse)
+            if global_collective is None and global_lighthouse is not None:
+                global_collective = build_collective(cfg, self.replica_id, global_lighthouse)
+            self.tiers = Tiers(island, global_collective)
         if self.tiers is not None:
             self.collective = self.tiers.collective
         else:

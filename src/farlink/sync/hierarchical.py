@@ -127,8 +127,10 @@ class HierarchicalOptions(DiLoCoOptions):
 class HierarchicalDiLoCo(DiLoCo):
     name = "hierarchical_diloco"
     Options = HierarchicalOptions
-    capabilities = Capabilities(time_budget=True, islands=True, backends=("torchft",),
-                                planned=False)  # its hand-off carries SGD's momentum
+    # in-process collectives too (threads as peers; their all-reduce is exact); the planner
+    # has no model of it (its hand-off carries SGD's momentum)
+    capabilities = Capabilities(time_budget=True, islands=True,
+                                backends=("torchft", "inprocess"), planned=False)
 
     @classmethod
     def check_run(cls, cfg) -> None:  # noqa: ANN001 - a RunConfig

@@ -27,7 +27,7 @@ from farlink.train.network import NetworkPlan, emulated_link, has_islands
 class Tiers:
     collective: Collective  # the worker's own level: flat, or its island
     upper: Collective | None  # the global level (island leaders only)
-    plan: NetworkPlan
+    plan: NetworkPlan | None = None  # the launcher's; None for islands an API caller formed
 
     def bytes_sent(self) -> int:
         """Everything this worker sent, on both levels."""
@@ -39,14 +39,18 @@ class Tiers:
             self.upper.close()
 
 
+def island_config(cfg: RunConfig) -> RunConfig:
+    """The island collective's settings: its timeout covers a global round, since members
+    wait inside an island round for their leader's hand-off."""
+    return cfg.model_copy(update={"round_timeout": cfg.round_timeout + cfg.quorum_timeout})
+
+
 def build_tiers(cfg: RunConfig, index: int, lighthouse: str,
                 build_collective: Callable[[RunConfig, str, str], Collective]) -> Tiers | None:
-    """The collectives of worker ``index``; None when the run has no network plan."""
+    """The collectives of worker ``index``; None when the run has no network plan (a flat
+    run, or islands that a caller of :class:`farlink.Optimizer` formed itself)."""
     plan = NetworkPlan.load(cfg.run_dir)
     if plan is None:
-        if has_islands(cfg.algorithm):
-            raise SystemExit(f"{cfg.run_dir}/network.json is missing: {cfg.algorithm} runs "
-                             "are started by the launcher (farlink train), which forms the islands")
         return None
     replica = f"w{index}"
     if not has_islands(cfg.algorithm):
@@ -55,8 +59,7 @@ def build_tiers(cfg: RunConfig, index: int, lighthouse: str,
         return Tiers(flat, None, plan)
     k = plan.island_index(index)
     members = plan.islands[k]
-    island_cfg = cfg.model_copy(update={"round_timeout": cfg.round_timeout + cfg.quorum_timeout})
-    island = build_collective(island_cfg, replica, plan.island_lighthouses[k])
+    island = build_collective(island_config(cfg), replica, plan.island_lighthouses[k])
     island.emulated_link = emulated_link(plan.collective_link(members))
     upper = None
     if plan.is_leader(index):

@@ -96,6 +96,13 @@ class Worker:
         )
         self.heldout = heldout_batches(self.data.heldout, cfg.seq_len, cfg.batch_size,
                                        cfg.eval_batches)
+        if algorithm_class(cfg.algorithm).capabilities.islands:
+            from farlink.train.network import NetworkPlan
+
+            if NetworkPlan.load(cfg.run_dir) is None:
+                raise SystemExit(f"{cfg.run_dir}/network.json is missing: {cfg.algorithm} "
+                                 "workers are started by the launcher (farlink train), which "
+                                 "forms the islands")
         algorithm = algorithm_class(cfg.algorithm)
         params = [p for p in self.model.parameters() if p.requires_grad]
         inner = (algorithm.default_inner_optimizer(params, cfg)
