@@ -166,7 +166,7 @@ def test_a_newcomer_heals_from_a_live_replica_through_the_api(tmp_path: Path) ->
                 for p in model.parameters():
                     p.add_(1.0)  # not the run's state
             outcome = sync.join()
-            assert outcome.committed and sync.algorithm.last_round.healed
+            assert outcome.committed and sync.healed
         joined = sync.fingerprint()
         user_loop(sync, model, rank, 15, 20)
         return joined, sync.fingerprint(), sync.outer_step

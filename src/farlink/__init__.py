@@ -1,11 +1,11 @@
 """farlink: train one language model across islands of compute joined by slow links.
 
 The public API is :class:`farlink.Optimizer` (see :mod:`farlink.optimizer`): it wraps your
-``nn.Module`` and your inner optimizer and runs any of farlink's outer algorithms (``ddp``,
-``local_sgd``, ``diloco``, ``streaming_diloco``, ``demo``, ``hierarchical_diloco``) on any backend
-(``torchft``, ``hivemind``, ``inprocess``) with any codec and aggregator; ``farlink train`` and
-``farlink join`` are its first clients. Also exported: :class:`RunConfig` (every option, the same
-as the CLI flags) and :data:`ALGORITHMS`.
+``nn.Module`` and your inner optimizer and runs any of farlink's outer algorithms (the registry
+:data:`ALGORITHMS` names them all: DDP, local SGD, DiLoCo and its streaming and hierarchical
+forms, DeMo, SparseLoCo, ...) on any backend (``torchft``, ``hivemind``, ``inprocess``) with any
+codec and aggregator; ``farlink train`` and ``farlink join`` are its first clients. Also
+exported: :class:`RunConfig` (every option, the same as the CLI flags) and :data:`ALGORITHMS`.
 
 Data flows one way: ``data`` -> ``train`` (inner steps) -> ``sync`` (outer step through ``comm``,
 with ``codecs`` and ``robust`` aggregation) -> ``train``. An algorithm never imports a backend;

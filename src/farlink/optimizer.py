@@ -17,7 +17,10 @@ after ``loss.backward()``, in place of ``optimizer.step(); optimizer.zero_grad()
 What ``step`` does is the algorithm's: DDP averages the gradients and then steps your optimizer;
 DiLoCo steps it H times alone, then averages the pseudo-gradient and takes the outer step
 (Nesterov SGD, lr 0.7, momentum 0.9 unless you inject ``outer_optimizer``); Streaming DiLoCo
-syncs fragments in the background; DeMo replaces your optimizer by its sign step. Any backend
+syncs fragments in the background; DeMo replaces your optimizer by its sign step; SparseLoCo
+sends a 2-bit top-k of an error-feedback accumulator and takes a plain outer step (lr 1.0);
+hierarchical DiLoCo averages inside islands and sends only leaders across (the list of them
+all is :data:`farlink.ALGORITHMS`). Any backend
 (``torchft``: a Lighthouse coordinates replica groups; ``hivemind``: a DHT, no coordinator;
 ``inprocess``: peers as threads, or one process alone), any codec and aggregator, and
 authentication (``auth="secret"``/``"ed25519"``) work the same way, since they sit below the
@@ -300,13 +303,28 @@ class Optimizer:
         """Whether the run's ``steps`` (or time-budgeted rounds) are done; never without one."""
         return self.algorithm.finished()
 
+    def at_boundary(self, outcome: StepOutcome) -> bool:
+        """Whether the step that returned ``outcome`` ends a period, the moment to checkpoint
+        or evaluate: every H inner steps, or after every round of a time-budgeted or
+        island-level algorithm (whose rounds do not fall on multiples of H)."""
+        return self.algorithm.at_boundary(outcome)
+
     @property
     def outer_step(self) -> int:
+        """Committed outer rounds so far (the same on every replica after a round)."""
         return self.algorithm.outer_step
 
     @property
     def inner_steps(self) -> int:
+        """Inner steps this replica has taken (a healed replica adopts its peer's count)."""
         return self.algorithm.inner_steps_done
+
+    @property
+    def healed(self) -> bool:
+        """Whether the last round replaced this replica's state by a live peer's (a newcomer
+        or one that fell behind)."""
+        last = self.algorithm.last_round
+        return bool(last is not None and last.healed)
 
     @property
     def addresses(self) -> list[str]:
@@ -332,6 +350,23 @@ class Optimizer:
             return self.tiers.bytes_sent()
         return self.collective.stats.bytes_sent
 
+    def traffic(self) -> dict[str, int]:
+        """Bytes sent by level, for algorithms with levels (``hierarchical_diloco``:
+        ``intra_bytes`` inside the island, ``inter_bytes`` across islands); else empty."""
+        return self.algorithm.traffic()
+
+    @property
+    def failed_rounds(self) -> int:
+        """Rounds that did not commit (a peer failed mid-round) and were retried or skipped."""
+        return self.collective.stats.failed_rounds
+
+    @property
+    def checkpoint_wait_seconds(self) -> float:
+        """Time the loop spent waiting for background checkpoint writes (a round, a save or
+        :meth:`wait_for_checkpoint` waits for the write in flight): counted inside
+        :meth:`step` and :meth:`save`, so a loop that times them can tell it apart."""
+        return self.checkpoint_writes.waited_s
+
     def metrics(self) -> dict[str, Any]:
         """Cumulative figures for logs: bytes sent (by level where the algorithm has levels),
         where rounds spent their time (quorum, wire, total), rounds that failed."""
@@ -340,7 +375,7 @@ class Optimizer:
                 "lr": algo.current_lr(), "quorum_s": round(algo.quorum_seconds, 4),
                 "network_s": round(algo.network_seconds, 4),
                 "rounds_s": round(algo.round_seconds, 4),
-                "failed_rounds": self.collective.stats.failed_rounds, **algo.traffic()}
+                "failed_rounds": self.failed_rounds, **self.traffic()}
 
     # --- state ---------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, torch.Tensor]:

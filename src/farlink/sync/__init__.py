@@ -1,6 +1,6 @@
-"""Outer algorithms behind one interface: ``ddp``, ``local_sgd``, ``diloco``,
-``streaming_diloco``, ``demo``, ``hierarchical_diloco``. None of them imports a communication
-backend.
+"""Outer algorithms behind one interface, one file each, named in :data:`ALGORITHMS` (the
+only list of them: the CLI's help, the config's errors and the docs print it). None of them
+imports a communication backend.
 
 Adding an algorithm is one file (a :class:`SyncAlgorithm` subclass with its ``Options``, its
 ``capabilities`` and its optimizers) plus one line in :data:`ALGORITHMS`: ``RunConfig`` inherits

@@ -70,7 +70,7 @@ class Worker:
         from farlink import Optimizer
         from farlink.data import ShardSampler, heldout_batches, prepare_data
         from farlink.model.build import build_model
-        from farlink.sync import algorithm_class
+        from farlink.sync import capabilities
         from farlink.train.compute import resolve_device
 
         self.cfg, self.index = cfg, index
@@ -96,20 +96,16 @@ class Worker:
         )
         self.heldout = heldout_batches(self.data.heldout, cfg.seq_len, cfg.batch_size,
                                        cfg.eval_batches)
-        if algorithm_class(cfg.algorithm).capabilities.islands:
+        if capabilities(cfg.algorithm).islands:
             from farlink.train.network import NetworkPlan
 
             if NetworkPlan.load(cfg.run_dir) is None:
                 raise SystemExit(f"{cfg.run_dir}/network.json is missing: {cfg.algorithm} "
                                  "workers are started by the launcher (farlink train), which "
                                  "forms the islands")
-        algorithm = algorithm_class(cfg.algorithm)
-        params = [p for p in self.model.parameters() if p.requires_grad]
-        inner = (algorithm.default_inner_optimizer(params, cfg)
-                 if algorithm.capabilities.inner_optimizer else None)
-        self.sync = Optimizer(self.model, inner, config=cfg, lighthouse=lighthouse, index=index,
+        # no inner optimizer given: the algorithm's own (AdamW), on farlink's lr schedule
+        self.sync = Optimizer(self.model, None, config=cfg, lighthouse=lighthouse, index=index,
                               lr_schedule=True, collective=collective, site=self.site)
-        self.algo = self.sync.algorithm
         self.replica_id = self.sync.replica_id
         self.ckpt_dir = cfg.run_dir / "checkpoints" / self.replica_id
         # a site's rank 0 speaks for the replica: one metrics file per worker, as with K=1
@@ -158,7 +154,7 @@ class Worker:
 
     def fingerprint(self) -> str:
         """The committed state's hash; on a site, over every rank's shard (all ranks call it)."""
-        mine = self.algo.fingerprint()
+        mine = self.sync.fingerprint()
         if self.site is None:
             return mine
         import hashlib
@@ -203,8 +199,8 @@ class Worker:
         self.setup_s = meta.get("setup_s", 0.0)
         self.wall_offset = meta.get("wall_s", 0.0)
         self.metrics.write("resume", worker=self.replica_id, path=meta["path"],
-                           inner_steps=self.algo.inner_steps_done,
-                           outer_step=self.algo.outer_step, fell_back=bool(rejected))
+                           inner_steps=self.sync.inner_steps,
+                           outer_step=self.sync.outer_step, fell_back=bool(rejected))
 
     # --- evaluation ----------------------------------------------------------------------------
     def _evaluate_in_background(self, step: int, final: bool) -> None:
@@ -233,7 +229,7 @@ class Worker:
                                   self.model.state_dict().values()):
                 mine.copy_(live)
         fields = dict(worker=self.replica_id, step=step, tokens=self.tokens,
-                      outer_step=self.algo.outer_step, bytes_sent=self.sync.bytes_sent(),
+                      outer_step=self.sync.outer_step, bytes_sent=self.sync.bytes_sent(),
                       wall_s=round(self.wall(), 3))
         shadow, heldout, metrics = self.shadow, self.heldout, self.metrics
         device, precision = self.device, self.cfg.precision
@@ -260,7 +256,7 @@ class Worker:
         seconds = time.perf_counter() - t0
         self.metrics.write("eval", loss=round(loss, 5), ppl=round(math.exp(loss), 3),
                            eval_s=round(seconds, 3), worker=self.replica_id, step=step,
-                           tokens=self.tokens, outer_step=self.algo.outer_step,
+                           tokens=self.tokens, outer_step=self.sync.outer_step,
                            bytes_sent=self.site_bytes_sent(), wall_s=round(self.wall(), 3))
         self.eval_s += seconds
 
@@ -273,9 +269,9 @@ class Worker:
     def _at_boundary(self, step: int) -> None:
         """Every H inner steps (token-aligned for every algorithm): checkpoint and evaluate,
         both in the background."""
-        cfg, algo = self.cfg, self.algo
-        boundary = step // cfg.inner_steps if cfg.round_seconds is None else algo.outer_step
-        final = algo.finished()
+        cfg, sync = self.cfg, self.sync
+        boundary = step // cfg.inner_steps if cfg.round_seconds is None else sync.outer_step
+        final = sync.finished
         if boundary % cfg.checkpoint_every == 0 or final:
             self._save()
         rank0 = self.sync.rank == 0
@@ -301,10 +297,10 @@ class Worker:
         """Train until the run's end or a stop request (SIGINT/SIGTERM, checked between steps)."""
         from farlink.train.compute import accumulate_gradients, micro_batches
 
-        cfg, algo = self.cfg, self.algo
+        cfg, sync = self.cfg, self.sync
         self.metrics.write("start", worker=self.replica_id, params=self.model.num_parameters(),
                            device=str(self.device), precision=cfg.precision,
-                           inner_steps=algo.inner_steps_done, pid=os.getpid())
+                           inner_steps=sync.inner_steps, pid=os.getpid())
         life_started = time.perf_counter() - (time.time() - self.born)  # on perf_counter's clock
         first_step = True
         loss_value = float("nan")
@@ -312,14 +308,13 @@ class Worker:
             outcome = self.sync.join()
             if outcome is not None:
                 self.metrics.write("join", worker=self.replica_id, committed=outcome.committed,
-                                   healed=bool(algo.last_round and algo.last_round.healed),
-                                   outer_step=algo.outer_step, step=algo.inner_steps_done,
+                                   healed=sync.healed, outer_step=sync.outer_step,
+                                   step=sync.inner_steps,
                                    fingerprint=self.fingerprint(), world_size=outcome.world_size,
                                    comm_s=round(outcome.comm_seconds, 4))
         slowdown = cfg.slowdown_of(self.index)
         stopped = interrupt.requested()
-        written = self.sync.checkpoint_writes
-        while not algo.finished() and not stopped:
+        while not sync.finished and not stopped:
             t0 = time.perf_counter()
             if first_step:  # imports, data, model, collectives, join, the start line
                 self.setup_s += t0 - life_started
@@ -338,17 +333,17 @@ class Worker:
                     self.pace_overruns += 1
             elif slowdown > 1:  # emulated slower device: stretch this step's compute
                 time.sleep((slowdown - 1) * (time.perf_counter() - t0))
-            waited_before = written.waited_s
+            waited_before = sync.checkpoint_wait_seconds
             outcome = self.sync.step(tokens)  # a round first lands the last checkpoint write
             if outcome.synced and outcome.committed:
                 self.widest_group = max(self.widest_group, outcome.world_size)
             elapsed = time.perf_counter() - t0
-            waited = written.waited_s - waited_before
+            waited = sync.checkpoint_wait_seconds - waited_before
             self.compute_s += elapsed - outcome.comm_seconds - waited
             self.comm_s += outcome.comm_seconds
             self.checkpoint_s += waited
             self.tokens += tokens
-            step = algo.inner_steps_done
+            step = sync.inner_steps
             fields = dict(
                 worker=self.replica_id, step=step, loss=round(loss_value, 5), tokens=self.tokens,
                 compute_s=round(self.compute_s, 4), comm_s=round(self.comm_s, 4),
@@ -362,7 +357,7 @@ class Worker:
                                    rejected=outcome.rejected, **fields)
             elif step % cfg.log_every == 0 or (outcome.synced and not outcome.committed):
                 self.metrics.write("step", **fields)
-            if algo.at_boundary(outcome) or algo.finished():
+            if sync.at_boundary(outcome) or sync.finished:
                 self._at_boundary(step)
             stopped = interrupt.requested() or (cfg.stop_at_step is not None
                                                 and step >= cfg.stop_at_step)
@@ -371,25 +366,25 @@ class Worker:
         pending = self.sync.finish()
         if pending is not None and not stopped:
             self._save()
-        finished = algo.finished()
+        finished = sync.finished
         t0 = time.perf_counter()
         model_sha256 = self._save_final_model() if finished else None
         self.checkpoint_s += time.perf_counter() - t0
         self._land_background_work()  # a stop too waits for the write in flight
         fingerprint, bytes_sent = self.fingerprint(), self.site_bytes_sent()
         self.metrics.write("end", worker=self.replica_id, finished=finished,
-                           inner_steps=algo.inner_steps_done, tokens=self.tokens,
+                           inner_steps=sync.inner_steps, tokens=self.tokens,
                            bytes_sent=bytes_sent,
                            compute_s=round(self.compute_s, 4), comm_s=round(self.comm_s, 4),
                            eval_s=round(self.eval_s, 4),
                            checkpoint_s=round(self.checkpoint_s, 4),
                            setup_s=round(self.setup_s, 4),
                            wall_s=round(self.wall(), 3),
-                           failed_rounds=self.sync.collective.stats.failed_rounds,
-                           pace_overruns=self.pace_overruns, outer_step=algo.outer_step,
+                           failed_rounds=sync.failed_rounds,
+                           pace_overruns=self.pace_overruns, outer_step=sync.outer_step,
                            widest_group=self.widest_group,
                            fingerprint=fingerprint, model_sha256=model_sha256,
-                           **algo.traffic())
+                           **sync.traffic())
         return 0 if finished or stopped else 1
 
     def _save_final_model(self) -> str:
