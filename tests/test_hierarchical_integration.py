@@ -94,7 +94,7 @@ def test_authenticated_islands_gate_their_lighthouses_and_sign_the_handoff(
     ({"algorithm": "hierarchical_diloco", "island_seconds": 2.0}, "island_seconds needs"),
     ({"algorithm": "hierarchical_diloco", "round_seconds": 2.0, "island_seconds": 5.0},
      "exceeds the global round's"),
-    ({"algorithm": "hierarchical_diloco", "backend": "hivemind"}, "torchft backend"),
+    ({"algorithm": "hierarchical_diloco", "backend": "hivemind"}, "torchft or inprocess backend"),
 ])
 def test_bad_topology_or_island_flags_are_clear_errors(values: dict, message: str) -> None:
     with pytest.raises(ConfigError, match=message):

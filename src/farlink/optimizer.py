@@ -200,14 +200,16 @@ class Optimizer:
                                else options.get("algorithm", "diloco")))
         algo_options = config
         if config is None:
-            if options.get("backend") == "hivemind" and not {"workers", "min_replicas"} & set(
-                    options):
-                raise ValueError(
-                    "on the hivemind backend say how many replicas a round waits for: "
-                    "workers=N (the N replicas you start; every round averages all of them) or "
-                    "min_replicas=M (elastic: a round commits with M or more)")
-            if "min_replicas" in options:  # a group of the replicas asked for, not of RunConfig's
-                options.setdefault("workers", options["min_replicas"])  # 4 launched workers
+            if options.get("backend") == "hivemind":
+                if not {"workers", "min_replicas"} & set(options):
+                    raise ValueError(
+                        "on the hivemind backend say how many replicas a round waits for: "
+                        "workers=N (the N replicas you start; every round averages all of them) "
+                        "or min_replicas=M (elastic: a round commits with M or more)")
+                # rounds of the replicas asked for, not of RunConfig's 4 launched workers, and
+                # of all of them unless said otherwise (initial_peers given or not)
+                options.setdefault("workers", options.get("min_replicas"))
+                options.setdefault("min_replicas", options["workers"])
             if inner_optimizer is not None:
                 options.setdefault("grad_clip", 0.0)  # the user's loop owns its gradients
                 if not lr_schedule:  # ... and its lr: farlink's warmup does not apply
