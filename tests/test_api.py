@@ -288,6 +288,25 @@ def test_global_links_are_refused_by_a_one_level_algorithm() -> None:
                           inner_steps=5, backend="inprocess", global_lighthouse="h:1")
 
 
+def test_a_loop_of_its_own_needs_only_the_public_surface(tmp_path: Path) -> None:
+    """What `farlink train`'s loop asks, a user's loop can: where the run is, when to
+    checkpoint, how long background writes held it, what failed."""
+    model, sync = replica(0, None, algorithm="diloco", inner_steps=5, steps=12)
+    boundaries = []
+    while not sync.finished:
+        x, y = data(0, sync.inner_steps)
+        nn.functional.mse_loss(model(x), y).backward()
+        outcome = sync.step(tokens=len(x))
+        if sync.at_boundary(outcome):
+            boundaries.append((sync.inner_steps, sync.outer_step, outcome.committed))
+            sync.save(tmp_path, background=True)
+    sync.wait_for_checkpoint()
+    assert boundaries == [(5, 1, True), (10, 2, True)] and sync.inner_steps == 12
+    assert sync.failed_rounds == 0 and not sync.healed and sync.traffic() == {}
+    assert sync.checkpoint_wait_seconds >= 0 and (tmp_path / "LATEST").exists()
+    sync.close()
+
+
 def test_options_that_do_not_exist_or_conflict_are_clear_errors() -> None:
     model = Tiny()
     with pytest.raises(ValueError, match="inner_stepz"):
