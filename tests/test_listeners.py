@@ -24,11 +24,15 @@ def rounds_committed(run_dir: Path) -> int:
                 for path in (run_dir / "metrics").glob("w*.jsonl")), default=0)
 
 
-@pytest.mark.parametrize("backend", ["torchft", "hivemind"])
-def test_loopback_run_binds_no_public_interface(tmp_path: Path, cache_dir: Path,
-                                                backend: str) -> None:
+@pytest.mark.parametrize(("backend", "ranks_per_worker"),
+                         [("torchft", 1), ("hivemind", 1), ("torchft", 2)])
+def test_loopback_run_binds_no_public_interface(tmp_path: Path, cache_dir: Path, backend: str,
+                                                ranks_per_worker: int) -> None:
+    """With ``ranks_per_worker=2`` each worker is a site: torchrun's agent, its store, the
+    site's own process group and rank 0's torchft store join the listeners checked."""
     run_dir = tmp_path / "run"
-    flags = [f"--{k.replace('_', '-')}={v}" for k, v in {**BASE, "backend": backend}.items()]
+    options = {**BASE, "backend": backend, "ranks_per_worker": ranks_per_worker}
+    flags = [f"--{k.replace('_', '-')}={v}" for k, v in options.items()]
     launcher = subprocess.Popen(
         [sys.executable, "-c", "from farlink.cli import main; main()", "train", *flags,
          "--run-dir", str(run_dir), "--cache-dir", str(cache_dir)],

@@ -102,6 +102,9 @@ class Site:
         if self.size == 1:
             return self
         if not dist.is_initialized():
+            from farlink.comm.torchft_listeners import bind_gloo_to
+
+            bind_gloo_to(host)  # Gloo's pairs listen on host's interface, not the hostname's
             cuda = device is not None and device.type == "cuda"
             if cuda:
                 torch.cuda.set_device(device)
