@@ -5,6 +5,7 @@ lists the sockets; this reads the real ones from /proc during a real run."""
 from __future__ import annotations
 
 import ipaddress
+import os
 import subprocess
 import sys
 import time
@@ -57,3 +58,19 @@ def test_loopback_run_binds_no_public_interface(tmp_path: Path, cache_dir: Path,
     public = [(names[pid][:80], host, port) for pid, host, port in sockets
               if not ipaddress.ip_address(host).is_loopback]
     assert not public, public
+
+
+def test_a_site_without_an_agent_hosts_its_store_on_master_addr(monkeypatch) -> None:  # noqa: ANN001
+    """Ranks started without torchrun's agent (RANK, WORLD_SIZE, MASTER_ADDR/PORT set by
+    hand): rank 0 hosts the site's store, on MASTER_ADDR only (torch's own: every interface)."""
+    from farlink.parallel.sharding import Site
+    from farlink.train.lighthouse import free_port
+
+    port = free_port()
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(port))
+    monkeypatch.delenv("TORCHELASTIC_USE_AGENT_STORE", raising=False)
+    store = Site(rank=0, size=2)._rendezvous()
+    store.set("up", "1")
+    assert [(host, p) for _, host, p in listening({os.getpid()}) if p == port] == [
+        ("127.0.0.1", port)]
