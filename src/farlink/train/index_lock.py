@@ -8,8 +8,8 @@ checkpoints would turn wrong without an error. So a worker holds an exclusive ``
 however it ends (SIGKILL, an OOM kill, a power cut), so the index of a crashed worker is free at
 once for ``--resume``, and there is never a stale lock to remove by hand.
 
-``farlink join`` asks first (:func:`holder`, :func:`earlier_files`) so that it can refuse with
-the fix (a free index, or ``--resume``) before it starts anything.
+``farlink join`` asks first (:func:`check_joinable`) so that it can refuse with the fix (a free
+index, or ``--resume``) before it starts anything.
 """
 
 from __future__ import annotations
