@@ -8,6 +8,9 @@ way torchft's own examples do)::
     TORCHFT_LIGHTHOUSE=http://HOST:29510 REPLICA_GROUP_ID=0 \\
         torchrun --nnodes 1 --nproc-per-node 8 examples/fsdp_sites.py --site-worker
 
+(torchrun's store listens on every interface; ``python -m farlink.parallel.site_agent --host
+ADDR`` in its place, with the same arguments, keeps it on ADDR. This script starts its sites so.)
+
 Inside a site the model is sharded over its ranks with ``fully_shard`` (Gloo on CPU, NCCL on
 GPUs) and each rank takes its slice of the site's batch; across sites farlink's DiLoCo averages
 pseudo-gradients, each rank only its own shard, with the same rank of the other sites. The lines
@@ -113,13 +116,14 @@ def site_worker(args: argparse.Namespace) -> dict:
 
 
 def site_command(args: argparse.Namespace, site: int) -> list[str]:
-    """How this machine starts one site: torchrun for several ranks, python for one."""
+    """How this machine starts one site: torchrun for several ranks (through farlink's
+    site_agent, whose store listens on loopback, not on every interface), python for one."""
     script = [__file__, "--site-worker", "--steps", str(args.steps), "--batch", str(args.batch),
               "--inner-steps", str(args.inner_steps), "--min-replicas", str(args.min_replicas),
               "--workdir", str(args.workdir)]
     if args.ranks == 1:
         return [sys.executable, *script]
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone",
+    return [sys.executable, "-m", "farlink.parallel.site_agent", "--host", "127.0.0.1",
             f"--nproc-per-node={args.ranks}", f"--max-restarts={args.max_restarts}", *script]
 
 

@@ -102,11 +102,14 @@ def _restart_run(quorum_timeout: float, join_timeout: float, outage: float) -> d
     return logs
 
 
-def test_short_quorum_timeout_rides_out_a_restart() -> None:
+@pytest.mark.parametrize("outage", [3.0, 5.0])
+def test_short_quorum_timeout_rides_out_a_restart(outage: float) -> None:
     """--quorum-timeout at or below --join-timeout + 10 s used to leave a single attempt that a
     request stuck on the killed Lighthouse used up entirely; an outage shorter than
-    --quorum-timeout must be ridden out whatever the two are set to."""
-    logs = _restart_run(quorum_timeout=6, join_timeout=3, outage=3)
+    --quorum-timeout must be ridden out whatever the two are set to, even one that ends just
+    before the quorum timeout (5 s of 6: the wait counts from the first failed attempt,
+    which comes after the kill)."""
+    logs = _restart_run(quorum_timeout=6, join_timeout=3, outage=outage)
     for kind, payload in logs.values():
         assert kind == "done", payload
         assert [r[0] for r in payload] == list(range(6))

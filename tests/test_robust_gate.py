@@ -4,6 +4,7 @@ never answers) ever reaches the service behind it."""
 
 from __future__ import annotations
 
+import logging
 import socket
 import struct
 import threading
@@ -313,6 +314,37 @@ def test_flood_of_refusals_keeps_the_log_small(service, tmp_path: Path):
     lines = log_path.read_text().splitlines()
     assert len(lines) == 21, len(lines)  # one window's burst, then the line with the count
     assert "280 more refused lines left out" in lines[-1]
+
+
+def test_flood_of_failed_tunnel_connections_keeps_the_log_small(service, caplog):
+    """A worker's tunnel handshakes every local connection with the gate. Once the gate refuses
+    this peer (restarted under another secret), a local client retrying in a loop must not write
+    a log line per attempt: at most 20 per 10 s, then one line counting those left out."""
+    first = Gate(SharedSecretAuth("s", "gate"), ("127.0.0.1", service.port),
+                 name="Lighthouse").start()
+    tunnel = Tunnel(SharedSecretAuth("s", "w0"), ("127.0.0.1", first.port),
+                    name="Lighthouse").start()
+    first.close()
+    rotated = Gate(SharedSecretAuth("rotated", "gate"), ("127.0.0.1", service.port),
+                   port=first.port, name="Lighthouse").start()
+    caplog.set_level(logging.ERROR, logger="farlink.robust.gate")
+    reached = service.connections
+    try:
+        for _ in range(300):
+            with socket.create_connection(("127.0.0.1", tunnel.port), timeout=10) as s:
+                assert s.recv(1) == b""  # closed by the tunnel: nothing relayed
+        time.sleep(10.2)  # the limiter's 10 s window is over: the next line counts the skipped
+        with socket.create_connection(("127.0.0.1", tunnel.port), timeout=10) as s:
+            assert s.recv(1) == b""
+    finally:
+        tunnel.close()
+        rotated.close()
+    lines = [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR]
+    assert all("refused this peer" in line for line in lines), lines[:3]
+    assert len(lines) == 21, len(lines)  # one window's burst, then the line with the count
+    assert "(280 similar lines left out)" in lines[-1]
+    assert isinstance(tunnel.failure, GateRefused)
+    assert service.connections == reached
 
 
 def test_turned_away_before_the_challenge_is_not_called_a_refusal():

@@ -145,6 +145,61 @@ def test_join_with_the_run_config_never_rewrites_it(tmp_path: Path, cache_dir: P
         lighthouse.stop()
 
 
+def starts(run_dir: Path, worker: str) -> list[dict]:
+    path = run_dir / "metrics" / f"{worker}.jsonl"
+    return [r for r in read_metrics(path) if r["kind"] == "start"] if path.is_file() else []
+
+
+def wait_for_start(run_dir: Path, worker: str, proc: subprocess.Popen, count: int) -> None:
+    """Until ``worker`` has started ``count`` lives (it then holds its index)."""
+    deadline = time.monotonic() + 120
+    while len(starts(run_dir, worker)) < count:
+        assert proc.poll() is None, f"{worker} exited with {proc.returncode}"
+        assert time.monotonic() < deadline, f"{worker} never started"
+        time.sleep(0.3)
+
+
+def test_join_refuses_an_index_in_use_and_continues_its_own_after_a_crash(
+        tmp_path: Path, cache_dir: Path) -> None:
+    """A second process as worker 0 would share its metrics, its checkpoints and its replica
+    id: a joiner is refused with a free index. Once worker 0 is SIGKILLed its index is free, a
+    plain join of it is told to --resume, and `join --resume --index 0` takes it."""
+    from farlink.data import prepare_data
+    from farlink.train.index_lock import IndexInUse, check_joinable, holder
+    from farlink.train.launcher import _stop_all, spawn_worker
+
+    cfg = load_config(None, {**TINY, "min_replicas": 2, "run_dir": tmp_path / "run",
+                             "cache_dir": cache_dir})
+    write_run_config(cfg)
+    prepare_data(cfg.corpus, cfg.vocab_size, cfg.cache_dir)
+    lighthouse = Lighthouse(min_replicas=2, join_timeout=5).start()
+    join = ["join", "--config", str(cfg.run_dir / "config.toml"), "--lighthouse",
+            lighthouse.address, "--index", "0"]
+    procs = [spawn_worker(cfg, 0, lighthouse.address, resume=False)]
+    try:  # worker 0 is in: it waits for a quorum that no one else joins
+        wait_for_start(cfg.run_dir, "w0", procs[0], 1)
+        record = (cfg.run_dir / "metrics" / "w0.jsonl").read_bytes()
+        code, out = farlink(*join, timeout=90)
+        assert code == 2 and "in use by a live worker" in out and "--index 1" in out, out
+        assert procs[0].poll() is None and starts(cfg.run_dir, "w0")[0]["pid"] == procs[0].pid
+        assert (cfg.run_dir / "metrics" / "w0.jsonl").read_bytes() == record
+
+        procs[0].kill()
+        procs[0].wait()
+        with pytest.raises(IndexInUse, match=r"continue that worker with --resume.*--index 1"):
+            check_joinable(cfg.run_dir, 0, resume=False)  # what `join` without --resume says
+        procs.append(subprocess.Popen([sys.executable, "-m", "farlink.cli", *join, "--resume"],
+                                      stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+        deadline = time.monotonic() + 120  # past the checks, it holds index 0 as its worker
+        while holder(cfg.run_dir, 0) != procs[1].pid:
+            assert procs[1].poll() is None, f"join --resume exited with {procs[1].returncode}"
+            assert time.monotonic() < deadline, "join --resume never took its index"
+            time.sleep(0.3)
+    finally:
+        _stop_all(procs)
+        lighthouse.stop()
+
+
 @pytest.mark.parametrize("change", [{"model": "small"}, {"seq_len": 32}, {"corpus": "other.txt"},
                                     {"seed": 7}, {"batch_size": 2}, {"workers": 3},
                                     {"algorithm": "local_sgd"}, {"inner_steps": 4}])

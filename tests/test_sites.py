@@ -60,7 +60,7 @@ def _site_ranks(root: int, site: int) -> list[int]:
             environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
         except OSError:
             continue
-        if (b"--site-worker" in cmdline and b"torch.distributed.run" not in cmdline
+        if (b"--site-worker" in cmdline and b"farlink.parallel.site_agent" not in cmdline
                 and f"REPLICA_GROUP_ID={site}".encode() in environ
                 and any(e.startswith(b"LOCAL_RANK=") for e in environ)):
             ranks.append(pid)

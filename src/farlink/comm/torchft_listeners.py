@@ -69,10 +69,11 @@ def bind_gloo_to(host: str) -> None:
         os.environ["GLOO_SOCKET_IFNAME"] = name
 
 
-def store_listener(host: str) -> int:
-    """A listening socket on ``host`` for a master TCPStore (``master_listen_fd``): given a
-    host alone, the store listens on every interface. The store owns the descriptor."""
-    sock = socket.create_server((host, 0), family=_family(host), backlog=128)
+def store_listener(host: str, port: int = 0) -> int:
+    """A listening socket on ``host`` (``port``; 0: a free one) for a master TCPStore
+    (``master_listen_fd``): given a host alone, the store listens on every interface. The
+    store owns the descriptor."""
+    sock = socket.create_server((host, port), family=_family(host), backlog=128)
     return sock.detach()
 
 

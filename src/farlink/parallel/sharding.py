@@ -102,6 +102,9 @@ class Site:
         if self.size == 1:
             return self
         if not dist.is_initialized():
+            from farlink.comm.torchft_listeners import bind_gloo_to
+
+            bind_gloo_to(host)  # Gloo's pairs listen on host's interface, not the hostname's
             cuda = device is not None and device.type == "cuda"
             if cuda:
                 torch.cuda.set_device(device)
@@ -122,18 +125,22 @@ class Site:
         return self
 
     def _rendezvous(self):
-        """The store the site's ranks meet in: torchrun's (MASTER_ADDR/PORT; its agent hosts it)
-        under a prefix of this start's number, so ranks restarted by ``--max-restarts`` never
+        """The store the site's ranks meet in, at MASTER_ADDR/PORT: torchrun's agent's, or
+        rank 0's when no agent hosts one (ranks started by hand), under a prefix of this start's
+        number, so ranks restarted by ``--max-restarts`` never
         read the addresses their previous life published there."""
         from datetime import timedelta
 
         from torch.distributed import PrefixStore, TCPStore
 
-        agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
-        store = TCPStore(os.environ.get("MASTER_ADDR", "127.0.0.1"),
-                         int(os.environ["MASTER_PORT"]), self.size,
-                         is_master=self.rank == 0 and not agent, wait_for_workers=False,
-                         timeout=timedelta(minutes=10))
+        from farlink.comm.torchft_listeners import store_listener
+
+        address, port = os.environ.get("MASTER_ADDR", "127.0.0.1"), int(os.environ["MASTER_PORT"])
+        # without an agent's store rank 0 hosts it, on MASTER_ADDR (torch's: every interface)
+        hosts = self.rank == 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True"
+        listener = {"master_listen_fd": store_listener(address, port)} if hosts else {}
+        store = TCPStore(address, port, self.size, is_master=hosts, wait_for_workers=False,
+                         timeout=timedelta(minutes=10), **listener)
         attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
         return PrefixStore(f"farlink-site/attempt-{attempt}", store)
 

@@ -114,9 +114,12 @@ def register(app: typer.Typer, bench_app: typer.Typer) -> None:
         It downloads the current parameters and outer-optimizer state from a live peer during
         its first quorum and contributes from the next round on. It writes only its own files
         (its metrics, checkpoints, final model); a run dir that already holds a run's config
-        keeps it as it is, and its own run dir gets its config.
+        keeps it as it is, and its own run dir gets its config. An index a live worker holds is
+        refused (naming a free one); one an earlier worker left files for is continued only with
+        --resume (after a crash: the same command with --resume).
         """
         from farlink.robust.auth import run_secret
+        from farlink.train.index_lock import check_joinable
         from farlink.train.rundir import check_resume, write_run_config
         from farlink.train.worker import run_worker
 
@@ -125,6 +128,7 @@ def register(app: typer.Typer, bench_app: typer.Typer) -> None:
             typer.secho("error: --lighthouse ADDR is required to join", fg="red", err=True)
             raise typer.Exit(2)
         try:
+            check_joinable(cfg.run_dir, index, cfg.resume)
             run_secret(cfg)  # a missing or exposed secret fails here, not in the first round
             if cfg.resume:
                 check_resume(cfg)

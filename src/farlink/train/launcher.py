@@ -66,14 +66,15 @@ def write_model_files(cfg: RunConfig, data: PreparedData) -> None:
 
 def worker_command(run_dir: Path, index: int, lighthouse: str, resume: bool,
                    join: bool = False, stop_at_step: int | None = None,
-                   ranks: int = 1) -> list[str]:
+                   ranks: int = 1, host: str = "127.0.0.1") -> list[str]:
     """A worker's argv: the run dir holds its config; this invocation's own flags (resume,
     join, a stop point) ride along here. Never a secret: argv is visible to every local user.
-    A worker of several ranks is a site on this machine: torchrun starts its ranks."""
+    A worker of several ranks is a site on this machine: torchrun starts its ranks, through
+    :mod:`farlink.parallel.site_agent` so that the site's store listens on ``host`` only."""
     python = [sys.executable]
     if ranks > 1:
-        python += ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}",
-                   "--max-restarts=0"]
+        python += ["-m", "farlink.parallel.site_agent", "--host", host,
+                   f"--nproc-per-node={ranks}", "--max-restarts=0"]
     argv = [*python, "-m", "farlink.train.worker", str(run_dir), str(index),
             "--lighthouse", lighthouse]
     if stop_at_step is not None:
@@ -96,7 +97,7 @@ def spawn_worker(cfg: RunConfig, index: int, lighthouse: str, resume: bool,
     env.update(extra_env or {})
     out = open(logs / f"w{index}.log", "ab")
     argv = worker_command(cfg.run_dir, index, lighthouse, resume, join, cfg.stop_at_step,
-                          cfg.ranks_per_worker)
+                          cfg.ranks_per_worker, cfg.host)
     if cfg.ranks_per_worker > 1:
         env["REPLICA_GROUP_ID"] = str(index)
     # a new session: Ctrl-C reaches the launcher only, and it stops workers in order

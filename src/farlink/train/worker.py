@@ -466,12 +466,23 @@ def run_worker(cfg: RunConfig, index: int, lighthouse: str, joining: bool = Fals
     watch_parent()  # a launcher killed with SIGKILL leaves no worker behind
     from farlink.comm.errors import MembershipRefused
     from farlink.robust.gate import AdmissionError
+    from farlink.train.index_lock import IndexInUse, IndexLock
 
+    lock = None
     try:
+        # one live process per index; a site's rank 0 holds it for the site (a previous life
+        # of this worker, just killed, may still be exiting: wait a little for it)
+        if cfg.ranks_per_worker == 1 or os.environ.get("RANK", "0") == "0":
+            lock = IndexLock(cfg.run_dir, index, wait_s=10.0)
         worker = Worker(cfg, index, lighthouse, joining=joining, collective=collective)
     except BaseException as exc:
+        if lock is not None:
+            lock.release()
         if collective is not None:  # the worker that would have closed it does not exist
             collective.close()
+        if isinstance(exc, IndexInUse):
+            print(f"error: {exc}", file=sys.stderr, flush=True)
+            return 2
         if isinstance(exc, (AdmissionError, MembershipRefused)):  # say why; no retrying
             print(f"error: {exc}", file=sys.stderr, flush=True)
             return 3
@@ -496,6 +507,8 @@ def run_worker(cfg: RunConfig, index: int, lighthouse: str, joining: bool = Fals
         return EXIT_DISK_FULL
     finally:
         worker.close()
+        if lock is not None:
+            lock.release()
     return code
 
 
