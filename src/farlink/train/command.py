@@ -8,6 +8,7 @@ The flags are generated from the pydantic model, so a new option needs one line 
 from __future__ import annotations
 
 import inspect
+import os
 from pathlib import Path
 from typing import Any, Optional, get_args, get_origin
 
@@ -131,7 +132,8 @@ def register(app: typer.Typer, bench_app: typer.Typer) -> None:
         except ValueError as exc:
             typer.secho(f"error: {exc}", fg="red", err=True)
             raise typer.Exit(2) from None
-        if not (cfg.run_dir / "config.json").is_file():
+        site_rank = int(os.environ.get("RANK", "0"))  # under torchrun: one writer per site
+        if site_rank == 0 and not (cfg.run_dir / "config.json").is_file():
             write_run_config(cfg)  # a joiner's own run dir
         raise typer.Exit(run_worker(cfg, index, cfg.lighthouse, joining=True))
 

@@ -166,9 +166,14 @@ class Worker:
                        sampler=self.sampler.state_dict(), model=self.cfg.model,
                        compute_s=self.compute_s, comm_s=self.comm_s, eval_s=self.eval_s,
                        checkpoint_s=self.checkpoint_s, setup_s=self.setup_s, wall_s=self.wall())
-        if self.speaks:
-            self.sync.ledger.save(self.cfg.run_dir / "ledger" / f"{self.replica_id}.json")
+        self.sync.ledger.save(self.cfg.run_dir / "ledger" / self.ledger_name())
         self.checkpoint_s += time.perf_counter() - t0
+
+    def ledger_name(self) -> str:
+        """Each rank judges the updates of its own shard, so each keeps its own ledger:
+        ``wI.json`` (rank 0, the whole replica when K=1), ``wI.rankR.json`` for rank R > 0."""
+        rank = 0 if self.site is None else self.site.rank
+        return f"{self.replica_id}.json" if rank == 0 else f"{self.replica_id}.rank{rank}.json"
 
     def _resume(self) -> None:
         try:

@@ -1,0 +1,109 @@
+"""Sites started by a standard launcher: ``torchrun -m farlink.worker`` with torchft's variables.
+
+Real processes: a torchft Lighthouse, and two sites, each the real ``torchrun`` of 2 ranks with
+its own run dir (as two nodes would have), told the Lighthouse and their replica group only
+through ``TORCHFT_LIGHTHOUSE`` and ``REPLICA_GROUP_ID``. The README's two-node recipe is this
+command.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("torchft")
+
+RUN_FLAGS = ["--workers", "2", "--steps", "30", "--inner-steps", "10", "--warmup-steps", "10",
+             "--batch-size", "8", "--vocab-size", "512", "--seq-len", "64",
+             "--eval-batches", "4"]
+
+
+def site_command(run_dir: Path, cache_dir: Path, *extra: str) -> list[str]:
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone",
+            "--nproc-per-node", "2", "-m", "farlink.worker", "--run-dir", str(run_dir),
+            "--cache-dir", str(cache_dir), *RUN_FLAGS, *extra]
+
+
+def records(path: Path, kind: str) -> list[dict]:
+    lines = path.read_text().splitlines()
+    return [r for r in map(json.loads, lines) if r["kind"] == kind]
+
+
+def start_sites(tmp_path: Path, cache_dir: Path, lighthouse: str, *extra: str,
+                env_extra: dict[str, str] | None = None) -> list[subprocess.Popen]:
+    sites = []
+    for index in range(2):
+        env = {**os.environ, "TORCHFT_LIGHTHOUSE": lighthouse, "REPLICA_GROUP_ID": str(index),
+               "OMP_NUM_THREADS": "1", **(env_extra or {})}
+        log = open(tmp_path / f"site{index}.log", "wb")
+        sites.append(subprocess.Popen(site_command(tmp_path / f"site{index}", cache_dir, *extra),
+                                      env=env, stdout=log, stderr=subprocess.STDOUT))
+    return sites
+
+
+def wait_all(tmp_path: Path, sites: list[subprocess.Popen], timeout: float = 300) -> None:
+    try:
+        for index, proc in enumerate(sites):
+            code = proc.wait(timeout=timeout)
+            log = (tmp_path / f"site{index}.log").read_text()[-4000:]
+            assert code == 0, f"site {index} exited {code}:\n{log}"
+    finally:
+        for proc in sites:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+
+
+def test_two_torchrun_sites_train_one_model_from_torchft_variables(tmp_path, cache_dir):
+    from farlink.data import prepare_data
+    from farlink.train.lighthouse import Lighthouse
+
+    prepare_data("kjv", 512, cache_dir)  # the tokenizer once, not by four ranks at a time
+    lighthouse = Lighthouse(min_replicas=2, join_timeout=10, heartbeat_timeout=3,
+                            log_path=tmp_path / "lighthouse.log").start()
+    try:
+        wait_all(tmp_path, start_sites(tmp_path, cache_dir, lighthouse.address))
+    finally:
+        lighthouse.stop()
+    ends = [records(tmp_path / f"site{i}" / "metrics" / f"w{i}.jsonl", "end")[-1]
+            for i in range(2)]
+    assert all(e["finished"] and e["outer_step"] == 3 for e in ends), ends
+    assert all(e["widest_group"] == 2 for e in ends), ends  # every round averaged both sites
+    assert ends[0]["fingerprint"] == ends[1]["fingerprint"]  # one model, held by both sites
+    for index in range(2):
+        run = tmp_path / f"site{index}"
+        saved = json.loads((run / "config.json").read_text())
+        assert saved["ranks_per_worker"] == 2  # from WORLD_SIZE, not repeated as a flag
+        assert saved["lighthouse"] == lighthouse.address  # from TORCHFT_LIGHTHOUSE
+        # one metrics file per site, each rank's own checkpoints and ledger
+        assert [p.name for p in (run / "metrics").iterdir()] == [f"w{index}.jsonl"]
+        assert sorted(p.name for p in (run / "checkpoints" / f"w{index}").iterdir()) == \
+            ["rank0", "rank1"]
+        assert sorted(p.name for p in (run / "ledger").iterdir()) == \
+            [f"w{index}.json", f"w{index}.rank1.json"]
+        assert (run / "tokenizer.json").is_file()  # rank 0 wrote the run's shared files
+        assert (run / "final" / f"w{index}.safetensors").is_file()
+
+
+def test_a_site_without_its_replica_group_is_told_what_to_set(tmp_path):
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("REPLICA_GROUP_ID", "TORCHFT_LIGHTHOUSE")}
+    run = subprocess.run([sys.executable, "-m", "farlink.worker", "--run-dir",
+                          str(tmp_path / "r")], env=env, capture_output=True, text=True,
+                         timeout=120)
+    assert run.returncode == 2 and "REPLICA_GROUP_ID" in run.stderr, run.stderr
+    run = subprocess.run([sys.executable, "-m", "farlink.worker", "--run-dir",
+                          str(tmp_path / "r")], env={**env, "REPLICA_GROUP_ID": "1"},
+                         capture_output=True, text=True, timeout=120)
+    assert run.returncode == 2 and "TORCHFT_LIGHTHOUSE" in run.stderr, run.stderr
+    run = subprocess.run([sys.executable, "-m", "farlink.worker", "--index", "0", "--run-dir",
+                          str(tmp_path / "r")], env={**env, "REPLICA_GROUP_ID": "1",
+                                                     "TORCHFT_LIGHTHOUSE": "http://h:1"},
+                         capture_output=True, text=True, timeout=120)
+    assert run.returncode == 2 and "--index 0 but REPLICA_GROUP_ID=1" in run.stderr, run.stderr
+    assert not (tmp_path / "r").exists()  # refused before anything was written
