@@ -162,3 +162,5 @@ def test_ranks_per_worker_refuses_what_cannot_run_on_shards():
         RunConfig(backend="inprocess", ranks_per_worker=2)
     with pytest.raises(ValueError, match="batch_size=9 does not split"):
         RunConfig(batch_size=9, ranks_per_worker=2)
+    with pytest.raises(ValueError, match="give --device cuda"):
+        RunConfig(device="cuda:1", ranks_per_worker=2)

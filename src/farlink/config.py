@@ -282,6 +282,11 @@ class RunConfig(*algorithm_options()):
         if self.backend != "torchft":
             raise ValueError(f"ranks_per_worker={k} runs on the torchft backend (a replica "
                              f"group of {k} ranks), not {self.backend}")
+        if self.device.startswith("cuda:"):
+            raise ValueError(f"device={self.device} with ranks_per_worker={k} puts all {k} ranks "
+                             "of a site on one GPU (NCCL refuses that): give --device cuda (or "
+                             "auto), which puts rank r on cuda:LOCAL_RANK, and choose the GPUs "
+                             "with CUDA_VISIBLE_DEVICES")
         if self.batch_size % k:
             raise ValueError(f"batch_size={self.batch_size} does not split over "
                              f"ranks_per_worker={k}: give a multiple of {k}")
