@@ -140,6 +140,26 @@ def test_train_with_two_ranks_per_worker_matches_one_rank(tmp_path, cache_dir):
     assert all(whole[k].shape == sharded[k].shape for k in whole)
 
 
+def test_ddp_inside_sites_matches_one_rank(tmp_path, cache_dir):
+    cfg, ddp = site_run(tmp_path, cache_dir, "ddp", ranks_per_worker=2, sharding="ddp")
+    _, plain = site_run(tmp_path, cache_dir, "k1")
+    assert ddp.returncodes == [0, 0] and plain.returncodes == [0, 0]
+    s2, s1 = ddp.summary, plain.summary
+    assert s2["final_replicas"]["consistent"] and s2["widest_group"] == 2
+    # gradients averaged over the site's ranks: the same model from the same global batch
+    loss2, loss1 = s2["final_heldout_loss"], s1["final_heldout_loss"]
+    assert abs(loss2 - loss1) <= 1e-4 * loss1, (loss2, loss1)
+    # each rank sends a 1/K slice: a site moves what one replica moves
+    bytes2, bytes1 = s2["per_worker"]["w0"]["bytes_sent"], s1["per_worker"]["w0"]["bytes_sent"]
+    assert abs(bytes2 - bytes1) <= 1e-3 * bytes1, (bytes2, bytes1)
+    # every rank ends holding the whole replica: rank 1's slice reached rank 0's export
+    from safetensors.torch import load_file
+
+    whole, mine = load_file(str(tmp_path / "k1" / "model.safetensors")), \
+        load_file(str(cfg.run_dir / "model.safetensors"))
+    assert max((whole[k] - mine[k]).abs().max().item() for k in whole) < 1e-3
+
+
 @pytest.mark.slow
 def test_a_site_stopped_and_resumed_ends_bit_exact(tmp_path, cache_dir):
     _, straight = site_run(tmp_path, cache_dir, "straight", ranks_per_worker=2)
@@ -162,5 +182,7 @@ def test_ranks_per_worker_refuses_what_cannot_run_on_shards():
         RunConfig(backend="inprocess", ranks_per_worker=2)
     with pytest.raises(ValueError, match="batch_size=9 does not split"):
         RunConfig(batch_size=9, ranks_per_worker=2)
+    with pytest.raises(ValueError, match="use --sharding fsdp"):
+        RunConfig(algorithm="streaming_diloco", ranks_per_worker=2, sharding="ddp")
     with pytest.raises(ValueError, match="give --device cuda"):
         RunConfig(device="cuda:1", ranks_per_worker=2)

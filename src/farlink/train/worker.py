@@ -86,10 +86,11 @@ class Worker:
         self.data = prepare_data(cfg.corpus, cfg.vocab_size, cfg.cache_dir,
                                  tokenizer=cfg.given_tokenizer)
         self.model = build_model(cfg, self.data.vocab_size).to(self.device)
-        if self.site is not None:
+        if self.site is not None and cfg.sharding == "fsdp":
             from farlink.parallel.sharding import shard_model
 
             shard_model(self.model)  # FSDP2 over the site's ranks: each holds 1/K of it
+        # with ddp every rank holds the whole replica; farlink.Optimizer averages the gradients
         self.sampler = ShardSampler(
             self.data.train, shard=index % cfg.workers, num_shards=cfg.workers,
             seq_len=cfg.seq_len, batch_size=cfg.batch_size, seed=cfg.seed,
