@@ -34,15 +34,15 @@ def records(path: Path, kind: str) -> list[dict]:
     return [r for r in map(json.loads, lines) if r["kind"] == kind]
 
 
-def start_sites(tmp_path: Path, cache_dir: Path, lighthouse: str, *extra: str,
-                env_extra: dict[str, str] | None = None) -> list[subprocess.Popen]:
+def start_sites(tmp_path: Path, cache_dir: Path, lighthouse: str,
+                flags_of=lambda index: []) -> list[subprocess.Popen]:  # noqa: ANN001
     sites = []
     for index in range(2):
         env = {**os.environ, "TORCHFT_LIGHTHOUSE": lighthouse, "REPLICA_GROUP_ID": str(index),
-               "OMP_NUM_THREADS": "1", **(env_extra or {})}
+               "OMP_NUM_THREADS": "1"}
         log = open(tmp_path / f"site{index}.log", "wb")
-        sites.append(subprocess.Popen(site_command(tmp_path / f"site{index}", cache_dir, *extra),
-                                      env=env, stdout=log, stderr=subprocess.STDOUT))
+        argv = site_command(tmp_path / f"site{index}", cache_dir, *flags_of(index))
+        sites.append(subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT))
     return sites
 
 
@@ -88,6 +88,42 @@ def test_two_torchrun_sites_train_one_model_from_torchft_variables(tmp_path, cac
             [f"w{index}.json", f"w{index}.rank1.json"]
         assert (run / "tokenizer.json").is_file()  # rank 0 wrote the run's shared files
         assert (run / "final" / f"w{index}.safetensors").is_file()
+
+
+def test_sites_signing_with_their_own_ed25519_keys_and_trimming(tmp_path, cache_dir):
+    """Each site signs with its own key (every rank of a site with the site's key); every rank
+    checks the other site's signature on its shard and aggregates with a trimmed mean."""
+    from farlink.data import prepare_data
+    from farlink.robust.auth import make_authenticator
+    from farlink.robust.keys import generate_keypair, load_allowed_keys
+    from farlink.train.lighthouse import Lighthouse
+
+    members = tmp_path / "members"
+    keys = [members / f"site{i}.key" for i in range(2)]
+    for key in keys:
+        generate_keypair(key)
+    ids = sorted(load_allowed_keys(members))
+    prepare_data("kjv", 512, cache_dir)
+    gate = make_authenticator("ed25519", allowed_keys=members, peer_id="lighthouse-gate")
+    lighthouse = Lighthouse(min_replicas=2, join_timeout=10, heartbeat_timeout=3,
+                            log_path=tmp_path / "lighthouse.log", authenticator=gate).start()
+    try:
+        flags = lambda i: ["--steps", "20", "--auth", "ed25519", "--key-file", str(keys[i]),  # noqa: E731
+                           "--allowed-keys", str(members), "--aggregator", "trimmed_mean"]
+        wait_all(tmp_path, start_sites(tmp_path, cache_dir, lighthouse.address, flags))
+    finally:
+        lighthouse.stop()
+    ends = [records(tmp_path / f"site{i}" / "metrics" / f"w{i}.jsonl", "end")[-1]
+            for i in range(2)]
+    assert all(e["finished"] and e["outer_step"] == 2 for e in ends), ends
+    assert ends[0]["fingerprint"] == ends[1]["fingerprint"]
+    for index in range(2):
+        for name in (f"w{index}.json", f"w{index}.rank1.json"):
+            ledger = tmp_path / f"site{index}" / "ledger" / name
+            peers = json.loads(ledger.read_text())["peers"]
+            assert sorted(peers) == ids, (name, peers)  # named by their keys
+            assert all(p["updates_accepted"] == 2 and p["updates_rejected"] == 0
+                       for p in peers.values()), (name, peers)
 
 
 def test_a_site_without_its_replica_group_is_told_what_to_set(tmp_path):

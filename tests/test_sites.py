@@ -160,6 +160,23 @@ def test_ddp_inside_sites_matches_one_rank(tmp_path, cache_dir):
     assert max((whole[k] - mine[k]).abs().max().item() for k in whole) < 1e-3
 
 
+def test_sites_with_a_secret_a_lossy_codec_and_a_robust_aggregator(tmp_path, cache_dir):
+    """Each rank MACs, compresses (int4 with error feedback) and aggregates (median) its own
+    shard; the sites still end on one model, and every rank's ledger accepted every update."""
+    cfg, run = site_run(tmp_path, cache_dir, "trust", ranks_per_worker=2, steps=20,
+                        auth="secret", secret="the-run-secret", codec="int4+ef",
+                        aggregator="median")
+    assert run.returncodes == [0, 0]
+    assert run.summary["final_replicas"]["consistent"] and run.summary["widest_group"] == 2
+    ledgers = sorted(p.name for p in (cfg.run_dir / "ledger").iterdir())
+    assert ledgers == ["w0.json", "w0.rank1.json", "w1.json", "w1.rank1.json"]
+    for name in ledgers:
+        peers = json.loads((cfg.run_dir / "ledger" / name).read_text())["peers"]
+        assert sorted(peers) == ["w0", "w1"], (name, peers)
+        assert all(p["updates_accepted"] == 2 and p["updates_rejected"] == 0
+                   for p in peers.values()), (name, peers)
+
+
 @pytest.mark.slow
 def test_a_site_stopped_and_resumed_ends_bit_exact(tmp_path, cache_dir):
     _, straight = site_run(tmp_path, cache_dir, "straight", ranks_per_worker=2)
