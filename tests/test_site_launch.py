@@ -143,3 +143,14 @@ def test_a_site_without_its_replica_group_is_told_what_to_set(tmp_path):
                          capture_output=True, text=True, timeout=120)
     assert run.returncode == 2 and "--index 0 but REPLICA_GROUP_ID=1" in run.stderr, run.stderr
     assert not (tmp_path / "r").exists()  # refused before anything was written
+
+
+def test_the_launchers_worker_takes_the_lighthouse_from_torchft_lighthouse(tmp_path):
+    argv = [sys.executable, "-m", "farlink.train.worker", str(tmp_path / "none"), "0"]
+    env = {k: v for k, v in os.environ.items() if k != "TORCHFT_LIGHTHOUSE"}
+    without = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=120)
+    assert without.returncode == 2 and "--lighthouse" in without.stderr, without.stderr
+    given = subprocess.run(argv, env={**env, "TORCHFT_LIGHTHOUSE": "http://127.0.0.1:1"},
+                           capture_output=True, text=True, timeout=120)
+    # past the arguments: it went on to read the run dir's config (absent here)
+    assert "--lighthouse" not in given.stderr and "config.json" in given.stderr, given.stderr

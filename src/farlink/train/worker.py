@@ -5,7 +5,8 @@ and the inner optimizer, and hands them to :class:`farlink.Optimizer`, which own
 the exchange, the algorithm, joining and checkpoints. What stays here is the loop and what only
 ``farlink train`` does: evaluation, emulated device speeds, the metrics JSONL, the final model.
 
-Run as ``python -m farlink.train.worker RUN_DIR INDEX`` by the launcher (or ``farlink join``).
+Run as ``python -m farlink.train.worker RUN_DIR INDEX`` by the launcher (or ``farlink join``);
+under a standard launcher (torchrun, SLURM, Kubernetes) use :mod:`farlink.worker` instead.
 The worker checkpoints after every committed round (atomic), so SIGINT, SIGTERM or SIGKILL at
 any instant loses at most the uncommitted inner steps of the current round; committed progress is
 never lost. On resume it restores parameters, optimizer states, data position and RNG exactly.
@@ -441,8 +442,11 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="one farlink worker (started by the launcher)")
     parser.add_argument("run_dir", type=Path)
     parser.add_argument("index", type=int)
-    parser.add_argument("--lighthouse", "--coordinator", dest="lighthouse", required=True,
-                        help="torchft Lighthouse address, or hivemind initial peers (comma list)")
+    parser.add_argument("--lighthouse", "--coordinator", dest="lighthouse",
+                        default=os.environ.get("TORCHFT_LIGHTHOUSE"),
+                        required="TORCHFT_LIGHTHOUSE" not in os.environ,
+                        help="torchft Lighthouse address, or hivemind initial peers (comma list); "
+                        "default: TORCHFT_LIGHTHOUSE")
     parser.add_argument("--resume", action="store_true")
     parser.add_argument("--join", action="store_true",
                         help="heal from live peers in a first zero-weight round")
