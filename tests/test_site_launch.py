@@ -108,8 +108,10 @@ def test_sites_signing_with_their_own_ed25519_keys_and_trimming(tmp_path, cache_
     lighthouse = Lighthouse(min_replicas=2, join_timeout=10, heartbeat_timeout=3,
                             log_path=tmp_path / "lighthouse.log", authenticator=gate).start()
     try:
-        flags = lambda i: ["--steps", "20", "--auth", "ed25519", "--key-file", str(keys[i]),  # noqa: E731
-                           "--allowed-keys", str(members), "--aggregator", "trimmed_mean"]
+        def flags(index: int) -> list[str]:
+            return ["--steps", "20", "--auth", "ed25519", "--key-file", str(keys[index]),
+                    "--allowed-keys", str(members), "--aggregator", "trimmed_mean"]
+
         wait_all(tmp_path, start_sites(tmp_path, cache_dir, lighthouse.address, flags))
     finally:
         lighthouse.stop()

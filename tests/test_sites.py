@@ -178,9 +178,12 @@ def test_sites_with_a_secret_a_lossy_codec_and_a_robust_aggregator(tmp_path, cac
 
 
 @pytest.mark.slow
-def test_a_site_stopped_and_resumed_ends_bit_exact(tmp_path, cache_dir):
-    _, straight = site_run(tmp_path, cache_dir, "straight", ranks_per_worker=2)
-    cfg, _ = site_run(tmp_path, cache_dir, "resumed", ranks_per_worker=2, stop_at_step=15)
+@pytest.mark.parametrize("sharding", ["fsdp", "ddp"])
+def test_a_site_stopped_and_resumed_ends_bit_exact(tmp_path, cache_dir, sharding):
+    _, straight = site_run(tmp_path, cache_dir, "straight", ranks_per_worker=2,
+                           sharding=sharding)
+    cfg, _ = site_run(tmp_path, cache_dir, "resumed", ranks_per_worker=2, sharding=sharding,
+                      stop_at_step=15)
     from farlink.train.launcher import launch
 
     resumed = launch(cfg.model_copy(update={"resume": True, "stop_at_step": None}),
