@@ -206,3 +206,21 @@ def test_ranks_per_worker_refuses_what_cannot_run_on_shards():
         RunConfig(algorithm="streaming_diloco", ranks_per_worker=2, sharding="ddp")
     with pytest.raises(ValueError, match="give --device cuda"):
         RunConfig(device="cuda:1", ranks_per_worker=2)
+
+
+@pytest.mark.slow
+def test_bench_sites_reports_per_rank_throughput_and_load(tmp_path, cache_dir):
+    from farlink.bench.sites import run
+
+    result = run(tmp_path, steps=20, model="tiny", ranks=2, batch_size=4, cache_dir=cache_dir)
+    saved = json.loads((tmp_path / "sites.json").read_text())
+    assert [r["config"] for r in saved["rows"]] == [
+        "plain torch", "farlink, 1 rank", "farlink, 2 ranks fsdp", "farlink, 2 ranks ddp"]
+    for row in saved["rows"]:
+        assert row["site_tokens_per_s"] > 0 and row["load_before"] >= 0
+        assert row["tokens_per_s_per_rank"] == pytest.approx(
+            row["site_tokens_per_s"] / row["ranks"], abs=0.1)
+    assert saved["rows"][1]["per_rank_vs_one_rank"] == 1.0
+    assert set(result["median_per_rank_vs_one_rank"]) == {"farlink, 2 ranks ddp",
+                                                          "farlink, 2 ranks fsdp"}
+    assert (tmp_path / "sites.png").is_file()
