@@ -49,7 +49,8 @@ def run(out: Path, steps: int, model: str, ranks: int, batch_size: int, repeats:
 
     def config(name: str, **overrides):  # noqa: ANN202
         values = {"workers": 1, "steps": steps, "model": model, "log_every": 1,
-                  "inner_steps": 50, "batch_size": batch_size, "eval_every": 1000,
+                  "inner_steps": min(50, steps), "warmup_steps": min(30, steps // 2),
+                  "batch_size": batch_size, "eval_every": 1000,
                   "run_dir": out / "runs" / name, **overrides}
         if cache_dir is not None:
             values["cache_dir"] = cache_dir
