@@ -156,3 +156,20 @@ def test_the_launchers_worker_takes_the_lighthouse_from_torchft_lighthouse(tmp_p
                            capture_output=True, text=True, timeout=120)
     # past the arguments: it went on to read the run dir's config (absent here)
     assert "--lighthouse" not in given.stderr and "config.json" in given.stderr, given.stderr
+
+
+def test_only_a_sites_rank_0_writes_the_run_dirs_shared_files(tmp_path, cache_dir):
+    from farlink.config import load_config
+    from farlink.worker import prepare_run_dir
+
+    cfg = load_config(None, {"run_dir": tmp_path / "run", "cache_dir": cache_dir,
+                             "vocab_size": 512, "lighthouse": "http://127.0.0.1:1",
+                             "ranks_per_worker": 2})
+    prepare_run_dir(cfg, rank=1)
+    assert not (tmp_path / "run").exists()
+    prepare_run_dir(cfg, rank=0)
+    assert {"config.json", "config.toml", "tokenizer.json"} <= \
+        {p.name for p in (tmp_path / "run").iterdir()}
+    before = (tmp_path / "run" / "config.json").stat().st_mtime_ns
+    prepare_run_dir(cfg, rank=0)  # a restarted rank 0 keeps the run's config as it is
+    assert (tmp_path / "run" / "config.json").stat().st_mtime_ns == before
