@@ -140,10 +140,50 @@ def test_train_with_two_ranks_per_worker_matches_one_rank(tmp_path, cache_dir):
     assert all(whole[k].shape == sharded[k].shape for k in whole)
 
 
+def test_ddp_inside_sites_matches_one_rank(tmp_path, cache_dir):
+    cfg, ddp = site_run(tmp_path, cache_dir, "ddp", ranks_per_worker=2, sharding="ddp")
+    _, plain = site_run(tmp_path, cache_dir, "k1")
+    assert ddp.returncodes == [0, 0] and plain.returncodes == [0, 0]
+    s2, s1 = ddp.summary, plain.summary
+    assert s2["final_replicas"]["consistent"] and s2["widest_group"] == 2
+    # gradients averaged over the site's ranks: the same model from the same global batch
+    loss2, loss1 = s2["final_heldout_loss"], s1["final_heldout_loss"]
+    assert abs(loss2 - loss1) <= 1e-4 * loss1, (loss2, loss1)
+    # each rank sends a 1/K slice: a site moves what one replica moves
+    bytes2, bytes1 = s2["per_worker"]["w0"]["bytes_sent"], s1["per_worker"]["w0"]["bytes_sent"]
+    assert abs(bytes2 - bytes1) <= 1e-3 * bytes1, (bytes2, bytes1)
+    # every rank ends holding the whole replica: rank 1's slice reached rank 0's export
+    from safetensors.torch import load_file
+
+    whole, mine = load_file(str(tmp_path / "k1" / "model.safetensors")), \
+        load_file(str(cfg.run_dir / "model.safetensors"))
+    assert max((whole[k] - mine[k]).abs().max().item() for k in whole) < 1e-3
+
+
+def test_sites_with_a_secret_a_lossy_codec_and_a_robust_aggregator(tmp_path, cache_dir):
+    """Each rank MACs, compresses (int4 with error feedback) and aggregates (median) its own
+    shard; the sites still end on one model, and every rank's ledger accepted every update."""
+    cfg, run = site_run(tmp_path, cache_dir, "trust", ranks_per_worker=2, steps=20,
+                        auth="secret", secret="the-run-secret", codec="int4+ef",
+                        aggregator="median")
+    assert run.returncodes == [0, 0]
+    assert run.summary["final_replicas"]["consistent"] and run.summary["widest_group"] == 2
+    ledgers = sorted(p.name for p in (cfg.run_dir / "ledger").iterdir())
+    assert ledgers == ["w0.json", "w0.rank1.json", "w1.json", "w1.rank1.json"]
+    for name in ledgers:
+        peers = json.loads((cfg.run_dir / "ledger" / name).read_text())["peers"]
+        assert sorted(peers) == ["w0", "w1"], (name, peers)
+        assert all(p["updates_accepted"] == 2 and p["updates_rejected"] == 0
+                   for p in peers.values()), (name, peers)
+
+
 @pytest.mark.slow
-def test_a_site_stopped_and_resumed_ends_bit_exact(tmp_path, cache_dir):
-    _, straight = site_run(tmp_path, cache_dir, "straight", ranks_per_worker=2)
-    cfg, _ = site_run(tmp_path, cache_dir, "resumed", ranks_per_worker=2, stop_at_step=15)
+@pytest.mark.parametrize("sharding", ["fsdp", "ddp"])
+def test_a_site_stopped_and_resumed_ends_bit_exact(tmp_path, cache_dir, sharding):
+    _, straight = site_run(tmp_path, cache_dir, "straight", ranks_per_worker=2,
+                           sharding=sharding)
+    cfg, _ = site_run(tmp_path, cache_dir, "resumed", ranks_per_worker=2, sharding=sharding,
+                      stop_at_step=15)
     from farlink.train.launcher import launch
 
     resumed = launch(cfg.model_copy(update={"resume": True, "stop_at_step": None}),
@@ -162,3 +202,25 @@ def test_ranks_per_worker_refuses_what_cannot_run_on_shards():
         RunConfig(backend="inprocess", ranks_per_worker=2)
     with pytest.raises(ValueError, match="batch_size=9 does not split"):
         RunConfig(batch_size=9, ranks_per_worker=2)
+    with pytest.raises(ValueError, match="use --sharding fsdp"):
+        RunConfig(algorithm="streaming_diloco", ranks_per_worker=2, sharding="ddp")
+    with pytest.raises(ValueError, match="give --device cuda"):
+        RunConfig(device="cuda:1", ranks_per_worker=2)
+
+
+@pytest.mark.slow
+def test_bench_sites_reports_per_rank_throughput_and_load(tmp_path, cache_dir):
+    from farlink.bench.sites import run
+
+    result = run(tmp_path, steps=20, model="tiny", ranks=2, batch_size=4, cache_dir=cache_dir)
+    saved = json.loads((tmp_path / "sites.json").read_text())
+    assert [r["config"] for r in saved["rows"]] == [
+        "plain torch", "farlink, 1 rank", "farlink, 2 ranks fsdp", "farlink, 2 ranks ddp"]
+    for row in saved["rows"]:
+        assert row["site_tokens_per_s"] > 0 and row["load_before"] >= 0
+        assert row["tokens_per_s_per_rank"] == pytest.approx(
+            row["site_tokens_per_s"] / row["ranks"], abs=0.1)
+    assert saved["rows"][1]["per_rank_vs_one_rank"] == 1.0
+    assert set(result["median_per_rank_vs_one_rank"]) == {"farlink, 2 ranks ddp",
+                                                          "farlink, 2 ranks fsdp"}
+    assert (tmp_path / "sites.png").is_file()

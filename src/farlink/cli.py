@@ -1,4 +1,4 @@
-"""``farlink train | join | swarm | export | generate | bench | plan | report``.
+"""``farlink train | join | worker | swarm | export | generate | bench | plan | report``.
 
 Each subsystem registers its own commands (``register(app, bench_app)`` in its ``command``
 module), so this file only wires them together and stays import-light: heavy imports (torch,
@@ -28,6 +28,7 @@ COMMAND_MODULES = [
     "farlink.emulate.command",
     "farlink.robust.command",
     "farlink.comm.swarm_command",
+    "farlink.worker",
 ]
 
 

@@ -128,6 +128,11 @@ class RunConfig(*algorithm_options()):
         "started by torchrun): the model is sharded over them with FSDP2 (Gloo on CPU, NCCL on "
         "CUDA), each takes batch_size / K rows, and each syncs only its own shard across workers")
 
+    sharding: Literal["fsdp", "ddp"] = Field(
+        "fsdp", description="inside a site of several ranks: fsdp (each rank holds 1/K of the "
+        "model, FSDP2) or ddp (each rank holds the whole replica, gradients averaged over the "
+        "site; each rank syncs a 1/K slice across sites)")
+
     # bookkeeping
     run_dir: Path = Field(LATEST_RUN, description="metrics, checkpoints, final model (default: "
                           "a new runs/<time> dir, linked as runs/latest)")
@@ -272,7 +277,8 @@ class RunConfig(*algorithm_options()):
                              f"--steps of at least --inner-steps, or a smaller --inner-steps")
 
     def _check_sites(self, sharded: bool) -> None:
-        """Several ranks per worker: an elementwise algorithm on torchft, a batch they split."""
+        """Several ranks per worker: an elementwise algorithm on torchft, a batch they split,
+        one GPU per rank."""
         k = self.ranks_per_worker
         if k == 1:
             return
@@ -284,6 +290,15 @@ class RunConfig(*algorithm_options()):
         if self.backend != "torchft":
             raise ValueError(f"ranks_per_worker={k} runs on the torchft backend (a replica "
                              f"group of {k} ranks), not {self.backend}")
+        if self.sharding == "ddp" and algorithm_class(self.algorithm).capabilities.fragments:
+            raise ValueError(f"{self.algorithm} applies a fragment's update steps after its "
+                             "round, which a DDP site's slices do not follow yet: use "
+                             "--sharding fsdp, or diloco, local_sgd or sparseloco")
+        if self.device.startswith("cuda:"):
+            raise ValueError(f"device={self.device} with ranks_per_worker={k} puts all {k} ranks "
+                             "of a site on one GPU (NCCL refuses that): give --device cuda (or "
+                             "auto), which puts rank r on cuda:LOCAL_RANK, and choose the GPUs "
+                             "with CUDA_VISIBLE_DEVICES")
         if self.batch_size % k:
             raise ValueError(f"batch_size={self.batch_size} does not split over "
                              f"ranks_per_worker={k}: give a multiple of {k}")

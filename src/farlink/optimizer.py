@@ -228,6 +228,10 @@ class Optimizer:
         if site is not None and site.size > 1 and not site.store_port:
             site.start(host=advertised_host(cfg))
         self.site = site if site is not None and site.size > 1 else None
+        #: a site running DDP (each rank holds the whole replica): gradients are averaged over
+        #: its ranks, each rank syncs a 1/K slice across sites, and the slices are shared after
+        self.whole_replica_site = self.site is not None and not model_is_sharded(model)
+        self.trainable = [p for p in model.parameters() if p.requires_grad]
         if lighthouse is None:
             lighthouse = (cfg.lighthouse or cfg.initial_peers
                           or os.environ.get("TORCHFT_LIGHTHOUSE", ""))
@@ -265,6 +269,8 @@ class Optimizer:
         self.ledger = ContributionLedger()  # whose updates were accepted, rejected, and why
         self.exchange = build_exchange(cfg, self.collective, self.replica_id, index, self.ledger)
         extra = {}
+        if self.whole_replica_site:
+            extra["part_of"] = self.site.part_of
         if self.tiers is not None and self.tiers.upper is not None:
             extra["global_exchange"] = build_exchange(cfg, self.tiers.upper, self.replica_id,
                                                       index, self.ledger)
@@ -282,8 +288,15 @@ class Optimizer:
     # --- the loop ------------------------------------------------------------------------------
     def step(self, tokens: int = 1) -> StepOutcome:
         """After ``loss.backward()``: the inner step and, when due, the outer round. ``tokens``
-        weighs this replica's contribution (a slower replica that did less counts less)."""
-        return self.algorithm.step(tokens)
+        weighs this replica's contribution (a slower replica that did less counts less).
+        On a DDP site it first averages the gradients over the site's ranks, and after a round
+        gives every rank the slices the others updated."""
+        if self.whole_replica_site:
+            self.site.average_gradients(self.trainable)
+        outcome = self.algorithm.step(tokens)
+        if self.whole_replica_site and outcome.synced:
+            self.site.share_parts(self.trainable)
+        return outcome
 
     def join(self) -> StepOutcome | None:
         """A newcomer's first act, before any inner step: a zero-weight round that heals it from
@@ -291,6 +304,8 @@ class Optimizer:
         usual = self.collective.quorum_timeout
         self.collective.quorum_timeout = max(usual, JOIN_QUORUM_TIMEOUT)
         outcome = self.algorithm.join()
+        if self.whole_replica_site:  # each rank healed its own slice
+            self.site.share_parts(self.trainable)
         if outcome is not None and outcome.committed:
             # once in, a missing quorum means the run ended or broke: give up like a member
             self.collective.quorum_timeout = usual
@@ -389,6 +404,8 @@ class Optimizer:
 
     def load_state_dict(self, tensors: dict[str, torch.Tensor]) -> None:
         self.algorithm.load_state_dict(tensors)
+        if self.whole_replica_site:  # each rank restored its own slice
+            self.site.share_parts(self.trainable)
         torch.set_rng_state(tensors["rng.torch"])
         self.collective.load_committed_step(self.algorithm.outer_step)
 

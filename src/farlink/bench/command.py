@@ -115,6 +115,26 @@ def register(app: typer.Typer, bench_app: typer.Typer) -> None:
                                     "overhead"], "farlink bench overhead")
         Console().print(f"median overhead: {result['median_overhead']:.2%}")
 
+    @bench_app.command("sites")
+    def sites(
+        out: Path = typer.Option(Path("bench/sites"), help="output directory"),
+        steps: int = typer.Option(100, help="inner steps per measurement (the first 10 warm up)"),
+        model: str = typer.Option("tiny", help="model preset"),
+        ranks: int = typer.Option(2, help="ranks of the site (--ranks-per-worker)"),
+        batch_size: int = typer.Option(8, help="rows per rank (a site of K ranks: K x this)"),
+        repeats: int = typer.Option(1, help="alternating repeats (medians are reported)"),
+    ) -> None:
+        """Tokens/s per rank of a site of K ranks (fsdp, ddp) vs one rank vs plain torch."""
+        from farlink.bench.sites import run
+
+        result = run(out, steps, model, ranks, batch_size, repeats)
+        print_rows(result["rows"], ["repeat", "config", "site_tokens_per_s",
+                                    "tokens_per_s_per_rank", "per_rank_vs_one_rank",
+                                    "load_before", "load_after"], "farlink bench sites")
+        Console().print(f"median overhead of farlink (1 rank) vs plain torch: "
+                        f"{result['median_overhead_vs_plain']:.1%}; median per-rank tokens/s "
+                        f"vs one rank: {result['median_per_rank_vs_one_rank']}")
+
     @bench_app.command("churn")
     def churn(
         out: Path = typer.Option(Path("bench/churn"), help="output directory"),

@@ -1,10 +1,18 @@
-"""A site: several ranks that train one replica together, with FSDP2 inside and farlink across.
+"""A site: several ranks that train one replica together, FSDP2 or DDP inside, farlink across.
 
 INTELLECT-1's shape: inside a node (a "site") the model is sharded over its K ranks with
 ``fully_shard`` (FSDP2; NCCL on CUDA, Gloo on CPU); across sites the outer algorithm runs through
 torchft, as a replica group of K ranks. Rank ``r`` of one site exchanges only its own shard with
 rank ``r`` of every other site (torchft's cross-group process groups pair ranks that way), so the
 bytes a site sends per round are those of one whole replica, whatever K is.
+
+With ``--sharding ddp`` every rank instead holds the whole replica and the site averages
+gradients (one packed all-reduce per inner step, as DDP does). Across sites each rank then
+exchanges its own ``1/K`` slice of every parameter's pseudo-gradient (:meth:`Site.part_of`) with
+the same rank of the other sites, so cross-site bytes per site stay those of one replica, as
+with FSDP; after a round the ranks broadcast their updated slices (:meth:`Site.share_parts`).
+The alternative, rank 0 alone exchanging and broadcasting, would leave the other ranks' links
+idle and put the whole replica through one rank's connection.
 
 A site is started the way torchtitan and torchft examples start one, by ``torchrun``::
 
@@ -186,6 +194,46 @@ class Site:
         out: list[str] = [""] * self.size
         dist.all_gather_object(out, text, group=self.gloo_group())
         return out
+
+    # --- DDP inside the site: every rank holds the whole replica -----------------------------
+    def average_gradients(self, params: list[torch.Tensor]) -> None:
+        """Average the gradients of a whole (unsharded) replica over the site's ranks, as DDP
+        does: each rank's loss is the mean over its rows, so the average is the mean over the
+        site's batch. One all-reduce of the gradients packed together."""
+        import torch.distributed as dist
+
+        grads = [p.grad for p in params if p.grad is not None]
+        if self.size == 1 or not grads:
+            return
+        packed = torch.cat([g.reshape(-1) for g in grads])
+        dist.all_reduce(packed)
+        packed /= self.size
+        for grad, part in zip(grads, packed.split([g.numel() for g in grads])):
+            grad.copy_(part.view_as(grad))
+
+    def part_of(self, param: torch.Tensor) -> torch.Tensor:
+        """The slice of a whole parameter this rank synchronizes across sites when the site
+        runs DDP: its ``1/K`` of the flattened tensor (a view sharing storage, so an outer step
+        written to it lands in the parameter). Rank r of every site holds the same slice."""
+        return torch.tensor_split(param.detach().view(-1), self.size)[self.rank]
+
+    def share_parts(self, params: list[torch.Tensor]) -> None:
+        """After an outer step each rank updated only its slice (:meth:`part_of`) of every
+        parameter: each rank broadcasts its slices (packed, one collective per rank), so every
+        rank again holds the whole, identical replica."""
+        import torch.distributed as dist
+
+        if self.size == 1:
+            return
+        for owner in range(self.size):
+            views = [torch.tensor_split(p.detach().view(-1), self.size)[owner] for p in params]
+            packed = (torch.cat(views) if owner == self.rank
+                      else torch.empty(sum(v.numel() for v in views), dtype=views[0].dtype,
+                                       device=views[0].device))
+            dist.broadcast(packed, src=owner)
+            if owner != self.rank:
+                for view, part in zip(views, packed.split([v.numel() for v in views])):
+                    view.copy_(part)
 
     def close(self) -> None:
         import torch.distributed as dist

@@ -237,6 +237,7 @@ class SyncAlgorithm(ABC):
         inner_optimizer: torch.optim.Optimizer | None = None,
         outer_optimizer: OuterOptimizerFactory | None = None,
         lr_schedule: bool | None = None,
+        part_of: Callable[[torch.Tensor], torch.Tensor] | None = None,
     ) -> None:
         if not isinstance(options, self.Options):
             raise TypeError(f"{self.name} takes {self.Options.__name__} (or a RunConfig), "
@@ -251,14 +252,15 @@ class SyncAlgorithm(ABC):
         #: what the inner optimizer steps and gradient clipping measures
         self.module_params = [p for p in model.parameters() if p.requires_grad]
         self.names = [n for n, p in model.named_parameters() if p.requires_grad]
-        self.sharded = any(is_sharded(p) for p in self.module_params)
+        self.sharded = part_of is not None or any(is_sharded(p) for p in self.module_params)
         if self.sharded and not self.capabilities.sharded:
             raise ValueError(f"{self.name} cannot run on a sharded model (FSDP2 across a site's "
                              "ranks): its update is not elementwise. Use diloco, local_sgd, "
                              "streaming or sparseloco, or one rank per replica")
         #: what the algorithm synchronizes: this rank's shard of each parameter (a view sharing
-        #: its storage), the parameter itself when the model is not sharded
-        self.params = [local_shard(p) for p in self.module_params]
+        #: its storage), or the slice ``part_of`` gives (a DDP site's rank syncs 1/K of each
+        #: whole parameter), the parameter itself when the model is not sharded
+        self.params = [(part_of or local_shard)(p) for p in self.module_params]
         self.lr_schedule = inner_optimizer is None if lr_schedule is None else lr_schedule
         if self.lr_schedule and options.steps is None:
             raise ValueError("the inner lr schedule (warmup + cosine) needs steps, the run's "

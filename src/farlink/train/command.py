@@ -8,6 +8,7 @@ The flags are generated from the pydantic model, so a new option needs one line 
 from __future__ import annotations
 
 import inspect
+import os
 from pathlib import Path
 from typing import Any, Optional, get_args, get_origin
 
@@ -114,13 +115,13 @@ def register(app: typer.Typer, bench_app: typer.Typer) -> None:
         It downloads the current parameters and outer-optimizer state from a live peer during
         its first quorum and contributes from the next round on. It writes only its own files
         (its metrics, checkpoints, final model); a run dir that already holds a run's config
-        keeps it as it is, and its own run dir gets its config. An index a live worker holds is
-        refused (naming a free one); one an earlier worker left files for is continued only with
-        --resume (after a crash: the same command with --resume).
+        keeps it as it is, and its own run dir gets its config, tokenizer and model shape. An
+        index a live worker holds is refused (naming a free one); one an earlier worker left
+        files for is continued only with --resume (after a crash: the same command with --resume).
         """
         from farlink.robust.auth import run_secret
         from farlink.train.index_lock import check_joinable
-        from farlink.train.rundir import check_resume, write_run_config
+        from farlink.train.rundir import check_resume
         from farlink.train.worker import run_worker
 
         cfg = _config_from(values)
@@ -135,8 +136,11 @@ def register(app: typer.Typer, bench_app: typer.Typer) -> None:
         except ValueError as exc:
             typer.secho(f"error: {exc}", fg="red", err=True)
             raise typer.Exit(2) from None
-        if not (cfg.run_dir / "config.json").is_file():
-            write_run_config(cfg)  # a joiner's own run dir
+        from farlink.worker import prepare_run_dir
+
+        # a joiner's own run dir gets the run's files; under torchrun only the site's rank 0
+        # writes them
+        prepare_run_dir(cfg, rank=int(os.environ.get("RANK", "0")))
         raise typer.Exit(run_worker(cfg, index, cfg.lighthouse, joining=True))
 
     register_model_commands(app)

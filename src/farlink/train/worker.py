@@ -5,7 +5,8 @@ and the inner optimizer, and hands them to :class:`farlink.Optimizer`, which own
 the exchange, the algorithm, joining and checkpoints. What stays here is the loop and what only
 ``farlink train`` does: evaluation, emulated device speeds, the metrics JSONL, the final model.
 
-Run as ``python -m farlink.train.worker RUN_DIR INDEX`` by the launcher (or ``farlink join``).
+Run as ``python -m farlink.train.worker RUN_DIR INDEX`` by the launcher (or ``farlink join``);
+under a standard launcher (torchrun, SLURM, Kubernetes) use :mod:`farlink.worker` instead.
 The worker checkpoints after every committed round (atomic), so SIGINT, SIGTERM or SIGKILL at
 any instant loses at most the uncommitted inner steps of the current round; committed progress is
 never lost. On resume it restores parameters, optimizer states, data position and RNG exactly.
@@ -86,10 +87,11 @@ class Worker:
         self.data = prepare_data(cfg.corpus, cfg.vocab_size, cfg.cache_dir,
                                  tokenizer=cfg.given_tokenizer)
         self.model = build_model(cfg, self.data.vocab_size).to(self.device)
-        if self.site is not None:
+        if self.site is not None and cfg.sharding == "fsdp":
             from farlink.parallel.sharding import shard_model
 
             shard_model(self.model)  # FSDP2 over the site's ranks: each holds 1/K of it
+        # with ddp every rank holds the whole replica; farlink.Optimizer averages the gradients
         self.sampler = ShardSampler(
             self.data.train, shard=index % cfg.workers, num_shards=cfg.workers,
             seq_len=cfg.seq_len, batch_size=cfg.batch_size, seed=cfg.seed,
@@ -169,9 +171,14 @@ class Worker:
                        sampler=self.sampler.state_dict(), model=self.cfg.model,
                        compute_s=self.compute_s, comm_s=self.comm_s, eval_s=self.eval_s,
                        checkpoint_s=self.checkpoint_s, setup_s=self.setup_s, wall_s=self.wall())
-        if self.speaks:
-            self.sync.ledger.save(self.cfg.run_dir / "ledger" / f"{self.replica_id}.json")
+        self.sync.ledger.save(self.cfg.run_dir / "ledger" / self.ledger_name())
         self.checkpoint_s += time.perf_counter() - t0
+
+    def ledger_name(self) -> str:
+        """Each rank judges the updates of its own shard, so each keeps its own ledger:
+        ``wI.json`` (rank 0, the whole replica when K=1), ``wI.rankR.json`` for rank R > 0."""
+        rank = 0 if self.site is None else self.site.rank
+        return f"{self.replica_id}.json" if rank == 0 else f"{self.replica_id}.rank{rank}.json"
 
     def _resume(self) -> None:
         try:
@@ -437,8 +444,11 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="one farlink worker (started by the launcher)")
     parser.add_argument("run_dir", type=Path)
     parser.add_argument("index", type=int)
-    parser.add_argument("--lighthouse", "--coordinator", dest="lighthouse", required=True,
-                        help="torchft Lighthouse address, or hivemind initial peers (comma list)")
+    parser.add_argument("--lighthouse", "--coordinator", dest="lighthouse",
+                        default=os.environ.get("TORCHFT_LIGHTHOUSE"),
+                        required="TORCHFT_LIGHTHOUSE" not in os.environ,
+                        help="torchft Lighthouse address, or hivemind initial peers (comma list); "
+                        "default: TORCHFT_LIGHTHOUSE")
     parser.add_argument("--resume", action="store_true")
     parser.add_argument("--join", action="store_true",
                         help="heal from live peers in a first zero-weight round")

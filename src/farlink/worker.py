@@ -1,0 +1,137 @@
+"""One site of a farlink run under a standard launcher: ``torchrun -m farlink.worker``.
+
+torchft's own examples start a replica group as ``torchrun --nproc-per-node K train.py`` with
+``TORCHFT_LIGHTHOUSE`` and ``REPLICA_GROUP_ID`` in the environment; SLURM, Kubernetes and torchx
+start jobs the same way. This entry point reads exactly that::
+
+    export TORCHFT_LIGHTHOUSE=http://lighthouse-host:29510 REPLICA_GROUP_ID=0
+    torchrun --standalone --nproc-per-node 2 -m farlink.worker \\
+        --run-dir runs/site0 --workers 2 --steps 500 --inner-steps 50 --host NODE_ADDRESS
+
+* RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR/PORT (torchrun's): this rank's place in its site;
+  ``--ranks-per-worker`` defaults to WORLD_SIZE, so it is never said twice.
+* REPLICA_GROUP_ID (torchft's): which worker of the run this site is (its data shard, its name
+  ``wI``); ``--index`` says the same on the command line, and the two must agree.
+* TORCHFT_LIGHTHOUSE (torchft's): the Lighthouse; ``--lighthouse`` overrides it.
+
+Every other setting is a ``farlink train`` flag (or ``--config run.toml``; a run dir that already
+holds a run's ``config.toml`` starts from it). Only the site's rank 0 writes the run dir's shared
+files (config, tokenizer, model shape); every rank writes only its own checkpoints and ledger.
+``farlink worker`` is the same command.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any, Optional
+
+import typer
+
+from farlink.config import INVOCATION_FIELDS, ConfigError, RunConfig, load_config
+from farlink.train.command import config_options
+
+
+class LaunchError(ValueError):
+    """The environment or the flags do not say which site this is, or say it twice, differently."""
+
+
+def site_index(given: int | None, environ: dict[str, str]) -> int:
+    """Which worker of the run this site is: ``--index`` or REPLICA_GROUP_ID, agreeing."""
+    from_env = environ.get("REPLICA_GROUP_ID")
+    if from_env is not None and not from_env.strip().isdigit():
+        raise LaunchError(f"REPLICA_GROUP_ID={from_env!r} is not a worker index (0, 1, ...)")
+    if given is None and from_env is None:
+        raise LaunchError("which worker is this site? set REPLICA_GROUP_ID (as torchft's "
+                          "examples do) or give --index")
+    if given is not None and from_env is not None and int(from_env) != given:
+        raise LaunchError(f"--index {given} but REPLICA_GROUP_ID={from_env}: give one of them, "
+                          "or the same number in both")
+    return given if given is not None else int(from_env)
+
+
+def site_config(values: dict[str, Any], environ: dict[str, str]) -> RunConfig:
+    """The run's config for this rank: flags over ``--config`` (or the run dir's saved
+    ``config.toml``), with the Lighthouse and the site's size taken from the environment when
+    the flags leave them out."""
+    values = dict(values)
+    config_path = values.pop("config", None)
+    ignore: frozenset[str] = frozenset()
+    if values.get("lighthouse") is None:
+        values["lighthouse"] = environ.get("TORCHFT_LIGHTHOUSE")
+    if values.get("lighthouse") is None and (values.get("backend") or "torchft") == "torchft":
+        raise LaunchError("no Lighthouse: set TORCHFT_LIGHTHOUSE (as torchft's examples do) or "
+                          "give --lighthouse http://HOST:PORT")
+    world = int(environ.get("WORLD_SIZE", "1"))
+    if values.get("ranks_per_worker") is None:
+        values["ranks_per_worker"] = world
+    elif values["ranks_per_worker"] != world:
+        raise LaunchError(f"--ranks-per-worker {values['ranks_per_worker']} but this process is "
+                          f"one of WORLD_SIZE={world}: start the site with torchrun "
+                          f"--nproc-per-node {values['ranks_per_worker']}, or drop the flag")
+    if config_path is None and values.get("run_dir") is not None:
+        saved = Path(values["run_dir"]) / "config.toml"
+        if saved.is_file():  # a run dir prepared by `farlink train` or by this site's rank 0
+            config_path, ignore = saved, INVOCATION_FIELDS
+    return load_config(config_path, values, ignore=ignore)
+
+
+def prepare_run_dir(cfg: RunConfig, rank: int) -> None:
+    """Rank 0 writes the run dir's shared files once (config, tokenizer, model shape, so that
+    ``farlink export`` reads the result); the other ranks write nothing shared."""
+    from farlink.train.rundir import check_resume, write_run_config
+
+    if cfg.resume:
+        check_resume(cfg)
+    if rank != 0 or (cfg.run_dir / "config.json").is_file():
+        return
+    from farlink.data import prepare_data
+    from farlink.train.launcher import write_model_files
+
+    write_run_config(cfg)
+    data = prepare_data(cfg.corpus, cfg.vocab_size, cfg.cache_dir, tokenizer=cfg.given_tokenizer)
+    write_model_files(cfg, data)
+
+
+@config_options
+def worker(
+    index: Optional[int] = typer.Option(None, "--index", help="this site's worker index (its "
+                                        "data shard); default: REPLICA_GROUP_ID"),
+    join: bool = typer.Option(False, "--join", help="heal from live peers in a first "
+                              "zero-weight round (a site joining a run under way)"),
+    **values: Any,
+) -> None:
+    """Run one site (replica group) of a run under torchrun, SLURM, Kubernetes or torchx."""
+    from farlink.robust.auth import run_secret
+    from farlink.train.worker import run_worker
+
+    environ = dict(os.environ)
+    rank = int(environ.get("RANK", "0"))
+    try:
+        index = site_index(index, environ)
+        cfg = site_config(values, environ)
+        run_secret(cfg)  # a missing or exposed secret fails here, not in the first round
+        prepare_run_dir(cfg, rank)
+    except (ConfigError, ValueError) as exc:
+        typer.secho(f"error: {exc}", fg="red", err=True)
+        raise typer.Exit(2) from None
+    raise typer.Exit(run_worker(cfg, index, cfg.lighthouse or "", joining=join))
+
+
+def register(app: typer.Typer, bench_app: typer.Typer) -> None:  # noqa: ARG001
+    app.command("worker", context_settings={"help_option_names": ["-h", "--help"]})(worker)
+
+
+def main() -> None:
+    import logging
+
+    logging.basicConfig(level=os.environ.get("FARLINK_LOG", "WARNING"),
+                        format=f"%(asctime)s rank{os.environ.get('RANK', '0')} %(name)s "
+                        "%(levelname)s %(message)s")
+    app = typer.Typer(add_completion=False, pretty_exceptions_show_locals=False)
+    app.command(context_settings={"help_option_names": ["-h", "--help"]})(worker)
+    app()
+
+
+if __name__ == "__main__":
+    main()

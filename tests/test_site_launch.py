@@ -1,0 +1,180 @@
+"""Sites started by a standard launcher: ``torchrun -m farlink.worker`` with torchft's variables.
+
+Real processes: a torchft Lighthouse, and two sites, each a real ``torchrun`` of 2 ranks (site 0
+plain torchrun, site 1 through ``farlink.parallel.site_agent``, which binds its store) with
+its own run dir (as two nodes would have), told the Lighthouse and their replica group only
+through ``TORCHFT_LIGHTHOUSE`` and ``REPLICA_GROUP_ID``. The README's two-node recipe is this
+command.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("torchft")
+
+RUN_FLAGS = ["--workers", "2", "--steps", "30", "--inner-steps", "10", "--warmup-steps", "10",
+             "--batch-size", "8", "--vocab-size", "512", "--seq-len", "64",
+             "--eval-batches", "4"]
+
+
+def site_command(run_dir: Path, cache_dir: Path, *extra: str, bound: bool = False) -> list[str]:
+    """The README's recipe: plain torchrun, or (``bound``) farlink's site agent, which is torchrun
+    with the site's store on ``--host`` only."""
+    launcher = (["-m", "farlink.parallel.site_agent", "--host", "127.0.0.1"] if bound
+                else ["-m", "torch.distributed.run", "--standalone"])
+    return [sys.executable, *launcher, "--nproc-per-node", "2", "-m", "farlink.worker",
+            "--run-dir", str(run_dir), "--cache-dir", str(cache_dir), *RUN_FLAGS, *extra]
+
+
+def records(path: Path, kind: str) -> list[dict]:
+    lines = path.read_text().splitlines()
+    return [r for r in map(json.loads, lines) if r["kind"] == kind]
+
+
+def start_sites(tmp_path: Path, cache_dir: Path, lighthouse: str,
+                flags_of=lambda index: []) -> list[subprocess.Popen]:  # noqa: ANN001
+    sites = []
+    for index in range(2):
+        env = {**os.environ, "TORCHFT_LIGHTHOUSE": lighthouse, "REPLICA_GROUP_ID": str(index),
+               "OMP_NUM_THREADS": "1"}
+        log = open(tmp_path / f"site{index}.log", "wb")
+        argv = site_command(tmp_path / f"site{index}", cache_dir, *flags_of(index),
+                            bound=index == 1)  # both launchers of the README's recipe
+        sites.append(subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT))
+    return sites
+
+
+def wait_all(tmp_path: Path, sites: list[subprocess.Popen], timeout: float = 300) -> None:
+    try:
+        for index, proc in enumerate(sites):
+            code = proc.wait(timeout=timeout)
+            log = (tmp_path / f"site{index}.log").read_text()[-4000:]
+            assert code == 0, f"site {index} exited {code}:\n{log}"
+    finally:
+        for proc in sites:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+
+
+def test_two_torchrun_sites_train_one_model_from_torchft_variables(tmp_path, cache_dir):
+    from farlink.data import prepare_data
+    from farlink.train.lighthouse import Lighthouse
+
+    prepare_data("kjv", 512, cache_dir)  # the tokenizer once, not by four ranks at a time
+    lighthouse = Lighthouse(min_replicas=2, join_timeout=10, heartbeat_timeout=3,
+                            log_path=tmp_path / "lighthouse.log").start()
+    try:
+        wait_all(tmp_path, start_sites(tmp_path, cache_dir, lighthouse.address))
+    finally:
+        lighthouse.stop()
+    ends = [records(tmp_path / f"site{i}" / "metrics" / f"w{i}.jsonl", "end")[-1]
+            for i in range(2)]
+    assert all(e["finished"] and e["outer_step"] == 3 for e in ends), ends
+    assert all(e["widest_group"] == 2 for e in ends), ends  # every round averaged both sites
+    assert ends[0]["fingerprint"] == ends[1]["fingerprint"]  # one model, held by both sites
+    for index in range(2):
+        run = tmp_path / f"site{index}"
+        saved = json.loads((run / "config.json").read_text())
+        assert saved["ranks_per_worker"] == 2  # from WORLD_SIZE, not repeated as a flag
+        assert saved["lighthouse"] == lighthouse.address  # from TORCHFT_LIGHTHOUSE
+        # one metrics file per site, each rank's own checkpoints and ledger
+        assert [p.name for p in (run / "metrics").iterdir()] == [f"w{index}.jsonl"]
+        assert sorted(p.name for p in (run / "checkpoints" / f"w{index}").iterdir()) == \
+            ["rank0", "rank1"]
+        assert sorted(p.name for p in (run / "ledger").iterdir()) == \
+            [f"w{index}.json", f"w{index}.rank1.json"]
+        assert (run / "tokenizer.json").is_file()  # rank 0 wrote the run's shared files
+        assert (run / "final" / f"w{index}.safetensors").is_file()
+
+
+def test_sites_signing_with_their_own_ed25519_keys_and_trimming(tmp_path, cache_dir):
+    """Each site signs with its own key (every rank of a site with the site's key); every rank
+    checks the other site's signature on its shard and aggregates with a trimmed mean."""
+    from farlink.data import prepare_data
+    from farlink.robust.auth import make_authenticator
+    from farlink.robust.keys import generate_keypair, load_allowed_keys
+    from farlink.train.lighthouse import Lighthouse
+
+    members = tmp_path / "members"
+    keys = [members / f"site{i}.key" for i in range(2)]
+    for key in keys:
+        generate_keypair(key)
+    ids = sorted(load_allowed_keys(members))
+    prepare_data("kjv", 512, cache_dir)
+    gate = make_authenticator("ed25519", allowed_keys=members, peer_id="lighthouse-gate")
+    lighthouse = Lighthouse(min_replicas=2, join_timeout=10, heartbeat_timeout=3,
+                            log_path=tmp_path / "lighthouse.log", authenticator=gate).start()
+    try:
+        def flags(index: int) -> list[str]:
+            return ["--steps", "20", "--auth", "ed25519", "--key-file", str(keys[index]),
+                    "--allowed-keys", str(members), "--aggregator", "trimmed_mean"]
+
+        wait_all(tmp_path, start_sites(tmp_path, cache_dir, lighthouse.address, flags))
+    finally:
+        lighthouse.stop()
+    ends = [records(tmp_path / f"site{i}" / "metrics" / f"w{i}.jsonl", "end")[-1]
+            for i in range(2)]
+    assert all(e["finished"] and e["outer_step"] == 2 for e in ends), ends
+    assert ends[0]["fingerprint"] == ends[1]["fingerprint"]
+    for index in range(2):
+        for name in (f"w{index}.json", f"w{index}.rank1.json"):
+            ledger = tmp_path / f"site{index}" / "ledger" / name
+            peers = json.loads(ledger.read_text())["peers"]
+            assert sorted(peers) == ids, (name, peers)  # named by their keys
+            assert all(p["updates_accepted"] == 2 and p["updates_rejected"] == 0
+                       for p in peers.values()), (name, peers)
+
+
+def test_a_site_without_its_replica_group_is_told_what_to_set(tmp_path):
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("REPLICA_GROUP_ID", "TORCHFT_LIGHTHOUSE")}
+    run = subprocess.run([sys.executable, "-m", "farlink.worker", "--run-dir",
+                          str(tmp_path / "r")], env=env, capture_output=True, text=True,
+                         timeout=120)
+    assert run.returncode == 2 and "REPLICA_GROUP_ID" in run.stderr, run.stderr
+    run = subprocess.run([sys.executable, "-m", "farlink.worker", "--run-dir",
+                          str(tmp_path / "r")], env={**env, "REPLICA_GROUP_ID": "1"},
+                         capture_output=True, text=True, timeout=120)
+    assert run.returncode == 2 and "TORCHFT_LIGHTHOUSE" in run.stderr, run.stderr
+    run = subprocess.run([sys.executable, "-m", "farlink.worker", "--index", "0", "--run-dir",
+                          str(tmp_path / "r")], env={**env, "REPLICA_GROUP_ID": "1",
+                                                     "TORCHFT_LIGHTHOUSE": "http://h:1"},
+                         capture_output=True, text=True, timeout=120)
+    assert run.returncode == 2 and "--index 0 but REPLICA_GROUP_ID=1" in run.stderr, run.stderr
+    assert not (tmp_path / "r").exists()  # refused before anything was written
+
+
+def test_the_launchers_worker_takes_the_lighthouse_from_torchft_lighthouse(tmp_path):
+    argv = [sys.executable, "-m", "farlink.train.worker", str(tmp_path / "none"), "0"]
+    env = {k: v for k, v in os.environ.items() if k != "TORCHFT_LIGHTHOUSE"}
+    without = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=120)
+    assert without.returncode == 2 and "--lighthouse" in without.stderr, without.stderr
+    given = subprocess.run(argv, env={**env, "TORCHFT_LIGHTHOUSE": "http://127.0.0.1:1"},
+                           capture_output=True, text=True, timeout=120)
+    # past the arguments: it went on to read the run dir's config (absent here)
+    assert "--lighthouse" not in given.stderr and "config.json" in given.stderr, given.stderr
+
+
+def test_only_a_sites_rank_0_writes_the_run_dirs_shared_files(tmp_path, cache_dir):
+    from farlink.config import load_config
+    from farlink.worker import prepare_run_dir
+
+    cfg = load_config(None, {"run_dir": tmp_path / "run", "cache_dir": cache_dir,
+                             "vocab_size": 512, "lighthouse": "http://127.0.0.1:1",
+                             "ranks_per_worker": 2})
+    prepare_run_dir(cfg, rank=1)
+    assert not (tmp_path / "run").exists()
+    prepare_run_dir(cfg, rank=0)
+    assert {"config.json", "config.toml", "tokenizer.json"} <= \
+        {p.name for p in (tmp_path / "run").iterdir()}
+    before = (tmp_path / "run" / "config.json").stat().st_mtime_ns
+    prepare_run_dir(cfg, rank=0)  # a restarted rank 0 keeps the run's config as it is
+    assert (tmp_path / "run" / "config.json").stat().st_mtime_ns == before
