@@ -254,7 +254,8 @@ def register(app: typer.Typer, bench_app: typer.Typer) -> None:
                    f"{'resuming its checkpoints' if resume else 'new'}; run dir {run_dir}; "
                    "Ctrl-C leaves (committed rounds are kept)")
         try:
-            code = run_worker(cfg, shard, cfg.initial_peers, joining=True, collective=collective)
+            code = run_worker(cfg, shard, cfg.initial_peers, joining=True, collective=collective,
+                              shard_claim=claim)
         finally:
             claim.release()
         raise typer.Exit(code)
