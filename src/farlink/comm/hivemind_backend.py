@@ -10,6 +10,9 @@ shares the p2p daemon of a ``hivemind.DHT`` (which runs in its own process). Per
   round id is the largest committed round in the group; a member that is behind (a newcomer, or one
   whose last commit failed) downloads the state of an up-to-date member, checks its SHA-256 and
   adopts it through ``set_state`` before the round goes on (``RoundInfo.healed``).
+* ``expect_round`` (the sync layer's hint that the next round is due in T seconds) starts that
+  matchmaking ``matchmaking_time`` before the round is due, in the background, so the group forms
+  while its members still train and ``begin_round`` at the boundary only collects it.
 * ``all_reduce_sum`` runs hivemind's butterfly :class:`AllReduceRunner` with shards proportional to
   the announced bandwidths (client-mode peers reduce nothing) and turns its average into a sum.
 * ``all_gather_bytes`` pushes the payload (signed by the exchange above, which verifies what
@@ -335,8 +338,10 @@ class HivemindCollective(Collective):
             raise CommError("begin_round on a closed collective")
         start = time.perf_counter()
         now = get_dht_time()
-        self._deadline = max(self._deadline, now + self.round_timeout) if self._search else (
-            now + self.round_timeout)
+        if self._search is None:
+            self._deadline = now + self.round_timeout
+        else:  # an early search gets the full wait from now, as a search started now would
+            self._deadline = max(self._deadline, now + self.round_timeout)
         self._round_asked = now  # an early search still waiting for its start begins now
         self._loop.call_soon_threadsafe(self._round_wanted.set)
         search, self._search = self._search, None
