@@ -185,6 +185,8 @@ class ShardClaim:
         while True:
             self._wake.wait(self.ttl / 3)
             self._wake.clear()
+            if not self.dht.is_alive():  # the volunteer's collective closed it: nothing to keep
+                return
             try:
                 self._store_position()
                 if self._stop.is_set():
