@@ -15,7 +15,11 @@ algorithm until the run's ``steps`` are done or Ctrl-C. It writes only its own r
 (default ``runs/swarm-<digest>``); the same command later resumes from its checkpoints.
 
 Everything listens on loopback unless ``--host``/``--public`` say otherwise; ``--public`` is the
-only switch that enables NAT traversal and relays.
+only switch that enables NAT traversal and relays. ``start`` prints the join command for the
+address other machines can dial best and carries ``--host 0.0.0.0`` / ``--public`` into it when
+the run needs them; ``join`` says on the console when others cannot dial it directly (client
+mode, relay only, NAT, loopback) and which TCP port to open
+(:func:`farlink.comm.hivemind_net.reachability`).
 """
 
 from __future__ import annotations
