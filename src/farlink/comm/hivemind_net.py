@@ -4,6 +4,10 @@ hivemind's defaults reach out to the internet (UPnP/NAT-PMP port mapping, AutoNA
 relays, IPFS bootstrap). A local or test run must never do that, so every DHT this project starts
 goes through :func:`dht_options`, which switches all of them off unless the user asked for a
 public peer explicitly.
+
+It also reads a peer's addresses for the people running it: which address to hand to peers
+elsewhere (:func:`best_address`), and whether the swarm's other peers can dial it directly or
+only through a relay, and what to open if not (:func:`reachability`).
 """
 
 from __future__ import annotations
