@@ -43,3 +43,79 @@ def test_join_with_bad_address_says_how_to_fix() -> None:
     _, err = proc.communicate(timeout=60)
     assert proc.returncode == 2
     assert "not a valid multiaddress" in err and "farlink swarm start" in err
+
+
+def test_start_on_every_interface_prints_a_command_for_other_machines(tmp_path, cache_dir) -> None:
+    """``--host 0.0.0.0``: the printed join command names an address other machines can dial
+    (not loopback, when the machine has another) and has the volunteer listen on every
+    interface too; a loopback start says that only this machine can join."""
+    import ipaddress
+
+    def join_line(host: str, run: str) -> tuple[list[str], str]:
+        proc = swarm("start", "--host", host, "--port", "0", "--vocab-size", "512",
+                     "--run-dir", str(tmp_path / run), "--cache-dir", str(cache_dir))
+        try:
+            lines: list[str] = []
+            for line in proc.stdout:  # up to the join command (its notes come before it)
+                lines.append(line.strip())
+                if lines[-1].startswith("farlink swarm join"):
+                    break
+            proc.send_signal(signal.SIGINT)
+            out, err = proc.communicate(timeout=30)
+        finally:
+            proc.kill()
+        command = next((l for l in lines if l.startswith("farlink swarm join")), None)
+        assert command is not None, f"no join command; stdout: {lines}; stderr: {err}"
+        return command.split(), "\n".join(lines) + "\n" + out
+
+    args, output = join_line("0.0.0.0", "everywhere")
+    addr = args[args.index("--initial-peers") + 1]
+    printed = [l for l in output.splitlines() if l.startswith("/ip4/")]
+    others = [a for a in printed if not ipaddress.ip_address(a.split("/")[2]).is_loopback]
+    if others:  # a machine with a network interface besides loopback
+        assert addr in others and args[args.index("--host") + 1] == "0.0.0.0"
+        assert "only volunteers on this machine" not in output
+    assert "--public" not in args
+
+    args, output = join_line("127.0.0.1", "local")
+    assert "--host" not in args and "only volunteers on this machine can join" in output
+
+
+def test_join_with_client_mode_says_what_it_gives_up_and_what_to_open() -> None:
+    """A volunteer in client mode is told on its console, and what port to open instead."""
+    from farlink.comm.hivemind_backend import HivemindCollective
+    from farlink.comm.hivemind_net import reachability, tcp_port
+
+    server = HivemindCollective("reach", matchmaking_time=1.5, request_timeout=1.0)
+    client = HivemindCollective("reach", server.maddrs, client_mode=True, matchmaking_time=1.5,
+                                request_timeout=1.0)
+    try:
+        assert reachability(server.maddrs, False, server.maddrs) is None  # all on loopback
+        note = reachability(client.maddrs, True, server.maddrs)
+        assert note.startswith("client mode") and "drop --client-mode" in note
+        port = tcp_port(client.maddrs)
+        assert port and f"open TCP port {port}" in note
+    finally:
+        client.close()
+        server.close()
+
+
+def test_reachability_lines_for_addresses_seen_on_the_internet() -> None:
+    from farlink.comm.hivemind_net import best_address, is_loopback_only, reachability
+
+    boot = ["/ip4/127.0.0.1/tcp/4000/p2p/QmBoot", "/ip4/84.17.40.2/tcp/4000/p2p/QmBoot"]
+    assert best_address(boot) == boot[1]  # a global address before loopback
+    assert best_address(["/ip4/127.0.0.1/tcp/1/p2p/Q", "/ip4/192.168.1.4/tcp/1/p2p/Q"]) \
+        == "/ip4/192.168.1.4/tcp/1/p2p/Q"
+    assert is_loopback_only(boot[:1]) and not is_loopback_only(boot)
+    behind_nat = ["/ip4/127.0.0.1/tcp/5123/p2p/QmMe", "/ip4/192.168.1.4/tcp/5123/p2p/QmMe"]
+    relayed = behind_nat + ["/ip4/84.17.40.9/tcp/4001/p2p/QmRelay/p2p-circuit/p2p/QmMe"]
+    mapped = behind_nat + ["/ip4/84.17.40.20/tcp/5123/p2p/QmMe"]
+    note = reachability(relayed, False, boot)
+    assert note.startswith("reachable only through a relay") and "open TCP port 5123" in note
+    note = reachability(behind_nat, False, boot)
+    assert note.startswith("only a private address (127.0.0.1, 192.168.1.4)") and "--public" in note
+    assert reachability(mapped, False, boot) is None  # port mapped: a global address
+    assert reachability(behind_nat, False, behind_nat) is None  # a swarm on one LAN
+    note = reachability(behind_nat[:1], False, boot)
+    assert note.startswith("listening on loopback only") and "--host 0.0.0.0" in note

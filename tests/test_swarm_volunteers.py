@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from farlink.comm.swarm_definition import digest_of, make_definition
 from farlink.comm.swarm_shards import owners, preference
@@ -222,3 +223,59 @@ def test_shard_claims_in_a_real_dht_are_distinct_full_and_freed_when_a_volunteer
             claim.release()
         for dht in dhts:
             dht.shutdown()
+
+
+def test_a_taken_over_shard_continues_at_its_last_holders_committed_position() -> None:
+    """Real DHTs: a volunteer trains its shard, commits a round after 7 batches and draws 2
+    more, then leaves. The newcomer that claims the freed shard draws the 8th batch next: the
+    7 committed batches are not trained again, the 2 uncommitted ones (lost with their holder)
+    are."""
+    import numpy as np
+
+    from farlink.comm.hivemind_net import dht_options, start_dht, tcp_maddr
+    from farlink.comm.swarm_shards import ShardClaim
+    from farlink.data import ShardSampler
+
+    tokens = np.arange(4000, dtype=np.int64) % 500
+
+    def sampler() -> ShardSampler:
+        return ShardSampler(tokens, shard=0, num_shards=1, seq_len=16, batch_size=4, seed=3)
+
+    first = start_dht([], **dht_options([tcp_maddr("127.0.0.1")]))
+    second = start_dht([str(m) for m in first.get_visible_maddrs()],
+                       **dht_options([tcp_maddr("127.0.0.1")]))
+    claims: list[ShardClaim] = []
+    try:
+        leaving = ShardClaim(first, "run_shards", 1, str(first.peer_id), ttl=6.0, settle=1.0)
+        claims.append(leaving)
+        assert leaving.acquire() == 0
+        assert leaving.committed_position() is None  # a new shard starts at its beginning
+        old = sampler()
+        drawn = [old.next_batch()[0] for _ in range(7)]
+        leaving.record(round_id=3, sampler_state=old.state_dict())  # round 3 committed here
+        lost = [old.next_batch()[0] for _ in range(2)]  # trained, never committed
+        leaving.release()  # leaves; its claim expires, its position stays
+        newcomer = ShardClaim(second, "run_shards", 1, str(second.peer_id), ttl=6.0,
+                              settle=1.0)
+        claims.append(newcomer)
+        deadline = time.monotonic() + 30
+        while True:  # the shard is free once the leaver's claim has expired
+            try:
+                assert newcomer.acquire() == 0
+                break
+            except Exception:  # noqa: BLE001 - SwarmFull until the claim expires
+                assert time.monotonic() < deadline, "the departed volunteer's shard never freed"
+                time.sleep(1.0)
+        taken = newcomer.committed_position()
+        assert taken is not None and taken["round"] == 3
+        new = sampler()
+        assert new.advance_to(taken["sampler"])
+        assert torch.equal(new.next_batch()[0], lost[0])  # the first batch after the commit
+        assert not new.advance_to(sampler().state_dict())  # never moves back
+        fresh = sampler()
+        assert torch.equal(fresh.next_batch()[0], drawn[0])  # without it: trained again
+    finally:
+        for claim in claims:
+            claim.release()
+        second.shutdown()
+        first.shutdown()

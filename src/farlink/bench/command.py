@@ -311,6 +311,8 @@ def register(app: typer.Typer, bench_app: typer.Typer) -> None:
         from farlink.bench.backends import run
 
         result = run(out, steps, inner_steps, workers, codec)
-        print_rows(result["rows"], ["label", "mean_round_s", "bytes_per_worker",
+        print_rows(result["rows"], ["label", "mean_round_s", "mean_round_s_all",
+                                    "mean_last_arrival_round_s", "bytes_per_worker",
                                     "compute_utilization", "final_heldout_loss", "wall_s"],
                    "farlink bench backends")
+        typer.echo(f"hivemind / torchft: {result['ratios']}")

@@ -98,6 +98,14 @@ class Collective(ABC):
     def begin_round(self) -> RoundInfo:
         """Agree on the participants of the next round; heal this worker if it is behind."""
 
+    def expect_round(self, in_seconds: float) -> None:
+        """A hint from the training side: the next ``begin_round`` comes in about ``in_seconds``.
+
+        A backend whose group forming takes time (hivemind's DHT matchmaking) starts it ahead so
+        the group is ready at the boundary, as hivemind's own Optimizer pre-schedules its
+        averaging; the round itself is still agreed on in ``begin_round``, so a wrong estimate
+        costs only waiting. Backends whose quorum is cheap (torchft, in-process) ignore it."""
+
     @abstractmethod
     def all_reduce_sum(self, tensors: list[torch.Tensor]) -> None:
         """Sum float tensors in place across participants (dense, uncompressed)."""

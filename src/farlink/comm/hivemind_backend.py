@@ -10,6 +10,9 @@ shares the p2p daemon of a ``hivemind.DHT`` (which runs in its own process). Per
   round id is the largest committed round in the group; a member that is behind (a newcomer, or one
   whose last commit failed) downloads the state of an up-to-date member, checks its SHA-256 and
   adopts it through ``set_state`` before the round goes on (``RoundInfo.healed``).
+* ``expect_round`` (the sync layer's hint that the next round is due in T seconds) starts that
+  matchmaking ``matchmaking_time`` before the round is due, in the background, so the group forms
+  while its members still train and ``begin_round`` at the boundary only collects it.
 * ``all_reduce_sum`` runs hivemind's butterfly :class:`AllReduceRunner` with shards proportional to
   the announced bandwidths (client-mode peers reduce nothing) and turns its average into a sum.
 * ``all_gather_bytes`` pushes the payload (signed by the exchange above, which verifies what
@@ -63,7 +66,7 @@ from hivemind.averaging.control import StepControl
 from hivemind.p2p import P2PContext, PeerID, ServicerBase
 from hivemind.proto import averaging_pb2
 from hivemind.utils import MPFuture, get_dht_time
-from hivemind.utils.asyncio import achain, anext, as_aiter, azip
+from hivemind.utils.asyncio import achain, anext, as_aiter, azip, cancel_and_wait
 
 from farlink.comm.base import Collective, RoundInfo
 from farlink.comm.errors import CommError, RoundTimeout
@@ -245,6 +248,11 @@ class HivemindCollective(Collective):
         self._group: _Group | None = None
         self._info: RoundInfo | None = None
         self._closed = False
+        # the next round's matchmaking, when it runs ahead of begin_round (see expect_round)
+        self._search: Any = None  # concurrent.futures.Future of _find_group
+        self._deadline = 0.0  # DHT time by which the search must have found a group
+        self._round_asked: float | None = None  # DHT time begin_round asked for the group
+        self._search_task: asyncio.Task | None = None  # the search, on the event loop
 
         opts = dht_options(host_maddrs, announce_maddrs, client_mode, public, identity_path)
         if admission is not None:  # hivemind's own hook: every DHT RPC signed and checked
@@ -277,6 +285,7 @@ class HivemindCollective(Collective):
         self._runners: dict[bytes, asyncio.Future] = {}
         self._snapshots: dict[bytes, asyncio.Future] = {}
         self._servicer = _Servicer(self)
+        self._round_wanted = asyncio.Event()  # begin_round wants the group now
         if self.admission_auth is not None:
             timeout = max(5.0, 5 * self.request_timeout)
             self.admission = Admission(self.admission_auth, self._p2p, self.prefix, timeout)
@@ -310,42 +319,42 @@ class HivemindCollective(Collective):
         return [str(m) for m in self.dht.get_visible_maddrs()]
 
     # --- rounds --------------------------------------------------------------------------------
+    def expect_round(self, in_seconds: float) -> None:
+        """Look for the next round's group ahead of time: matchmaking starts ``matchmaking_time``
+        before the round is due (at once when it is due sooner), in the background, declaring the
+        round due at ``now + in_seconds``. A group is full as soon as every member is looking, so
+        when the last member reaches its boundary the group is usually formed already and
+        ``begin_round`` only collects it (hivemind's Optimizer schedules its averaging the same
+        way). Ignored inside a round, or while an earlier search still runs."""
+        if self._closed or self._group is not None or self._search is not None:
+            return
+        due = get_dht_time() + max(0.0, float(in_seconds))
+        self._deadline = due + self.round_timeout
+        self._round_asked = None
+        self._search = asyncio.run_coroutine_threadsafe(self._find_group(due), self._loop)
+
     def begin_round(self) -> RoundInfo:
         if self._closed:
             raise CommError("begin_round on a closed collective")
         start = time.perf_counter()
-        self._call(self._reset_round(), timeout=10)
-        meta = msgpack.packb([self.round_id, int(self.client_mode), self.bandwidth])
-        deadline = get_dht_time() + self.round_timeout
-        group_info = None
-        while group_info is None:
-            remaining = deadline - get_dht_time()
-            if remaining <= self.matchmaking_time:
-                raise RoundTimeout(
-                    f"no group of at least {self.min_group_size} peers formed for run "
-                    f"{self.run_id!r} within {self.round_timeout:.0f} s (round {self.round_id}). "
-                    "Fix: start more peers with the same run id and initial peers, check that they "
-                    "can reach each other, or lower min_group_size / raise round_timeout."
-                )
-            step = StepControl(
-                scheduled_time=get_dht_time() + self.matchmaking_time,
-                deadline=deadline,
-                allow_retries=True,
-                weight=1.0,
-                data_for_gather=meta,
-            )
-            step.attach(MPFuture(), MPFuture())  # hivemind's averager does this; no trigger here
-            step.allow_allreduce()
-            try:
-                group_info = self._call(
-                    self._matchmaking.look_for_group(step), timeout=remaining + 30
-                )
-            except Exception as exc:  # noqa: BLE001 - matchmaking errors: retry until deadline
-                log.info("matchmaking attempt failed: %r", exc)
-                time.sleep(min(1.0, self.request_timeout))
-            finally:
-                if not step.done():
-                    step.set_result(None)
+        now = get_dht_time()
+        if self._search is None:
+            self._deadline = now + self.round_timeout
+        else:  # an early search gets the full wait from now, as a search started now would
+            self._deadline = max(self._deadline, now + self.round_timeout)
+        self._round_asked = now  # an early search still waiting for its start begins now
+        self._loop.call_soon_threadsafe(self._round_wanted.set)
+        search, self._search = self._search, None
+        if search is not None and search.done() and search.exception() is not None:
+            log.info("early matchmaking failed (%r); looking again", search.exception())
+            search = None
+        if search is None:
+            search = asyncio.run_coroutine_threadsafe(self._find_group(now), self._loop)
+        try:
+            group_info = search.result(timeout=self._deadline - get_dht_time() + 30)
+        except TimeoutError:
+            search.cancel()
+            raise
         group = self._make_group(group_info)
         self._group = group
         self._admit_group(group)
@@ -359,6 +368,63 @@ class HivemindCollective(Collective):
         )
         self.stats.comm_seconds += time.perf_counter() - start
         return self._info
+
+    async def _find_group(self, due: float) -> Any:
+        """Matchmaking for the round due at ``due`` (DHT time), retried until ``_deadline``. It
+        starts ``matchmaking_time`` before ``due`` or when ``begin_round`` asks, whichever is
+        first, and gives stragglers the same window as a search started at the boundary: a group
+        that is not full is formed ``matchmaking_time`` after the round is due."""
+        self._search_task = asyncio.current_task()
+        wait = due - self.matchmaking_time - get_dht_time()
+        if wait > 0 and self._round_asked is None:
+            self._round_wanted.clear()
+            try:
+                await asyncio.wait_for(self._round_wanted.wait(), timeout=wait)
+            except TimeoutError:
+                pass
+        await self._reset_round()
+        while True:
+            if self._round_asked is not None:  # the boundary came: no later than now
+                due = min(due, self._round_asked)
+            remaining = self._deadline - get_dht_time()
+            if remaining <= self.matchmaking_time:
+                raise RoundTimeout(
+                    f"no group of at least {self.min_group_size} peers formed for run "
+                    f"{self.run_id!r} within {self.round_timeout:.0f} s (round {self.round_id}). "
+                    "Fix: start more peers with the same run id and initial peers, check that they "
+                    "can reach each other, or lower min_group_size / raise round_timeout."
+                )
+            step = StepControl(
+                scheduled_time=max(due, get_dht_time()) + self.matchmaking_time,
+                deadline=self._deadline,
+                allow_retries=True,
+                weight=1.0,
+                data_for_gather=msgpack.packb(
+                    [self.round_id, int(self.client_mode), self.bandwidth]),
+            )
+            step.attach(MPFuture(), MPFuture())  # hivemind's averager does this; no trigger here
+            step.allow_allreduce()
+            try:
+                group_info = await self._matchmaking.look_for_group(step)
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # noqa: BLE001 - matchmaking errors: retry until deadline
+                log.info("matchmaking attempt failed: %r", exc)
+                group_info = None
+                await asyncio.sleep(min(1.0, self.request_timeout))
+            finally:
+                if not step.done():
+                    step.set_result(None)
+            if group_info is not None:
+                return group_info
+
+    async def _cancel_search(self, search) -> None:
+        """Cancel an early search and wait until hivemind's matchmaking has let go of it (its
+        declarations and followers), so nothing is left pending when the loop stops."""
+        search.cancel()
+        task = self._search_task
+        if task is not None and not task.done():
+            await cancel_and_wait(task)
 
     async def _reset_round(self) -> None:
         self._mailbox.clear()
@@ -831,6 +897,12 @@ class HivemindCollective(Collective):
         if self._closed:
             return
         self._closed = True
+        if self._search is not None:  # an early search for a round that will not come
+            search, self._search = self._search, None
+            try:
+                self._call(self._cancel_search(search), timeout=10)
+            except Exception as exc:  # noqa: BLE001 - best effort on the way out
+                log.debug("early matchmaking cancel: %r", exc)
         try:
             if hasattr(self, "_p2p"):
                 self._call(self._p2p.shutdown(), timeout=10)

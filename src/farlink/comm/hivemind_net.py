@@ -4,6 +4,10 @@ hivemind's defaults reach out to the internet (UPnP/NAT-PMP port mapping, AutoNA
 relays, IPFS bootstrap). A local or test run must never do that, so every DHT this project starts
 goes through :func:`dht_options`, which switches all of them off unless the user asked for a
 public peer explicitly.
+
+It also reads a peer's addresses for the people running it: which address to hand to peers
+elsewhere (:func:`best_address`), and whether the swarm's other peers can dial it directly or
+only through a relay, and what to open if not (:func:`reachability`).
 """
 
 from __future__ import annotations
@@ -205,3 +209,89 @@ def start_bootstrap_peer(host: str = "127.0.0.1", port: int = 0, public: bool = 
 
     dht = start_dht([], tied=threading.current_thread() is threading.main_thread(), **opts)
     return dht, [str(m) for m in dht.get_visible_maddrs()]
+
+
+# --- where a peer can be reached from --------------------------------------------------------
+def _maddr_host(maddr: str) -> str | None:
+    """The IP of ``/ip4/A/...`` or ``/ip6/A/...``; None for DNS names and relayed addresses."""
+    parts = maddr.split("/")
+    if len(parts) > 2 and parts[1] in ("ip4", "ip6") and "/p2p-circuit" not in maddr:
+        return parts[2]
+    return None
+
+
+def _scope(maddr: str) -> int:
+    """0 loopback, 1 private or link-local (a LAN), 2 global, 1 for names and relays."""
+    import ipaddress
+
+    host = _maddr_host(maddr)
+    if host is None:
+        return 1
+    try:
+        ip = ipaddress.ip_address(host)
+    except ValueError:
+        return 1
+    if ip.is_loopback or ip.is_unspecified:
+        return 0
+    return 2 if ip.is_global else 1
+
+
+def is_loopback_only(maddrs: Sequence[str]) -> bool:
+    """Whether every address is a loopback one (only this machine can dial it)."""
+    return bool(maddrs) and all(_scope(m) == 0 for m in maddrs)
+
+
+def best_address(maddrs: Sequence[str]) -> str:
+    """The address to hand to peers elsewhere: global before LAN before loopback, and a direct
+    address before a relayed one."""
+    if not maddrs:
+        raise ValueError("no addresses to choose from")
+    return max(maddrs, key=lambda m: (_scope(m), "/p2p-circuit" not in m))
+
+
+def tcp_port(maddrs: Sequence[str]) -> int | None:
+    """The TCP port this peer listens on (its first direct address's)."""
+    for maddr in maddrs:
+        parts = maddr.split("/")
+        if "/p2p-circuit" not in maddr and "tcp" in parts:
+            try:
+                return int(parts[parts.index("tcp") + 1])
+            except (IndexError, ValueError):
+                continue
+    return None
+
+
+def reachability(maddrs: Sequence[str], client_mode: bool, bootstrap: Sequence[str] = ()
+                 ) -> str | None:
+    """One line for a volunteer's console when the swarm's other peers cannot dial it
+    directly, with what to open; None when they can.
+
+    The swarm's reach is the bootstrap peer's (``bootstrap``: loopback, a LAN or the internet);
+    a volunteer is reachable when it has a direct address of at least that scope. With
+    ``--public`` hivemind adds the address the router maps (UPnP/NAT-PMP) or that peers observe
+    (AutoNAT), and a relayed ``/p2p-circuit`` address when it finds none."""
+    port = tcp_port(maddrs)
+    open_port = (f"open TCP port {port} to this machine (forward it on the router; "
+                 f"--port {port} keeps it across restarts)" if port else
+                 "open a TCP port to this machine and pass it as --port")
+    if client_mode:
+        return ("client mode: this volunteer only dials out. It trains and averages through "
+                "peers that accept connections, but reduces no share of the all-reduce and "
+                "serves no state to newcomers. To take a full part, start it with --host "
+                f"0.0.0.0, {open_port}, and drop --client-mode")
+    reach = max((_scope(m) for m in bootstrap), default=0)
+    direct = [m for m in maddrs if "/p2p-circuit" not in m]
+    if any(_scope(m) >= reach for m in direct):
+        return None
+    if len(direct) < len(maddrs):
+        return ("reachable only through a relay: no address of this volunteer can be dialed "
+                "directly (NAT or firewall), so every byte to it passes a relay peer, slower "
+                f"and dependent on that peer. To be reached directly, {open_port}")
+    if is_loopback_only(direct):
+        return ("listening on loopback only: peers on other machines cannot connect to this "
+                f"volunteer. Fix: start it with --host 0.0.0.0 and {open_port}, or with "
+                "--client-mode if it cannot accept connections")
+    return (f"only a private address ({', '.join(sorted({_maddr_host(m) or m for m in direct}))})"
+            ": peers on the internet cannot connect to this volunteer (NAT). Fix: "
+            f"{open_port}; or --public to be reached through port mapping or a relay; or "
+            "--client-mode")

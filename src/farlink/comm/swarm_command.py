@@ -15,7 +15,11 @@ algorithm until the run's ``steps`` are done or Ctrl-C. It writes only its own r
 (default ``runs/swarm-<digest>``); the same command later resumes from its checkpoints.
 
 Everything listens on loopback unless ``--host``/``--public`` say otherwise; ``--public`` is the
-only switch that enables NAT traversal and relays.
+only switch that enables NAT traversal and relays. ``start`` prints the join command for the
+address other machines can dial best and carries ``--host 0.0.0.0`` / ``--public`` into it when
+the run needs them; ``join`` says on the console when others cannot dial it directly (client
+mode, relay only, NAT, loopback) and which TCP port to open
+(:func:`farlink.comm.hivemind_net.reachability`).
 """
 
 from __future__ import annotations
@@ -37,9 +41,18 @@ def _fail(message: str, code: int = 2) -> typer.Exit:
     return typer.Exit(code)
 
 
-def join_command(maddr: str, digest: str, auth: str) -> str:
-    """The command a volunteer runs (the secret, if any, travels out of band)."""
+def join_command(maddr: str, digest: str, auth: str, public: bool = False) -> str:
+    """The command a volunteer runs (the secret, if any, travels out of band). For a bootstrap
+    peer other machines can reach, the volunteer listens on every interface too (its default,
+    loopback, would let it dial out but never be dialed), and a ``--public`` run's volunteers
+    may use port mapping and relays as the bootstrap peer does."""
+    from farlink.comm.hivemind_net import is_loopback_only
+
     command = f"farlink swarm join --initial-peers {maddr} --digest {digest}"
+    if not is_loopback_only([maddr]):
+        command += " --host 0.0.0.0"
+    if public:
+        command += " --public"
     if auth == "secret":
         command += " --auth secret"
     elif auth == "ed25519":
@@ -99,7 +112,8 @@ def register(app: typer.Typer, bench_app: typer.Typer) -> None:
                 from farlink.comm.hivemind_admission import RunAuthorizer
 
                 authorizer = RunAuthorizer(member)
-            from farlink.comm.hivemind_net import start_bootstrap_peer
+            from farlink.comm.hivemind_net import (best_address, is_loopback_only,
+                                                   start_bootstrap_peer)
 
             dht, maddrs = start_bootstrap_peer(cfg.host, port, public, authorizer=authorizer)
             server = DefinitionServer(dht, blob, auth=member, auth_kind=cfg.auth)
@@ -114,8 +128,13 @@ def register(app: typer.Typer, bench_app: typer.Typer) -> None:
             typer.echo("bootstrap peer running; its addresses:")
             for addr in maddrs:
                 typer.echo(addr)
+            if is_loopback_only(maddrs):
+                typer.echo("(this peer listens on loopback: only volunteers on this machine "
+                           "can join. For volunteers elsewhere start it with --host 0.0.0.0 "
+                           "--port P and open TCP port P; see docs/community.md)")
             typer.echo("a volunteer joins with:")
-            typer.echo("  " + join_command(maddrs[0], server.digest, cfg.auth))
+            typer.echo("  " + join_command(best_address(maddrs), server.digest, cfg.auth,
+                                           public))
             if cfg.auth == "secret":
                 typer.echo("  (with the run secret in FARLINK_SECRET, or --secret-file F)")
             while dht.is_alive():
@@ -144,7 +163,11 @@ def register(app: typer.Typer, bench_app: typer.Typer) -> None:
         cache_dir: Annotated[
             Path, typer.Option(help="Tokenized-data cache.")
         ] = Path.home() / ".cache" / "farlink",
-        host: Annotated[str, typer.Option(help="Address to listen on.")] = "127.0.0.1",
+        host: Annotated[str, typer.Option(help="Address to listen on (0.0.0.0: every "
+                                          "interface, for a swarm beyond this machine).")
+                        ] = "127.0.0.1",
+        port: Annotated[int, typer.Option(help="TCP port to listen on (0: any free port); the "
+                                          "one to open or forward for peers elsewhere.")] = 0,
         client_mode: Annotated[
             bool, typer.Option(help="This peer cannot accept connections (behind NAT).")
         ] = False,
@@ -172,6 +195,7 @@ def register(app: typer.Typer, bench_app: typer.Typer) -> None:
         from farlink.comm.swarm_definition import (
             DefinitionError, data_fingerprint, digest_of, fetch_definition, parse_definition,
             run_id_of, write_definition_files)
+        from farlink.comm.hivemind_net import reachability, tcp_maddr
         from farlink.comm.swarm_shards import ShardClaim, SwarmFull
         from farlink.config import ConfigError, load_config
         from farlink.data import CorpusError, prepare_data
@@ -229,11 +253,14 @@ def register(app: typer.Typer, bench_app: typer.Typer) -> None:
             collective = build_collective(
                 cfg, "volunteer", cfg.initial_peers, run_id=run_id_of(run_digest),
                 identity_path=str(run_dir / "identity.key"), client_mode=client_mode,
-                public=public)
+                public=public, host_maddrs=[tcp_maddr(host, port)])
         except MembershipRefused as exc:
             raise _fail(str(exc), CODE_REFUSED) from None
         except CommError as exc:
             raise _fail(str(exc)) from None
+        note = reachability(collective.maddrs, client_mode, initial_peers)
+        if note:
+            typer.secho(f"note: {note}", fg="yellow")
         state_path = run_dir / "swarm.json"
         previous = json.loads(state_path.read_text()).get("shard") if state_path.is_file() \
             else None
@@ -254,7 +281,8 @@ def register(app: typer.Typer, bench_app: typer.Typer) -> None:
                    f"{'resuming its checkpoints' if resume else 'new'}; run dir {run_dir}; "
                    "Ctrl-C leaves (committed rounds are kept)")
         try:
-            code = run_worker(cfg, shard, cfg.initial_peers, joining=True, collective=collective)
+            code = run_worker(cfg, shard, cfg.initial_peers, joining=True, collective=collective,
+                              shard_claim=claim)
         finally:
             claim.release()
         raise typer.Exit(code)

@@ -18,6 +18,12 @@ A volunteer has no index, so it derives one from who it is and when it comes:
    holder re-stores it every third of that. A volunteer that leaves (or is killed) stops
    refreshing, and its shard is free for the next newcomer; a volunteer restarted within the TTL
    finds its own claim and keeps its shard and data position.
+5. **Its data position outlives the claim.** After every committed round the holder stores where
+   its sampler stands in the shard (epoch and position, as of that round) under the shard's
+   number in a second key, kept :data:`POSITION_TTL` seconds. A newcomer that takes the shard
+   over continues from there, so the tokens its last holder trained into committed rounds are
+   not trained again; what the holder drew after its last committed round is drawn again, as
+   that work was lost with it.
 
 When every shard is held by a live volunteer the run is full, and a newcomer is told so.
 """
@@ -35,6 +41,7 @@ log = logging.getLogger(__name__)
 
 CLAIM_TTL = 30.0
 SETTLE_S = 2.0
+POSITION_TTL = 7 * 24 * 3600.0  # a shard nobody trains for a week starts over
 
 
 class SwarmFull(RuntimeError):
@@ -74,10 +81,13 @@ class ShardClaim:
                  settle: float = SETTLE_S) -> None:
         self.dht, self.key, self.num_shards, self.peer_id = dht, key, num_shards, peer_id
         self.progress, self.ttl, self.settle = progress, ttl, settle
+        self.positions_key = key + "_positions"
         self.shard: int | None = None
         self.since = 0.0
         self.join_round = 0
+        self._position: dict | None = None  # the last committed position, not yet stored
         self._stop = threading.Event()
+        self._wake = threading.Event()  # store now: a new position, or leaving
         self._thread: threading.Thread | None = None
 
     def claims(self) -> dict[str, tuple[int, float, int]]:
@@ -140,15 +150,57 @@ class ShardClaim:
             f"has room for {self.num_shards}, its --workers). Try again later: a shard is free "
             f"{self.ttl:.0f} s after its volunteer leaves")
 
+    # --- the shard's data position ------------------------------------------------------------
+    def committed_position(self, shard: int | None = None) -> dict | None:
+        """Where the shard's last holder stood after its last committed round:
+        ``{"round": r, "sampler": ShardSampler.state_dict()}``, or None if nobody stored one."""
+        shard = self.shard if shard is None else shard
+        found = self.dht.get(self.positions_key, latest=True)
+        if found is None or not isinstance(found.value, dict):
+            return None
+        entry = found.value.get(str(shard))
+        value = getattr(entry, "value", None)
+        if not isinstance(value, dict) or not isinstance(value.get("sampler"), dict):
+            return None
+        return {"round": int(value.get("round", 0)), "sampler": dict(value["sampler"])}
+
+    def record(self, round_id: int, sampler_state: dict) -> None:
+        """This holder committed ``round_id`` with its sampler at ``sampler_state``: stored in
+        the background (the training thread never waits for the DHT)."""
+        self._position = {"round": int(round_id), "sampler": dict(sampler_state)}
+        self._wake.set()
+
+    def _store_position(self) -> None:
+        from hivemind.utils import get_dht_time
+
+        position, self._position = self._position, None
+        if position is None or self.shard is None:
+            return
+        if not self.dht.store(self.positions_key, position, get_dht_time() + POSITION_TTL,
+                              subkey=str(self.shard)):
+            self._position = self._position or position  # keep it for the next try
+            log.warning("could not store the shard's data position in the DHT; retrying")
+
     def _refresh(self) -> None:
-        while not self._stop.wait(self.ttl / 3):
+        while True:
+            self._wake.wait(self.ttl / 3)
+            self._wake.clear()
+            if not self.dht.is_alive():  # the volunteer's collective closed it: nothing to keep
+                return
             try:
+                self._store_position()
+                if self._stop.is_set():
+                    return
                 self._store()
             except Exception as exc:  # noqa: BLE001 - the DHT going down ends the run anyway
                 log.warning("refreshing the shard claim failed: %r", exc)
+                if self._stop.is_set():
+                    return
 
     def release(self) -> None:
-        """Stop refreshing: the claim expires within the TTL."""
+        """Store the last committed position, then stop refreshing: the claim expires within
+        the TTL."""
         self._stop.set()
+        self._wake.set()
         if self._thread is not None:
             self._thread.join(timeout=5)

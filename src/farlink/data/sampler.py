@@ -106,6 +106,17 @@ class ShardSampler:
         self._order = self._permutation(epoch)
 
 
+    def advance_to(self, state: dict[str, Any]) -> bool:
+        """Continue from ``state`` (another sampler's :meth:`state_dict` on this shard) if it is
+        further along than this one; True if it moved. Never moves back: a taken-over shard
+        resumes where its furthest committed holder stood."""
+        theirs = (int(state["epoch"]), int(state["position"]))
+        if theirs <= (self.epoch, self.position):
+            return False
+        self.load_state_dict(state)
+        return True
+
+
 def heldout_batches(tokens: np.ndarray, seq_len: int, batch_size: int,
                     max_batches: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Consecutive windows from the start of ``tokens``: the same list on every worker.

@@ -115,6 +115,9 @@ class ShapedCollective(Collective):
         self._world = info.world_size
         return info
 
+    def expect_round(self, in_seconds: float) -> None:
+        self.inner.expect_round(in_seconds)
+
     def _charge(self, before: int, hops: int) -> None:
         sent = self.inner.stats.bytes_sent - before
         if self._world > 1 and (sent or hops):

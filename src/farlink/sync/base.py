@@ -288,6 +288,9 @@ class SyncAlgorithm(ABC):
         self.quorum_seconds = 0.0
         self.network_seconds = 0.0
         self.round_seconds = 0.0
+        # the training time between the last two rounds, the estimate of when the next is due
+        self._round_ended: float | None = None
+        self._round_gap: float | None = None
         #: called before every round begins, outside its timing: the owner of background
         #: checkpoint writes lands the previous write there (and raises its error, a full disk),
         #: so no round is committed while an earlier committed round's checkpoint is unwritten
@@ -426,6 +429,8 @@ class SyncAlgorithm(ABC):
         if self.before_round is not None:
             self.before_round()
         start = time.perf_counter()
+        if self._round_ended is not None:
+            self._round_gap = start - self._round_ended
         network_before = self.collective.stats.comm_seconds
         info, committed = None, False
         for attempt in range(self.cfg.round_retries + 1):
@@ -445,7 +450,12 @@ class SyncAlgorithm(ABC):
                 break
             log.warning("round %d not committed (attempt %d)", info.round_id, attempt + 1)
             self.collective.stats.failed_rounds += 1
-        seconds = time.perf_counter() - start
+        self._round_ended = time.perf_counter()
+        seconds = self._round_ended - start
         self.round_seconds += seconds
         self.network_seconds += self.collective.stats.comm_seconds - network_before
+        if self._round_gap is not None and not self.finished():
+            # the next round is due about as far off as this one was from the last: the
+            # collective may form its group meanwhile (hivemind's matchmaking)
+            self.collective.expect_round(self._round_gap)
         return committed, seconds, info

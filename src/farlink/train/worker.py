@@ -67,7 +67,7 @@ class SilentLog:
 
 class Worker:
     def __init__(self, cfg: RunConfig, index: int, lighthouse: str, joining: bool = False,
-                 collective=None) -> None:
+                 collective=None, shard_claim=None) -> None:
         from farlink import Optimizer
         from farlink.data import ShardSampler, heldout_batches, prepare_data
         from farlink.model.build import build_model
@@ -129,6 +129,11 @@ class Worker:
         self.shadow: torch.nn.Module | None = None  # the model copy evaluations read
         if cfg.resume:
             self._resume()
+        #: a volunteer's claim on its shard (``farlink swarm join``): where the shard's last
+        #: holder stopped, and where this worker stands after each committed round
+        self.shard_claim = shard_claim
+        if shard_claim is not None:
+            self._take_over_position(shard_claim.committed_position())
 
     @staticmethod
     def _join_site(cfg: RunConfig, index: int):
@@ -208,6 +213,26 @@ class Worker:
         self.metrics.write("resume", worker=self.replica_id, path=meta["path"],
                            inner_steps=self.sync.inner_steps,
                            outer_step=self.sync.outer_step, fell_back=bool(rejected))
+
+    def _take_over_position(self, taken: dict | None) -> None:
+        """Continue the shard where its last holder's last committed round left it, when that
+        is further than this worker's own checkpoint: its tokens are in the shared state
+        already, and training them again would count them twice."""
+        if taken is None:
+            return
+        try:
+            if not self.sampler.advance_to(taken["sampler"]):
+                return
+        except (KeyError, TypeError, ValueError) as exc:
+            log.warning("the shard's stored data position does not fit this run (%s); "
+                        "starting from this worker's own", exc)
+            return
+        epoch, position = self.sampler.epoch, self.sampler.position
+        log.info("shard %d continues at epoch %d, batch %d (its last holder's position after "
+                 "round %d)", self.sampler.shard, epoch, position // self.sampler.batch_size,
+                 taken["round"])
+        self.metrics.write("data_position", worker=self.replica_id, epoch=epoch,
+                           position=position, round=taken["round"])
 
     # --- evaluation ----------------------------------------------------------------------------
     def _evaluate_in_background(self, step: int, final: bool) -> None:
@@ -344,6 +369,8 @@ class Worker:
             outcome = self.sync.step(tokens)  # a round first lands the last checkpoint write
             if outcome.synced and outcome.committed:
                 self.widest_group = max(self.widest_group, outcome.world_size)
+                if self.shard_claim is not None:
+                    self.shard_claim.record(outcome.outer_step, self.sampler.state_dict())
             elapsed = time.perf_counter() - t0
             waited = sync.checkpoint_wait_seconds - waited_before
             self.compute_s += elapsed - outcome.comm_seconds - waited
@@ -464,12 +491,14 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def run_worker(cfg: RunConfig, index: int, lighthouse: str, joining: bool = False,
-               collective=None) -> int:
+               collective=None, shard_claim=None) -> int:
     """Train as worker ``index`` of ``cfg`` until the run ends or a stop request; the exit code.
 
     ``farlink join`` calls it with its own config in memory, so a joiner never rewrites the
     config saved in a run dir it shares. ``collective``: one already built (``farlink swarm
-    join`` builds its own first, to claim its shard through it); it is closed at the end."""
+    join`` builds its own first, to claim its shard through it); it is closed at the end.
+    ``shard_claim``: that volunteer's :class:`~farlink.comm.swarm_shards.ShardClaim`, which
+    hands over the shard's data position."""
     interrupt.install(raise_now=False)  # stop between steps, never mid-update
     from farlink.lifeline import watch_parent
 
@@ -484,7 +513,8 @@ def run_worker(cfg: RunConfig, index: int, lighthouse: str, joining: bool = Fals
         # of this worker, just killed, may still be exiting: wait a little for it)
         if cfg.ranks_per_worker == 1 or os.environ.get("RANK", "0") == "0":
             lock = IndexLock(cfg.run_dir, index, wait_s=10.0)
-        worker = Worker(cfg, index, lighthouse, joining=joining, collective=collective)
+        worker = Worker(cfg, index, lighthouse, joining=joining, collective=collective,
+                        shard_claim=shard_claim)
     except BaseException as exc:
         if lock is not None:
             lock.release()

@@ -1,0 +1,150 @@
+"""Matchmaking ahead of the round (``expect_round``) on real hivemind daemons and sockets: the
+group is formed before any member reaches its boundary, ``begin_round`` only collects it, and a
+member that leaves between forming and the round fails that round alone; the next forms without
+it. The sync layer hints each round from the training time between the last two."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import torch
+from torch import nn
+
+from farlink.codecs import make_compressor
+from farlink.comm.hivemind_backend import HivemindCollective
+from farlink.comm.inprocess import InProcessCollective, InProcessGroup
+from farlink.config import RunConfig
+from farlink.sync import algorithm_class
+from farlink.sync.exchange import Exchange
+
+torch.set_num_threads(1)
+FAST = dict(matchmaking_time=1.5, request_timeout=1.0, allreduce_timeout=8.0, gather_timeout=8.0,
+            commit_timeout=6.0, round_timeout=60.0)
+# a dead groupmate is waited for until these run out: short, so the failed round ends soon
+SHORT = {**FAST, "allreduce_timeout": 4.0, "gather_timeout": 4.0, "commit_timeout": 3.0}
+
+
+def in_threads(fn, members: dict[str, HivemindCollective], timeout: float = 90) -> dict:
+    """fn(name, collective) for every member at once; their results by name."""
+    results: dict[str, object] = {}
+    errors: list[BaseException] = []
+
+    def run(name: str, coll: HivemindCollective) -> None:
+        try:
+            results[name] = fn(name, coll)
+        except BaseException as exc:  # noqa: BLE001 - re-raised in the test's thread
+            errors.append(exc)
+
+    threads = [threading.Thread(target=run, args=item) for item in members.items()]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout)
+    if errors:
+        raise errors[0]
+    assert set(results) == set(members), f"members still running after {timeout} s"
+    return results
+
+
+def one_round(name: str, coll: HivemindCollective) -> tuple:
+    info = coll.begin_round()
+    x = [torch.full((50,), float(ord(name)))]
+    coll.all_reduce_sum(x)
+    return info, x[0], coll.commit()
+
+
+def wait_until(predicate, what: str, timeout: float = 30) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.05)
+
+
+def test_the_group_is_formed_before_the_boundary_and_collected_by_begin_round() -> None:
+    a = HivemindCollective("early", target_group_size=2, **FAST)
+    b = HivemindCollective("early", a.maddrs, target_group_size=2, **FAST)
+    members = {"a": a, "b": b}
+    try:
+        in_threads(one_round, members)  # round 0 as before: matchmaking at the boundary
+        for coll in (a, b):
+            coll.expect_round(1.0)  # due within the matchmaking lead: look at once
+        # nobody has called begin_round, and the group already exists on both sides
+        wait_until(lambda: a._search.done() and b._search.done(), "the early group")
+        groups = {name: c._search.result() for name, c in members.items()}
+        assert groups["a"].group_id == groups["b"].group_id
+
+        results = in_threads(one_round, members)
+        expected = torch.full((50,), float(ord("a") + ord("b")))
+        for info, summed, ok in results.values():
+            assert ok and info.round_id == 1 and info.world_size == 2
+            assert info.peers == [str(p) for p in groups["a"].peer_ids]  # the early group
+            torch.testing.assert_close(summed, expected)
+        assert a.round_id == b.round_id == 2
+
+        # a hint for a round that never comes: close lets go of the search without hanging
+        a.expect_round(30.0)
+        b.expect_round(0.0)
+        t0 = time.monotonic()
+        b.close()
+        a.close()
+        assert time.monotonic() - t0 < 20
+    finally:
+        a.close()
+        b.close()
+
+
+def test_a_member_that_leaves_after_the_early_group_formed_fails_only_that_round() -> None:
+    a = HivemindCollective("early-leave", target_group_size=3, **SHORT)
+    b = HivemindCollective("early-leave", a.maddrs, target_group_size=3, **SHORT)
+    c = HivemindCollective("early-leave", a.maddrs, target_group_size=3, **SHORT)
+    try:
+        first = in_threads(one_round, {"a": a, "b": b, "c": c})
+        assert all(ok and info.world_size == 3 for info, _, ok in first.values())
+        for coll in (a, b, c):
+            coll.expect_round(0.5)
+        wait_until(lambda: all(x._search.done() for x in (a, b, c)), "the early group of 3")
+        c.close()  # leaves between forming the group and the round
+
+        def failed_then_recovered(name: str, coll: HivemindCollective) -> tuple:
+            broken = one_round(name, coll)
+            return broken, one_round(name, coll)
+
+        results = in_threads(failed_then_recovered, {"a": a, "b": b}, timeout=150)
+        expected = torch.full((50,), float(ord("a") + ord("b")))
+        for (broken_info, _, broken_ok), (info, summed, ok) in results.values():
+            assert broken_info.world_size == 3 and not broken_ok  # c's round is discarded
+            assert ok and info.world_size == 2 and info.round_id == 1
+            torch.testing.assert_close(summed, expected)
+    finally:
+        for coll in (a, b, c):
+            coll.close()
+
+
+class HintRecorder(InProcessCollective):
+    """An in-process member that keeps the round hints it is given."""
+
+    def __init__(self, group: InProcessGroup, rank: int) -> None:
+        super().__init__(group, rank)
+        self.hints: list[float] = []
+
+    def expect_round(self, in_seconds: float) -> None:
+        self.hints.append(in_seconds)
+
+
+def test_diloco_hints_each_round_with_the_training_time_since_the_last() -> None:
+    collective = HintRecorder(InProcessGroup(1), 0)
+    model = nn.Linear(4, 1, bias=False)
+    cfg = RunConfig(algorithm="diloco", codec="none", steps=9, inner_steps=3, warmup_steps=0)
+    algo = algorithm_class("diloco")(model, cfg, collective,
+                                     Exchange(collective, make_compressor("none"), sender="r0"))
+    step_seconds = 0.05
+    rounds = 0
+    while not algo.finished():
+        model(torch.ones(2, 4)).sum().backward()
+        time.sleep(step_seconds)  # the inner step's compute
+        rounds += algo.step(tokens=2).synced
+    assert rounds == 3
+    # round 1 has no previous gap; round 2 hints the 3 inner steps before it; the last none
+    assert len(collective.hints) == 1
+    assert 3 * step_seconds <= collective.hints[0] < 3 * step_seconds + 1.0
