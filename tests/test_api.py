@@ -248,35 +248,20 @@ def test_hierarchical_diloco_with_islands_the_user_forms() -> None:
     island's collective, each island's leader also the collective the leaders share. After two
     global rounds every replica holds the same committed state; only leaders crossed the slow
     link."""
-    islands, leaders = [InProcessGroup(2), InProcessGroup(2)], InProcessGroup(2)
-    results: list = [None] * 4
-    errors: list[BaseException] = []
+    from island_threads import run_islands
 
-    def member(worker: int) -> None:
-        k, rank = divmod(worker, 2)
-        try:
-            with _INIT:
-                torch.manual_seed(0)
-                model = Tiny()
-            sync = farlink.Optimizer(
-                model, torch.optim.SGD(model.parameters(), lr=0.05), index=worker,
-                algorithm="hierarchical_diloco", backend="inprocess", steps=8, inner_steps=4,
-                island_steps=2, collective=islands[k].member(rank),
-                global_collective=leaders.member(k) if rank == 0 else None)
-            user_loop(sync, model, worker, 0, 8)
-            results[worker] = (sync.fingerprint(), sync.outer_step, sync.metrics())
-        except BaseException as exc:  # noqa: BLE001 - re-raised below, peers released
-            errors.append(exc)
-            for group in [*islands, leaders]:
-                group.barrier.abort()
+    def member(worker: int, island, leaders) -> tuple:  # noqa: ANN001
+        with _INIT:
+            torch.manual_seed(0)
+            model = Tiny()
+        sync = farlink.Optimizer(
+            model, torch.optim.SGD(model.parameters(), lr=0.05), index=worker,
+            algorithm="hierarchical_diloco", backend="inprocess", steps=8, inner_steps=4,
+            island_steps=2, collective=island, global_collective=leaders)
+        user_loop(sync, model, worker, 0, 8)
+        return sync.fingerprint(), sync.outer_step, sync.metrics()
 
-    threads = [threading.Thread(target=member, args=(w,)) for w in range(4)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=60)
-    if errors:
-        raise errors[0]
+    results = run_islands(member)
     assert len({r[0] for r in results}) == 1 and all(r[1] == 2 for r in results)
     crossed = [r[2]["inter_bytes"] > 0 for r in results]
     assert crossed == [True, False, True, False]
