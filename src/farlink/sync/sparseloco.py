@@ -4,8 +4,9 @@ Each worker runs H inner AdamW steps from the shared parameters θ, as in DiLoCo
 outer Nesterov momentum, every worker keeps an error-feedback accumulator ``e`` per tensor:
 
 1. ``e <- beta * e + Δ`` with Δ = θ - θ_local (beta = 0.95, the paper's);
-2. ``e`` is cut into chunks of ``CHUNK`` (4096) consecutive elements and the ``TOPK`` (64)
-   largest-magnitude entries of each chunk are kept (1.56% density);
+2. ``e`` is cut into chunks of ``sparseloco_chunk`` (4096) consecutive elements and the
+   ``sparseloco_topk`` (64) largest-magnitude entries of each chunk are kept (1.56% density, in
+   the paper's 1-3% range; fewer kept entries trade loss for bytes);
 3. their values are quantized to 2 bits: the sign and whether the magnitude is above the median
    magnitude of the kept values, four bins, each decoded as the mean of the values in it (four
    fp32 numbers per tensor); indices are bit-packed, ``ceil(log2(CHUNK))`` bits each;
@@ -15,12 +16,16 @@ outer Nesterov momentum, every worker keeps an error-feedback accumulator ``e`` 
    ``θ <- θ - lr_outer * avg`` (lr 1.0, no momentum: the accumulator stands in for it).
 
 Bytes per tensor of ``n`` elements, ``c = min(CHUNK, n)`` elements per chunk,
-``m = ceil(n / c)`` chunks and ``k = min(c, max(1, ceil(TOPK * c / CHUNK)))`` kept per chunk::
+``m = ceil(n / c)`` chunks and ``k = min(c, max(1, ceil(TOPK * c / CHUNK)))`` kept per chunk
+(``CHUNK``, ``TOPK`` being ``sparseloco_chunk`` and ``sparseloco_topk``)::
 
     16 + ceil(2 * m * k / 8) + ceil(b * m * k / 8),   b = max(1, (c - 1).bit_length())
 
 (a tensor smaller than a chunk keeps the same density). ``--outer-lr`` and ``--outer-momentum``
-(which sets ``beta``), when given, replace the paper's 1.0 and 0.95. A failed round leaves the
+(which sets ``beta``), when given, replace the paper's 1.0 and 0.95.
+
+Knobs (:class:`SparseLoCoOptions`): DiLoCo's, plus ``sparseloco_chunk`` and ``sparseloco_topk``
+(the density, ``topk / chunk``). A failed round leaves the
 accumulator as it was before the round (the next round's Δ spans the missed steps, as in DiLoCo).
 
 Choices of this implementation: the chunks are consecutive elements of the flattened tensor (the
@@ -35,13 +40,14 @@ import math
 
 import numpy as np
 import torch
+from pydantic import Field
 
 from farlink.codecs import Compressor
 from farlink.codecs._util import all_finite, as_flat_float32, require_finite, top_positions
 from farlink.codecs.base import Codec, CodecError
 from farlink.comm.base import RoundInfo
 from farlink.sync.base import Capabilities, StepOutcome, TensorState
-from farlink.sync.diloco import DiLoCo
+from farlink.sync.diloco import DiLoCo, DiLoCoOptions
 from farlink.sync.exchange import Encoded
 
 CHUNK = 4096
@@ -122,11 +128,26 @@ class SparseTwoBitCodec(Codec):
         return out.reshape(-1)[:numel].reshape(shape).to(dtype)
 
 
+class SparseLoCoOptions(DiLoCoOptions):
+    sparseloco_chunk: int = Field(CHUNK, ge=1, description="SparseLoCo: elements per top-k chunk")
+    sparseloco_topk: int = Field(TOPK, ge=1, description="SparseLoCo: entries kept per chunk "
+                                 "(density = topk / chunk)")
+
+
 class SparseLoCo(DiLoCo):
     name = "sparseloco"
+    Options = SparseLoCoOptions
     # DiLoCo's options and rounds; its plain outer SGD is part of the method (not injected),
     # and the planner has no model of its exchange yet
     capabilities = Capabilities(planned=False, sharded=True)
+
+    @classmethod
+    def check_run(cls, cfg) -> None:  # noqa: ANN001 - a RunConfig
+        super().check_run(cfg)
+        if cfg.sparseloco_topk > cfg.sparseloco_chunk:
+            raise ValueError(f"--sparseloco-topk ({cfg.sparseloco_topk}) keeps more entries than a "
+                             f"chunk holds; lower it or raise --sparseloco-chunk "
+                             f"({cfg.sparseloco_chunk})")
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
@@ -134,7 +155,7 @@ class SparseLoCo(DiLoCo):
         if self.exchange.compressor.codec.name != "fp32" or self.exchange.compressor.error_feedback:
             raise ValueError(f"sparseloco sends its own sparse 2-bit values with its own error "
                              f"feedback; drop --codec {self.exchange.compressor.spec}")
-        self.codec = SparseTwoBitCodec()
+        self.codec = SparseTwoBitCodec(cfg.sparseloco_chunk, cfg.sparseloco_topk)
         self.exchange.compressor = Compressor(self.codec)
         self.beta = cfg.outer_momentum if "outer_momentum" in given else BETA
         outer_lr = cfg.outer_lr if "outer_lr" in given else OUTER_LR
