@@ -9,7 +9,15 @@ from pathlib import Path
 
 import pytest
 
-from farlink.bench.frontier import Family, families, methods, pareto_front, run, targets
+from farlink.bench.frontier import (
+    Family,
+    ablations,
+    families,
+    methods,
+    pareto_front,
+    run,
+    targets,
+)
 from farlink.bench.inprocess import train_in_process
 from farlink.comm.base import ring_allreduce_bytes
 
@@ -112,6 +120,19 @@ def test_frontier_toy_run_has_every_method_exact_bytes_and_the_sweep(
     assert len(calls) == trained
     assert [r["final_heldout_loss"] for r in again["rows"]] == [
         r["final_heldout_loss"] for r in doc["rows"]]
+    # ablations afterwards: only they are trained, at the family's swept lrs, off the frontier
+    with_ablations = run(tmp_path, base, SWEEP_STEPS, H, family_list=toy_families(), reuse=True,
+                         train=train, plot=False, ablation_list=ablations(H))
+    assert calls[trained:] == [m.label for m in ablations(H)] == [
+        "diloco-fp32-H1", "local-sgd-averaging", "one-worker"]
+    extra = {r["label"]: r for r in with_ablations["ablations"]}
+    assert extra["diloco-fp32-H1"]["config"]["inner_steps"] == 1
+    assert extra["local-sgd-averaging"]["config"]["algorithm"] == "local_sgd"
+    assert extra["one-worker"]["bytes_per_worker"] == 0
+    assert extra["one-worker"]["config"]["lr"] == sweep["ddp"]["best"]["lr"]
+    assert all("loss_vs_ddp" in r for r in extra.values())
+    assert [r["label"] for r in with_ablations["rows"]] == [m.label for m in methods()]
+    trained = len(calls)
     # a changed budget is trained again (its old file does not match)
     run(tmp_path, {**base, "steps": STEPS + 1}, SWEEP_STEPS, H, family_list=toy_families(),
         only=["ddp"], reuse=True, train=train, plot=False)

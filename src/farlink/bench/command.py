@@ -90,18 +90,26 @@ def register(app: typer.Typer, bench_app: typer.Typer) -> None:
             [64, 32], help="SparseLoCo densities to place (entries kept per 4096)"),
         only: list[str] | None = typer.Option(None, help="run only these method labels"),
         reuse: bool = typer.Option(False, help="read back finished runs of the same config"),
+        ablations: bool = typer.Option(
+            False, help="then DiLoCo at H/2, plain averaging and one worker alone, to explain "
+                        "DiLoCo's gap to DDP"),
     ) -> None:
         """Loss vs bytes per token for every method, each at lrs picked by a small sweep."""
+        from farlink.bench.frontier import ablations as ablation_runs
         from farlink.bench.frontier import methods, run
 
         base = {"model": model, "workers": workers, "steps": steps, "batch_size": batch_size,
                 "seq_len": seq_len, "warmup_steps": warmup_steps, "eval_batches": eval_batches}
         result = run(out, base, sweep_steps, inner_steps, method_list=methods(sparseloco_topk),
-                     only=only, reuse=reuse)
+                     only=only, reuse=reuse,
+                     ablation_list=ablation_runs(inner_steps) if ablations else None)
         print_rows(result["rows"], ["label", "lrs_from_sweep", "final_heldout_loss",
                                     "loss_vs_ddp", "bytes_per_token",
                                     "bytes_per_token_reduction_vs_ddp", "pareto"],
                    "farlink bench frontier")
+        if result["ablations"]:
+            print_rows(result["ablations"], ["label", "final_heldout_loss", "loss_vs_ddp"],
+                       "ablations (not on the frontier)")
         for name, target in result["targets"].items():
             print(f"{name}: {'met' if target['met'] else 'NOT met'} ({target['goal']})")
 

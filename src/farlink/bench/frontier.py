@@ -87,6 +87,19 @@ def methods(sparse_topks: Sequence[int] = (64, 32)) -> list[Method]:
     return out
 
 
+def ablations(inner_steps: int) -> list[Method]:
+    """Runs that ask why DiLoCo trails DDP, at the final budget and DiLoCo's swept lrs: fewer
+    inner steps per round (H/2), plain parameter averaging instead of the outer Nesterov step,
+    and one worker alone (the floor that averaging four replicas must beat; a quarter of the
+    tokens, at DDP's swept lr)."""
+    return [
+        Method(f"diloco-fp32-H{max(1, inner_steps // 2)}", "diloco",
+               {"inner_steps": max(1, inner_steps // 2)}),
+        Method("local-sgd-averaging", "diloco", {"algorithm": "local_sgd"}),
+        Method("one-worker", "ddp", {"workers": 1}),
+    ]
+
+
 def pareto_front(points: Sequence[tuple[float, float]]) -> list[bool]:
     """For each (bytes, loss), whether no other point is at most as costly and at most as lossy
     and strictly better in one of the two (lower is better in both)."""
@@ -216,27 +229,33 @@ def plot_frontier(path: Path, rows: list[dict]) -> Path:
 def run(out: Path, base: dict[str, Any], sweep_steps: int, inner_steps: int,
         family_list: list[Family] | None = None, method_list: list[Method] | None = None,
         only: list[str] | None = None, reuse: bool = False, plot: bool = True,
-        train: Trainer = _train) -> dict:
+        train: Trainer = _train, ablation_list: list[Method] | None = None) -> dict:
     """Sweep each family at ``sweep_steps``, then run its methods for ``base['steps']`` at the
     best lrs; writes ``out/frontier.json`` (after every run, so a partial table is never lost)
-    and ``out/frontier.png``."""
+    and ``out/frontier.png``. ``ablation_list`` (see :func:`ablations`) runs afterwards, at the
+    same budget and lrs, into the JSON's ``ablations`` (not on the frontier)."""
     store = RunStore(out / "frontier", reuse, train)
     fams = {f.name: f for f in (family_list or families(inner_steps))}
     chosen = [m for m in (method_list or methods()) if not only or m.label in only]
     sweep: dict[str, dict[str, Any]] = {}
     rows: list[dict] = []
+    extra_rows: list[dict] = []
 
     def report() -> dict:
         compare(rows)
+        ddp = next((r for r in rows if r["label"] == "ddp"), None)
+        for r in extra_rows:
+            if ddp is not None:
+                r["loss_vs_ddp"] = r["final_heldout_loss"] / ddp["final_heldout_loss"] - 1
         doc = {"sweep": sweep, "targets": targets(rows) if rows else {},
+               "ablations": extra_rows,
                "settings": {**{k: v for k, v in base.items() if k != "cache_dir"},
                             "sweep_steps": sweep_steps, "inner_steps": inner_steps,
                             "workers_as": "threads of one process (InProcessGroup)"}}
         write_json(out / "frontier.json", "frontier", rows, doc)
         return doc
 
-    for m in chosen:
-        fam = fams[m.family]
+    def best_lrs(fam: Family) -> dict[str, Any]:
         if fam.name not in sweep:
             points = []
             for point in fam.grid:
@@ -247,10 +266,16 @@ def run(out: Path, base: dict[str, Any], sweep_steps: int, inner_steps: int,
             best = min(points, key=lambda p: p["final_heldout_loss"])
             sweep[fam.name] = {"steps": sweep_steps, "points": points,
                                "best": {k: best[k] for k in fam.grid[0]}}
-        values = {**base, **fam.base, **sweep[fam.name]["best"], **m.overrides}
-        row = store.run("final", m.label, values, eval_points=4)
-        rows.append({**row, "family": fam.name, "lrs_from_sweep": sweep[fam.name]["best"]})
-        doc = report()
+        return sweep[fam.name]["best"]
+
+    for phase, selected, into in (("final", chosen, rows),
+                                  ("ablation", ablation_list or [], extra_rows)):
+        for m in selected:
+            fam = fams[m.family]
+            values = {**base, **fam.base, **best_lrs(fam), **m.overrides}
+            row = store.run(phase, m.label, values, eval_points=4)
+            into.append({**row, "family": fam.name, "lrs_from_sweep": best_lrs(fam)})
+            doc = report()
     if not rows:
         raise ValueError(f"no method selected by --only {only}; choose from "
                          f"{', '.join(m.label for m in method_list or methods())}")
