@@ -89,12 +89,13 @@ def methods(sparse_topks: Sequence[int] = (64, 32)) -> list[Method]:
 
 def ablations(inner_steps: int) -> list[Method]:
     """Runs that ask why DiLoCo trails DDP, at the final budget and DiLoCo's swept lrs: fewer
-    inner steps per round (H/2), plain parameter averaging instead of the outer Nesterov step,
-    and one worker alone (the floor that averaging four replicas must beat; a quarter of the
-    tokens, at DDP's swept lr)."""
+    and more inner steps per round (H/2, 2H), plain parameter averaging instead of the outer
+    Nesterov step, and one worker alone (the floor that averaging four replicas must beat; a
+    quarter of the tokens, at DDP's swept lr)."""
     return [
         Method(f"diloco-fp32-H{max(1, inner_steps // 2)}", "diloco",
                {"inner_steps": max(1, inner_steps // 2)}),
+        Method(f"diloco-fp32-H{2 * inner_steps}", "diloco", {"inner_steps": 2 * inner_steps}),
         Method("local-sgd-averaging", "diloco", {"algorithm": "local_sgd"}),
         Method("one-worker", "ddp", {"workers": 1}),
     ]
