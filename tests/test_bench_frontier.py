@@ -124,11 +124,13 @@ def test_frontier_toy_run_has_every_method_exact_bytes_and_the_sweep(
     with_ablations = run(tmp_path, base, SWEEP_STEPS, H, family_list=toy_families(), reuse=True,
                          train=train, plot=False, ablation_list=ablations(H))
     assert calls[trained:] == [m.label for m in ablations(H)] == [
-        "diloco-fp32-H1", "diloco-fp32-H4", "local-sgd-averaging", "one-worker"]
+        "diloco-fp32-H1", "diloco-fp32-H4", "local-sgd-averaging", "diloco-fp32-outer-lr0.1",
+        "diloco-fp32-outer-lr0.3", "one-worker"]
     extra = {r["label"]: r for r in with_ablations["ablations"]}
     assert extra["diloco-fp32-H1"]["config"]["inner_steps"] == 1
     assert extra["diloco-fp32-H4"]["config"]["inner_steps"] == 4
     assert extra["local-sgd-averaging"]["config"]["algorithm"] == "local_sgd"
+    assert extra["diloco-fp32-outer-lr0.1"]["config"]["outer_lr"] == 0.1
     assert extra["one-worker"]["bytes_per_worker"] == 0
     assert extra["one-worker"]["config"]["lr"] == sweep["ddp"]["best"]["lr"]
     assert all("loss_vs_ddp" in r for r in extra.values())

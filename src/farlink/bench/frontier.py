@@ -90,13 +90,17 @@ def methods(sparse_topks: Sequence[int] = (64, 32)) -> list[Method]:
 def ablations(inner_steps: int) -> list[Method]:
     """Runs that ask why DiLoCo trails DDP, at the final budget and DiLoCo's swept lrs: fewer
     and more inner steps per round (H/2, 2H), plain parameter averaging instead of the outer
-    Nesterov step, and one worker alone (the floor that averaging four replicas must beat; a
-    quarter of the tokens, at DDP's swept lr)."""
+    Nesterov step, outer lrs below the swept grid (with momentum 0.9, a steady outer step is
+    about ``lr / (1 - 0.9)`` = 10 lr pseudo-gradients; 0.1 matches plain averaging's one), and
+    one worker alone (the floor that averaging four replicas must beat; a quarter of the
+    tokens, at DDP's swept lr)."""
     return [
         Method(f"diloco-fp32-H{max(1, inner_steps // 2)}", "diloco",
                {"inner_steps": max(1, inner_steps // 2)}),
         Method(f"diloco-fp32-H{2 * inner_steps}", "diloco", {"inner_steps": 2 * inner_steps}),
         Method("local-sgd-averaging", "diloco", {"algorithm": "local_sgd"}),
+        Method("diloco-fp32-outer-lr0.1", "diloco", {"outer_lr": 0.1}),
+        Method("diloco-fp32-outer-lr0.3", "diloco", {"outer_lr": 0.3}),
         Method("one-worker", "ddp", {"workers": 1}),
     ]
 
