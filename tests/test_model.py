@@ -55,14 +55,14 @@ def test_tied_embeddings_share_storage() -> None:
     assert "lm_head.weight" not in dict(model.named_parameters())
 
 
-@pytest.mark.parametrize("name", ["tiny", "small"])
+@pytest.mark.parametrize("name", ["nano", "tiny", "small"])
 def test_parameter_count_analytic_matches_module(name: str) -> None:
     config = PRESETS[name]
     assert GPT(config).num_parameters() == config.num_parameters()
 
 
 def test_preset_sizes_are_in_their_class() -> None:
-    expected = {"tiny": (1e6, 2e6), "small": (5e6, 8e6), "125m": (110e6, 140e6),
+    expected = {"nano": (2e5, 5e5), "tiny": (1e6, 2e6), "small": (5e6, 8e6), "125m": (110e6, 140e6),
                 "350m": (330e6, 380e6), "1b": (1.0e9, 1.5e9), "10b": (9.5e9, 11.5e9)}
     for name, (low, high) in expected.items():
         assert low <= PRESETS[name].num_parameters() <= high, name

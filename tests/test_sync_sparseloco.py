@@ -174,3 +174,16 @@ def test_a_failed_round_leaves_the_accumulator_as_it_was() -> None:
         torch.testing.assert_close(e, before, rtol=0, atol=0)
     for g, before in zip(algo.global_params, globals_):
         torch.testing.assert_close(g, before, rtol=0, atol=0)
+
+
+def test_density_options_change_the_bytes_by_formula_and_keep_the_paper_default() -> None:
+    group = InProcessGroup(1)
+    default = _algo(group.member(0))
+    assert (default.codec.chunk, default.codec.topk) == (4096, 64)
+    sparser = _algo(group.member(0), sparseloco_chunk=1024, sparseloco_topk=8)
+    # a (64, 96) tensor: 6 chunks of 1024, 8 kept each, 10-bit indices
+    assert sparser.codec.max_payload_nbytes((64, 96)) == 16 + 6 * 8 * 2 // 8 + 6 * 8 * 10 // 8
+    payload = sparser._sparse_update()["a"].payload
+    assert len(payload) == 16 + 12 + 60
+    with pytest.raises(ValueError, match="--sparseloco-topk"):
+        RunConfig(algorithm="sparseloco", sparseloco_chunk=16, sparseloco_topk=32)

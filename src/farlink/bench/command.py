@@ -74,6 +74,45 @@ def register(app: typer.Typer, bench_app: typer.Typer) -> None:
                                     "bytes_per_token", "bytes_per_token_reduction_vs_ddp"],
                    "farlink bench probe")
 
+    @bench_app.command("frontier")
+    def frontier(
+        out: Path = typer.Option(Path("bench/frontier"), help="output directory"),
+        steps: int = typer.Option(400, help="inner steps per worker of each final run"),
+        sweep_steps: int = typer.Option(150, help="inner steps per worker of each sweep run"),
+        inner_steps: int = typer.Option(10, help="H for the local-update methods"),
+        workers: int = typer.Option(4, help="workers (threads of one process)"),
+        model: str = typer.Option("nano", help="model preset"),
+        batch_size: int = typer.Option(8, help="sequences per step per worker"),
+        seq_len: int = typer.Option(64, help="tokens per sequence"),
+        warmup_steps: int = typer.Option(20, help="inner lr warmup"),
+        eval_batches: int = typer.Option(32, help="held-out batches per evaluation"),
+        sparseloco_topk: list[int] = typer.Option(
+            [64, 32], help="SparseLoCo densities to place (entries kept per 4096)"),
+        only: list[str] | None = typer.Option(None, help="run only these method labels"),
+        reuse: bool = typer.Option(False, help="read back finished runs of the same config"),
+        ablations: bool = typer.Option(
+            False, help="then DiLoCo at H/2 and 2H, plain averaging, lower outer lrs and one worker alone, to explain "
+                        "DiLoCo's gap to DDP"),
+    ) -> None:
+        """Loss vs bytes per token for every method, each at lrs picked by a small sweep."""
+        from farlink.bench.frontier import ablations as ablation_runs
+        from farlink.bench.frontier import methods, run
+
+        base = {"model": model, "workers": workers, "steps": steps, "batch_size": batch_size,
+                "seq_len": seq_len, "warmup_steps": warmup_steps, "eval_batches": eval_batches}
+        result = run(out, base, sweep_steps, inner_steps, method_list=methods(sparseloco_topk),
+                     only=only, reuse=reuse,
+                     ablation_list=ablation_runs(inner_steps) if ablations else None)
+        print_rows(result["rows"], ["label", "lrs_from_sweep", "final_heldout_loss",
+                                    "loss_vs_ddp", "bytes_per_token",
+                                    "bytes_per_token_reduction_vs_ddp", "pareto"],
+                   "farlink bench frontier")
+        if result["ablations"]:
+            print_rows(result["ablations"], ["label", "final_heldout_loss", "loss_vs_ddp"],
+                       "ablations (not on the frontier)")
+        for name, target in result["targets"].items():
+            print(f"{name}: {'met' if target['met'] else 'NOT met'} ({target['goal']})")
+
     @bench_app.command("gpu")
     def gpu(
         out: Path = typer.Option(Path("bench/gpu"), help="output directory"),

@@ -83,6 +83,9 @@ def _preset(vocab: int, n_layer: int, n_head: int, d_model: int, seq_len: int,
 
 
 PRESETS: dict[str, GPTConfig] = {
+    # A few hundred thousand parameters (most in the embedding): affordable sweeps of many
+    # algorithms x learning rates x 40+ outer rounds on two shared CPU cores.
+    "nano": _preset(4096, 2, 2, 64, 64),
     # Runs in seconds on two CPU cores: for tests and local multi-process scenarios.
     "tiny": _preset(4096, 4, 4, 128, 128),
     # Still CPU-trainable; big enough for differences between sync algorithms to show.

@@ -4,8 +4,9 @@ Each worker runs H inner AdamW steps from the shared parameters θ, as in DiLoCo
 outer Nesterov momentum, every worker keeps an error-feedback accumulator ``e`` per tensor:
 
 1. ``e <- beta * e + Δ`` with Δ = θ - θ_local (beta = 0.95, the paper's);
-2. ``e`` is cut into chunks of ``CHUNK`` (4096) consecutive elements and the ``TOPK`` (64)
-   largest-magnitude entries of each chunk are kept (1.56% density);
+2. ``e`` is cut into chunks of ``sparseloco_chunk`` (4096) consecutive elements and the
+   ``sparseloco_topk`` (64) largest-magnitude entries of each chunk are kept (1.56% density, in
+   the paper's 1-3% range; fewer kept entries trade loss for bytes);
 3. their values are quantized to 2 bits: the sign and whether the magnitude is above the median
    magnitude of the kept values, four bins, each decoded as the mean of the values in it (four
    fp32 numbers per tensor); indices are bit-packed, ``ceil(log2(CHUNK))`` bits each;
@@ -15,15 +16,17 @@ outer Nesterov momentum, every worker keeps an error-feedback accumulator ``e`` 
    ``θ <- θ - lr_outer * avg`` (lr 1.0, no momentum: the accumulator stands in for it).
 
 Bytes per tensor of ``n`` elements, ``c = min(CHUNK, n)`` elements per chunk,
-``m = ceil(n / c)`` chunks and ``k = min(c, max(1, ceil(TOPK * c / CHUNK)))`` kept per chunk::
+``m = ceil(n / c)`` chunks and ``k = min(c, max(1, ceil(TOPK * c / CHUNK)))`` kept per chunk
+(``CHUNK``, ``TOPK`` being ``sparseloco_chunk`` and ``sparseloco_topk``)::
 
     16 + ceil(2 * m * k / 8) + ceil(b * m * k / 8),   b = max(1, (c - 1).bit_length())
 
 (a tensor smaller than a chunk keeps the same density). Knobs (:class:`SparseLoCoOptions`, its
 own fields so its defaults are the paper's however the run is built): ``--sparseloco-lr`` (1.0)
-and ``--sparseloco-beta`` (0.95); DiLoCo's ``--outer-lr``/``--outer-momentum`` do not apply.
-A failed round leaves the accumulator as it was before the round (the next round's Δ spans the
-missed steps, as in DiLoCo).
+and ``--sparseloco-beta`` (0.95); DiLoCo's ``--outer-lr``/``--outer-momentum`` do not apply;
+``--sparseloco-chunk`` and ``--sparseloco-topk`` (the density, ``topk / chunk``). A failed round
+leaves the accumulator as it was before the round (the next round's Δ spans the missed steps, as
+in DiLoCo).
 
 Choices of this implementation: the chunks are consecutive elements of the flattened tensor (the
 last one zero-padded); the 2-bit bins are sign x (above/below the median kept magnitude) with
@@ -138,6 +141,9 @@ class SparseLoCoOptions(DiLoCoOptions):
                                  "rate on the averaged sparse update (no momentum)")
     sparseloco_beta: float = Field(BETA, ge=0, lt=1, description="sparseloco: decay of the "
                                    "error-feedback accumulator (it stands in for outer momentum)")
+    sparseloco_chunk: int = Field(CHUNK, ge=1, description="sparseloco: elements per top-k chunk")
+    sparseloco_topk: int = Field(TOPK, ge=1, description="sparseloco: entries kept per chunk "
+                                 "(density = topk / chunk)")
 
 
 class SparseLoCo(DiLoCo):
@@ -146,6 +152,14 @@ class SparseLoCo(DiLoCo):
     # DiLoCo's rounds; its plain outer SGD is part of the method (not injected), it sends with
     # its own codec, and the planner has no model of its exchange yet
     capabilities = Capabilities(planned=False, sharded=True, wire_codec="sparseloco")
+
+    @classmethod
+    def check_run(cls, cfg) -> None:  # noqa: ANN001 - a RunConfig
+        super().check_run(cfg)
+        if cfg.sparseloco_topk > cfg.sparseloco_chunk:
+            raise ValueError(f"--sparseloco-topk ({cfg.sparseloco_topk}) keeps more entries than a "
+                             f"chunk holds; lower it or raise --sparseloco-chunk "
+                             f"({cfg.sparseloco_chunk})")
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
@@ -158,7 +172,7 @@ class SparseLoCo(DiLoCo):
         if self.exchange.compressor.codec.name != "fp32" or self.exchange.compressor.error_feedback:
             raise ValueError(f"sparseloco sends its own sparse 2-bit values with its own error "
                              f"feedback; drop --codec {self.exchange.compressor.spec}")
-        self.codec = SparseTwoBitCodec()
+        self.codec = SparseTwoBitCodec(cfg.sparseloco_chunk, cfg.sparseloco_topk)
         self.exchange.compressor = Compressor(self.codec)
         self.beta = cfg.sparseloco_beta
         self.outer_opt = torch.optim.SGD(self.global_params, lr=cfg.sparseloco_lr, momentum=0.0)

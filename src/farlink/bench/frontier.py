@@ -1,0 +1,289 @@
+"""``farlink bench frontier``: held-out loss against bytes per token, every method tuned.
+
+A comparison of communication-efficient methods is only fair when each runs at its own best
+learning rates: DiLoCo at DDP's AdamW lr, or DDP at a lr tuned for DiLoCo, says more about the lr
+than about the method. So every *family* (DDP, DiLoCo, SparseLoCo, DeMo) first runs a small grid
+of inner lr (and outer lr where it has one) at a shorter token budget (``sweep_steps``); the lrs
+with the lowest held-out loss there are used by the family's methods for the full budget. Variants
+of one family share its sweep (DiLoCo's codecs and Streaming DiLoCo use DiLoCo's lrs; SparseLoCo's
+densities use SparseLoCo's), which the JSON records next to every sweep point.
+
+Every run sees the same tokens (same seed, shards, batch and steps), trains its workers as threads
+of one process (:mod:`farlink.bench.inprocess`: the real algorithms, exchange, codecs and byte
+accounting) and reports the bytes each worker sent per token it trained on, as ``bench probe`` and
+``bench algorithms`` do. The report marks the Pareto front (no other method is both cheaper and
+better) and checks two targets, met or not, as measured:
+
+* some method sends >= 1000x fewer bytes per token than DDP at a held-out loss within 2% of DDP's;
+* SparseLoCo reaches DiLoCo-fp32's loss (or lower) with >= 10x fewer bytes than DiLoCo int8.
+
+Each finished run is one JSON file under ``out/frontier/``; ``reuse`` reads back those whose
+configuration matches, so an interrupted sweep continues where it stopped.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from farlink.bench.report import pyplot, write_json
+
+REDUCTION_TARGET = 1000.0  # bytes per token, DDP / method
+LOSS_TOLERANCE = 0.02  # held-out loss within 2% of DDP's
+SPARSELOCO_VS_INT8_TARGET = 10.0
+
+
+@dataclass(frozen=True)
+class Family:
+    """Methods that share one lr sweep: ``grid`` lists the lr settings tried (RunConfig fields)."""
+
+    name: str
+    base: dict[str, Any]
+    grid: list[dict[str, Any]]
+
+
+@dataclass(frozen=True)
+class Method:
+    label: str
+    family: str
+    overrides: dict[str, Any] = field(default_factory=dict)
+
+
+def grid(**axes: Sequence[Any]) -> list[dict[str, Any]]:
+    """Every combination of the given values: ``grid(lr=[1, 2], outer_lr=[3])``."""
+    keys = list(axes)
+    return [dict(zip(keys, values)) for values in itertools.product(*axes.values())]
+
+
+def families(inner_steps: int) -> list[Family]:
+    """The default sweep: 2-3 points per family around each method's published defaults."""
+    local = {"inner_steps": inner_steps}
+    return [
+        Family("ddp", {"algorithm": "ddp"}, grid(lr=[1e-3, 3e-3, 1e-2])),
+        Family("diloco", {"algorithm": "diloco", **local},
+               grid(lr=[3e-3, 1e-2], outer_lr=[0.7, 1.0])),
+        Family("sparseloco", {"algorithm": "sparseloco", **local},
+               grid(lr=[3e-3, 1e-2], sparseloco_lr=[1.0, 1.5])),
+        Family("demo", {"algorithm": "demo"}, grid(demo_lr=[3e-4, 1e-3, 3e-3])),
+    ]
+
+
+def methods(sparse_topks: Sequence[int] = (64, 32)) -> list[Method]:
+    """The frontier's points, in the order they run (cheapest families first)."""
+    out = [
+        Method("ddp", "ddp"),
+        Method("diloco-fp32", "diloco"),
+        Method("diloco-int8", "diloco", {"codec": "int8+ef"}),
+        Method("diloco-int4", "diloco", {"codec": "int4+ef"}),
+        Method("streaming-diloco-int4", "diloco",
+               {"algorithm": "streaming_diloco", "codec": "int4+ef"}),
+    ]
+    out += [Method(f"sparseloco-k{k}", "sparseloco", {"sparseloco_topk": k}) for k in sparse_topks]
+    out.append(Method("demo", "demo"))
+    return out
+
+
+def ablations(inner_steps: int) -> list[Method]:
+    """Runs that ask why DiLoCo trails DDP, at the final budget and DiLoCo's swept lrs: fewer
+    and more inner steps per round (H/2, 2H), plain parameter averaging instead of the outer
+    Nesterov step, outer lrs below the swept grid (with momentum 0.9, a steady outer step is
+    about ``lr / (1 - 0.9)`` = 10 lr pseudo-gradients; 0.1 matches plain averaging's one), and
+    one worker alone (the floor that averaging four replicas must beat; a quarter of the
+    tokens, at DDP's swept lr)."""
+    return [
+        Method(f"diloco-fp32-H{max(1, inner_steps // 2)}", "diloco",
+               {"inner_steps": max(1, inner_steps // 2)}),
+        Method(f"diloco-fp32-H{2 * inner_steps}", "diloco", {"inner_steps": 2 * inner_steps}),
+        Method("local-sgd-averaging", "diloco", {"algorithm": "local_sgd"}),
+        Method("diloco-fp32-outer-lr0.1", "diloco", {"outer_lr": 0.1}),
+        Method("diloco-fp32-outer-lr0.3", "diloco", {"outer_lr": 0.3}),
+        Method("one-worker", "ddp", {"workers": 1}),
+    ]
+
+
+def pareto_front(points: Sequence[tuple[float, float]]) -> list[bool]:
+    """For each (bytes, loss), whether no other point is at most as costly and at most as lossy
+    and strictly better in one of the two (lower is better in both)."""
+    def dominated(i: int) -> bool:
+        x, y = points[i]
+        return any(xj <= x and yj <= y and (xj < x or yj < y)
+                   for j, (xj, yj) in enumerate(points) if j != i)
+
+    return [not dominated(i) for i in range(len(points))]
+
+
+Trainer = Callable[[str, dict[str, Any], int], dict]
+
+
+def _train(label: str, values: dict[str, Any], eval_points: int) -> dict:
+    from farlink.bench.inprocess import train_in_process
+
+    return train_in_process(label, values, eval_points=eval_points)
+
+
+class RunStore:
+    """One JSON file per finished run; with ``reuse`` a file whose config matches is read back
+    instead of training again (a different config is trained and overwrites it)."""
+
+    def __init__(self, root: Path, reuse: bool, train: Trainer = _train) -> None:
+        self.root, self.reuse, self.train = root, reuse, train
+
+    def run(self, phase: str, label: str, values: dict[str, Any], eval_points: int) -> dict:
+        path = self.root / phase / f"{label}.json"
+        wanted = {k: v for k, v in values.items() if k not in ("run_dir", "cache_dir")}
+        if self.reuse and path.is_file():
+            row = json.loads(path.read_text())
+            if row.get("config") == json.loads(json.dumps(wanted)):
+                return row
+        row = self.train(label, values, eval_points)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(row, indent=1, default=str))
+        return row
+
+
+def _lr_tag(point: dict[str, Any]) -> str:
+    return "-".join(f"{k}{v:g}" for k, v in point.items())
+
+
+def targets(rows: list[dict]) -> dict[str, Any]:
+    """The two frontier targets, as measured (``met`` is False when a needed row is missing)."""
+    by_label = {r["label"]: r for r in rows}
+    ddp = by_label.get("ddp")
+    within = [r for r in rows if r["label"] != "ddp" and ddp is not None
+              and r["loss_vs_ddp"] <= LOSS_TOLERANCE]
+    best = max(within, key=lambda r: r["bytes_per_token_reduction_vs_ddp"], default=None)
+    cheapest = max((r for r in rows if r["label"] != "ddp"),
+                   key=lambda r: r.get("bytes_per_token_reduction_vs_ddp", 0), default=None)
+    first = {
+        "goal": f">= {REDUCTION_TARGET:g}x fewer bytes/token than DDP, held-out loss within "
+                f"{LOSS_TOLERANCE:.0%} of DDP",
+        "met": best is not None and best["bytes_per_token_reduction_vs_ddp"] >= REDUCTION_TARGET,
+        "best_within_tolerance": None if best is None else {
+            k: best[k] for k in ("label", "bytes_per_token_reduction_vs_ddp", "loss_vs_ddp")},
+        "most_reduction": None if cheapest is None or ddp is None else {
+            k: cheapest[k] for k in ("label", "bytes_per_token_reduction_vs_ddp", "loss_vs_ddp")},
+    }
+    fp32, int8 = by_label.get("diloco-fp32"), by_label.get("diloco-int8")
+    sparse = [r for r in rows if r["label"].startswith("sparseloco")]
+    second: dict[str, Any] = {
+        "goal": f"SparseLoCo at DiLoCo-fp32's loss or lower with >= "
+                f"{SPARSELOCO_VS_INT8_TARGET:g}x fewer bytes/token than DiLoCo int8",
+        "met": False, "candidates": []}
+    if fp32 is not None and int8 is not None:
+        for r in sparse:
+            fewer = int8["bytes_per_token"] / r["bytes_per_token"]
+            ok = (r["final_heldout_loss"] <= fp32["final_heldout_loss"]
+                  and fewer >= SPARSELOCO_VS_INT8_TARGET)
+            second["candidates"].append({
+                "label": r["label"], "loss": r["final_heldout_loss"],
+                "diloco_fp32_loss": fp32["final_heldout_loss"],
+                "bytes_per_token_fewer_than_diloco_int8": fewer, "met": ok})
+            second["met"] = second["met"] or ok
+    return {"reduction_within_2pct_of_ddp": first, "sparseloco_vs_diloco": second}
+
+
+def compare(rows: list[dict]) -> list[dict]:
+    """Adds to each row its reduction of bytes per token and its loss against DDP, and whether it
+    is on the Pareto front of (bytes per token, held-out loss)."""
+    ddp = next((r for r in rows if r["label"] == "ddp"), None)
+    front = pareto_front([(r["bytes_per_token"], r["final_heldout_loss"]) for r in rows])
+    for r, on_front in zip(rows, front):
+        r["pareto"] = on_front
+        if ddp is not None:
+            r["bytes_per_token_reduction_vs_ddp"] = ddp["bytes_per_token"] / r["bytes_per_token"]
+            r["loss_vs_ddp"] = r["final_heldout_loss"] / ddp["final_heldout_loss"] - 1
+    return rows
+
+
+def plot_frontier(path: Path, rows: list[dict]) -> Path:
+    """Held-out loss against bytes per token (log x), the Pareto front drawn through its points,
+    and DDP's +2% line."""
+    plt = pyplot()
+    fig, ax = plt.subplots(figsize=(7.5, 4.8))
+    for r in rows:
+        ax.scatter(r["bytes_per_token"], r["final_heldout_loss"], s=40,
+                   marker="*" if r["pareto"] else "o", zorder=3, label=r["label"])
+        ax.annotate(r["label"], (r["bytes_per_token"], r["final_heldout_loss"]), fontsize=7,
+                    xytext=(4, 4), textcoords="offset points")
+    front = sorted((r["bytes_per_token"], r["final_heldout_loss"]) for r in rows if r["pareto"])
+    if front:
+        xs, ys = zip(*front)
+        ax.step(xs, ys, where="post", color="black", linewidth=1, alpha=0.6,
+                label="Pareto front", zorder=2)
+    ddp = next((r for r in rows if r["label"] == "ddp"), None)
+    if ddp is not None:
+        ax.axhline(ddp["final_heldout_loss"] * (1 + LOSS_TOLERANCE), color="grey",
+                   linestyle="--", linewidth=0.8, label="DDP + 2%")
+    ax.set_xscale("log")
+    ax.set_xlabel("bytes sent per worker per token")
+    ax.set_ylabel("held-out loss")
+    ax.set_title("held-out loss vs bytes per token (each method at its swept lrs)")
+    ax.grid(alpha=0.3, which="both")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def run(out: Path, base: dict[str, Any], sweep_steps: int, inner_steps: int,
+        family_list: list[Family] | None = None, method_list: list[Method] | None = None,
+        only: list[str] | None = None, reuse: bool = False, plot: bool = True,
+        train: Trainer = _train, ablation_list: list[Method] | None = None) -> dict:
+    """Sweep each family at ``sweep_steps``, then run its methods for ``base['steps']`` at the
+    best lrs; writes ``out/frontier.json`` (after every run, so a partial table is never lost)
+    and ``out/frontier.png``. ``ablation_list`` (see :func:`ablations`) runs afterwards, at the
+    same budget and lrs, into the JSON's ``ablations`` (not on the frontier)."""
+    store = RunStore(out / "frontier", reuse, train)
+    fams = {f.name: f for f in (family_list or families(inner_steps))}
+    chosen = [m for m in (method_list or methods()) if not only or m.label in only]
+    sweep: dict[str, dict[str, Any]] = {}
+    rows: list[dict] = []
+    extra_rows: list[dict] = []
+
+    def report() -> dict:
+        compare(rows)
+        ddp = next((r for r in rows if r["label"] == "ddp"), None)
+        for r in extra_rows:
+            if ddp is not None:
+                r["loss_vs_ddp"] = r["final_heldout_loss"] / ddp["final_heldout_loss"] - 1
+        doc = {"sweep": sweep, "targets": targets(rows) if rows else {},
+               "ablations": extra_rows,
+               "settings": {**{k: v for k, v in base.items() if k != "cache_dir"},
+                            "sweep_steps": sweep_steps, "inner_steps": inner_steps,
+                            "workers_as": "threads of one process (InProcessGroup)"}}
+        write_json(out / "frontier.json", "frontier", rows, doc)
+        return doc
+
+    def best_lrs(fam: Family) -> dict[str, Any]:
+        if fam.name not in sweep:
+            points = []
+            for point in fam.grid:
+                values = {**base, **fam.base, **point, "steps": sweep_steps}
+                row = store.run("sweep", f"{fam.name}-{_lr_tag(point)}", values, eval_points=1)
+                points.append({**point, "final_heldout_loss": row["final_heldout_loss"],
+                               "wall_s": row["wall_s"]})
+            best = min(points, key=lambda p: p["final_heldout_loss"])
+            sweep[fam.name] = {"steps": sweep_steps, "points": points,
+                               "best": {k: best[k] for k in fam.grid[0]}}
+        return sweep[fam.name]["best"]
+
+    for phase, selected, into in (("final", chosen, rows),
+                                  ("ablation", ablation_list or [], extra_rows)):
+        for m in selected:
+            fam = fams[m.family]
+            values = {**base, **fam.base, **best_lrs(fam), **m.overrides}
+            row = store.run(phase, m.label, values, eval_points=4)
+            into.append({**row, "family": fam.name, "lrs_from_sweep": best_lrs(fam)})
+            doc = report()
+    if not rows:
+        raise ValueError(f"no method selected by --only {only}; choose from "
+                         f"{', '.join(m.label for m in method_list or methods())}")
+    if plot:
+        plot_frontier(out / "frontier.png", rows)
+    return {"rows": rows, **doc}

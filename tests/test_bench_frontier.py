@@ -1,0 +1,142 @@
+"""``bench frontier`` at a toy size: every method trained for real (in-process workers), bytes
+per token as the other benches count them, the sweep recorded and used, the Pareto front by hand,
+and ``--reuse`` reading finished runs back."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from farlink.bench.frontier import (
+    Family,
+    ablations,
+    families,
+    methods,
+    pareto_front,
+    run,
+    targets,
+)
+from farlink.bench.inprocess import train_in_process
+from farlink.comm.base import ring_allreduce_bytes
+
+STEPS, SWEEP_STEPS, H, WORKERS, BATCH, SEQ = 4, 2, 2, 2, 2, 16
+
+
+def toy_families() -> list[Family]:
+    """The default families with one lr point each, except DDP's two (a choice to check)."""
+    out = []
+    for fam in families(H):
+        points = fam.grid[:2] if fam.name == "ddp" else fam.grid[:1]
+        out.append(Family(fam.name, fam.base, points))
+    return out
+
+
+def test_pareto_front_on_hand_made_points() -> None:
+    points = [(100.0, 3.0),   # cheapest loss: on the front
+              (10.0, 3.5),    # on the front
+              (10.0, 3.6),    # same bytes as the one above, worse loss: dominated
+              (50.0, 3.5),    # more bytes, same loss as (10, 3.5): dominated
+              (1.0, 4.0),     # cheapest: on the front
+              (200.0, 3.0),   # same loss as (100, 3.0), more bytes: dominated
+              (5.0, 5.0)]     # dominated by (1, 4)
+    assert pareto_front(points) == [True, True, False, False, True, False, False]
+    assert pareto_front([(1.0, 1.0), (1.0, 1.0)]) == [True, True]  # ties dominate neither
+
+
+def test_targets_on_hand_made_rows() -> None:
+    def row(label: str, bpt: float, loss: float) -> dict:
+        return {"label": label, "bytes_per_token": bpt, "final_heldout_loss": loss,
+                "bytes_per_token_reduction_vs_ddp": 8000 / bpt, "loss_vs_ddp": loss / 4.0 - 1}
+
+    rows = [row("ddp", 8000, 4.0), row("diloco-fp32", 800, 4.1), row("diloco-int8", 200, 4.1),
+            row("sparseloco-k64", 8, 4.05), row("sparseloco-k32", 4, 4.3)]
+    got = targets(rows)
+    first = got["reduction_within_2pct_of_ddp"]
+    assert first["met"] and first["best_within_tolerance"]["label"] == "sparseloco-k64"
+    assert first["most_reduction"]["label"] == "sparseloco-k32"
+    second = got["sparseloco_vs_diloco"]
+    assert second["met"]
+    assert [(c["label"], c["met"]) for c in second["candidates"]] == [
+        ("sparseloco-k64", True), ("sparseloco-k32", False)]  # k32: loss above DiLoCo's
+    rows[3] = row("sparseloco-k64", 30, 4.05)  # 6.7x fewer than int8: short of 10x
+    assert not targets(rows)["sparseloco_vs_diloco"]["met"]
+    assert not targets(rows)["reduction_within_2pct_of_ddp"]["met"]  # 267x
+
+
+def test_frontier_toy_run_has_every_method_exact_bytes_and_the_sweep(
+        tmp_path: Path, cache_dir: Path) -> None:
+    calls: list[str] = []
+
+    def train(label: str, values: dict, eval_points: int) -> dict:
+        calls.append(label)
+        return train_in_process(label, values, eval_points=eval_points)
+
+    base = {"model": "nano", "workers": WORKERS, "steps": STEPS, "batch_size": BATCH,
+            "seq_len": SEQ, "warmup_steps": 1, "eval_batches": 2, "vocab_size": 300,
+            "cache_dir": cache_dir}
+    result = run(tmp_path, base, SWEEP_STEPS, H, family_list=toy_families(), train=train)
+    doc = json.loads((tmp_path / "frontier.json").read_text())
+    assert (tmp_path / "frontier.png").stat().st_size > 0
+
+    assert [r["label"] for r in doc["rows"]] == [m.label for m in methods()]
+    assert {r["config"]["algorithm"] for r in doc["rows"]} == {
+        "ddp", "diloco", "streaming_diloco", "sparseloco", "demo"}
+    by_label = {r["label"]: r for r in doc["rows"]}
+    tokens = STEPS * BATCH * SEQ
+    for r in doc["rows"]:  # the same tokens for all, bytes per token as bench probe counts them
+        assert r["tokens_per_worker"] == tokens
+        assert r["bytes_per_token"] == r["bytes_per_worker"] / tokens
+    ddp = by_label["ddp"]
+    # DDP all-reduces the gradients plus the token weight in fp32 every step
+    assert ddp["bytes_per_worker"] == STEPS * ring_allreduce_bytes(4 * (ddp["params"] + 1), WORKERS)
+    assert by_label["diloco-fp32"]["bytes_per_token_reduction_vs_ddp"] == pytest.approx(H, rel=0.01)
+    assert (by_label["sparseloco-k32"]["bytes_per_token"]
+            < by_label["sparseloco-k64"]["bytes_per_token"])
+    assert by_label["sparseloco-k32"]["config"]["sparseloco_topk"] == 32
+
+    # the sweep: every point recorded with its loss, the best used by every method of the family
+    sweep = doc["sweep"]
+    assert set(sweep) == {"ddp", "diloco", "sparseloco", "demo"}
+    points = sweep["ddp"]["points"]
+    assert [p["lr"] for p in points] == [1e-3, 3e-3]
+    best = min(points, key=lambda p: p["final_heldout_loss"])
+    assert sweep["ddp"]["best"] == {"lr": best["lr"]} and ddp["config"]["lr"] == best["lr"]
+    assert sweep["ddp"]["steps"] == SWEEP_STEPS
+    for label in ("diloco-int8", "streaming-diloco-int4"):
+        assert by_label[label]["lrs_from_sweep"] == sweep["diloco"]["best"]
+        assert by_label[label]["config"]["outer_lr"] == sweep["diloco"]["best"]["outer_lr"]
+    assert [r["pareto"] for r in doc["rows"]] == pareto_front(
+        [(r["bytes_per_token"], r["final_heldout_loss"]) for r in doc["rows"]])
+    assert set(doc["targets"]) == {"reduction_within_2pct_of_ddp", "sparseloco_vs_diloco"}
+    assert result["rows"][0]["label"] == "ddp"
+
+    # --reuse: nothing is trained again, the table is the same
+    trained = len(calls)
+    assert trained == 5 + len(methods())
+    again = run(tmp_path, base, SWEEP_STEPS, H, family_list=toy_families(), reuse=True,
+                train=train, plot=False)
+    assert len(calls) == trained
+    assert [r["final_heldout_loss"] for r in again["rows"]] == [
+        r["final_heldout_loss"] for r in doc["rows"]]
+    # ablations afterwards: only they are trained, at the family's swept lrs, off the frontier
+    with_ablations = run(tmp_path, base, SWEEP_STEPS, H, family_list=toy_families(), reuse=True,
+                         train=train, plot=False, ablation_list=ablations(H))
+    assert calls[trained:] == [m.label for m in ablations(H)] == [
+        "diloco-fp32-H1", "diloco-fp32-H4", "local-sgd-averaging", "diloco-fp32-outer-lr0.1",
+        "diloco-fp32-outer-lr0.3", "one-worker"]
+    extra = {r["label"]: r for r in with_ablations["ablations"]}
+    assert extra["diloco-fp32-H1"]["config"]["inner_steps"] == 1
+    assert extra["diloco-fp32-H4"]["config"]["inner_steps"] == 4
+    assert extra["local-sgd-averaging"]["config"]["algorithm"] == "local_sgd"
+    assert extra["diloco-fp32-outer-lr0.1"]["config"]["outer_lr"] == 0.1
+    assert extra["one-worker"]["bytes_per_worker"] == 0
+    assert extra["one-worker"]["config"]["lr"] == sweep["ddp"]["best"]["lr"]
+    assert all("loss_vs_ddp" in r for r in extra.values())
+    assert [r["label"] for r in with_ablations["rows"]] == [m.label for m in methods()]
+    trained = len(calls)
+    # a changed budget is trained again (its old file does not match)
+    run(tmp_path, {**base, "steps": STEPS + 1}, SWEEP_STEPS, H, family_list=toy_families(),
+        only=["ddp"], reuse=True, train=train, plot=False)
+    assert calls[trained:] == ["ddp"]
