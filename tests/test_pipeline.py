@@ -73,6 +73,44 @@ def test_pipelined_gradients_equal_unsplit_model(n_stages: int) -> None:
     assert trainer.bytes["activations"] > 0 and trainer.bytes["gradients"] > 0
 
 
+def test_pipelined_adamw_steps_equal_unsplit_model_steps() -> None:
+    """Three AdamW steps (weight decay, lr 1e-2) through 2 stage processes leave every weight,
+    both copies of the tied embedding included, where the unsplit model's steps on the same
+    micro-batches leave it (fp32, 1e-5)."""
+    lr, steps = 1e-2, 3
+    batches = [batch(50 + k) for k in range(steps)]
+    torch.manual_seed(0)
+    model = GPT(MICRO)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95),
+                                  weight_decay=0.1)
+    for tokens, targets in batches:
+        optimizer.zero_grad()
+        for x, y in zip(tokens.chunk(4), targets.chunk(4)):
+            (model(x, y)[1] / 4).backward()
+        optimizer.step()
+    expected = {n: p.detach() for n, p in model.named_parameters()}
+    peers = start_pipeline(MICRO, 2, lr=lr)
+    try:
+        trainer = PipelineTrainer(_addresses(peers), micro_batches=4, in_flight=4, lr=lr)
+        for tokens, targets in batches:
+            trainer.step(tokens, targets)
+        states = []
+        for stage in _addresses(peers):
+            start = trainer.call(stage[0], wire.Message("ping")).meta["start"]
+            states.append({model_parameter_name(n, start): t for n, t in
+                           trainer.call(stage[0], wire.Message("state")).tensors.items()})
+    finally:
+        stop_pipeline(peers)
+    first, last = states
+    assert torch.allclose(first["embed.weight"], last.pop("lm_head.weight"), atol=1e-5, rtol=0)
+    torch.manual_seed(0)
+    initial = dict(GPT(MICRO).named_parameters())
+    assert set(first | last) == set(expected)
+    for name, weight in (first | last).items():
+        assert torch.allclose(weight, expected[name], atol=1e-5, rtol=0), name
+        assert not torch.allclose(weight, initial[name], atol=1e-4), f"{name} did not move"
+
+
 @pytest.mark.parametrize("spec", ["fp32", "int8", "int4", "topk:0.1"])
 def test_frame_bytes_are_header_plus_codec_payloads(spec: str) -> None:
     import json
