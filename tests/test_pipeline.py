@@ -295,6 +295,60 @@ def test_placement_keeps_stage_boundaries_inside_sites_and_beats_random() -> Non
     assert best.step_s <= min(randoms) and best.step_s < sum(randoms) / len(randoms) / 3
 
 
+def test_random_baselines_differ_from_the_chosen_placement_by_site_pattern() -> None:
+    """Two sites of two peers: relabelling peers inside a site is not another placement; of
+    the four site patterns only three differ from the chosen one, and all three are drawn."""
+    from farlink.parallel.placement import (
+        PipelineCost,
+        distinct_random_placements,
+        grouped_links,
+        place,
+        site_pattern,
+    )
+
+    site_of = {0: 0, 2: 0, 1: 1, 3: 1}
+    links = grouped_links([[0, 2], [1, 3]], (1000.0, 1.0), (5.0, 200.0))
+    cost = PipelineCost(activation_bytes=1e5, micro_batches=2)
+    chosen = place(links, 2, cost)
+    assert site_pattern(chosen.grid, site_of) == ((0, 0), (1, 1))
+    randoms = distinct_random_placements(links, 2, cost, chosen, samples=5, site_of=site_of)
+    patterns = {site_pattern(p.grid, site_of) for p in randoms}
+    assert patterns == {((0, 1), (1, 0)), ((0, 1), (0, 1)), ((1, 0), (1, 0))}
+    assert all(p.step_s > 10 * chosen.step_s for p in randoms)
+
+
+def test_messages_sharing_an_emulated_wire_queue_behind_each_other() -> None:
+    """Two frames sent at once over one ShapedLink take twice one frame's wire time (as two
+    micro-batches on one real link do); over a LinkModel each is held on its own."""
+    import socket
+    import threading
+    import time
+
+    from farlink.comm.base import LinkModel
+    from farlink.emulate.shaper import ShapedLink
+    from farlink.links import LinkProfile
+
+    message = wire.Message("forward", {}, {"x": torch.zeros(50_000)})  # ~200 kB frame
+    seconds = len(wire.encode(message)) * 8 / 8e6  # at 8 Mbit/s: ~0.2 s
+    for link, expected in ((ShapedLink(LinkProfile(bandwidth_mbit=8.0)), 2 * seconds),
+                           (LinkModel.of(8.0, 0.0), seconds)):
+        pairs = [socket.socketpair() for _ in range(2)]
+        started = time.perf_counter()
+        senders = [threading.Thread(target=wire.send, args=(a, message, None, link))
+                   for a, _ in pairs]
+        for t in senders:
+            t.start()
+        for _, b in pairs:
+            assert wire.recv(b).tensors["x"].shape == (50_000,)
+        elapsed = time.perf_counter() - started
+        for t in senders:
+            t.join()
+        for a, b in pairs:
+            a.close()
+            b.close()
+        assert expected * 0.95 <= elapsed < expected + 0.15, (type(link).__name__, elapsed)
+
+
 def test_placement_search_beyond_exhaustive_finds_the_site_pipelines() -> None:
     from farlink.parallel.placement import PipelineCost, grouped_links, place
 
