@@ -167,16 +167,15 @@ def _plot_placements(path: Path, rows: list[dict], title: str) -> None:
 
     plt = pyplot()
     fig, ax = plt.subplots(figsize=(6.4, 4.8))
-    for row in rows:
-        x = row["predicted_step_s"]
+    for k, row in enumerate(rows):
+        x, color = row["predicted_step_s"], f"C{k}"
         ax.scatter([x] * len(row["measured_step_s_trials"]), row["measured_step_s_trials"],
-                   alpha=0.35, color="tab:blue" if row["label"] == "chosen" else "tab:red")
-        ax.scatter([x], [row["measured_step_s"]], marker="D", s=60,
-                   color="tab:blue" if row["label"] == "chosen" else "tab:red")
-        ax.annotate(row["label"], (x, row["measured_step_s"]), textcoords="offset points",
-                    xytext=(6, 4), fontsize=8)
+                   alpha=0.35, color=color)
+        ax.scatter([x], [row["measured_step_s"]], marker="D", s=60, color=color,
+                   label=f"{row['label']} {row['pipelines']}")
     top = max(max(r["measured_step_s_trials"] + [r["predicted_step_s"]]) for r in rows) * 1.1
-    ax.plot([0, top], [0, top], color="gray", linestyle="--", linewidth=1, label="measured = predicted")
+    ax.plot([0, top], [0, top], color="gray", linestyle="--", linewidth=1,
+            label="measured = predicted")
     ax.set_xlabel("predicted step time (s)")
     ax.set_ylabel("measured step time (s): trials, median as a diamond")
     ax.set_title(title, fontsize=9)
