@@ -401,3 +401,19 @@ def test_fixed_pipelines_wire_micro_batch_i_to_pipeline_i_mod_p() -> None:
                       peers[1][0].address: 2, peers[1][1].address: 2}
     with pytest.raises(ValueError, match="one peer per stage"):
         PipelineTrainer(_addresses(peers), pipelines=[[peers[0][0].address]])
+
+
+def test_bench_reuse_keeps_rows_of_the_same_settings_only(tmp_path) -> None:
+    import json
+
+    from farlink.bench.pipeline import _finished_rows
+
+    path = tmp_path / "pipeline.json"
+    assert _finished_rows(path, "tiny", 100, 8, "home") == {}
+    path.write_text(json.dumps({"created": "2026-01-01T00:00:00", "model": "tiny", "steps": 100,
+                                "batch_size": 8, "link": "home",
+                                "rows": [{"label": "pipeline", "final_heldout_loss": 5.5}]}))
+    kept = _finished_rows(path, "tiny", 100, 8, "home")
+    assert kept == {"pipeline": {"label": "pipeline", "final_heldout_loss": 5.5,
+                                 "run_at": "2026-01-01T00:00:00"}}
+    assert _finished_rows(path, "tiny", 50, 8, "home") == {}  # other steps: run everything

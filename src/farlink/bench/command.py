@@ -278,7 +278,9 @@ def register(app: typer.Typer, bench_app: typer.Typer) -> None:
         memory_cap_mb: float | None = typer.Option(
             None, help="per-peer training-state cap (default: between a stage's and the "
             "whole model's need)"),
-        reuse: bool = typer.Option(False, help="read back the finished data-parallel run"),
+        reuse: bool = typer.Option(False, help="read back the finished data-parallel run, and "
+                                   "the rows of an earlier pipeline.json with the same settings "
+                                   "in --out (only missing codecs run)"),
         placement: bool = typer.Option(
             False, help="instead: step time of the placement chosen from a two-site link "
             "matrix against random placements (4 peers, 2 x 2 stages)"),

@@ -20,6 +20,7 @@ and the tied embedding's gradient exchange is reported on its own.
 
 from __future__ import annotations
 
+import os
 import time
 from pathlib import Path
 
@@ -77,6 +78,20 @@ def run_pipeline(label: str, config, data, steps: int, batch_size: int, micro_ba
         stop_pipeline(peers)
 
 
+def _finished_rows(path: Path, model: str, steps: int, batch_size: int, link: str) -> dict:
+    """Rows of an earlier ``pipeline.json`` with the same settings, by label (``--reuse``: only
+    the codecs it lacks are run). Each kept row says when it ran."""
+    import json
+
+    if not path.exists():
+        return {}
+    earlier = json.loads(path.read_text())
+    if (earlier.get("model"), earlier.get("steps"), earlier.get("batch_size"),
+            earlier.get("link")) != (model, steps, batch_size, link):
+        return {}
+    return {r["label"]: {"run_at": earlier["created"], **r} for r in earlier["rows"]}
+
+
 def run(out: Path, model: str = "tiny", steps: int = 150, batch_size: int = 8,
         micro_batches: int = 4, codecs: tuple[str, ...] = ("int8", "int4"),
         link_name: str = "home", lr: float = 3e-3, warmup: int = 20, eval_every: int = 25,
@@ -90,11 +105,14 @@ def run(out: Path, model: str = "tiny", steps: int = 150, batch_size: int = 8,
     link = get_profile(link_name)
     warmup = min(warmup, steps // 5)
     eval_every = min(eval_every, steps)
+    kept = _finished_rows(out / "pipeline.json", model, steps, batch_size, link_name) \
+        if reuse else {}
     base = {"model": model, "steps": steps, "algorithm": "ddp", "workers": 2,
             "batch_size": batch_size // 2, "lr": lr, "warmup_steps": warmup, "grad_clip": 0.0,
             "emulate_link": link_name, "eval_every": eval_every, "eval_batches": 4,
             "log_every": 1}
-    dp = run_variant("data-parallel", base, out, reuse=reuse)
+    dp = None if "data-parallel" in kept else run_variant("data-parallel", base, out,
+                                                            reuse=reuse)
     cache = Path.home() / ".cache" / "farlink"
     data = prepare_data("kjv", 4096, cache)
     config = preset_config(model, vocab_size=data.vocab_size)
@@ -104,20 +122,25 @@ def run(out: Path, model: str = "tiny", steps: int = 150, batch_size: int = 8,
     # the held-out windows data parallel's workers evaluate on, so final losses compare
     eval_batches = heldout_batches(data.heldout, config.seq_len, base["batch_size"],
                                    base["eval_batches"])
-    rows = [{"label": "data-parallel", "codec": "fp32", "stages": 1, "tokens": dp["tokens"],
-             "final_heldout_loss": dp["final_heldout_loss"],
-             # evaluations count one worker's tokens; the batch is both workers'
-             "curve": [(e["tokens"] * dp["workers"], e["loss"]) for e in dp["evals"]],
-             "tokens_per_s": dp["tokens"] / dp["wall_s"] if dp["wall_s"] else None,
-             "bytes_per_token": dp["bytes_per_token"], "memory_mib_per_peer": full_mib,
-             "fits_memory_cap": full_mib <= cap}]
+    rows = [kept.get("data-parallel") or {
+        "label": "data-parallel", "codec": "fp32", "stages": 1, "tokens": dp["tokens"],
+        "final_heldout_loss": dp["final_heldout_loss"],
+        # evaluations count one worker's tokens; the batch is both workers'
+        "curve": [(e["tokens"] * dp["workers"], e["loss"]) for e in dp["evals"]],
+        "tokens_per_s": dp["tokens"] / dp["wall_s"] if dp["wall_s"] else None,
+        "bytes_per_token": dp["bytes_per_token"], "memory_mib_per_peer": full_mib,
+        "fits_memory_cap": full_mib <= cap}]
     for codec in ("fp32", *codecs):
         label = "pipeline" if codec == "fp32" else f"pipeline-{codec}"
-        started = time.time()
+        if label in kept:
+            rows.append(kept[label])
+            continue
+        started, load = time.time(), os.getloadavg()
         row = run_pipeline(label, config, data, steps, batch_size, micro_batches, codec, link,
                            lr, warmup, eval_every, eval_batches, cap)
         row |= {"memory_mib_per_peer": max(stage_mib), "fits_memory_cap": max(stage_mib) <= cap,
-                "wall_s": time.time() - started}
+                "wall_s": time.time() - started, "run_at": time.strftime("%Y-%m-%dT%H:%M:%S"),
+                "load_average_before": load, "load_average_after": os.getloadavg()}
         rows.append(row)
     reference = rows[1]
     for row in rows[2:]:
@@ -207,7 +230,6 @@ def run_placement(out: Path, model: str = "tiny", trials: int = 3, steps: int = 
     each run times ``steps`` steps after an untimed warm-up step; medians over trials.
     """
     import json
-    import os
     import statistics
 
     from farlink.comm.linkprobe import LinkMatrix
