@@ -417,3 +417,19 @@ def test_bench_reuse_keeps_rows_of_the_same_settings_only(tmp_path) -> None:
     assert kept == {"pipeline": {"label": "pipeline", "final_heldout_loss": 5.5,
                                  "run_at": "2026-01-01T00:00:00"}}
     assert _finished_rows(path, "tiny", 50, 8, "home") == {}  # other steps: run everything
+
+
+@pytest.mark.slow
+def test_placement_bench_writes_distinct_baselines_and_a_plot(tmp_path) -> None:
+    """One trial of ``bench pipeline --placement``: the chosen placement, three random ones
+    with other site patterns, the chosen one faster; JSON and PNG written."""
+    from farlink.bench.pipeline import run_placement
+
+    found = run_placement(tmp_path, trials=1, steps=1)
+    patterns = [tuple(map(tuple, r["site_pattern"])) for r in found["rows"]]
+    assert len(patterns) == 4 and len(set(patterns)) == 4
+    assert found["rows"][0]["predicted_step_s"] < min(r["predicted_step_s"]
+                                                      for r in found["rows"][1:])
+    assert found["chosen_vs_best_random"] < 1
+    assert (tmp_path / "pipeline_placement.json").exists()
+    assert (tmp_path / "pipeline_placement.png").stat().st_size > 10_000
