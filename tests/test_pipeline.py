@@ -73,6 +73,44 @@ def test_pipelined_gradients_equal_unsplit_model(n_stages: int) -> None:
     assert trainer.bytes["activations"] > 0 and trainer.bytes["gradients"] > 0
 
 
+def test_pipelined_adamw_steps_equal_unsplit_model_steps() -> None:
+    """Three AdamW steps (weight decay, lr 1e-2) through 2 stage processes leave every weight,
+    both copies of the tied embedding included, where the unsplit model's steps on the same
+    micro-batches leave it (fp32, 1e-5)."""
+    lr, steps = 1e-2, 3
+    batches = [batch(50 + k) for k in range(steps)]
+    torch.manual_seed(0)
+    model = GPT(MICRO)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95),
+                                  weight_decay=0.1)
+    for tokens, targets in batches:
+        optimizer.zero_grad()
+        for x, y in zip(tokens.chunk(4), targets.chunk(4)):
+            (model(x, y)[1] / 4).backward()
+        optimizer.step()
+    expected = {n: p.detach() for n, p in model.named_parameters()}
+    peers = start_pipeline(MICRO, 2, lr=lr)
+    try:
+        trainer = PipelineTrainer(_addresses(peers), micro_batches=4, in_flight=4, lr=lr)
+        for tokens, targets in batches:
+            trainer.step(tokens, targets)
+        states = []
+        for stage in _addresses(peers):
+            start = trainer.call(stage[0], wire.Message("ping")).meta["start"]
+            states.append({model_parameter_name(n, start): t for n, t in
+                           trainer.call(stage[0], wire.Message("state")).tensors.items()})
+    finally:
+        stop_pipeline(peers)
+    first, last = states
+    assert torch.allclose(first["embed.weight"], last.pop("lm_head.weight"), atol=1e-5, rtol=0)
+    torch.manual_seed(0)
+    initial = dict(GPT(MICRO).named_parameters())
+    assert set(first | last) == set(expected)
+    for name, weight in (first | last).items():
+        assert torch.allclose(weight, expected[name], atol=1e-5, rtol=0), name
+        assert not torch.allclose(weight, initial[name], atol=1e-4), f"{name} did not move"
+
+
 @pytest.mark.parametrize("spec", ["fp32", "int8", "int4", "topk:0.1"])
 def test_frame_bytes_are_header_plus_codec_payloads(spec: str) -> None:
     import json
@@ -257,6 +295,60 @@ def test_placement_keeps_stage_boundaries_inside_sites_and_beats_random() -> Non
     assert best.step_s <= min(randoms) and best.step_s < sum(randoms) / len(randoms) / 3
 
 
+def test_random_baselines_differ_from_the_chosen_placement_by_site_pattern() -> None:
+    """Two sites of two peers: relabelling peers inside a site is not another placement; of
+    the four site patterns only three differ from the chosen one, and all three are drawn."""
+    from farlink.parallel.placement import (
+        PipelineCost,
+        distinct_random_placements,
+        grouped_links,
+        place,
+        site_pattern,
+    )
+
+    site_of = {0: 0, 2: 0, 1: 1, 3: 1}
+    links = grouped_links([[0, 2], [1, 3]], (1000.0, 1.0), (5.0, 200.0))
+    cost = PipelineCost(activation_bytes=1e5, micro_batches=2)
+    chosen = place(links, 2, cost)
+    assert site_pattern(chosen.grid, site_of) == ((0, 0), (1, 1))
+    randoms = distinct_random_placements(links, 2, cost, chosen, samples=5, site_of=site_of)
+    patterns = {site_pattern(p.grid, site_of) for p in randoms}
+    assert patterns == {((0, 1), (1, 0)), ((0, 1), (0, 1)), ((1, 0), (1, 0))}
+    assert all(p.step_s > 10 * chosen.step_s for p in randoms)
+
+
+def test_messages_sharing_an_emulated_wire_queue_behind_each_other() -> None:
+    """Two frames sent at once over one ShapedLink take twice one frame's wire time (as two
+    micro-batches on one real link do); over a LinkModel each is held on its own."""
+    import socket
+    import threading
+    import time
+
+    from farlink.comm.base import LinkModel
+    from farlink.emulate.shaper import ShapedLink
+    from farlink.links import LinkProfile
+
+    message = wire.Message("forward", {}, {"x": torch.zeros(50_000)})  # ~200 kB frame
+    seconds = len(wire.encode(message)) * 8 / 8e6  # at 8 Mbit/s: ~0.2 s
+    for link, expected in ((ShapedLink(LinkProfile(bandwidth_mbit=8.0)), 2 * seconds),
+                           (LinkModel.of(8.0, 0.0), seconds)):
+        pairs = [socket.socketpair() for _ in range(2)]
+        started = time.perf_counter()
+        senders = [threading.Thread(target=wire.send, args=(a, message, None, link))
+                   for a, _ in pairs]
+        for t in senders:
+            t.start()
+        for _, b in pairs:
+            assert wire.recv(b).tensors["x"].shape == (50_000,)
+        elapsed = time.perf_counter() - started
+        for t in senders:
+            t.join()
+        for a, b in pairs:
+            a.close()
+            b.close()
+        assert expected * 0.95 <= elapsed < expected + 0.15, (type(link).__name__, elapsed)
+
+
 def test_placement_search_beyond_exhaustive_finds_the_site_pipelines() -> None:
     from farlink.parallel.placement import PipelineCost, grouped_links, place
 
@@ -309,3 +401,35 @@ def test_fixed_pipelines_wire_micro_batch_i_to_pipeline_i_mod_p() -> None:
                       peers[1][0].address: 2, peers[1][1].address: 2}
     with pytest.raises(ValueError, match="one peer per stage"):
         PipelineTrainer(_addresses(peers), pipelines=[[peers[0][0].address]])
+
+
+def test_bench_reuse_keeps_rows_of_the_same_settings_only(tmp_path) -> None:
+    import json
+
+    from farlink.bench.pipeline import _finished_rows
+
+    path = tmp_path / "pipeline.json"
+    assert _finished_rows(path, "tiny", 100, 8, "home") == {}
+    path.write_text(json.dumps({"created": "2026-01-01T00:00:00", "model": "tiny", "steps": 100,
+                                "batch_size": 8, "link": "home",
+                                "rows": [{"label": "pipeline", "final_heldout_loss": 5.5}]}))
+    kept = _finished_rows(path, "tiny", 100, 8, "home")
+    assert kept == {"pipeline": {"label": "pipeline", "final_heldout_loss": 5.5,
+                                 "run_at": "2026-01-01T00:00:00"}}
+    assert _finished_rows(path, "tiny", 50, 8, "home") == {}  # other steps: run everything
+
+
+@pytest.mark.slow
+def test_placement_bench_writes_distinct_baselines_and_a_plot(tmp_path) -> None:
+    """One trial of ``bench pipeline --placement``: the chosen placement, three random ones
+    with other site patterns, the chosen one faster; JSON and PNG written."""
+    from farlink.bench.pipeline import run_placement
+
+    found = run_placement(tmp_path, trials=1, steps=1)
+    patterns = [tuple(map(tuple, r["site_pattern"])) for r in found["rows"]]
+    assert len(patterns) == 4 and len(set(patterns)) == 4
+    assert found["rows"][0]["predicted_step_s"] < min(r["predicted_step_s"]
+                                                      for r in found["rows"][1:])
+    assert found["chosen_vs_best_random"] < 1
+    assert (tmp_path / "pipeline_placement.json").exists()
+    assert (tmp_path / "pipeline_placement.png").stat().st_size > 10_000

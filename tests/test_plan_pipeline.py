@@ -45,3 +45,62 @@ def test_plan_cli_pipeline_json_and_errors() -> None:
     result = runner.invoke(app, ["plan", "--model", "3e9", "--workers", "8",
                                  "--pipeline-stages", "4"])
     assert result.exit_code == 2 and "needs the model's width" in result.output
+
+
+def _matrix_file(tmp_path, fast_pairs, names=("a", "b", "c", "d")) -> str:
+    """Home-grade links (5 Mbit/s, 200 ms RTT) everywhere but ``fast_pairs`` (1 Gbit/s, 1 ms)."""
+    n = len(names)
+    fast = {frozenset(p) for p in fast_pairs}
+    bandwidth = [[None if i == j else (1000.0 if frozenset((i, j)) in fast else 5.0)
+                  for j in range(n)] for i in range(n)]
+    rtt = [[None if i == j else (1.0 if frozenset((i, j)) in fast else 200.0)
+            for j in range(n)] for i in range(n)]
+    path = tmp_path / "links.json"
+    path.write_text(json.dumps({"peers": list(names), "bandwidth_mbit": bandwidth,
+                                "rtt_ms": rtt}))
+    return str(path)
+
+
+def test_plan_places_stages_on_a_measured_matrix(tmp_path) -> None:
+    """a-c and b-d are the only fast pairs: each must be one pipeline, and the placement's
+    predicted step must beat the random placements' median."""
+    path = _matrix_file(tmp_path, [(0, 2), (1, 3)])
+    runner = CliRunner()
+    args = ["plan", "--model", "tiny", "--workers", "4", "--profile", "home", "--algorithm",
+            "diloco", "--pipeline-stages", "2", "--batch-tokens", "4096",
+            "--link-matrix", path]
+    result = runner.invoke(app, args + ["--json"])
+    assert result.exit_code == 0, result.output
+    placement = json.loads(result.output)["placement"]
+    chosen = placement["chosen"]
+    assert {frozenset(p) for p in chosen["pipelines"]} == {frozenset("ac"), frozenset("bd")}
+    assert chosen["predicted_step_s"] < placement["random_median_step_s"] / 2
+    assert chosen["slowest_link_s"] < 0.01  # a fast boundary: 0.5 ms + bytes at 1 Gbit/s
+    table = runner.invoke(app, args)
+    assert table.exit_code == 0, table.output
+    assert "stage 0 on" in table.output and "the median random placement" in table.output
+    mismatch = runner.invoke(app, args[:4] + ["6"] + args[5:])
+    assert mismatch.exit_code == 2 and "pass --workers 4" in mismatch.output
+    alone = runner.invoke(app, ["plan", "--model", "tiny", "--workers", "4",
+                                "--link-matrix", path])
+    assert alone.exit_code == 2 and "give --pipeline-stages" in alone.output
+
+
+def test_link_matrix_file_forms_and_errors(tmp_path) -> None:
+    from farlink.comm.linkprobe import LinkMatrix
+    from farlink.plan.pipeline import load_link_matrix
+
+    one_way = LinkMatrix.from_json({"bandwidth_mbit": [[None, 10], [20, None]],
+                                    "latency_ms": [[None, 30], [30, None]]})
+    assert one_way.rtt_ms == [[None, 60.0], [60.0, None]]
+    assert LinkMatrix.from_json(one_way.to_json()) == one_way
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({"bandwidth_mbit": [[None, 10]], "rtt_ms": [[None, 1]]}))
+    with pytest.raises(PlanInputError, match="not 1 x 1"):
+        load_link_matrix(bad)
+    bad.write_text(json.dumps({"bandwidth_mbit": [[None, 0], [1, None]],
+                               "rtt_ms": [[None, 1], [1, None]]}))
+    with pytest.raises(PlanInputError, match=r"bandwidth_mbit\[0\]\[1\] = 0"):
+        load_link_matrix(bad)
+    with pytest.raises(PlanInputError, match="cannot read"):
+        load_link_matrix(tmp_path / "missing.json")

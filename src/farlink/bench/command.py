@@ -317,19 +317,29 @@ def register(app: typer.Typer, bench_app: typer.Typer) -> None:
         memory_cap_mb: float | None = typer.Option(
             None, help="per-peer training-state cap (default: between a stage's and the "
             "whole model's need)"),
-        reuse: bool = typer.Option(False, help="read back the finished data-parallel run"),
+        reuse: bool = typer.Option(False, help="read back the finished data-parallel run, and "
+                                   "the rows of an earlier pipeline.json with the same settings "
+                                   "in --out (only missing codecs run)"),
         placement: bool = typer.Option(
             False, help="instead: step time of the placement chosen from a two-site link "
             "matrix against random placements (4 peers, 2 x 2 stages)"),
+        trials: int = typer.Option(5, help="--placement: runs of every placement (medians)"),
+        inter: str = typer.Option("dsl", help="--placement: link profile between the sites"),
+        link_matrix: Path | None = typer.Option(
+            None, help="--placement: a 4-peer link matrix file (JSON: bandwidth_mbit, rtt_ms) "
+            "instead of the two sites"),
     ) -> None:
         """Data parallel vs a 2-stage pipeline vs compressed activations: tokens/s, loss."""
         from farlink.bench.pipeline import run, run_placement
 
         if placement:
-            found = run_placement(out, model, batch_size=batch_size,
-                                  micro_batches=micro_batches)
-            print_rows(found["rows"], ["label", "pipelines", "predicted_link_step_s",
+            found = run_placement(out, model, trials=trials, batch_size=batch_size,
+                                  micro_batches=micro_batches, inter=inter,
+                                  link_matrix=link_matrix)
+            print_rows(found["rows"], ["label", "pipelines", "predicted_step_s",
                                        "measured_step_s"], "farlink bench pipeline --placement")
+            typer.echo(f"chosen / best random measured: {found['chosen_vs_best_random']:.3g}; "
+                       f"chosen fastest in {found['trials_chosen_fastest']} of {trials} trials")
             return
         result = run(out, model, steps, batch_size, micro_batches, tuple(codecs), link,
                      memory_cap_mb=memory_cap_mb, reuse=reuse)

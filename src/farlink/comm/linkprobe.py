@@ -64,6 +64,33 @@ class LinkMatrix:
 
         return {"bandwidth_mbit": rounded(self.bandwidth_mbit), "rtt_ms": rounded(self.rtt_ms)}
 
+    @classmethod
+    def from_json(cls, data: dict) -> LinkMatrix:
+        """The form :meth:`to_json` writes (``bandwidth_mbit`` and ``rtt_ms``, n x n, null for
+        an unmeasured pair); ``latency_ms`` (one way) may stand in for ``rtt_ms``. Any other
+        key (``peers``: names in matrix order) is left to the caller."""
+        if "rtt_ms" not in data and "latency_ms" in data:
+            data = {**data, "rtt_ms": [[None if v is None else 2 * v for v in row]
+                                       for row in data["latency_ms"]]}
+        try:
+            bandwidth, rtt = data["bandwidth_mbit"], data["rtt_ms"]
+        except (KeyError, TypeError):
+            raise ValueError("a link matrix needs 'bandwidth_mbit' (Mbit/s) and 'rtt_ms' (or "
+                             "one-way 'latency_ms'): n x n lists, row i = links from peer i")
+        n = len(bandwidth)
+        for name, m in (("bandwidth_mbit", bandwidth), ("rtt_ms", rtt)):
+            if len(m) != n or any(not isinstance(row, list) or len(row) != n for row in m):
+                raise ValueError(f"link matrix {name!r} is not {n} x {n}: give one row per "
+                                 "peer with one entry per peer (the diagonal is ignored)")
+            for i, row in enumerate(m):
+                for j, v in enumerate(row):
+                    if i != j and v is not None and (not isinstance(v, (int, float)) or v < 0
+                                                     or (name == "bandwidth_mbit" and v == 0)):
+                        raise ValueError(f"link matrix {name}[{i}][{j}] = {v!r}: give a "
+                                         "positive number, or null for an unmeasured pair")
+        return cls([[None if v is None else float(v) for v in row] for row in bandwidth],
+                   [[None if v is None else float(v) for v in row] for row in rtt])
+
 
 def _recv_exact(sock: socket.socket, n: int) -> bytes:
     buf = bytearray()

@@ -162,6 +162,33 @@ def random_placements(links: LinkMatrix, n_stages: int, cost: PipelineCost, samp
     return out
 
 
+def site_pattern(grid, site_of: dict[int, int] | None = None) -> tuple[tuple[int, ...], ...]:
+    """Which site serves each stage of each pipeline, pipelines sorted: two placements with the
+    same pattern put the same links on every boundary of a grouped matrix, so they differ only
+    by which peer of a site does what (without ``site_of`` every peer is its own site)."""
+    site_of = site_of or {}
+    return tuple(sorted(tuple(site_of.get(i, i) for i in row) for row in grid))
+
+
+def distinct_random_placements(links: LinkMatrix, n_stages: int, cost: PipelineCost,
+                               exclude: Placement, samples: int = 3, seed: int = 0,
+                               site_of: dict[int, int] | None = None,
+                               draws: int = 10_000) -> list[Placement]:
+    """Up to ``samples`` random placements whose site patterns differ from ``exclude``'s and
+    from each other: a baseline that is really another placement, not the chosen one relabelled
+    (fewer when fewer distinct patterns exist)."""
+    seen = {site_pattern(exclude.grid, site_of)}
+    out = []
+    for candidate in random_placements(links, n_stages, cost, draws, seed):
+        pattern = site_pattern(candidate.grid, site_of)
+        if pattern not in seen:
+            seen.add(pattern)
+            out.append(candidate)
+            if len(out) == samples:
+                break
+    return out
+
+
 def grouped_links(groups: list[list[int]], intra: tuple[float, float],
                   inter: tuple[float, float]) -> LinkMatrix:
     """A link matrix of sites: (Mbit/s, RTT ms) inside a group and between groups."""

@@ -28,6 +28,7 @@ import torch
 
 from farlink.codecs import Codec, CodecError, make_codec
 from farlink.comm.base import LinkModel
+from farlink.emulate.shaper import ShapedLink
 
 _MAX_FRAME = 1 << 31
 _INT_DTYPES = {"int64": (torch.int64, np.int64), "int32": (torch.int32, np.int32)}
@@ -107,10 +108,14 @@ def _recv_exactly(sock: socket.socket, n: int) -> bytes:
 
 
 def send(sock: socket.socket, message: Message, codecs: dict[str, str] | None = None,
-         link: LinkModel | None = None) -> int:
-    """Write one message; returns the bytes sent (after holding for the emulated link)."""
+         link: LinkModel | ShapedLink | None = None) -> int:
+    """Write one message; returns the bytes sent (after holding for the emulated link: a
+    :class:`LinkModel` holds every message on its own, a :class:`ShapedLink` queues messages
+    that share it on one wire, as concurrent micro-batches on one real link do)."""
     frame = encode(message, codecs)
-    if link is not None:
+    if isinstance(link, ShapedLink):
+        link.send(len(frame))
+    elif link is not None:
         time.sleep(link.seconds(len(frame), 1))
     sock.sendall(frame)
     return len(frame)

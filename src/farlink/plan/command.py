@@ -62,6 +62,7 @@ def plan_command(
     pipeline_stages: Annotated[int | None, typer.Option(help="Also model the workers as pipelines of this many stages (needs a model preset, for its width).", min=2)] = None,
     micro_batches: Annotated[int, typer.Option(help="Pipeline: micro-batches per step.", min=1)] = 8,
     activation_codec: Annotated[str, typer.Option(help="Pipeline: codec of activations and their gradients.")] = "fp32",
+    link_matrix: Annotated[Path | None, typer.Option(help="Pipeline: a measured link matrix (JSON: bandwidth_mbit and rtt_ms, n x n, optional peers names; what measure_links writes): choose which peer serves which stage of which pipeline, and compare with random placements.")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print machine-readable JSON instead of a table.")] = False,
 ) -> None:
     """Predict round time, utilization, bytes per token, bandwidth need, wall-clock and cost."""
@@ -97,11 +98,17 @@ def plan_command(
         if name == "all" and inner_steps < fragments:
             names = tuple(a for a in names if not capabilities(a).fragments)
         results = [plan(replace(scenario, algorithm=a), hardware, links, target) for a in names]
-        pipeline = None
+        pipeline = placement = None
+        if link_matrix is not None and pipeline_stages is None:
+            raise PlanInputError("--link-matrix places pipeline stages: give --pipeline-stages")
         if pipeline_stages is not None:
             pipeline = _pipeline_plan(model, n_params, pipeline_stages, workers, results[0],
                                       batch_tokens, micro_batches, activation_codec, mfu,
                                       inner_steps)
+        if link_matrix is not None:
+            placement = _placement(model, n_params, pipeline_stages, workers, results[0],
+                                   link_matrix, batch_tokens, micro_batches, activation_codec,
+                                   mfu, inner_steps)
     except (PlanInputError, LinkError) as exc:
         _fail(str(exc))
         return
@@ -110,6 +117,8 @@ def plan_command(
         payload = {"model": model_label, "results": [r.to_dict() for r in results]}
         if pipeline is not None:
             payload["pipeline"] = pipeline.to_dict()
+        if placement is not None:
+            payload["placement"] = placement
         typer.echo(json.dumps(_jsonable(payload), indent=2, allow_nan=False))
         return
     from rich.console import Console
@@ -134,13 +143,22 @@ def plan_command(
             f"{p.activation_bytes_per_token:.4g} activation bytes/token, "
             f"{p.memory_gib_per_gpu:.3g} GiB per GPU" + ("" if p.fits_memory else " (does not fit)"),
             highlight=False)
+    if placement is not None:
+        def pipelines(p: dict) -> str:
+            return "; ".join(f"pipeline {k}: " + " -> ".join(
+                f"stage {s} on {peer}" for s, peer in enumerate(row))
+                for k, row in enumerate(p["pipelines"]))
+
+        chosen, drawn = placement["chosen"], placement["random"]
+        console.print(f"placement on {link_matrix} ({len(placement['peers'])} peers): "
+                      f"{pipelines(chosen)}", highlight=False)
+        console.print(f"  predicted step {chosen['predicted_step_s']:.4g} s (slowest boundary "
+                      f"{chosen['slowest_link_s']:.3g} s); the median random placement "
+                      f"of {placement['random_samples']} ({pipelines(drawn)}): "
+                      f"{drawn['predicted_step_s']:.4g} s", highlight=False)
 
 
-def _pipeline_plan(model: str, n_params: float, stages: int, workers: int, result,
-                   batch_tokens: float, micro_batches: int, codec: str, mfu: float,
-                   inner_steps: int):
-    """The pipeline alternative on the same GPUs and link (:mod:`farlink.plan.pipeline`)."""
-    from farlink.plan.pipeline import plan_pipeline
+def _preset(model: str, stages: int):
     from farlink.plan.tables import PlanInputError
 
     try:
@@ -154,6 +172,33 @@ def _pipeline_plan(model: str, n_params: float, stages: int, workers: int, resul
     if stages > config.n_layer:
         raise PlanInputError(f"{stages} stages for {config.n_layer} blocks: use at most "
                              f"{config.n_layer} pipeline stages")
+    return config
+
+
+def _placement(model: str, n_params: float, stages: int, workers: int, result,
+               path: Path, batch_tokens: float, micro_batches: int, codec: str, mfu: float,
+               inner_steps: int) -> dict:
+    """The placement chosen on a measured matrix (:func:`farlink.plan.pipeline.place_on_matrix`)."""
+    from farlink.plan.pipeline import load_link_matrix, place_on_matrix
+    from farlink.plan.tables import PlanInputError
+
+    config = _preset(model, stages)
+    peers, links = load_link_matrix(path)
+    if len(peers) != workers:
+        raise PlanInputError(f"the link matrix {path} has {len(peers)} peers but --workers is "
+                             f"{workers}: pass --workers {len(peers)}")
+    return place_on_matrix(n_params, config.d_model, stages, result.gpu, links, peers,
+                           int(batch_tokens), micro_batches, codec, mfu,
+                           result.gpus_per_worker, inner_steps)
+
+
+def _pipeline_plan(model: str, n_params: float, stages: int, workers: int, result,
+                   batch_tokens: float, micro_batches: int, codec: str, mfu: float,
+                   inner_steps: int):
+    """The pipeline alternative on the same GPUs and link (:mod:`farlink.plan.pipeline`)."""
+    from farlink.plan.pipeline import plan_pipeline
+
+    config = _preset(model, stages)
     return plan_pipeline(n_params, config.d_model, stages, workers, result.gpu, result.link,
                          int(batch_tokens), micro_batches, codec, mfu, result.gpus_per_worker,
                          inner_steps)
