@@ -1,0 +1,47 @@
+"""A home router in a namespace: masquerade outbound, admit only replies inbound.
+
+A volunteer at home sits behind a router that rewrites its private source address to the
+router's public one (source NAT, ``MASQUERADE``) and remembers each connection (conntrack), so
+replies find their way back; a connection that starts outside finds nothing to forward to. That
+is what makes community peers undialable, and why hivemind offers client mode and relays.
+:class:`farlink.emulate.topology.Topology` builds one such router per ``behind_nat`` worker; this
+module owns the router's rules:
+
+- ``nat POSTROUTING -o WAN -j MASQUERADE``: what leaves carries the router's WAN address;
+- ``FORWARD``: LAN -> WAN accepted; WAN -> LAN accepted only for ``ESTABLISHED,RELATED``
+  connections (replies), every new inbound connection dropped (a packet to the worker's private
+  address is dropped even when a peer routes it here);
+- ``INPUT`` on the WAN side: new connections to the router itself dropped, as a home router's
+  stealth firewall does (a dial to the public address times out rather than being refused).
+
+Everything is set inside the router's own namespace (``ip_forward`` is per namespace), so the
+host's firewall and forwarding stay as they are.
+"""
+
+from __future__ import annotations
+
+from farlink.emulate import sysnet
+
+WAN_IF = "flkn{}"  # the router's WAN side, on the shared bridge (formatted with the worker index)
+LAN_IF = "flkl{}"  # the router's LAN side, toward the worker
+
+
+def configure_router(ns: str, *, wan_if: str, wan_cidr: str, lan_if: str, lan_cidr: str) -> None:
+    """Address both sides of the router in ``ns``, turn forwarding on and install the NAT and
+    firewall rules (see the module docstring)."""
+    sysnet.ip_batch(ns, [
+        "link set lo up",
+        f"link set {wan_if} up",
+        f"addr add {wan_cidr} dev {wan_if}",
+        f"link set {lan_if} up",
+        f"addr add {lan_cidr} dev {lan_if}",
+    ])
+    sysnet.netns_exec(ns, "sysctl", "-q", "-w", "net.ipv4.ip_forward=1")
+    sysnet.iptables(ns, "-t", "nat", "-A", "POSTROUTING", "-o", wan_if, "-j", "MASQUERADE")
+    sysnet.iptables(ns, "-A", "FORWARD", "-i", lan_if, "-o", wan_if, "-j", "ACCEPT")
+    sysnet.iptables(ns, "-A", "FORWARD", "-i", wan_if, "-o", lan_if, "-m", "conntrack",
+                    "--ctstate", "ESTABLISHED,RELATED", "-j", "ACCEPT")
+    sysnet.iptables(ns, "-A", "FORWARD", "-i", wan_if, "-j", "DROP")
+    sysnet.iptables(ns, "-A", "INPUT", "-i", wan_if, "-m", "conntrack", "--ctstate",
+                    "ESTABLISHED,RELATED", "-j", "ACCEPT")
+    sysnet.iptables(ns, "-A", "INPUT", "-i", wan_if, "-j", "DROP")
