@@ -184,7 +184,7 @@ def with_latency(profile: str | LinkProfile, latency_ms: float) -> LinkProfile:
     base = get_profile(profile)
     return base.model_copy(update={"latency_ms": latency_ms,
                                    "jitter_ms": min(base.jitter_ms, latency_ms),
-                                   "name": f"{base.name}@{latency_ms:g}ms"})
+                                   "name": f"{base.name}@{latency_ms:.0f}ms"})
 
 
 def latency_spread(profile: str | LinkProfile, n: int, low_ms: float, high_ms: float
