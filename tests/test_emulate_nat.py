@@ -12,6 +12,7 @@ import pytest
 
 from farlink.emulate import sysnet
 from farlink.emulate.capabilities import detect_capabilities
+from farlink.emulate.errors import EmulationError
 from farlink.emulate.measure import measure_link
 from farlink.emulate.topology import Topology
 from farlink.links import scaled
@@ -75,5 +76,7 @@ def test_a_natted_worker_dials_out_and_nobody_dials_in() -> None:
 def test_a_natted_workers_path_keeps_its_delay_and_rate() -> None:
     with Topology(2, scaled("home", 20), behind_nat={1}) as topo:
         m = measure_link(topo, 1, 0, window_s=2.0, pings=6)
+        with pytest.raises(EmulationError, match="behind a NAT"):  # it would wait for nothing
+            measure_link(topo, 0, 1)
     assert abs(m.rtt_ms - m.expected_rtt_ms) < 0.15 * m.expected_rtt_ms, m
     assert m.throughput_mbit > 0.8 * m.expected_throughput_mbit, m

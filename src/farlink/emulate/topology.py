@@ -22,7 +22,7 @@ takes the worker's place on the bridge (its WAN side holds the worker's public a
 WAN side and lets in only replies to connections made from inside, so the worker can dial out
 but nobody can dial in (:mod:`farlink.emulate.nat`)::
 
-    P-w2 [flkw2 10.78.2.2] ==veth== [flkl2 10.78.2.1  P-n2  flkn2 10.77.0.3] ==veth== [flkr2]--bridge
+    P-w2 [flkw2 10.78.2.2] ==veth== [flkl2 10.78.2.1 P-n2 flkn2 10.77.0.3] ==veth== [flkr2]--+
 """
 
 from __future__ import annotations
