@@ -92,3 +92,6 @@ def test_volunteers_behind_nat_train_through_a_reachable_one(tmp_path: Path) -> 
         natted = row["reachability"] == "client mode behind NAT"
         assert natted == (row["address"] != row["seen_at"])
         assert natted == any(n.startswith("note: client mode") for n in row["console_notes"])
+        if natted:  # its router saw it dial the bootstrap peer and the reachable volunteer only
+            assert set(row["dialed_peers"]) == {0, 1}, row
+    assert result["path"].startswith("direct, no relay"), result["path"]

@@ -10,7 +10,8 @@ rates) at its own one-way delay, spread over 50-150 ms (:func:`farlink.links.lat
   dials out, announces no address and takes no share of the all-reduce to reduce.
 
 The path: no peer runs with ``--public``, so relays are off and every byte between peers travels
-on a direct TCP connection. The NATed volunteers open theirs to the bootstrap peer (DHT) and to
+on a direct TCP connection; the report lists whom each NATed volunteer dialed, read from its
+router's connection tracking, and the inbound packets its router dropped. The NATed volunteers open theirs to the bootstrap peer (DHT) and to
 the reachable volunteer, which reduces the whole all-reduce (hivemind sends a client-mode peer's
 part to the non-client peers and the result back). Two NATed peers never need to reach each
 other, so no relay is needed; were the reachable volunteer gone, the NATed ones could not average.
@@ -82,10 +83,22 @@ def _console_notes(log_path: Path) -> list[str]:
             if line.strip().startswith("note:")]
 
 
+def _path(rows: list[dict]) -> str:
+    """How the NATed volunteers' bytes travelled, from whom their routers saw them dial."""
+    natted = [r for r in rows if r["reachability"] == "client mode behind NAT"]
+    reachable = {r["peer"] for r in rows if r["reachability"] == "reachable"}
+    if natted and all(set(r["dialed_peers"]) <= reachable for r in natted):
+        return ("direct, no relay (relays off: no --public): the NATed client-mode volunteers "
+                "dialed only reachable peers " + ", ".join(
+                    f"{r['peer']} -> {r['dialed_peers']}" for r in natted))
+    return "not only direct to reachable peers: " + ", ".join(
+        f"{r['peer']} -> {r['dialed_peers']}" for r in natted)
+
+
 def run(out: Path, model: str = "tiny", steps: int = 30, inner_steps: int = 10,
         bandwidth_mbit: float | None = None, timeout_s: float = 900.0) -> dict:
     """Run the scenario (see the module docstring) under ``out``; write ``out/swarm.json``."""
-    from farlink.emulate import Topology, detect_capabilities
+    from farlink.emulate import Topology, detect_capabilities, nat
     from farlink.links import latency_spread, scaled
 
     caps = detect_capabilities()
@@ -107,6 +120,7 @@ def run(out: Path, model: str = "tiny", steps: int = 30, inner_steps: int = 10,
                 "start", "--host", topo.address(BOOTSTRAP), *flags, "--run-dir",
                 str(out / "runs" / "boot"), "--cache-dir", str(out / "cache")], log)
         procs: dict[int, subprocess.Popen] = {}
+        dialed: dict[int, set[tuple[str, int]]] = {i: set() for i in NATTED}
         try:
             command = _join_command(boot, logs / "boot.log")
             for i in volunteers:
@@ -116,8 +130,10 @@ def run(out: Path, model: str = "tiny", steps: int = 30, inner_steps: int = 10,
                         str(out / "runs" / f"v{i}"), "--cache-dir", str(out / f"cache{i}"),
                         *(["--client-mode"] if i in NATTED else [])], log)
             deadline = time.monotonic() + timeout_s
-            for proc in procs.values():
-                proc.wait(max(1.0, deadline - time.monotonic()))
+            while any(p.poll() is None for p in procs.values()) and time.monotonic() < deadline:
+                for i in NATTED:  # whom each NATed volunteer dialed, seen by its router
+                    dialed[i] |= nat.dialed(topo.nat_namespace(i))
+                time.sleep(2.0)
         finally:
             for proc in procs.values():
                 if proc.poll() is None:
@@ -127,6 +143,9 @@ def run(out: Path, model: str = "tiny", steps: int = 30, inner_steps: int = 10,
                 boot.wait(30)
             except subprocess.TimeoutExpired:
                 boot.kill()
+        for i in NATTED:
+            dialed[i] |= nat.dialed(topo.nat_namespace(i))
+        peer_at = {topo.wan_address(j): j for j in range(4)}
         rows = [{"peer": BOOTSTRAP, "role": "bootstrap", "reachability": "reachable",
                  "address": topo.address(BOOTSTRAP), "latency_ms": links[BOOTSTRAP].latency_ms}]
         for i in volunteers:
@@ -136,6 +155,9 @@ def run(out: Path, model: str = "tiny", steps: int = 30, inner_steps: int = 10,
                 "address": topo.address(i), "seen_at": topo.wan_address(i),
                 "latency_ms": round(links[i].latency_ms, 1), "exit_code": procs[i].returncode,
                 "console_notes": _console_notes(logs / f"v{i}.log"),
+                **({"dialed_peers": sorted({peer_at.get(a, a) for a, _ in dialed[i]}, key=str),
+                    "inbound_packets_dropped_by_nat": nat.dropped_inbound_packets(
+                        topo.nat_namespace(i), nat.WAN_IF.format(i))} if i in NATTED else {}),
                 **peer_report(out / "runs" / f"v{i}")})
     trained = [r for r in rows if r["role"] == "volunteer"]
     same_state = (all(r["finished"] for r in trained)
@@ -143,8 +165,7 @@ def run(out: Path, model: str = "tiny", steps: int = 30, inner_steps: int = 10,
     link = links[0]
     extra = {
         "same_state": same_state,
-        "path": "direct: relays off (no --public); the NATed client-mode volunteers dial the "
-                "bootstrap peer and the reachable volunteer, which reduces every all-reduce",
+        "path": _path(rows),
         "links": {"up_mbit": link.up_mbit, "down_mbit": link.down_mbit,
                   "jitter_ms": link.jitter_ms, "latency_ms": [p.latency_ms for p in links]},
         "config": {"model": model, "steps": steps, "inner_steps": inner_steps,

@@ -45,3 +45,34 @@ def configure_router(ns: str, *, wan_if: str, wan_cidr: str, lan_if: str, lan_ci
     sysnet.iptables(ns, "-A", "INPUT", "-i", wan_if, "-m", "conntrack", "--ctstate",
                     "ESTABLISHED,RELATED", "-j", "ACCEPT")
     sysnet.iptables(ns, "-A", "INPUT", "-i", wan_if, "-j", "DROP")
+
+
+def dialed(ns: str) -> set[tuple[str, int]]:
+    """(address, port) of every TCP connection the router has tracked from its LAN outward:
+    whom the worker behind it dialed. Tracked connections outlive their close by minutes
+    (TIME_WAIT), so a read at the end of a run still sees the run's connections."""
+    table = sysnet.netns_exec(ns, "cat", "/proc/net/nf_conntrack").stdout
+    found = set()
+    for line in table.splitlines():
+        fields = line.split()
+        if "tcp" not in fields:
+            continue
+        first = {}  # the original direction's fields come first on each line
+        for field in fields:
+            key, _, value = field.partition("=")
+            if value and key not in first:
+                first[key] = value
+        if "dst" in first and "dport" in first:
+            found.add((first["dst"], int(first["dport"])))
+    return found
+
+
+def dropped_inbound_packets(ns: str, wan_if: str) -> int:
+    """Packets the router dropped on its WAN side: dials from outside that found no way in."""
+    rules = sysnet.netns_exec(ns, "iptables", "-w", "-L", "-v", "-x", "-n").stdout
+    dropped = 0
+    for line in rules.splitlines():
+        fields = line.split()
+        if len(fields) >= 6 and fields[2] == "DROP" and fields[5] == wan_if:
+            dropped += int(fields[0])
+    return dropped
