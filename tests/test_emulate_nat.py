@@ -10,7 +10,7 @@ import textwrap
 
 import pytest
 
-from farlink.emulate import sysnet
+from farlink.emulate import nat, sysnet
 from farlink.emulate.capabilities import detect_capabilities
 from farlink.emulate.errors import EmulationError
 from farlink.emulate.measure import measure_link
@@ -71,6 +71,9 @@ def test_a_natted_worker_dials_out_and_nobody_dials_in() -> None:
         assert dial(topo, 2, topo.address(1)) == "TimeoutError"
         assert dial(topo, 1, topo.address(1)) == topo.address(1)  # it was listening all along
         server.wait(10)
+        # the router's own account: whom the worker dialed, and the dials it turned away
+        assert nat.dialed(topo.nat_namespace(1)) == {(topo.address(0), PORT)}
+        assert nat.dropped_inbound_packets(topo.nat_namespace(1), "flkn1") >= 2
 
 
 def test_a_natted_workers_path_keeps_its_delay_and_rate() -> None:
