@@ -6,8 +6,10 @@ rates) at its own one-way delay, spread over 50-150 ms (:func:`farlink.links.lat
 - peer 0: the bootstrap peer (``farlink swarm start``) at a reachable address; it trains nothing;
 - peer 1: a reachable volunteer (``farlink swarm join --host ITS_ADDRESS``);
 - peers 2 and 3: volunteers each behind a NAT router of their own (masquerade out, no inbound
-  connections), joining with ``--client-mode``: hivemind's client mode, in which a peer only
-  dials out, announces no address and takes no share of the all-reduce to reduce.
+  connections), joining with the same command as peer 1. Each learns from the bootstrap peer
+  that it was seen at its router's address, none of its own, and joins in hivemind's client
+  mode by itself (it only dials out, announces no address and reduces no share of the
+  all-reduce), saying so on its console.
 
 The path: no peer runs with ``--public``, so relays are off and every byte between peers travels
 on a direct TCP connection; the report lists whom each NATed volunteer dialed, read from its
@@ -127,8 +129,8 @@ def run(out: Path, model: str = "tiny", steps: int = 30, inner_steps: int = 10,
                 with (logs / f"v{i}.log").open("w") as log:
                     procs[i] = _farlink_swarm(topo, i, [
                         *command, "--host", topo.address(i), "--run-dir",
-                        str(out / "runs" / f"v{i}"), "--cache-dir", str(out / f"cache{i}"),
-                        *(["--client-mode"] if i in NATTED else [])], log)
+                        str(out / "runs" / f"v{i}"), "--cache-dir", str(out / f"cache{i}")],
+                        log)
             deadline = time.monotonic() + timeout_s
             while any(p.poll() is None for p in procs.values()) and time.monotonic() < deadline:
                 for i in NATTED:  # whom each NATed volunteer dialed, seen by its router
