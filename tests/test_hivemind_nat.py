@@ -47,9 +47,11 @@ def test_the_bootstrap_peer_tells_a_natted_volunteer_where_it_came_from() -> Non
             maddr = boot.stdout.readline().strip()
             assert maddr.startswith(f"/ip4/{topo.address(0)}/tcp/"), maddr
             seen = {}
-            for i in (0, 1, 2):  # its own machine, a public peer, a NATed one
+            # its own machine, a public peer, a NATed one; each on every interface, as the
+            # join command the bootstrap peer prints says (--host 0.0.0.0)
+            for i in (0, 1, 2):
                 out = subprocess.run(["ip", "netns", "exec", topo.namespace(i), sys.executable,
-                                      "-c", FETCH, maddr, topo.address(i)], capture_output=True,
+                                      "-c", FETCH, maddr, "0.0.0.0"], capture_output=True,
                                      text=True, timeout=120)
                 assert out.returncode == 0, out.stderr[-3000:]
                 blob, seen[i] = json.loads(out.stdout.strip().splitlines()[-1])
