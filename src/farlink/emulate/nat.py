@@ -21,6 +21,7 @@ host's firewall and forwarding stay as they are.
 from __future__ import annotations
 
 from farlink.emulate import sysnet
+from farlink.emulate.errors import EmulationError
 
 WAN_IF = "flkn{}"  # the router's WAN side, on the shared bridge (formatted with the worker index)
 LAN_IF = "flkl{}"  # the router's LAN side, toward the worker
@@ -37,10 +38,15 @@ def configure_router(ns: str, *, wan_if: str, wan_cidr: str, lan_if: str, lan_ci
         f"addr add {lan_cidr} dev {lan_if}",
     ])
     sysnet.netns_exec(ns, "sysctl", "-q", "-w", "net.ipv4.ip_forward=1")
-    sysnet.iptables(ns, "-t", "nat", "-A", "POSTROUTING", "-o", wan_if, "-j", "MASQUERADE")
+    try:
+        sysnet.iptables(ns, "-t", "nat", "-A", "POSTROUTING", "-o", wan_if, "-j", "MASQUERADE")
+        sysnet.iptables(ns, "-A", "FORWARD", "-i", wan_if, "-o", lan_if, "-m", "conntrack",
+                        "--ctstate", "ESTABLISHED,RELATED", "-j", "ACCEPT")
+    except EmulationError as exc:
+        raise EmulationError(f"{exc}. Emulating a NAT needs the kernel's NAT and connection "
+                             "tracking (on the host: modprobe iptable_nat nf_conntrack "
+                             "xt_MASQUERADE xt_conntrack)") from None
     sysnet.iptables(ns, "-A", "FORWARD", "-i", lan_if, "-o", wan_if, "-j", "ACCEPT")
-    sysnet.iptables(ns, "-A", "FORWARD", "-i", wan_if, "-o", lan_if, "-m", "conntrack",
-                    "--ctstate", "ESTABLISHED,RELATED", "-j", "ACCEPT")
     sysnet.iptables(ns, "-A", "FORWARD", "-i", wan_if, "-j", "DROP")
     sysnet.iptables(ns, "-A", "INPUT", "-i", wan_if, "-m", "conntrack", "--ctstate",
                     "ESTABLISHED,RELATED", "-j", "ACCEPT")
