@@ -119,3 +119,14 @@ def test_reachability_lines_for_addresses_seen_on_the_internet() -> None:
     assert reachability(behind_nat, False, behind_nat) is None  # a swarm on one LAN
     note = reachability(behind_nat[:1], False, boot)
     assert note.startswith("listening on loopback only") and "--host 0.0.0.0" in note
+
+
+def test_a_nat_is_seen_when_the_bootstrap_peer_sees_none_of_the_volunteers_addresses() -> None:
+    from farlink.comm.hivemind_net import nat_in_between
+
+    own = ["/ip4/127.0.0.1/tcp/5123/p2p/QmMe", "/ip4/192.168.1.4/tcp/5123/p2p/QmMe"]
+    assert nat_in_between("/ip4/84.17.40.20/tcp/61002", own) == "84.17.40.20"  # masqueraded
+    assert nat_in_between("/ip4/192.168.1.4/tcp/5123", own) is None  # same LAN, seen as is
+    assert nat_in_between("/ip4/127.0.0.1/tcp/40111", own[:1]) is None  # one machine
+    assert nat_in_between(None, own) is None  # an older bootstrap peer does not say
+    assert nat_in_between("/ip4/84.17.40.9/tcp/4001/p2p/QmR/p2p-circuit", own) is None

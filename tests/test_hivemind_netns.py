@@ -74,3 +74,26 @@ def test_volunteers_train_across_namespaces_with_a_client_mode_peer(tmp_path: Pa
         groups += [r["world_size"] for r in records if r["kind"] == "sync" and r["committed"]]
     assert all(e["finished"] for e in ends) and ends[0]["fingerprint"] == ends[1]["fingerprint"]
     assert groups and set(groups) == {2}  # every committed round averaged both volunteers
+
+
+def test_volunteers_behind_nat_train_through_a_reachable_one(tmp_path: Path) -> None:
+    """``farlink bench swarm``'s scenario: home links of 50-150 ms, a reachable bootstrap peer,
+    a reachable volunteer and two volunteers each behind its own NAT, which join in client mode
+    by themselves (same command, no --client-mode). No relays:
+    the NATed ones average through connections they dial to the reachable one."""
+    from farlink.bench.swarm import run
+
+    result = run(tmp_path, steps=30, inner_steps=10, bandwidth_mbit=20, timeout_s=600)
+    volunteers = [r for r in result["rows"] if r["role"] == "volunteer"]
+    assert [r["exit_code"] for r in volunteers] == [0, 0, 0], result["rows"]
+    assert result["same_state"], result["rows"]
+    for row in volunteers:
+        assert row["group_sizes"] and set(row["group_sizes"]) == {3}  # all three every round
+        assert row["bytes_sent"] > 0
+        natted = row["reachability"] == "client mode behind NAT"
+        assert natted == (row["address"] != row["seen_at"])
+        # the same command everywhere: a NATed volunteer finds its NAT and says so
+        assert natted == any(n.startswith("note: behind NAT") for n in row["console_notes"])
+        if natted:  # its router saw it dial the bootstrap peer and the reachable volunteer only
+            assert set(row["dialed_peers"]) == {0, 1}, row
+    assert result["path"].startswith("direct, no relay"), result["path"]

@@ -55,3 +55,17 @@ def test_loopback_is_priced_but_not_shaped() -> None:
         assert sync.collective.emulated_link is None
     finally:
         sync.close()
+
+
+def test_a_latency_spread_keeps_every_path_in_its_range() -> None:
+    from farlink.links import get_profile, latency_spread, path_latency_ms
+
+    homes = latency_spread("home", 4, 50, 150)
+    assert [p.latency_ms for p in homes] == pytest.approx([50, 250 / 3, 350 / 3, 150])
+    home = get_profile("home")
+    assert all((p.up_mbit, p.down_mbit, p.jitter_ms) == (home.up_mbit, home.down_mbit, 10)
+               for p in homes)
+    paths = [path_latency_ms(a, b) for a in homes for b in homes if a is not b]
+    assert (min(paths), max(paths)) == pytest.approx([(50 + 250 / 3) / 2, (350 / 3 + 150) / 2])
+    assert all(50 <= d <= 150 for d in paths)
+    assert latency_spread("home", 1, 50, 150)[0].latency_ms == 50

@@ -176,3 +176,24 @@ def path_loss(a: LinkProfile | None, b: LinkProfile) -> float:
     halves' survival probabilities multiply to the profile's own on a homogeneous pair."""
     survive = (1.0 - b.loss) if a is None else (1.0 - a.loss) * (1.0 - b.loss)
     return 1.0 - math.sqrt(survive)
+
+
+def with_latency(profile: str | LinkProfile, latency_ms: float) -> LinkProfile:
+    """The profile's rates at another one-way delay (jitter capped at the delay), so peers on
+    one kind of link can each sit at their own distance, as volunteers' homes do."""
+    base = get_profile(profile)
+    return base.model_copy(update={"latency_ms": latency_ms,
+                                   "jitter_ms": min(base.jitter_ms, latency_ms),
+                                   "name": f"{base.name}@{latency_ms:.0f}ms"})
+
+
+def latency_spread(profile: str | LinkProfile, n: int, low_ms: float, high_ms: float
+                   ) -> list[LinkProfile]:
+    """``n`` copies of the profile whose delays are spaced evenly from ``low_ms`` to
+    ``high_ms``; since a path's delay is the mean of its ends' (:func:`path_latency_ms`), every
+    path between them lies in that range too."""
+    if n < 1 or not 0 <= low_ms <= high_ms:
+        raise LinkError(f"latency_spread needs n >= 1 and 0 <= low_ms <= high_ms, got n={n}, "
+                        f"{low_ms}..{high_ms} ms")
+    step = (high_ms - low_ms) / (n - 1) if n > 1 else 0.0
+    return [with_latency(profile, low_ms + k * step) for k in range(n)]

@@ -365,3 +365,26 @@ def register(app: typer.Typer, bench_app: typer.Typer) -> None:
                                     "compute_utilization", "final_heldout_loss", "wall_s"],
                    "farlink bench backends")
         typer.echo(f"hivemind / torchft: {result['ratios']}")
+
+    @bench_app.command("swarm")
+    def swarm(
+        out: Path = typer.Option(Path("bench/swarm"), help="output directory"),
+        model: str = typer.Option("tiny", help="model preset"),
+        steps: int = typer.Option(30, help="inner steps of the run"),
+        inner_steps: int = typer.Option(10, help="H: inner steps per DiLoCo round"),
+        bandwidth_mbit: float | None = typer.Option(
+            None, help="home links' upload at this rate (default: the profile's 50 Mbit/s)"),
+        timeout_s: float = typer.Option(900.0, help="give up on the volunteers after this"),
+    ) -> None:
+        """A bootstrap peer, a reachable volunteer and two volunteers behind NAT (client mode)
+        on home links of 50-150 ms, in network namespaces, training one run to its end."""
+        from farlink.bench.swarm import run
+
+        result = run(out, model, steps, inner_steps, bandwidth_mbit, timeout_s)
+        print_rows(result["rows"], ["peer", "role", "reachability", "latency_ms", "bytes_sent",
+                                    "mean_round_s", "group_sizes", "finished"],
+                   "farlink bench swarm")
+        typer.echo(f"path: {result['path']}")
+        typer.echo(f"all volunteers on the same state: {result['same_state']}")
+        if not result["same_state"]:
+            raise typer.Exit(1)

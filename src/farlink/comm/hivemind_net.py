@@ -236,6 +236,17 @@ def _scope(maddr: str) -> int:
     return 2 if ip.is_global else 1
 
 
+def nat_in_between(seen_from: str | None, own_maddrs: Sequence[str]) -> str | None:
+    """The address a peer was seen at when it is none of its own (a NAT rewrote its source on
+    the way: peers cannot dial it at any address it announces); None when it is one of them,
+    or when that cannot be told (no observation, a relayed connection)."""
+    seen = _maddr_host(seen_from or "")
+    own = {_maddr_host(m) for m in own_maddrs} - {None}
+    if seen is None or not own or seen in own:
+        return None
+    return seen
+
+
 def is_loopback_only(maddrs: Sequence[str]) -> bool:
     """Whether every address is a loopback one (only this machine can dial it)."""
     return bool(maddrs) and all(_scope(m) == 0 for m in maddrs)

@@ -19,7 +19,10 @@ only switch that enables NAT traversal and relays. ``start`` prints the join com
 address other machines can dial best and carries ``--host 0.0.0.0`` / ``--public`` into it when
 the run needs them; ``join`` says on the console when others cannot dial it directly (client
 mode, relay only, NAT, loopback) and which TCP port to open
-(:func:`farlink.comm.hivemind_net.reachability`).
+(:func:`farlink.comm.hivemind_net.reachability`). When the bootstrap peer saw the definition
+request come from an address that is none of the volunteer's own, a NAT stands between and
+nobody could dial what it announces: without ``--public`` it then joins in client mode by itself
+and says so (:func:`farlink.comm.hivemind_net.nat_in_between`).
 """
 
 from __future__ import annotations
@@ -169,7 +172,8 @@ def register(app: typer.Typer, bench_app: typer.Typer) -> None:
         port: Annotated[int, typer.Option(help="TCP port to listen on (0: any free port); the "
                                           "one to open or forward for peers elsewhere.")] = 0,
         client_mode: Annotated[
-            bool, typer.Option(help="This peer cannot accept connections (behind NAT).")
+            bool, typer.Option(help="This peer cannot accept connections (behind NAT); "
+                               "chosen without it when the bootstrap peer sees a NAT between.")
         ] = False,
         public: Annotated[bool, typer.Option(help="Allow NAT traversal and relays.")] = False,
         auth: Annotated[str, typer.Option(help="none, secret or ed25519: what the run uses.")
@@ -195,7 +199,7 @@ def register(app: typer.Typer, bench_app: typer.Typer) -> None:
         from farlink.comm.swarm_definition import (
             DefinitionError, data_fingerprint, digest_of, fetch_definition, parse_definition,
             run_id_of, write_definition_files)
-        from farlink.comm.hivemind_net import reachability, tcp_maddr
+        from farlink.comm.hivemind_net import nat_in_between, reachability, tcp_maddr
         from farlink.comm.swarm_shards import ShardClaim, SwarmFull
         from farlink.config import ConfigError, load_config
         from farlink.data import CorpusError, prepare_data
@@ -210,7 +214,8 @@ def register(app: typer.Typer, bench_app: typer.Typer) -> None:
             if auth.strip().lower() != "none":
                 member = make_authenticator(auth, resolve_secret(secret, secret_file), key_file,
                                             allowed_keys, "volunteer")
-            blob = fetch_definition(initial_peers, member, host, public)
+            fetched = fetch_definition(initial_peers, member, host, public)
+            blob = fetched.blob
             body = parse_definition(blob, digest)
         except MembershipRefused as exc:
             raise _fail(str(exc), CODE_REFUSED) from None
@@ -249,6 +254,16 @@ def register(app: typer.Typer, bench_app: typer.Typer) -> None:
         except (ConfigError, CorpusError, DefinitionError) as exc:
             raise _fail(str(exc)) from None
         write_run_config(cfg)  # never the secret: RunConfig does not dump it
+        nat_address = nat_in_between(fetched.seen_from, fetched.own_maddrs)
+        forced_client_mode = bool(nat_address) and not client_mode and not public
+        if forced_client_mode:
+            client_mode = True  # what it announces cannot be dialed: averaging would stall
+            typer.secho(
+                f"note: behind NAT: the bootstrap peer sees this volunteer at {nat_address}, "
+                "which is none of its own addresses, so no peer can dial it; it joins in client "
+                "mode (it dials out only). To take a full part, join from a machine with a "
+                "public address and an open TCP port, or with --public (port mapping, relays)",
+                fg="yellow")
         try:
             collective = build_collective(
                 cfg, "volunteer", cfg.initial_peers, run_id=run_id_of(run_digest),
@@ -258,7 +273,8 @@ def register(app: typer.Typer, bench_app: typer.Typer) -> None:
             raise _fail(str(exc), CODE_REFUSED) from None
         except CommError as exc:
             raise _fail(str(exc)) from None
-        note = reachability(collective.maddrs, client_mode, initial_peers)
+        note = None if forced_client_mode else reachability(collective.maddrs, client_mode,
+                                                             initial_peers)
         if note:
             typer.secho(f"note: {note}", fg="yellow")
         state_path = run_dir / "swarm.json"

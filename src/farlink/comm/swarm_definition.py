@@ -34,7 +34,7 @@ import logging
 import threading
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from farlink.comm.errors import CommError, MembershipRefused, PeerUnreachable
 
@@ -142,7 +142,10 @@ class DefinitionServer:
                 self.refused += 1
                 await send_message(writer, {"error": "members only", "auth": self.auth_kind}, [])
                 return
-            await send_message(writer, {"sha256": self.digest}, [self.blob])
+            # where the request came from, as this peer sees it: a volunteer compares it with
+            # its own addresses to learn whether a NAT stands between (hivemind_net.nat_in_between)
+            await send_message(writer, {"sha256": self.digest, "seen_from": str(info.addr)},
+                               [self.blob])
             self.served += 1
         except Exception as exc:  # noqa: BLE001 - one broken stream from one peer
             log.info("definition request from %s failed: %r", info.peer_id, exc)
@@ -168,10 +171,18 @@ def _refusal(kind: str) -> str:
             f"{how.get(kind, f'--auth {kind} and its credentials')}")
 
 
+class FetchedDefinition(NamedTuple):
+    blob: bytes
+    seen_from: str | None  # the address the serving peer saw this request come from
+    own_maddrs: list[str]  # the addresses this machine listened on while fetching
+
+
 def fetch_definition(initial_peers: Sequence[str], auth: Any = None, host: str = "127.0.0.1",
-                     public: bool = False, timeout: float = 60.0) -> bytes:
+                     public: bool = False, timeout: float = 60.0) -> FetchedDefinition:
     """The definition blob from the first of ``initial_peers`` that serves it (checked against
-    the digest it announces; the caller checks it against the one it expects).
+    the digest it announces; the caller checks it against the one it expects), with the address
+    that peer saw the request come from and this machine's own addresses, so the caller can
+    tell whether a NAT stands between.
 
     Raises :class:`MembershipRefused` when membership cannot be proven (no ``auth`` in a run
     with ``--auth``, or a wrong secret/key), :class:`PeerUnreachable` when no peer answers.
@@ -183,7 +194,7 @@ def fetch_definition(initial_peers: Sequence[str], auth: Any = None, host: str =
     return asyncio.run(asyncio.wait_for(_fetch(peers, auth, host, public), timeout))
 
 
-async def _fetch(peers: list[str], auth: Any, host: str, public: bool) -> bytes:
+async def _fetch(peers: list[str], auth: Any, host: str, public: bool) -> FetchedDefinition:
     from hivemind.p2p import P2P, P2PDaemonError, PeerID
     from hivemind.utils.multiaddr import Multiaddr
 
@@ -227,7 +238,9 @@ async def _fetch(peers: list[str], auth: Any, host: str, public: bool) -> bytes:
             if len(bodies) != 1 or digest_of(bodies[0]) != header.get("sha256"):
                 problems.append(f"{addr}: the definition does not match the digest it announced")
                 continue
-            return bodies[0]
+            seen = header.get("seen_from")
+            return FetchedDefinition(bodies[0], seen if isinstance(seen, str) else None,
+                                     [str(m) for m in await p2p.get_visible_maddrs()])
     finally:
         await p2p.shutdown()
     raise PeerUnreachable(

@@ -34,6 +34,9 @@ def measure_link(topology: Topology, a: int, b: int, window_s: float = 3.0, ping
     """RTT and throughput from worker ``a`` to worker ``b`` of a started topology."""
     if a == b:
         raise EmulationError("measure_link needs two different workers")
+    if b in topology.behind_nat:
+        raise EmulationError(f"worker {b} is behind a NAT: nobody can dial it. Measure from it "
+                             f"instead: measure_link(topology, {b}, {a})")
     topology.check()
     expected_rtt = 2 * topology.expected_one_way_ms(a, b)
     warmup = max(0.5, min(4.0, 8 * expected_rtt / 1000))

@@ -14,6 +14,15 @@ download; one-way delay, jitter and loss are added on arrival by a delayer proce
 The router namespace gets its own delayer, so a coordinator there (e.g. the torchft Lighthouse)
 sees each worker at half that worker's path delay. Neighbour (ARP) entries are static so the
 first packet of a run is not held up by address resolution.
+
+A worker listed in ``behind_nat`` sits behind a home router of its own: a namespace ``P-nI``
+takes the worker's place on the bridge (its WAN side holds the worker's public address
+``10.77.0.I+1``) and leads to the worker over a second veth on a private LAN
+(``10.78.I.0/24``, the worker at ``10.78.I.2``). The router masquerades what leaves through its
+WAN side and lets in only replies to connections made from inside, so the worker can dial out
+but nobody can dial in (:mod:`farlink.emulate.nat`)::
+
+    P-w2 [flkw2 10.78.2.2] ==veth== [flkl2 10.78.2.1 P-n2 flkn2 10.77.0.3] ==veth== [flkr2]--+
 """
 
 from __future__ import annotations
@@ -27,9 +36,9 @@ import subprocess
 import sys
 import time
 import weakref
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 
-from farlink.emulate import registry, sysnet
+from farlink.emulate import nat, registry, sysnet
 from farlink.emulate.delayer import READY
 from farlink.emulate.errors import EmulationError
 from farlink.links import LinkProfile, get_profile, path_latency_ms, path_loss
@@ -37,6 +46,7 @@ from farlink.links import LinkProfile, get_profile, path_latency_ms, path_loss
 log = logging.getLogger(__name__)
 
 SUBNET = "10.77.0"
+LAN_SUBNET = "10.78"  # + ".I": the private LAN behind worker I's NAT router
 ROUTER_HOST = 254
 MAX_WORKERS = 250
 BRIDGE = "flkbr0"
@@ -63,8 +73,10 @@ class Topology:
     """Workers in their own namespaces behind shaped, delayed links; a context manager.
 
     ``profile`` applies to every worker, ``overrides`` maps worker index -> profile for
-    heterogeneous links. Use :meth:`spawn` to run commands inside a worker's namespace and
-    :meth:`address` / :meth:`ifname` to point programs at each other.
+    heterogeneous links. ``behind_nat`` lists workers that each sit behind a NAT router of their
+    own (they dial out; nobody dials in). Use :meth:`spawn` to run commands inside a worker's
+    namespace and :meth:`address` / :meth:`ifname` to point programs at each other; a NATed
+    worker listens on :meth:`address` (private) and others see it at :meth:`wan_address`.
     """
 
     def __init__(
@@ -75,6 +87,7 @@ class Topology:
         *,
         seed: int = 0,
         wan_tuned_tcp: bool = True,
+        behind_nat: Collection[int] = (),
     ) -> None:
         if not 1 <= n_workers <= MAX_WORKERS:
             raise EmulationError(f"n_workers must be in 1..{MAX_WORKERS}, got {n_workers}")
@@ -82,6 +95,10 @@ class Topology:
         bad = [i for i in overrides if not (isinstance(i, int) and 0 <= i < n_workers)]
         if bad:
             raise EmulationError(f"overrides name workers {bad} outside 0..{n_workers - 1}")
+        bad = [i for i in behind_nat if not (isinstance(i, int) and 0 <= i < n_workers)]
+        if bad:
+            raise EmulationError(f"behind_nat names workers {bad} outside 0..{n_workers - 1}")
+        self.behind_nat = frozenset(behind_nat)
         self.n_workers = n_workers
         self.profiles: list[LinkProfile] = [
             get_profile(overrides.get(i, profile)) for i in range(n_workers)
@@ -108,9 +125,27 @@ class Topology:
     def router_namespace(self) -> str:
         return f"{self.prefix}-r"
 
+    def nat_namespace(self, i: int) -> str:
+        """The NAT router namespace in front of worker ``i`` (only for ``behind_nat`` workers)."""
+        if i not in self.behind_nat:
+            raise EmulationError(f"worker {i} is not behind a NAT (behind_nat="
+                                 f"{sorted(self.behind_nat)})")
+        return f"{self.prefix}-n{i}"
+
     def address(self, i: int) -> str:
+        """The address worker ``i`` holds and listens on: its public one, or its private LAN
+        address when it is behind a NAT."""
+        self._check_index(i)
+        return f"{LAN_SUBNET}.{i}.2" if i in self.behind_nat else self.wan_address(i)
+
+    def wan_address(self, i: int) -> str:
+        """Where the others see worker ``i``: its own address, or its NAT router's WAN side
+        (its traffic leaves with this source address; nothing dialed there reaches it)."""
         self._check_index(i)
         return f"{SUBNET}.{i + 1}"
+
+    def _gateway(self, i: int) -> str:
+        return f"{LAN_SUBNET}.{i}.1"
 
     @property
     def router_address(self) -> str:
@@ -225,13 +260,26 @@ class Topology:
             ns = self.namespace(i)
             self.record.claim(ns, [self.ifname(i)])
             sysnet.add_namespace(ns)
+            # the bridge port's far end: the worker itself, or its NAT router's WAN side
+            wan_ns, wan_if = (self.nat_namespace(i), nat.WAN_IF.format(i)) \
+                if i in self.behind_nat else (ns, self.ifname(i))
+            if i in self.behind_nat:
+                self.record.claim(wan_ns, [wan_if, nat.LAN_IF.format(i)])
+                sysnet.add_namespace(wan_ns)
             sysnet.ip(router, "link", "add", f"flkr{i}", "address", _mac(1, i), "type", "veth",
-                      "peer", "name", self.ifname(i), "address", _mac(0, i), "netns", ns)
+                      "peer", "name", wan_if, "address", _mac(0, i), "netns", wan_ns)
             sysnet.ip_batch(router, [f"link set flkr{i} master {BRIDGE}", f"link set flkr{i} up"])
+            if i in self.behind_nat:
+                lan_if = nat.LAN_IF.format(i)
+                sysnet.ip(wan_ns, "link", "add", lan_if, "address", _mac(2, i), "type", "veth",
+                          "peer", "name", self.ifname(i), "address", _mac(3, i), "netns", ns)
+                nat.configure_router(wan_ns, wan_if=wan_if, wan_cidr=f"{self.wan_address(i)}/24",
+                                     lan_if=lan_if, lan_cidr=f"{self._gateway(i)}/24")
             sysnet.ip_batch(ns, [
                 "link set lo up",
                 f"link set {self.ifname(i)} up",
                 f"addr add {self.address(i)}/24 dev {self.ifname(i)}",
+                *([f"route add default via {self._gateway(i)}"] if i in self.behind_nat else []),
             ])
             buf = f"4096 131072 {TCP_BUFFER_MAX}"
             # Hosts set up for long-fat links, as a WAN training deployment tunes them: socket
@@ -247,14 +295,22 @@ class Topology:
 
     def _static_neighbours(self) -> None:
         n = self.n_workers
-        peers = [(self.address(j), _mac(0, j)) for j in range(n)]
+        peers = [(self.wan_address(j), _mac(0, j)) for j in range(n)]
         router_entry = (self.router_address, _mac(0xFF, 0))
         for i in range(n):
-            dev = self.ifname(i)
-            sysnet.ip_batch(self.namespace(i), [
+            # on the bridge: the worker itself, or its NAT router's WAN side
+            wan_ns, dev = (self.nat_namespace(i), nat.WAN_IF.format(i)) \
+                if i in self.behind_nat else (self.namespace(i), self.ifname(i))
+            sysnet.ip_batch(wan_ns, [
                 f"neigh replace {addr} lladdr {mac} dev {dev} nud permanent"
                 for j, (addr, mac) in enumerate([*peers, router_entry]) if j != i
             ])
+            if i in self.behind_nat:  # the LAN: the worker and its gateway
+                sysnet.ip_batch(wan_ns, [f"neigh replace {self.address(i)} lladdr {_mac(3, i)} "
+                                         f"dev {nat.LAN_IF.format(i)} nud permanent"])
+                sysnet.ip_batch(self.namespace(i), [
+                    f"neigh replace {self._gateway(i)} lladdr {_mac(2, i)} dev {self.ifname(i)} "
+                    "nud permanent"])
         sysnet.ip_batch(self.router_namespace, [
             f"neigh replace {addr} lladdr {mac} dev {BRIDGE} nud permanent" for addr, mac in peers
         ])
@@ -287,8 +343,8 @@ class Topology:
                 dst = self.profiles[i]
                 spec = [path_latency_ms(src, dst) / 1000, (src.jitter_ms + dst.jitter_ms) / 2000,
                         path_loss(src, dst)]
-            if any(spec):
-                rules[self.address(j)] = spec
+            if any(spec):  # a NATed sender's packets carry its router's WAN address
+                rules[self.wan_address(j)] = spec
         if i is not None:
             dst = self.profiles[i]
             spec = [dst.latency_ms / 2000, dst.jitter_ms / 2000, path_loss(None, dst)]

@@ -1,0 +1,180 @@
+"""``farlink bench swarm``: a community run on emulated home links, two volunteers behind NAT.
+
+Four network namespaces (:class:`farlink.emulate.Topology`), each on a ``home`` link (asymmetric
+rates) at its own one-way delay, spread over 50-150 ms (:func:`farlink.links.latency_spread`):
+
+- peer 0: the bootstrap peer (``farlink swarm start``) at a reachable address; it trains nothing;
+- peer 1: a reachable volunteer (``farlink swarm join --host ITS_ADDRESS``);
+- peers 2 and 3: volunteers each behind a NAT router of their own (masquerade out, no inbound
+  connections), joining with the same command as peer 1. Each learns from the bootstrap peer
+  that it was seen at its router's address, none of its own, and joins in hivemind's client
+  mode by itself (it only dials out, announces no address and reduces no share of the
+  all-reduce), saying so on its console.
+
+The path: no peer runs with ``--public``, so relays are off and every byte between peers travels
+on a direct TCP connection; the report lists whom each NATed volunteer dialed, read from its
+router's connection tracking, and the inbound packets its router dropped. The NATed volunteers open theirs to the bootstrap peer (DHT) and to
+the reachable volunteer, which reduces the whole all-reduce (hivemind sends a client-mode peer's
+part to the non-client peers and the result back). Two NATed peers never need to reach each
+other, so no relay is needed; were the reachable volunteer gone, the NATed ones could not average.
+
+Every volunteer trains the run to its end; the report records per peer its reachability, the
+note its console printed, bytes sent, the time of each committed round and the group it was
+averaged in, and checks that all volunteers end on the same state (the fingerprints their
+workers record).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import IO
+
+from farlink.bench.report import write_json
+from farlink.train.metrics import read_metrics
+
+BOOTSTRAP, REACHABLE, NATTED = 0, 1, (2, 3)
+LATENCY_RANGE_MS = (50.0, 150.0)
+
+
+def _farlink_swarm(topo, index: int, args: list[str], log: IO[str] | int) -> subprocess.Popen:
+    return topo.spawn(index, [sys.executable, "-m", "farlink.cli", "swarm", *args],
+                      env={"PYTHONUNBUFFERED": "1"}, stdout=log, stderr=subprocess.STDOUT,
+                      text=True)
+
+
+def _join_command(boot: subprocess.Popen, log_path: Path, timeout_s: float = 300.0) -> list[str]:
+    """The volunteers' command as the bootstrap peer printed it to its log (without
+    ``farlink swarm``)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline and boot.poll() is None:
+        for line in log_path.read_text().splitlines():
+            if line.strip().startswith("farlink swarm join "):
+                return line.split()[2:]
+        time.sleep(0.5)
+    raise RuntimeError(f"the bootstrap peer printed no join command; see {log_path}")
+
+
+def peer_report(run_dir: Path) -> dict:
+    """A volunteer's committed rounds and end record, from the metrics its worker wrote."""
+    records = [r for path in sorted((run_dir / "metrics").glob("w*.jsonl"))
+               for r in read_metrics(path)]
+    rounds = [r for r in records if r["kind"] == "sync" and r["committed"]]
+    ends = [r for r in records if r["kind"] == "end"]
+    end = ends[-1] if ends else {}
+    round_s = [r["round_s"] for r in rounds]
+    # the first round of a joining volunteer heals it from the others (a "join" record, no
+    # round time); the rounds after it are the ones timed here
+    return {"finished": end.get("finished", False), "fingerprint": end.get("fingerprint"),
+            "outer_steps": end.get("outer_step"), "bytes_sent": end.get("bytes_sent"),
+            "mean_round_bytes": (end["bytes_sent"] // end["outer_step"]
+                                 if end.get("outer_step") else None),
+            "wall_s": end.get("wall_s"), "setup_s": end.get("setup_s"),
+            "compute_s": end.get("compute_s"), "comm_s": end.get("comm_s"),
+            "round_s": round_s, "mean_round_s": statistics.fmean(round_s) if round_s else None,
+            "group_sizes": [r["world_size"] for r in rounds]}
+
+
+def _console_notes(log_path: Path) -> list[str]:
+    return [line.strip() for line in log_path.read_text().splitlines()
+            if line.strip().startswith("note:")]
+
+
+def _path(rows: list[dict]) -> str:
+    """How the NATed volunteers' bytes travelled, from whom their routers saw them dial."""
+    natted = [r for r in rows if r["reachability"] == "client mode behind NAT"]
+    reachable = {r["peer"] for r in rows if r["reachability"] == "reachable"}
+    if natted and all(set(r["dialed_peers"]) <= reachable for r in natted):
+        return ("direct, no relay (relays off: no --public): the NATed client-mode volunteers "
+                "dialed only reachable peers " + ", ".join(
+                    f"{r['peer']} -> {r['dialed_peers']}" for r in natted))
+    return "not only direct to reachable peers: " + ", ".join(
+        f"{r['peer']} -> {r['dialed_peers']}" for r in natted)
+
+
+def run(out: Path, model: str = "tiny", steps: int = 30, inner_steps: int = 10,
+        bandwidth_mbit: float | None = None, timeout_s: float = 900.0) -> dict:
+    """Run the scenario (see the module docstring) under ``out``; write ``out/swarm.json``."""
+    from farlink.emulate import Topology, detect_capabilities, nat
+    from farlink.links import latency_spread, scaled
+
+    caps = detect_capabilities()
+    if not caps.full:
+        raise SystemExit(f"bench swarm needs network namespace emulation: {caps.reason}")
+    home = scaled("home", bandwidth_mbit) if bandwidth_mbit else "home"
+    links = latency_spread(home, 4, *LATENCY_RANGE_MS)
+    volunteers = [REACHABLE, *NATTED]
+    flags = ["--model", model, "--vocab-size", "512", "--seq-len", "32", "--batch-size", "4",
+             "--eval-batches", "2", "--workers", str(len(volunteers)), "--steps", str(steps),
+             "--inner-steps", str(inner_steps), "--warmup-steps", "5"]
+    logs = out / "logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    load_before = os.getloadavg()[0]
+    started = time.monotonic()
+    with Topology(4, overrides=dict(enumerate(links)), behind_nat=NATTED) as topo:
+        with (logs / "boot.log").open("w") as log:
+            boot = _farlink_swarm(topo, BOOTSTRAP, [
+                "start", "--host", topo.address(BOOTSTRAP), *flags, "--run-dir",
+                str(out / "runs" / "boot"), "--cache-dir", str(out / "cache")], log)
+        procs: dict[int, subprocess.Popen] = {}
+        dialed: dict[int, set[tuple[str, int]]] = {i: set() for i in NATTED}
+        try:
+            command = _join_command(boot, logs / "boot.log")
+            for i in volunteers:
+                with (logs / f"v{i}.log").open("w") as log:
+                    procs[i] = _farlink_swarm(topo, i, [
+                        *command, "--host", topo.address(i), "--run-dir",
+                        str(out / "runs" / f"v{i}"), "--cache-dir", str(out / f"cache{i}")],
+                        log)
+            deadline = time.monotonic() + timeout_s
+            while any(p.poll() is None for p in procs.values()) and time.monotonic() < deadline:
+                for i in NATTED:  # whom each NATed volunteer dialed, seen by its router
+                    dialed[i] |= nat.dialed(topo.nat_namespace(i))
+                time.sleep(2.0)
+        finally:
+            for proc in procs.values():
+                if proc.poll() is None:
+                    proc.kill()
+            boot.send_signal(signal.SIGINT)
+            try:
+                boot.wait(30)
+            except subprocess.TimeoutExpired:
+                boot.kill()
+        for i in NATTED:
+            dialed[i] |= nat.dialed(topo.nat_namespace(i))
+        peer_at = {topo.wan_address(j): j for j in range(4)}
+        rows = [{"peer": BOOTSTRAP, "role": "bootstrap", "reachability": "reachable",
+                 "address": topo.address(BOOTSTRAP), "latency_ms": links[BOOTSTRAP].latency_ms}]
+        for i in volunteers:
+            rows.append({
+                "peer": i, "role": "volunteer",
+                "reachability": "client mode behind NAT" if i in NATTED else "reachable",
+                "address": topo.address(i), "seen_at": topo.wan_address(i),
+                "latency_ms": round(links[i].latency_ms, 1), "exit_code": procs[i].returncode,
+                "console_notes": _console_notes(logs / f"v{i}.log"),
+                **({"dialed_peers": sorted({peer_at.get(a, a) for a, _ in dialed[i]}, key=str),
+                    "inbound_packets_dropped_by_nat": nat.dropped_inbound_packets(
+                        topo.nat_namespace(i), nat.WAN_IF.format(i))} if i in NATTED else {}),
+                **peer_report(out / "runs" / f"v{i}")})
+    trained = [r for r in rows if r["role"] == "volunteer"]
+    same_state = (all(r["finished"] for r in trained)
+                  and len({r["fingerprint"] for r in trained}) == 1)
+    link = links[0]
+    extra = {
+        "same_state": same_state,
+        "path": _path(rows),
+        "links": {"up_mbit": link.up_mbit, "down_mbit": link.down_mbit,
+                  "jitter_ms": link.jitter_ms, "latency_ms": [p.latency_ms for p in links]},
+        "config": {"model": model, "steps": steps, "inner_steps": inner_steps,
+                   "workers": len(volunteers)},
+        "wall_s": round(time.monotonic() - started, 1),
+        "load_average": [round(load_before, 2), round(os.getloadavg()[0], 2)],
+        "emulation": "netns",
+    }
+    write_json(out / "swarm.json", "swarm", rows, extra)
+    return {"rows": rows, **extra}
