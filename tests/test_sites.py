@@ -126,8 +126,12 @@ def test_train_with_two_ranks_per_worker_matches_one_rank(tmp_path, cache_dir):
     assert s2["final_replicas"]["consistent"] and s2["widest_group"] == 2
     for run in (cfg2.run_dir, cfg1.run_dir):  # one metrics file per worker, not per rank
         assert sorted(p.name for p in (run / "metrics").iterdir()) == ["w0.jsonl", "w1.jsonl"]
-    assert sorted(p.name for p in (cfg2.run_dir / "checkpoints" / "w0").iterdir()) == \
-        ["rank0", "rank1"]
+    # one checkpoint per step for the whole site, each rank's part in it (DCP), all digested
+    steps = sorted((cfg2.run_dir / "checkpoints" / "w0").glob("step-*"))
+    assert [p.name for p in steps] == ["step-0000020", "step-0000030"]
+    for step in steps:
+        meta = json.loads((step / "meta.json").read_text())
+        assert meta["sharded"] and ".metadata" in meta["sha256"] and len(meta["sha256"]) >= 3
     loss2, loss1 = s2["final_heldout_loss"], s1["final_heldout_loss"]
     assert abs(loss2 - loss1) <= 1e-4 * loss1, (loss2, loss1)
     bytes2 = s2["per_worker"]["w0"]["bytes_sent"]  # both ranks' shards
