@@ -75,9 +75,9 @@ def test_a_site_whose_rank_is_sigkilled_restarts_and_rejoins(tmp_path):
          "--steps", "60", "--inner-steps", "10", "--min-replicas", "1", "--max-restarts", "1"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
-        # wait until site 1 has committed and checkpointed two rounds on both ranks
+        # wait until site 1 has committed and checkpointed two rounds (both ranks' parts)
         deadline = time.time() + 240
-        marker = workdir / "site1" / "rank1" / "step-0000020"
+        marker = workdir / "site1" / "step-0000020"
         while not marker.is_dir():
             assert proc.poll() is None and time.time() < deadline, proc.communicate()
             time.sleep(0.2)
@@ -164,6 +164,22 @@ def test_ddp_inside_sites_matches_one_rank(tmp_path, cache_dir):
     assert max((whole[k] - mine[k]).abs().max().item() for k in whole) < 1e-3
 
 
+def test_ddp_across_sites_of_two_ranks_matches_one_rank(tmp_path, cache_dir):
+    """Every step, rank r of each site averages its shard of the gradient with rank r of the
+    other site, then AdamW steps each shard: the sites train what unsharded ddp replicas do."""
+    _, sites = site_run(tmp_path, cache_dir, "ddp2", ranks_per_worker=2, algorithm="ddp",
+                        steps=20)
+    _, plain = site_run(tmp_path, cache_dir, "ddp1", algorithm="ddp", steps=20)
+    assert sites.returncodes == [0, 0] and plain.returncodes == [0, 0]
+    s2, s1 = sites.summary, plain.summary
+    assert s2["final_replicas"]["consistent"] and s2["widest_group"] == 2
+    assert [step for step, _ in s2["final_replicas"]["states"].values()] == [20, 20]
+    loss2, loss1 = s2["final_heldout_loss"], s1["final_heldout_loss"]
+    assert abs(loss2 - loss1) <= 1e-4 * loss1, (loss2, loss1)
+    bytes2, bytes1 = s2["per_worker"]["w0"]["bytes_sent"], s1["per_worker"]["w0"]["bytes_sent"]
+    assert abs(bytes2 - bytes1) <= 1e-3 * bytes1, (bytes2, bytes1)
+
+
 def test_sites_with_a_secret_a_lossy_codec_and_a_robust_aggregator(tmp_path, cache_dir):
     """Each rank MACs, compresses (int4 with error feedback) and aggregates (median) its own
     shard; the sites still end on one model, and every rank's ledger accepted every update."""
@@ -208,6 +224,8 @@ def test_ranks_per_worker_refuses_what_cannot_run_on_shards():
         RunConfig(batch_size=9, ranks_per_worker=2)
     with pytest.raises(ValueError, match="use --sharding fsdp"):
         RunConfig(algorithm="streaming_diloco", ranks_per_worker=2, sharding="ddp")
+    with pytest.raises(ValueError, match="run the sites with --sharding fsdp"):
+        RunConfig(algorithm="ddp", ranks_per_worker=2, sharding="ddp")
     with pytest.raises(ValueError, match="give --device cuda"):
         RunConfig(device="cuda:1", ranks_per_worker=2)
 
