@@ -260,7 +260,8 @@ class SyncAlgorithm(ABC):
         #: what the algorithm synchronizes: this rank's shard of each parameter (a view sharing
         #: its storage), or the slice ``part_of`` gives (a DDP site's rank syncs 1/K of each
         #: whole parameter), the parameter itself when the model is not sharded
-        self.params = [(part_of or local_shard)(p) for p in self.module_params]
+        self.shard_of = part_of or local_shard
+        self.params = [self.shard_of(p) for p in self.module_params]
         self.lr_schedule = inner_optimizer is None if lr_schedule is None else lr_schedule
         if self.lr_schedule and options.steps is None:
             raise ValueError("the inner lr schedule (warmup + cosine) needs steps, the run's "
@@ -403,6 +404,13 @@ class SyncAlgorithm(ABC):
     def traffic(self) -> dict[str, int]:
         """Bytes by level, for algorithms that tell levels apart (hierarchical); else none."""
         return {}
+
+    def local_gradients(self) -> list[torch.Tensor | None]:
+        """This rank's part of each parameter's gradient, matching :attr:`params`: under FSDP2
+        the gradient lives on the sharded parameter, not on its local view, so it is read
+        there (None: the parameter got no gradient)."""
+        return [None if held.grad is None else self.shard_of(held.grad)
+                for held in self.module_params]
 
     def clip_and_step(self, optimizer: torch.optim.Optimizer) -> None:
         if self.lr_schedule:

@@ -48,15 +48,9 @@ class DDP(SyncAlgorithm):
         return self.round_outcome(committed, seconds, info)
 
     def _gradients(self, info: RoundInfo) -> dict[str, torch.Tensor]:
-        """This rank's part of each gradient: the parameter's gradient, or under FSDP2 the
-        local shard of it (the gradient lives on the sharded parameter, not on its local view)."""
-        from farlink.parallel.sharding import local_shard
-
-        grads = {}
-        for n, p, held in zip(self.names, self.params, self.module_params):
-            grad = None if info.healed or held.grad is None else local_shard(held.grad)
-            grads[n] = torch.zeros_like(p) if grad is None else grad
-        return grads
+        grads = [None] * len(self.params) if info.healed else self.local_gradients()
+        return {n: torch.zeros_like(p) if g is None else g
+                for n, p, g in zip(self.names, self.params, grads)}
 
     def _apply(self, result: ExchangeResult, info: RoundInfo) -> None:
         from farlink.parallel.sharding import is_sharded
