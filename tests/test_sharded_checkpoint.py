@@ -28,6 +28,11 @@ def rank_state(rank: int, step: int) -> dict[str, torch.Tensor]:
             "rng.torch": torch.full((5,), rank, dtype=torch.uint8)}
 
 
+def site_meta(step: int) -> dict:
+    """What farlink.Optimizer records with a site's checkpoint (the parts read back here)."""
+    return {"tokens": step * 8, "algorithm": "diloco", "site_ranks": 2, "bytes_sent": 0}
+
+
 def _rank(rank: int, port: int, root: str) -> None:
     import torch.distributed as dist
 
@@ -36,7 +41,7 @@ def _rank(rank: int, port: int, root: str) -> None:
     group = dist.new_group(backend="gloo")  # the checkpoint writer's own group
     for step in (10, 20):
         writer = threading.Thread(target=save_sharded_checkpoint, args=(
-            Path(root), step, rank_state(rank, step), {"tokens": step * 8}, rank, group))
+            Path(root), step, rank_state(rank, step), site_meta(step), rank, group))
         writer.start()
         for _ in range(50):  # the training thread's collectives go on meanwhile
             total = torch.ones(4)
@@ -106,3 +111,16 @@ def test_a_rank_the_checkpoint_lacks_is_told_to_keep_the_ranks_per_worker(writte
 def test_no_temporary_directory_is_left(written):
     assert not [p for p in written.iterdir() if p.name.startswith(".")]
     assert os.path.isdir(checkpoint_path(written, 10))
+
+
+def test_a_replica_of_another_rank_count_is_told_which_to_resume_with(written):
+    """Each rank's part is its own shard: a one-rank replica must not read rank 0's part as
+    the whole model."""
+    import farlink
+
+    model = torch.nn.Linear(4, 1)
+    sync = farlink.Optimizer(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                             backend="inprocess", algorithm="diloco", steps=10, inner_steps=5)
+    with pytest.raises(ValueError, match="site of 2 ranks.*--ranks-per-worker 2"):
+        sync.load(written)
+    sync.close()

@@ -56,6 +56,7 @@ log = logging.getLogger(__name__)
 
 #: what a newcomer waits for the members' next round (their rounds may be long)
 JOIN_QUORUM_TIMEOUT = 3600.0
+SITE_RANKS = "site_ranks"  # a site's checkpoint meta: how many ranks wrote it
 BYTES_SENT = "counter.bytes_sent"  # a site's checkpoint: this rank's bytes (each sends its shard)
 
 
@@ -448,6 +449,7 @@ class Optimizer:
         from farlink.train.checkpoint import checkpoint_path, save_sharded_checkpoint
 
         group = self.site.checkpoint_group()  # created by every rank, in the training thread
+        meta = {**meta, SITE_RANKS: self.site.size}
         # bytes differ by rank (each sends its own shard): each rank's count travels with it
         tensors = {**self.state_dict(), BYTES_SENT: torch.tensor(self.bytes_sent())}
         write = partial(save_sharded_checkpoint, directory, step, meta=meta,
@@ -484,6 +486,11 @@ class Optimizer:
         if meta["algorithm"] != self.config.algorithm:
             raise ValueError(f"checkpoint {path} was written by algorithm {meta['algorithm']!r}, "
                              f"not {self.config.algorithm!r}; resume with the same algorithm")
+        written_by, ranks = meta.get(SITE_RANKS, 1), 1 if self.site is None else self.site.size
+        if written_by != ranks:  # each rank's part is its own shard: no resharding yet
+            raise ValueError(f"checkpoint {path} was written by a site of {written_by} ranks, "
+                             f"this replica has {ranks}; resume with --ranks-per-worker "
+                             f"{written_by} (ranks_per_worker={written_by})")
         bytes_sent = tensors.pop(BYTES_SENT, None)
         self.load_state_dict(tensors)
         self.collective.stats.bytes_sent = (meta["bytes_sent"] if bytes_sent is None
