@@ -74,8 +74,8 @@ class Capabilities:
     inner_optimizer: bool = True  # it steps an inner optimizer (DeMo replaces it)
     outer_optimizer: bool = False  # an outer optimizer can be injected (DiLoCo family)
     wire_codec: str | None = None  # the codec family it must send with (DeMo: dct_topk)
-    sharded: bool = False  # runs on a site's local shards (FSDP2): its state is elementwise, so
-    #                        each rank owns the part of it that matches its shard
+    sharded: bool = False  # runs on a site's local shards (FSDP2): each rank owns the part of
+    #                        its state that matches its shard (elementwise, or per-shard chunks)
 
 
 @dataclass
@@ -256,7 +256,7 @@ class SyncAlgorithm(ABC):
         if self.sharded and not self.capabilities.sharded:
             raise ValueError(f"{self.name} cannot run on a sharded model (FSDP2 across a site's "
                              "ranks): its update is not elementwise. Use diloco, local_sgd, "
-                             "streaming or sparseloco, or one rank per replica")
+                             "streaming, sparseloco, ddp or demo, or one rank per replica")
         #: what the algorithm synchronizes: this rank's shard of each parameter (a view sharing
         #: its storage), or the slice ``part_of`` gives (a DDP site's rank syncs 1/K of each
         #: whole parameter), the parameter itself when the model is not sharded
