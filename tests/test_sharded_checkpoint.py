@@ -124,3 +124,67 @@ def test_a_replica_of_another_rank_count_is_told_which_to_resume_with(written):
     with pytest.raises(ValueError, match="site of 2 ranks.*--ranks-per-worker 2"):
         sync.load(written)
     sync.close()
+
+
+def _rank_on_a_small_disk(rank: int, port: int, root: str, queue) -> None:  # noqa: ANN001
+    import torch.distributed as dist
+
+    from farlink.train.checkpoint import DiskFull
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=2)
+    big = {"global.w": torch.full((1_000_000,), float(rank))}  # 4 MB per rank and step
+    outcomes = []
+    for step in (10, 20):
+        try:
+            save_sharded_checkpoint(Path(root), step, big, site_meta(step), rank,
+                                    dist.group.WORLD)
+            outcomes.append("saved")
+        except DiskFull as exc:
+            outcomes.append(f"disk full: {exc}")
+        except Exception as exc:  # reported to the test, which names it
+            outcomes.append(f"{type(exc).__name__}: {str(exc)[-300:]}")
+    queue.put((rank, outcomes))
+    dist.destroy_process_group()
+
+
+def test_a_full_disk_stops_every_rank_and_keeps_the_previous_step(tmp_path):
+    """Room for one step (8 MB) but not two: both ranks raise DiskFull, naming the directory,
+    the partial write is removed, and the step before stays the newest and loads."""
+    import shutil
+    import socket
+    import subprocess
+
+    if os.geteuid() != 0 or shutil.which("mount") is None:
+        pytest.skip("a real full disk needs a tmpfs mount, which needs root")
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=12m", "tmpfs", str(disk)],
+                             capture_output=True, text=True)
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.strip()}")
+    try:
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+        spawn = multiprocessing.get_context("spawn")
+        queue = spawn.Queue()
+        root = disk / "w0"
+        procs = [spawn.Process(target=_rank_on_a_small_disk, args=(r, port, str(root), queue))
+                 for r in range(2)]
+        for proc in procs:
+            proc.start()
+        outcomes = dict(queue.get(timeout=120) for _ in procs)
+        for proc in procs:
+            proc.join(timeout=60)
+        assert [p.exitcode for p in procs] == [0, 0]
+        for rank in (0, 1):
+            assert outcomes[rank][0] == "saved"
+            assert outcomes[rank][1].startswith(f"disk full: disk full writing checkpoint under "
+                                                f"{root}"), outcomes
+        assert sorted(p.name for p in root.iterdir()) == ["LATEST", "step-0000010"]
+        assert (root / "LATEST").read_text() == "step-0000010"
+        tensors, _ = load_checkpoint(root / "step-0000010", rank=1)
+        assert torch.equal(tensors["global.w"], torch.ones(1_000_000))
+    finally:
+        subprocess.run(["umount", str(disk)], capture_output=True)

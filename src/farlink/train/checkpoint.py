@@ -213,6 +213,31 @@ def _rank_prefix(rank: int) -> str:
     return f"rank{rank}/"
 
 
+def _out_of_space(exc: BaseException, root: Path, state: dict[str, torch.Tensor]) -> bool:
+    """Whether a failed DCP write ran out of disk: an ENOSPC among the ranks' failures, or less
+    room left than this rank's part needs (torch's zip writer reports a short write as a
+    RuntimeError, "unexpected pos", without the errno)."""
+    causes = [exc, *(c[0] if isinstance(c, tuple) else c  # DCP: (exception, traceback) per rank
+                     for c in getattr(exc, "failures", {}).values())]
+    if any(is_disk_full(c) for c in causes):
+        return True
+    needed = sum(t.numel() * t.element_size() for t in state.values())
+    return shutil.disk_usage(root).free < needed
+
+
+def _publish_sharded(tmp: Path, final: Path, meta: dict) -> None:
+    """Rank 0's part after DCP wrote every rank's files into ``tmp``: the meta with the SHA-256
+    of each file, then the rename into place and the ``LATEST`` pointer."""
+    files = sorted(p for p in tmp.rglob("*") if p.is_file())
+    meta = {**meta, SHARDED: True,
+            DIGESTS: {str(p.relative_to(tmp)): _sha256(p.read_bytes()) for p in files}}
+    meta[META_DIGEST] = _meta_digest(meta)
+    _write_synced(tmp / META, json.dumps(meta, indent=1, sort_keys=True).encode())
+    shutil.rmtree(final, ignore_errors=True)
+    os.replace(tmp, final)
+    _atomic_write_text(final.parent / POINTER, final.name)
+
+
 def _load_rank_part(path: Path, rank: int) -> dict[str, torch.Tensor]:
     """Rank ``rank``'s tensors of a DCP checkpoint, read by this process alone (DCP's metadata
     gives every tensor's shape and dtype, so nothing of the live state is needed)."""
@@ -233,7 +258,7 @@ def _load_rank_part(path: Path, rank: int) -> dict[str, torch.Tensor]:
             dcp.load(state, storage_reader=reader, no_dist=True)
     except CheckpointError:
         raise
-    except Exception as exc:  # DCP's own errors for a malformed file
+    except (Exception, dcp.CheckpointException) as exc:  # DCP's errors for a malformed file
         raise CheckpointCorrupt(f"cannot read checkpoint {path}: {exc}") from exc
     return {key[len(prefix):]: tensor for key, tensor in state.items()}
 
@@ -255,26 +280,31 @@ def save_sharded_checkpoint(root: Path, step: int, tensors: dict[str, torch.Tens
     dist.broadcast_object_list(owner, src=dist.get_global_rank(group, 0), group=group)
     tmp = root / f"{TEMP_PREFIX}{step:07d}-{owner[0]}"
     state = {_rank_prefix(rank) + k: v.detach().contiguous().cpu() for k, v in tensors.items()}
-    try:
+    try:  # a collective: a failure on any rank is raised on every rank
         dcp.save(state, storage_writer=dcp.FileSystemWriter(tmp, sync_files=True),
                  process_group=group)
-        if rank == 0:
-            files = sorted(p for p in tmp.rglob("*") if p.is_file())
-            meta = {**meta, SHARDED: True, DIGESTS: {
-                str(p.relative_to(tmp)): _sha256(p.read_bytes()) for p in files}}
-            meta[META_DIGEST] = _meta_digest(meta)
-            _write_synced(tmp / META, json.dumps(meta, indent=1, sort_keys=True).encode())
-            shutil.rmtree(final, ignore_errors=True)
-            os.replace(tmp, final)
-            _atomic_write_text(root / POINTER, final.name)
-    except Exception as exc:
+    except (Exception, dcp.CheckpointException) as exc:  # a BaseException; on every rank
+        full = [rank == 0 and _out_of_space(exc, root, state)]  # judged before the cleanup
+        dist.broadcast_object_list(full, src=dist.get_global_rank(group, 0), group=group)
         if rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
-        causes = [exc, *getattr(exc, "failures", {}).values()]
-        if any(is_disk_full(c) or is_disk_full(getattr(c, "exc", None)) for c in causes):
+        if full[0]:
             raise DiskFull(root) from exc
         raise
-    dist.barrier(group=group)  # published on every rank's return
+    failed: list[str | None] = [None]  # rank 0's publication, told to every rank
+    if rank == 0:
+        try:
+            _publish_sharded(tmp, final, meta)
+        except OSError as exc:
+            shutil.rmtree(tmp, ignore_errors=True)
+            failed[0], error = str(exc), exc
+    dist.broadcast_object_list(failed, src=dist.get_global_rank(group, 0), group=group)
+    if failed[0] is not None:
+        if rank == 0 and is_disk_full(error):
+            raise DiskFull(root) from error
+        if rank == 0:
+            raise error
+        raise CheckpointError(f"rank 0 could not publish checkpoint {final}: {failed[0]}")
     if rank == 0:
         existing = sorted(p for p in root.glob("step-*") if p.is_dir())
         for old in existing[:-keep]:
