@@ -17,6 +17,11 @@ pseudo-gradients, each rank only its own shard, with the same rank of the other 
 marked ``# farlink`` are all farlink adds to an FSDP2 loop. ``--ranks 1`` runs the same replicas
 unsharded, one process per site: both shapes train the same model from the same batches, which
 is what makes their losses comparable.
+
+With ``--max-restarts 1`` torchrun restarts a site one of whose ranks died; the site resumes from
+its newest checkpoint (``WORKDIR/siteI/step-N``, all its ranks' parts) and heals from the other
+sites at its first round. The others wait for it there, since ``--min-replicas`` defaults to the
+number of sites: with fewer, a survivor could finish alone and the sites end on different models.
 """
 
 from __future__ import annotations

@@ -56,6 +56,8 @@ log = logging.getLogger(__name__)
 
 #: what a newcomer waits for the members' next round (their rounds may be long)
 JOIN_QUORUM_TIMEOUT = 3600.0
+SITE_RANKS = "site_ranks"  # a site's checkpoint meta: how many ranks wrote it
+BYTES_SENT = "counter.bytes_sent"  # a site's checkpoint: this rank's bytes (each sends its shard)
 
 
 def advertised_host(cfg: RunConfig) -> str:
@@ -169,8 +171,9 @@ class Optimizer:
     ``site``: for a model sharded with FSDP2 over several ranks (one replica trained by a
     site of K processes, started by torchrun): the :class:`~farlink.parallel.sharding.Site`;
     by default read from torchrun's environment and started here. Each rank then syncs its own
-    shard with the same rank of the other sites, saves its own part of every checkpoint
-    (``directory/rank{r}``), and the site resumes from the newest step all its ranks hold.
+    shard with the same rank of the other sites, the ranks write each checkpoint together
+    (``directory/step-N``, one per step, through ``torch.distributed.checkpoint``), and the
+    site resumes from the newest one that verifies, each rank reading its own part.
     ``global_lighthouse`` / ``global_collective``: ``hierarchical_diloco`` only, for islands
     you form yourself (``farlink train`` forms them from measured links): every replica gives
     its island's Lighthouse as ``lighthouse`` (or its island's ``collective``), and exactly one
@@ -422,16 +425,40 @@ class Optimizer:
         is raised by the next round, save or :meth:`wait_for_checkpoint`."""
         from farlink.train.checkpoint import checkpoint_path, save_checkpoint
 
-        directory = self._rank_directory(directory)
+        directory = Path(directory)
         step = self.algorithm.inner_steps_done
         meta = {**meta, "algorithm": self.config.algorithm, "inner_steps": step,
                 "outer_step": self.algorithm.outer_step, "bytes_sent": self.bytes_sent()}
+        if self.site is not None:
+            return self._save_site(directory, step, meta, background)
         if not background:
             self.checkpoint_writes.wait()
             return save_checkpoint(directory, step, self.state_dict(), meta)
         # the live tensors change at the next inner step: the write gets its own copy
         snapshot = {k: v.detach().clone() for k, v in self.state_dict().items()}
         self.checkpoint_writes.submit(lambda: save_checkpoint(directory, step, snapshot, meta))
+        return checkpoint_path(directory, step)
+
+    def _save_site(self, directory: Path, step: int, meta: dict, background: bool) -> Path:
+        """One checkpoint of the whole site per step, written by all its ranks together through
+        DCP (:func:`~farlink.train.checkpoint.save_sharded_checkpoint`); every rank calls it at
+        the same step. In the background the write runs on a process group of its own, so its
+        collectives never interleave with the training thread's (FSDP's, the site's)."""
+        from functools import partial
+
+        from farlink.train.checkpoint import checkpoint_path, save_sharded_checkpoint
+
+        group = self.site.checkpoint_group()  # created by every rank, in the training thread
+        meta = {**meta, SITE_RANKS: self.site.size}
+        # bytes differ by rank (each sends its own shard): each rank's count travels with it
+        tensors = {**self.state_dict(), BYTES_SENT: torch.tensor(self.bytes_sent())}
+        write = partial(save_sharded_checkpoint, directory, step, meta=meta,
+                        rank=self.site.rank, group=group)
+        if not background:
+            self.checkpoint_writes.wait()
+            return write(tensors)
+        snapshot = {k: v.detach().clone() for k, v in tensors.items()}
+        self.checkpoint_writes.submit(lambda: write(snapshot))
         return checkpoint_path(directory, step)
 
     def wait_for_checkpoint(self) -> None:
@@ -445,7 +472,7 @@ class Optimizer:
         peer ahead of the one loaded heals this replica at its first quorum."""
         from farlink.train.checkpoint import load_newest_intact
 
-        directory = self._rank_directory(directory)
+        directory = Path(directory)
         if self.site is not None:
             return self._load_site(directory)
         restored = load_newest_intact(directory)
@@ -459,35 +486,35 @@ class Optimizer:
         if meta["algorithm"] != self.config.algorithm:
             raise ValueError(f"checkpoint {path} was written by algorithm {meta['algorithm']!r}, "
                              f"not {self.config.algorithm!r}; resume with the same algorithm")
+        written_by, ranks = meta.get(SITE_RANKS, 1), 1 if self.site is None else self.site.size
+        if written_by != ranks:  # each rank's part is its own shard: no resharding yet
+            raise ValueError(f"checkpoint {path} was written by a site of {written_by} ranks, "
+                             f"this replica has {ranks}; resume with --ranks-per-worker "
+                             f"{written_by} (ranks_per_worker={written_by})")
+        bytes_sent = tensors.pop(BYTES_SENT, None)
         self.load_state_dict(tensors)
-        self.collective.stats.bytes_sent = meta["bytes_sent"]
+        self.collective.stats.bytes_sent = (meta["bytes_sent"] if bytes_sent is None
+                                            else int(bytes_sent))
         return {**meta, "path": str(path)}
 
-    def _rank_directory(self, directory: str | Path) -> Path:
-        """Where this process's part of a checkpoint lives: ``directory`` itself, or its rank's
-        subdirectory when a site of several ranks trains the replica."""
-        directory = Path(directory)
-        return directory if self.site is None else directory / f"rank{self.site.rank}"
-
     def _load_site(self, directory: Path) -> dict | None:
-        """A site resumes from one step: the newest that every rank holds intact (a rank
-        killed while writing may lack the newest one). Each round of the agreement, every rank
-        offers its newest intact step not above the candidate; the smallest offer is the next
-        candidate, until every rank holds it."""
-        from farlink.train.checkpoint import intact_checkpoints
+        """A site resumes from its newest checkpoint that verifies: rank 0 checks the digests
+        (setting aside any that fail) and names the step; every rank reads its own part of it.
+        A step is published only once all ranks wrote it, so each published step is whole."""
+        import torch.distributed as dist
 
-        found, self.rejected_checkpoints = intact_checkpoints(directory)
-        candidate = max(found, default=-1)
-        while True:
-            candidate = self.site.agree_min(candidate)
-            if candidate < 0:
-                return None
-            offer = max((s for s in found if s <= candidate), default=-1)
-            if self.site.agree_min(int(offer == candidate)) == 1:
-                break
-            candidate = offer
-        restored = found[candidate]
-        return self._restore(restored.path, restored.tensors, restored.meta)
+        from farlink.train.checkpoint import load_checkpoint, load_newest_intact
+
+        restored = load_newest_intact(directory, rank=0) if self.site.rank == 0 else None
+        name = [restored.path.name if restored and restored.path else None]
+        dist.broadcast_object_list(name, src=0, group=self.site.gloo_group())
+        self.rejected_checkpoints = restored.rejected if restored else []
+        if name[0] is None:
+            return None
+        path = directory / name[0]
+        tensors, meta = ((restored.tensors, restored.meta) if self.site.rank == 0
+                         else load_checkpoint(path, rank=self.site.rank))
+        return self._restore(path, tensors, meta)
 
     def close(self) -> None:
         """Leave the run (after a background checkpoint write has landed): release sockets,

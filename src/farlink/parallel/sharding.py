@@ -162,6 +162,17 @@ class Site:
                           else dist.new_group(backend="gloo"))
         return self._gloo
 
+    def checkpoint_group(self):
+        """A Gloo group of the site's ranks for checkpoint writes alone: a write in a background
+        thread runs its collectives there, never interleaved with the training thread's on the
+        site's other groups. Created at the first call, which every rank makes at the same
+        point (the first checkpoint)."""
+        import torch.distributed as dist
+
+        if getattr(self, "_checkpoint_group", None) is None:
+            self._checkpoint_group = dist.new_group(backend="gloo")
+        return self._checkpoint_group
+
     def agree_min(self, value: int) -> int:
         """The smallest ``value`` over the site's ranks (e.g. the newest checkpoint all hold)."""
         if self.size == 1:

@@ -74,8 +74,8 @@ class Capabilities:
     inner_optimizer: bool = True  # it steps an inner optimizer (DeMo replaces it)
     outer_optimizer: bool = False  # an outer optimizer can be injected (DiLoCo family)
     wire_codec: str | None = None  # the codec family it must send with (DeMo: dct_topk)
-    sharded: bool = False  # runs on a site's local shards (FSDP2): its state is elementwise, so
-    #                        each rank owns the part of it that matches its shard
+    sharded: bool = False  # runs on a site's local shards (FSDP2): each rank owns the part of
+    #                        its state that matches its shard (elementwise, or per-shard chunks)
 
 
 @dataclass
@@ -256,11 +256,12 @@ class SyncAlgorithm(ABC):
         if self.sharded and not self.capabilities.sharded:
             raise ValueError(f"{self.name} cannot run on a sharded model (FSDP2 across a site's "
                              "ranks): its update is not elementwise. Use diloco, local_sgd, "
-                             "streaming or sparseloco, or one rank per replica")
+                             "streaming, sparseloco, ddp or demo, or one rank per replica")
         #: what the algorithm synchronizes: this rank's shard of each parameter (a view sharing
         #: its storage), or the slice ``part_of`` gives (a DDP site's rank syncs 1/K of each
         #: whole parameter), the parameter itself when the model is not sharded
-        self.params = [(part_of or local_shard)(p) for p in self.module_params]
+        self.shard_of = part_of or local_shard
+        self.params = [self.shard_of(p) for p in self.module_params]
         self.lr_schedule = inner_optimizer is None if lr_schedule is None else lr_schedule
         if self.lr_schedule and options.steps is None:
             raise ValueError("the inner lr schedule (warmup + cosine) needs steps, the run's "
@@ -406,6 +407,13 @@ class SyncAlgorithm(ABC):
     def traffic(self) -> dict[str, int]:
         """Bytes by level, for algorithms that tell levels apart (hierarchical); else none."""
         return {}
+
+    def local_gradients(self) -> list[torch.Tensor | None]:
+        """This rank's part of each parameter's gradient, matching :attr:`params`: under FSDP2
+        the gradient lives on the sharded parameter, not on its local view, so it is read
+        there (None: the parameter got no gradient)."""
+        return [None if held.grad is None else self.shard_of(held.grad)
+                for held in self.module_params]
 
     def clip_and_step(self, optimizer: torch.optim.Optimizer) -> None:
         if self.lr_schedule:

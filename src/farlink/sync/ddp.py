@@ -7,6 +7,13 @@ applied), so replicas never diverge.
 Knobs: only the shared ones (:class:`~farlink.sync.base.SyncOptions`); ``inner_steps`` is just the
 checkpoint and evaluation cadence. The optimizer is the caller's (default AdamW, betas 0.9/0.95),
 stepped on the averaged gradients. Capabilities: a round after every step, any backend.
+
+On a site of several ranks sharded with FSDP2, each rank's gradient after backward is its shard
+of the site's averaged gradient; rank r averages that shard with rank r of the other sites, and
+the inner step (elementwise, as AdamW's is) updates each shard from it: the whole replica steps on
+the gradient of every site's batch, as one process would. A DDP site (``--sharding ddp``) would
+average only a 1/K slice of each gradient per rank and need the slices shared before the inner
+step, every step; it is refused (use ``--sharding fsdp``).
 """
 
 from __future__ import annotations
@@ -27,7 +34,13 @@ from farlink.sync.exchange import ExchangeResult
 
 class DDP(SyncAlgorithm):
     name = "ddp"
-    capabilities = Capabilities(syncs_every_step=True)
+    capabilities = Capabilities(syncs_every_step=True, sharded=True)
+
+    @classmethod
+    def check_run(cls, cfg) -> None:  # noqa: ANN001 - a RunConfig
+        if cfg.ranks_per_worker > 1 and cfg.sharding == "ddp":
+            raise ValueError("ddp across sites exchanges each rank's gradient shard: run the "
+                             "sites with --sharding fsdp (a DDP site holds whole gradients)")
 
     def step(self, tokens: int) -> StepOutcome:
         committed, seconds, info = self.run_round(self._gradients, self._apply, float(tokens))
@@ -35,17 +48,27 @@ class DDP(SyncAlgorithm):
         return self.round_outcome(committed, seconds, info)
 
     def _gradients(self, info: RoundInfo) -> dict[str, torch.Tensor]:
-        return {
-            n: (p.grad if p.grad is not None and not info.healed else torch.zeros_like(p))
-            for n, p in zip(self.names, self.params)
-        }
+        grads = [None] * len(self.params) if info.healed else self.local_gradients()
+        return {n: torch.zeros_like(p) if g is None else g
+                for n, p, g in zip(self.names, self.params, grads)}
 
     def _apply(self, result: ExchangeResult, info: RoundInfo) -> None:
+        from farlink.parallel.sharding import is_sharded
+
         if result.total_weight <= 0:
             self.inner_opt.zero_grad(set_to_none=True)
             return
-        for n, p in zip(self.names, self.params):
-            p.grad = result.tensors[n].to(p.dtype)
+        for n, p, held in zip(self.names, self.params, self.module_params):
+            average = result.tensors[n].to(p.dtype)
+            if not is_sharded(held):
+                held.grad = average
+            elif held.grad is None:  # a parameter this rank's rows did not reach
+                from torch.distributed.tensor import DTensor
+
+                held.grad = DTensor.from_local(average, held.device_mesh, held.placements,
+                                               shape=held.shape, stride=held.stride())
+            else:
+                held.grad.to_local().copy_(average)
         self.clip_and_step(self.inner_opt)
 
     def shared_state(self) -> TensorState:

@@ -31,6 +31,13 @@ Where farlink differs from the reference, on purpose:
 - the wire may carry fp16 values (``--codec dct_topk:64:32:fp16``); the momentum then subtracts
   the fp16-rounded values, i.e. still exactly what peers decode.
 
+On a site of several ranks (FSDP2 inside) each rank runs all of the above on its own shard of
+each tensor, with the same rank of the other sites: the update is DeMo's, but of the shard. The
+DCT tiles of a shard match the whole tensor's only where the shard's rows are a multiple of the
+chunk (a 512-row embedding split in two: yes; a 64-row matrix split into 32-row shards, or a
+64-element norm weight: no, those are tiled by 32), so the sites stay identical to each other
+but differ from one-rank replicas in the coefficients chosen for those tensors, and in bytes.
+
 Knobs (:class:`DeMoOptions`): ``demo_beta``, ``demo_chunk``, ``demo_topk`` and ``demo_lr`` (the
 sign step's lr, warmed up and decayed like the inner lr). Capabilities: a round after every step;
 no inner optimizer (the sign step replaces it); the wire carries DCT top-k coefficients.
@@ -65,7 +72,13 @@ class DeMo(SyncAlgorithm):
     name = "demo"
     Options = DeMoOptions
     capabilities = Capabilities(syncs_every_step=True, inner_optimizer=False,
-                                wire_codec="dct_topk")
+                                wire_codec="dct_topk", sharded=True)
+
+    @classmethod
+    def check_run(cls, cfg) -> None:  # noqa: ANN001 - a RunConfig
+        if cfg.ranks_per_worker > 1 and cfg.sharding == "ddp":
+            raise ValueError("demo on sites of several ranks runs on FSDP2 shards: use "
+                             "--sharding fsdp")
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
@@ -97,8 +110,9 @@ class DeMo(SyncAlgorithm):
         beta, lr = self.cfg.demo_beta, self.current_lr()
         self._extracted = {}
         with torch.no_grad():
-            for name, m, p in zip(self.names, self.momentum, self.params):
-                grad = p.grad if p.grad is not None else torch.zeros_like(p)
+            for name, m, p, grad in zip(self.names, self.momentum, self.params,
+                                         self.local_gradients()):
+                grad = grad if grad is not None else torch.zeros_like(p)
                 m.mul_(beta).add_(grad, alpha=lr)
                 sparse = self.codec.encode_coefficients(m)
                 sent = self.codec.decode_coefficients(sparse).to(m.dtype)
@@ -106,7 +120,7 @@ class DeMo(SyncAlgorithm):
                 self._extracted[name] = Encoded(self.codec.pack(sparse), sent)
         committed, seconds, info = self.run_round(self._build, self._apply, float(tokens))
         self.inner_steps_done += 1
-        for p in self.params:
+        for p in self.module_params:
             p.grad = None
         return self.round_outcome(committed, seconds, info)
 

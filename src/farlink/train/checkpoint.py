@@ -15,6 +15,13 @@ that is behind), so no committed round is lost while one peer holds it.
 
 A full disk stops a save with :class:`DiskFull`, naming the directory, after removing what the
 save had written so far; the previous checkpoint stays the newest.
+
+A site of several ranks (FSDP2 or DDP inside) writes one checkpoint per step with
+``torch.distributed.checkpoint`` (DCP): :func:`save_sharded_checkpoint` is a collective of the
+site's ranks, each writing its own part into the same directory, after which rank 0 records the
+SHA-256 of every file DCP wrote and publishes the directory as above. A rank killed mid-write
+leaves only a temporary directory, so a published step is always whole; on load every digest is
+checked the same way and each rank reads back only its own part.
 """
 
 from __future__ import annotations
@@ -25,6 +32,7 @@ import json
 import logging
 import os
 import shutil
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -36,6 +44,7 @@ log = logging.getLogger(__name__)
 
 TENSORS = "state.safetensors"
 META = "meta.json"
+SHARDED = "sharded"  # meta key: True when DCP wrote the tensors, each rank its part
 POINTER = "LATEST"
 DIGESTS = "sha256"  # meta key: {file name: SHA-256 hex of that file}
 META_DIGEST = "meta_sha256"  # meta key: SHA-256 of the rest of the meta, canonically encoded
@@ -154,35 +163,153 @@ def latest_checkpoint(root: Path) -> Path | None:
     if not pointer.is_file():
         return None
     path = root / pointer.read_text().strip()
-    return path if (path / TENSORS).is_file() and (path / META).is_file() else None
+    return path if (path / META).is_file() else None
 
 
-def load_checkpoint(path: Path) -> tuple[dict[str, torch.Tensor], dict]:
-    """Tensors and meta of one checkpoint, after checking every digest its meta recorded
-    (checkpoints written before digests existed load unchecked, with a warning)."""
+def _verified_meta(path: Path) -> dict:
+    """The meta of checkpoint ``path`` once every digest it records matched (checkpoints
+    written before digests existed pass unchecked, with a warning)."""
     try:
         meta = json.loads((path / META).read_text())
-        blob = (path / TENSORS).read_bytes()
     except (OSError, ValueError) as exc:  # UnicodeDecodeError and JSONDecodeError included
         raise CheckpointCorrupt(f"cannot read checkpoint {path}: {exc}") from exc
     if not isinstance(meta, dict):
         raise CheckpointCorrupt(f"checkpoint {path}: {META} is not an object")
-    if META_DIGEST in meta or DIGESTS in meta:
-        if meta.get(META_DIGEST) != _meta_digest(meta):
-            raise CheckpointCorrupt(f"checkpoint {path}: {META} does not match its digest")
-        recorded = meta.get(DIGESTS, {}).get(TENSORS)
-        if recorded != _sha256(blob):
-            raise CheckpointCorrupt(
-                f"checkpoint {path}: {TENSORS} does not match its digest "
-                f"({len(blob):,} bytes, SHA-256 {_sha256(blob)[:12]}..., "
-                f"recorded {str(recorded)[:12]}...)")
-    else:
+    if META_DIGEST not in meta and DIGESTS not in meta:
         log.warning("checkpoint %s predates digests; loading it unchecked", path)
+        return meta
+    if meta.get(META_DIGEST) != _meta_digest(meta):
+        raise CheckpointCorrupt(f"checkpoint {path}: {META} does not match its digest")
+    recorded = meta.get(DIGESTS, {})
+    expected = recorded if meta.get(SHARDED) else {TENSORS: recorded.get(TENSORS)}
+    for name, digest in expected.items():
+        try:
+            data = (path / name).read_bytes()
+        except OSError as exc:
+            raise CheckpointCorrupt(f"cannot read checkpoint {path}: {exc}") from exc
+        if digest != _sha256(data):
+            raise CheckpointCorrupt(
+                f"checkpoint {path}: {name} does not match its digest "
+                f"({len(data):,} bytes, SHA-256 {_sha256(data)[:12]}..., "
+                f"recorded {str(digest)[:12]}...)")
+    return meta
+
+
+def load_checkpoint(path: Path, rank: int = 0) -> tuple[dict[str, torch.Tensor], dict]:
+    """Tensors and meta of one checkpoint, after checking every digest its meta recorded. Of a
+    site's checkpoint (DCP), the tensors of rank ``rank``."""
+    meta = _verified_meta(path)
+    if meta.get(SHARDED):
+        return _load_rank_part(path, rank), meta
     try:
+        blob = (path / TENSORS).read_bytes()
         tensors = load_tensors(blob)
     except Exception as exc:  # safetensors raises its own error type for a malformed file
         raise CheckpointCorrupt(f"cannot read checkpoint {path}: {exc}") from exc
     return tensors, meta
+
+
+def _rank_prefix(rank: int) -> str:
+    return f"rank{rank}/"
+
+
+def _out_of_space(exc: BaseException, root: Path, state: dict[str, torch.Tensor]) -> bool:
+    """Whether a failed DCP write ran out of disk: an ENOSPC among the ranks' failures, or less
+    room left than this rank's part needs (torch's zip writer reports a short write as a
+    RuntimeError, "unexpected pos", without the errno)."""
+    causes = [exc, *(c[0] if isinstance(c, tuple) else c  # DCP: (exception, traceback) per rank
+                     for c in getattr(exc, "failures", {}).values())]
+    if any(is_disk_full(c) for c in causes):
+        return True
+    needed = sum(t.numel() * t.element_size() for t in state.values())
+    return shutil.disk_usage(root).free < needed
+
+
+def _publish_sharded(tmp: Path, final: Path, meta: dict) -> None:
+    """Rank 0's part after DCP wrote every rank's files into ``tmp``: the meta with the SHA-256
+    of each file, then the rename into place and the ``LATEST`` pointer."""
+    files = sorted(p for p in tmp.rglob("*") if p.is_file())
+    meta = {**meta, SHARDED: True,
+            DIGESTS: {str(p.relative_to(tmp)): _sha256(p.read_bytes()) for p in files}}
+    meta[META_DIGEST] = _meta_digest(meta)
+    _write_synced(tmp / META, json.dumps(meta, indent=1, sort_keys=True).encode())
+    shutil.rmtree(final, ignore_errors=True)
+    os.replace(tmp, final)
+    _atomic_write_text(final.parent / POINTER, final.name)
+
+
+def _load_rank_part(path: Path, rank: int) -> dict[str, torch.Tensor]:
+    """Rank ``rank``'s tensors of a DCP checkpoint, read by this process alone (DCP's metadata
+    gives every tensor's shape and dtype, so nothing of the live state is needed)."""
+    import torch.distributed.checkpoint as dcp
+
+    prefix = _rank_prefix(rank)
+    try:
+        reader = dcp.FileSystemReader(path)
+        stored = reader.read_metadata().state_dict_metadata
+        state = {key: torch.empty(tuple(info.size), dtype=info.properties.dtype)
+                 for key, info in stored.items() if key.startswith(prefix)}
+        if not state:
+            raise CheckpointError(f"checkpoint {path} holds no part of rank {rank} (it was "
+                                  f"written by a site of fewer ranks); resume with the same "
+                                  f"--ranks-per-worker")
+        with warnings.catch_warnings():  # DCP notes that it loads in one process: meant so
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            dcp.load(state, storage_reader=reader, no_dist=True)
+    except CheckpointError:
+        raise
+    except (Exception, dcp.CheckpointException) as exc:  # DCP's errors for a malformed file
+        raise CheckpointCorrupt(f"cannot read checkpoint {path}: {exc}") from exc
+    return {key[len(prefix):]: tensor for key, tensor in state.items()}
+
+
+def save_sharded_checkpoint(root: Path, step: int, tensors: dict[str, torch.Tensor], meta: dict,
+                            rank: int, group, keep: int = 2) -> Path:
+    """A collective of a site's ranks (``group``, rank ``rank`` of it): each writes its
+    ``tensors`` into checkpoint ``step`` through DCP; rank 0 then adds ``meta`` with the SHA-256
+    of every file and publishes it. Each rank's tensors are stored under its own prefix, since
+    the ranks' algorithm states (a shard's outer momentum, residuals, RNG) differ."""
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+
+    final = checkpoint_path(root, step)
+    owner = [os.getpid()]  # the temporary directory is named after rank 0's process
+    if rank == 0:
+        root.mkdir(parents=True, exist_ok=True)
+        remove_stale_temps(root)
+    dist.broadcast_object_list(owner, src=dist.get_global_rank(group, 0), group=group)
+    tmp = root / f"{TEMP_PREFIX}{step:07d}-{owner[0]}"
+    state = {_rank_prefix(rank) + k: v.detach().contiguous().cpu() for k, v in tensors.items()}
+    try:  # a collective: a failure on any rank is raised on every rank
+        dcp.save(state, storage_writer=dcp.FileSystemWriter(tmp, sync_files=True),
+                 process_group=group)
+    except (Exception, dcp.CheckpointException) as exc:  # a BaseException; on every rank
+        full = [rank == 0 and _out_of_space(exc, root, state)]  # judged before the cleanup
+        dist.broadcast_object_list(full, src=dist.get_global_rank(group, 0), group=group)
+        if rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        if full[0]:
+            raise DiskFull(root) from exc
+        raise
+    failed: list[str | None] = [None]  # rank 0's publication, told to every rank
+    if rank == 0:
+        try:
+            _publish_sharded(tmp, final, meta)
+        except OSError as exc:
+            shutil.rmtree(tmp, ignore_errors=True)
+            failed[0], error = str(exc), exc
+    dist.broadcast_object_list(failed, src=dist.get_global_rank(group, 0), group=group)
+    if failed[0] is not None:
+        if rank == 0 and is_disk_full(error):
+            raise DiskFull(root) from error
+        if rank == 0:
+            raise error
+        raise CheckpointError(f"rank 0 could not publish checkpoint {final}: {failed[0]}")
+    if rank == 0:
+        existing = sorted(p for p in root.glob("step-*") if p.is_dir())
+        for old in existing[:-keep]:
+            shutil.rmtree(old, ignore_errors=True)
+    return final
 
 
 @dataclass
@@ -202,11 +329,11 @@ def _candidates(root: Path) -> list[Path]:
         if root.is_dir() else []
 
 
-def _verified(path: Path, rejected: list[tuple[Path, str]]) -> Restored | None:
+def _verified(path: Path, rejected: list[tuple[Path, str]], rank: int = 0) -> Restored | None:
     """``path`` loaded if it verifies; else set aside as ``corrupt-step-NNNNNN`` (neither tried
     again nor counted among the checkpoints kept), noted in ``rejected``, and None."""
     try:
-        tensors, meta = load_checkpoint(path)
+        tensors, meta = load_checkpoint(path, rank)
     except CheckpointCorrupt as exc:
         aside = path.with_name(CORRUPT_PREFIX + path.name)
         shutil.rmtree(aside, ignore_errors=True)
@@ -217,12 +344,13 @@ def _verified(path: Path, rejected: list[tuple[Path, str]]) -> Restored | None:
     return Restored(path, tensors, meta)
 
 
-def load_newest_intact(root: Path) -> Restored:
+def load_newest_intact(root: Path, rank: int = 0) -> Restored:
     """Load the newest checkpoint under ``root`` that verifies, newest first by step; each
-    newer one that fails is set aside and reported in :attr:`Restored.rejected`."""
+    newer one that fails is set aside and reported in :attr:`Restored.rejected`. Of a site's
+    checkpoints, rank ``rank``'s part."""
     rejected: list[tuple[Path, str]] = []
     for path in _candidates(root):
-        if (restored := _verified(path, rejected)) is not None:
+        if (restored := _verified(path, rejected, rank)) is not None:
             restored.rejected = rejected
             return restored
     return Restored(rejected=rejected)
@@ -231,13 +359,3 @@ def load_newest_intact(root: Path) -> Restored:
 def checkpoint_step(path: Path) -> int:
     """The step of a checkpoint directory ``step-NNNNNNN``."""
     return int(path.name.split("-", 1)[1])
-
-
-def intact_checkpoints(root: Path) -> tuple[dict[int, Restored], list[tuple[Path, str]]]:
-    """Every checkpoint under ``root`` that verifies, by step, and the ones set aside. The ranks
-    of a site resume from the newest step all of them hold intact, which need not be the newest
-    of each (a rank killed mid-write lacks it)."""
-    rejected: list[tuple[Path, str]] = []
-    found = {checkpoint_step(path): restored for path in _candidates(root)
-             if (restored := _verified(path, rejected)) is not None}
-    return found, rejected
