@@ -9,6 +9,7 @@ the worker's time accounts add up to its wall-clock.
 
 from __future__ import annotations
 
+import statistics
 import time
 from pathlib import Path
 
@@ -70,7 +71,10 @@ def test_peers_do_not_wait_for_rank_zero_evaluating(run) -> None:  # noqa: ANN00
     # evaluation (step 60) as at the round after a boundary without one (step 40).
     loss, eval_seconds = synchronous_heldout(cfg)
     waits = {r["step"]: r["round_s"] for r in w1 if r["kind"] == "sync"}
-    assert eval_seconds > 1.0, eval_seconds
+    # the premise, on any machine's speed: one evaluation costs several of w1's training steps
+    step_times = [b["compute_s"] - a["compute_s"] for a, b in zip(w1, w1[1:])
+                  if a["kind"] == b["kind"] == "step"]
+    assert eval_seconds > 3 * statistics.median(step_times), (eval_seconds, step_times)
     assert waits[60] < waits[40] + 0.5 * eval_seconds, (waits, eval_seconds)
 
     # what the background evaluation measured is the loss of the parameters at its step
