@@ -188,3 +188,26 @@ def test_a_full_disk_stops_every_rank_and_keeps_the_previous_step(tmp_path):
         assert torch.equal(tensors["global.w"], torch.ones(1_000_000))
     finally:
         subprocess.run(["umount", str(disk)], capture_output=True)
+
+
+def test_a_site_beside_per_rank_checkpoints_of_the_earlier_layout_refuses_to_start_over(tmp_path):
+    """A site's run dir that holds only ``rankR/step-N`` checkpoints (the layout before one DCP
+    directory per step) is refused with what to do, never resumed from the initial state."""
+    import types
+
+    import torch.distributed as dist
+
+    import farlink
+
+    root = tmp_path / "w0"
+    (root / "rank0" / "step-0000020").mkdir(parents=True)
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        replica = types.SimpleNamespace(site=types.SimpleNamespace(
+            rank=0, gloo_group=lambda: dist.group.WORLD))
+        with pytest.raises(ValueError, match="earlier layout.*new --run-dir"):
+            farlink.Optimizer._load_site(replica, root)
+        (root / "rank0" / "step-0000020").rmdir()  # an empty run dir is a fresh start
+        assert farlink.Optimizer._load_site(replica, root) is None
+    finally:
+        dist.destroy_process_group()

@@ -510,6 +510,13 @@ class Optimizer:
         dist.broadcast_object_list(name, src=0, group=self.site.gloo_group())
         self.rejected_checkpoints = restored.rejected if restored else []
         if name[0] is None:
+            earlier = sorted(directory.glob("rank*/step-*"))
+            if earlier:  # never start over silently beside a run's earlier state
+                raise ValueError(
+                    f"{directory} holds per-rank checkpoints ({earlier[-1].relative_to(directory)}"
+                    f", ...) of an earlier layout, which this farlink does not read (a site now "
+                    f"writes one torch.distributed.checkpoint directory per step); finish that "
+                    f"run with the farlink that wrote it, or start a new --run-dir")
             return None
         path = directory / name[0]
         tensors, meta = ((restored.tensors, restored.meta) if self.site.rank == 0
