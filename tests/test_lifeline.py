@@ -53,3 +53,53 @@ def test_lighthouse_dies_with_a_sigkilled_parent() -> None:
             raise AssertionError("the Lighthouse outlived its parent")
     finally:
         parent.kill()
+
+
+BLOCKED_WORKER = """
+import multiprocessing, subprocess, time
+from farlink.lifeline import _children, watch_parent
+
+def dht():  # as hivemind's DHT process, which starts p2pd
+    subprocess.run(["sleep", "600"])
+
+if __name__ == "__main__":
+    watch_parent(grace=1.0)
+    helper = multiprocessing.Process(target=dht)
+    helper.start()
+    while not _children(helper.pid):
+        time.sleep(0.05)
+    print(helper.pid, _children(helper.pid)[0], flush=True)
+    time.sleep(600)  # blocked in a round: never reaches a step boundary
+"""
+
+LAUNCHER = """
+import os, subprocess, sys, time
+from farlink.lifeline import child_env
+worker = subprocess.Popen([sys.executable, "-c", sys.argv[1]], env={**os.environ, **child_env()},
+                          stdout=subprocess.PIPE, text=True)
+print(worker.pid, worker.stdout.readline().strip(), flush=True)
+time.sleep(600)
+"""
+
+
+def test_a_worker_blocked_when_its_launcher_dies_takes_its_subprocesses_with_it() -> None:
+    """After the grace period the worker exits without cleanup (``os._exit``); the processes it
+    started (a multiprocessing child and that child's own subprocess, as hivemind's DHT process
+    and p2pd) must not outlive it."""
+    launcher = subprocess.Popen([sys.executable, "-c", LAUNCHER, BLOCKED_WORKER],
+                                stdout=subprocess.PIPE, text=True)
+    pids: list[int] = []
+    try:
+        pids = [int(p) for p in launcher.stdout.readline().split()]
+        assert len(pids) == 3 and all(alive(p) for p in pids), pids  # worker, DHT, p2pd
+        launcher.send_signal(signal.SIGKILL)
+        launcher.wait()
+        deadline = time.monotonic() + 8  # grace 1 s, then at most 2 s for the subtree
+        while any(alive(p) for p in pids) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not [p for p in pids if alive(p)], "outlived the worker's exit"
+    finally:
+        launcher.kill()
+        for pid in pids:
+            if alive(pid):
+                os.kill(pid, signal.SIGKILL)

@@ -93,6 +93,34 @@ def tie_forked_child(parent: int) -> None:
     _die_with(parent)
 
 
+def end_descendants(wait_s: float = 2.0) -> None:
+    """SIGTERM every process below this one (children first found, then theirs), and SIGKILL
+    those still there after ``wait_s``: what a process about to ``os._exit`` owes its subtree."""
+    found, frontier = [], [os.getpid()]
+    while frontier:
+        children = [c for pid in frontier for c in _children(pid)]
+        found += children
+        frontier = children
+    for pid in found:
+        with contextlib.suppress(OSError):
+            os.kill(pid, signal.SIGTERM)
+    deadline = time.monotonic() + wait_s
+    while time.monotonic() < deadline and any(_exists(pid) for pid in found):
+        time.sleep(0.05)
+    for pid in found:
+        with contextlib.suppress(OSError):
+            os.kill(pid, signal.SIGKILL)
+
+
+def _exists(pid: int) -> bool:
+    """Whether ``pid`` is a process that has not exited (a zombie counts as exited)."""
+    try:
+        stat = open(f"/proc/{pid}/stat").read()
+    except OSError:
+        return False
+    return stat[stat.rindex(")") + 2] != "Z"
+
+
 def _children(pid: int) -> list[int]:
     found = []
     for entry in os.listdir("/proc"):
@@ -129,6 +157,7 @@ def watch_parent(grace: float = 10.0) -> threading.Thread | None:
         time.sleep(grace)
         print(f"still running {grace:g} s after the launcher died (blocked in a round?): "
               "exiting; the last checkpoint is kept", file=sys.stderr, flush=True)
+        end_descendants()  # os._exit runs no cleanup: a DHT process and its p2pd would stay
         os._exit(ORPHANED_EXIT)
 
     thread = threading.Thread(target=watch, name="farlink-lifeline", daemon=True)
