@@ -145,7 +145,10 @@ def _rank_on_a_small_disk(rank: int, port: int, root: str, queue) -> None:  # no
         except Exception as exc:  # reported to the test, which names it
             outcomes.append(f"{type(exc).__name__}: {str(exc)[-300:]}")
     queue.put((rank, outcomes))
+    queue.close()
+    queue.join_thread()  # the outcome is delivered before this process leaves
     dist.destroy_process_group()
+    os._exit(0)  # as a site's rank leaves (farlink.train.worker.exit_process): no teardown
 
 
 def test_a_full_disk_stops_every_rank_and_keeps_the_previous_step(tmp_path):

@@ -103,7 +103,7 @@ def worker(
 ) -> None:
     """Run one site (replica group) of a run under torchrun, SLURM, Kubernetes or torchx."""
     from farlink.robust.auth import run_secret
-    from farlink.train.worker import run_worker
+    from farlink.train.worker import exit_process, run_worker
 
     environ = dict(os.environ)
     rank = int(environ.get("RANK", "0"))
@@ -115,7 +115,7 @@ def worker(
     except (ConfigError, ValueError) as exc:
         typer.secho(f"error: {exc}", fg="red", err=True)
         raise typer.Exit(2) from None
-    raise typer.Exit(run_worker(cfg, index, cfg.lighthouse or "", joining=join))
+    exit_process(run_worker(cfg, index, cfg.lighthouse or "", joining=join))
 
 
 def register(app: typer.Typer, bench_app: typer.Typer) -> None:  # noqa: ARG001

@@ -552,5 +552,18 @@ def run_worker(cfg: RunConfig, index: int, lighthouse: str, joining: bool = Fals
     return code
 
 
+def exit_process(code: int) -> None:
+    """End this process with ``code``. A rank of a site (torchrun's WORLD_SIZE > 1) leaves
+    without the interpreter's teardown once everything is written and closed: destructors of
+    its process groups' threads can call std::terminate at exit, which would turn a finished
+    run into SIGABRT."""
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    sys.exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_process(main())
