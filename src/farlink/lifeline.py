@@ -105,15 +105,15 @@ def end_descendants(wait_s: float = 2.0) -> None:
         with contextlib.suppress(OSError):
             os.kill(pid, signal.SIGTERM)
     deadline = time.monotonic() + wait_s
-    while time.monotonic() < deadline and any(_exists(pid) for pid in found):
+    while time.monotonic() < deadline and any(process_running(pid) for pid in found):
         time.sleep(0.05)
     for pid in found:
         with contextlib.suppress(OSError):
             os.kill(pid, signal.SIGKILL)
 
 
-def _exists(pid: int) -> bool:
-    """Whether ``pid`` is a process that has not exited (a zombie counts as exited)."""
+def process_running(pid: int) -> bool:
+    """Exists and is not a zombie (an orphan's exit is reaped by init, maybe later)."""
     try:
         stat = open(f"/proc/{pid}/stat").read()
     except OSError:

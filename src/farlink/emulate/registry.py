@@ -27,6 +27,7 @@ from pathlib import Path
 
 from farlink.emulate import sysnet
 from farlink.emulate.errors import EmulationError
+from farlink.lifeline import process_running
 
 log = logging.getLogger(__name__)
 
@@ -140,15 +141,6 @@ def _stop_processes_in(namespace: str, grace_s: float = 2.0) -> None:
             time.sleep(0.05)
         if not pids:
             return
-
-
-def process_running(pid: int) -> bool:
-    """Exists and is not a zombie (an orphan's exit is reaped by init, maybe later)."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except FileNotFoundError:
-        return False
-    return stat[stat.rindex(")") + 2] != "Z"
 
 
 def remove_namespace(record: RunRecord, namespace: str) -> bool:
