@@ -102,7 +102,7 @@ def _restart_run(quorum_timeout: float, join_timeout: float, outage: float) -> d
     return logs
 
 
-@pytest.mark.parametrize("outage", [3.0, 5.0])
+@pytest.mark.parametrize("outage", [pytest.param(3.0, marks=pytest.mark.slow), 5.0])
 def test_short_quorum_timeout_rides_out_a_restart(outage: float) -> None:
     """--quorum-timeout at or below --join-timeout + 10 s used to leave a single attempt that a
     request stuck on the killed Lighthouse used up entirely; an outage shorter than
@@ -116,6 +116,7 @@ def test_short_quorum_timeout_rides_out_a_restart(outage: float) -> None:
         assert all(world == 2 and value == 2.0 and ok for _, world, value, ok, _ in payload)
 
 
+@pytest.mark.slow  # about a minute: each failed quorum request waits out torchft's timeouts
 def test_no_quorum_message_tells_a_down_lighthouse_from_missing_peers() -> None:
     """A Lighthouse that is up (e.g. it was restarted) but gets too few peers must not be
     reported as down ("restart it"); one that stays down must be."""

@@ -48,7 +48,7 @@ def test_resumed_run_matches_uninterrupted_run_bit_for_bit(tmp_path: Path,
             assert (a[name] == b[name]).all(), f"{worker}:{name} differs after resume"
 
 
-@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+@pytest.mark.parametrize("sig", [signal.SIGINT, pytest.param(signal.SIGTERM, marks=pytest.mark.slow)])
 def test_ctrl_c_or_kill_of_farlink_train_stops_workers_and_keeps_checkpoints(
         tmp_path: Path, cache_dir: Path, sig: signal.Signals) -> None:
     """`farlink train` interrupted mid-run (Ctrl-C, or `kill`): every worker stops between

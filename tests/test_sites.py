@@ -174,6 +174,7 @@ def test_ddp_inside_sites_matches_one_rank(tmp_path, cache_dir):
     assert max((whole[k] - mine[k]).abs().max().item() for k in whole) < 1e-3
 
 
+@pytest.mark.slow
 def test_ddp_across_sites_of_two_ranks_matches_one_rank(tmp_path, cache_dir):
     """Every step, rank r of each site averages its shard of the gradient with rank r of the
     other site, then AdamW steps each shard: the sites train what unsharded ddp replicas do."""
@@ -190,6 +191,7 @@ def test_ddp_across_sites_of_two_ranks_matches_one_rank(tmp_path, cache_dir):
     assert abs(bytes2 - bytes1) <= 1e-3 * bytes1, (bytes2, bytes1)
 
 
+@pytest.mark.slow
 def test_demo_across_sites_of_two_ranks(tmp_path, cache_dir):
     """DeMo on each rank's shard: the sites end on one model and train; it is not the model of
     one-rank replicas, since a shard's DCT tiles differ from the whole tensor's where FSDP2's
