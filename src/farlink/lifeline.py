@@ -79,14 +79,12 @@ def popen_tied(argv: list[str], **kwargs: Any) -> subprocess.Popen:
 
 def tie_forked_child(parent: int) -> None:
     """Call first thing in a child forked (not exec'd) by ``parent`` from its main thread: on
-    the parent's death, SIGTERM its own children, then exit."""
+    the parent's death, end its whole subtree (a DHT process's p2pd too), then exit."""
     if sys.platform != "linux":
         return
 
     def stop(signum: int, frame: object) -> None:
-        for child in _children(os.getpid()):
-            with contextlib.suppress(OSError):
-                os.kill(child, signal.SIGTERM)
+        end_descendants(wait_s=1.0)
         os._exit(0)
 
     signal.signal(signal.SIGTERM, stop)
