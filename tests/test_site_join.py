@@ -1,4 +1,5 @@
-"""A site of two ranks joins a run of two-rank sites under way and heals from a live site.
+"""Sites of two ranks that arrive while a run is under way: a fresh one, and one whose rank was
+SIGKILLed, both healing from a live site.
 
 Real processes: a torchft Lighthouse and three sites, each a ``torchrun`` of 2 ranks sharding a
 GPT with FSDP2 (Gloo). Sites 0 and 1 train; after their first committed round site 2 starts
@@ -11,12 +12,14 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 import pytest
+from procfs import descendants
 
 from farlink.bench.churn import committed_outer_steps
 from farlink.config import load_config
@@ -91,5 +94,91 @@ def test_a_fresh_site_heals_its_shards_from_a_live_site_and_contributes(tmp_path
         assert newcomer["tokens_accepted"] == ends[2]["tokens"], (name, newcomer)
         # its join round too, at zero weight: it only received
         assert newcomer["updates_accepted"] == len(syncs) + 1, (name, newcomer)
+    audit = audit_run(cfg.run_dir)
+    assert audit["consistent"] and not audit["missing_steps"], audit
+
+
+def _ranks_of(site: subprocess.Popen) -> list[int]:
+    """PIDs of a site's training ranks: torchrun's children running the worker."""
+    ranks = []
+    for pid in descendants(site.pid):
+        try:
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+            environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if (b"farlink.train.worker" in cmdline and b"farlink.parallel.site_agent" not in cmdline
+                and any(e.startswith(b"LOCAL_RANK=") for e in environ)):
+            ranks.append(pid)
+    return ranks
+
+
+def test_a_site_whose_rank_is_sigkilled_restarts_from_its_checkpoint_and_heals(
+        tmp_path: Path, cache_dir: Path):
+    """One rank of site 1 is SIGKILLed mid-run: torchrun ends the site, site 0 goes on alone
+    (min_replicas 1), and ``farlink join --resume --ranks-per-worker 2`` brings site 1 back: it
+    resumes from its own newest checkpoint, then heals each shard from site 0, which is ahead.
+    No committed round is lost and both sites end on one model."""
+    from farlink.data import prepare_data
+
+    cfg = load_config(None, {
+        "workers": 2, "ranks_per_worker": 2, "steps": 120, "inner_steps": 10,
+        "warmup_steps": 10, "batch_size": 8, "vocab_size": 512, "seq_len": 64,
+        "eval_batches": 2, "eval_every": 100, "min_replicas": 1, "join_timeout": 5,
+        "heartbeat_timeout": 3, "pace_seconds": 0.2,
+        "run_dir": tmp_path / "run", "cache_dir": cache_dir})
+    write_run_config(cfg)
+    prepare_data(cfg.corpus, cfg.vocab_size, cfg.cache_dir)
+    lighthouse = Lighthouse(min_replicas=1, join_timeout=5, heartbeat_timeout=3,
+                            log_path=tmp_path / "lighthouse.log").start()
+    procs = [spawn_worker(cfg, i, lighthouse.address, False) for i in range(2)]
+    try:
+        deadline = time.time() + 300
+        while not (cfg.run_dir / "checkpoints" / "w1" / "step-0000020").is_dir():
+            assert time.time() < deadline and all(p.poll() is None for p in procs), \
+                "the sites made no progress"
+            time.sleep(0.2)
+        victims = _ranks_of(procs[1])
+        assert len(victims) == 2, victims
+        os.kill(max(victims), signal.SIGKILL)  # one rank of site 1, mid-run
+        assert procs[1].wait(timeout=60) != 0  # torchrun ended the whole site
+        with open(tmp_path / "rejoin.log", "wb") as log:
+            procs.append(subprocess.Popen(
+                [sys.executable, "-m", "farlink.cli", "join", "--lighthouse", lighthouse.address,
+                 "--config", str(cfg.run_dir / "config.toml"), "--index", "1", "--resume",
+                 "--ranks-per-worker", "2"],
+                stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "OMP_NUM_THREADS": "1"}))
+        for proc in (procs[0], procs[2]):
+            proc.wait(timeout=400)
+    finally:
+        _stop_all(procs)
+        lighthouse.stop()
+    logs = [(cfg.run_dir / "logs" / "w0.log").read_text()[-3000:],
+            (tmp_path / "rejoin.log").read_text()[-3000:]]
+    assert [procs[0].returncode, procs[2].returncode] == [0, 0], logs
+    survivor = read_metrics(cfg.run_dir / "metrics" / "w0.jsonl")
+    restarted = read_metrics(cfg.run_dir / "metrics" / "w1.jsonl")
+    # the other site went on alone while site 1 was down
+    alone = [r for r in survivor if r["kind"] == "sync" and r["committed"]
+             and r["world_size"] == 1]
+    assert alone, "site 0 waited for the killed site instead of going on"
+    # site 1 resumed from its own checkpoint (every rank's part), not from the initial state
+    resume = next(r for r in restarted if r["kind"] == "resume")
+    assert resume["path"] is not None and resume["outer_step"] >= 2, resume
+    assert not resume["fell_back"]
+    # ... then healed from site 0, ahead of it, and took part in every round after
+    join = next(r for r in restarted if r["kind"] == "join")
+    assert join["committed"] and join["healed"] and join["outer_step"] > resume["outer_step"]
+    held = {r["outer_step"]: r["fingerprint"] for r in survivor
+            if r["kind"] == "sync" and r["committed"]}
+    assert held[join["outer_step"]] == join["fingerprint"]
+    later = [r for r in restarted if r["kind"] == "sync" and r["committed"]
+             and r["time"] > join["time"]]
+    assert later and all(r["world_size"] == 2 for r in later), later
+    # nothing committed lost: every round of the run committed once, one model at the end
+    assert sorted(held) == list(range(1, 13)), sorted(held)
+    ends = [[r for r in records if r["kind"] == "end"][-1] for records in (survivor, restarted)]
+    assert all(e["finished"] and e["outer_step"] == 12 for e in ends), ends
+    assert ends[0]["fingerprint"] == ends[1]["fingerprint"]
     audit = audit_run(cfg.run_dir)
     assert audit["consistent"] and not audit["missing_steps"], audit

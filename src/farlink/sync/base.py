@@ -370,6 +370,24 @@ class SyncAlgorithm(ABC):
         self.load_shared_state(state)
         self.inner_steps_done = int(state["counter.inner_steps"])
 
+    def state_shapes(self) -> dict[str, tuple[int, ...]]:
+        """The shape of every tensor :meth:`state_dict` holds on this rank, and of those made
+        only later, under a prefix: ``inner.I.`` and ``outer.I.`` for the states of an
+        optimizer's parameter I (made at its first step), ``residual.NAME`` for a codec's
+        residual of NAME (made at the first round): what this rank would hold of each. A site
+        resumed with another number of ranks cuts its checkpoint to them
+        (:mod:`farlink.parallel.reshard`)."""
+        from farlink.parallel.sharding import local_shard
+
+        shapes = {key: tuple(value.shape) for key, value in self.state_dict().items()}
+        for prefix in ("inner", "outer"):
+            opt = getattr(self, f"{prefix}_opt", None)
+            for index, param in enumerate(_optimizer_params(opt) if opt is not None else []):
+                shapes[f"{prefix}.{index}."] = tuple(local_shard(param).shape)
+        for name, param in zip(self.names, self.params):
+            shapes.setdefault(f"residual.{name}", tuple(param.shape))
+        return shapes
+
     # --- helpers -------------------------------------------------------------------------------
     def round_outcome(self, committed: bool, seconds: float, info: RoundInfo | None) -> StepOutcome:
         """The outcome of a step that ran a round (see :meth:`run_round`)."""
