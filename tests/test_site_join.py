@@ -113,6 +113,7 @@ def _ranks_of(site: subprocess.Popen) -> list[int]:
     return ranks
 
 
+@pytest.mark.slow  # a site killed and restarted while the other trains 24 rounds: 4 min at load 30
 def test_a_site_whose_rank_is_sigkilled_restarts_from_its_checkpoint_and_heals(
         tmp_path: Path, cache_dir: Path):
     """One rank of site 1 is SIGKILLed mid-run: torchrun ends the site, site 0 goes on alone
@@ -122,10 +123,10 @@ def test_a_site_whose_rank_is_sigkilled_restarts_from_its_checkpoint_and_heals(
     from farlink.data import prepare_data
 
     cfg = load_config(None, {
-        "workers": 2, "ranks_per_worker": 2, "steps": 120, "inner_steps": 10,
+        "workers": 2, "ranks_per_worker": 2, "steps": 240, "inner_steps": 10,
         "warmup_steps": 10, "batch_size": 8, "vocab_size": 512, "seq_len": 64,
         "eval_batches": 2, "eval_every": 100, "min_replicas": 1, "join_timeout": 5,
-        "heartbeat_timeout": 3, "pace_seconds": 0.2,
+        "heartbeat_timeout": 3, "pace_seconds": 0.3,
         "run_dir": tmp_path / "run", "cache_dir": cache_dir})
     write_run_config(cfg)
     prepare_data(cfg.corpus, cfg.vocab_size, cfg.cache_dir)
@@ -176,9 +177,9 @@ def test_a_site_whose_rank_is_sigkilled_restarts_from_its_checkpoint_and_heals(
              and r["time"] > join["time"]]
     assert later and all(r["world_size"] == 2 for r in later), later
     # nothing committed lost: every round of the run committed once, one model at the end
-    assert sorted(held) == list(range(1, 13)), sorted(held)
+    assert sorted(held) == list(range(1, 25)), sorted(held)
     ends = [[r for r in records if r["kind"] == "end"][-1] for records in (survivor, restarted)]
-    assert all(e["finished"] and e["outer_step"] == 12 for e in ends), ends
+    assert all(e["finished"] and e["outer_step"] == 24 for e in ends), ends
     assert ends[0]["fingerprint"] == ends[1]["fingerprint"]
     audit = audit_run(cfg.run_dir)
     assert audit["consistent"] and not audit["missing_steps"], audit
