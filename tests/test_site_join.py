@@ -32,6 +32,7 @@ from farlink.train.metrics import read_metrics
 pytest.importorskip("torchft")
 
 
+@pytest.mark.slow  # three sites of two ranks: 47-60 s on an idle machine, 130 s at load 30
 def test_a_fresh_site_heals_its_shards_from_a_live_site_and_contributes(tmp_path: Path,
                                                                         cache_dir: Path):
     from farlink.data import prepare_data
