@@ -1,10 +1,10 @@
 """A run checkpointed by sites of 2 ranks goes on with 1 rank per site, and back (resharding).
 
 The cutting rule on hand-made parts first (FSDP2's uneven ``chunk`` shards, a DDP site's
-``tensor_split`` slices, whole values, counters), then real runs: 2 sites of 2 FSDP2 ranks
-(torchrun, Gloo) and a torchft Lighthouse, resumed with ``ranks_per_worker=1`` and then again
-with 2. A finished run resumed writes its final model from the state it loaded, so the model
-files before and after each change of ranks are compared byte for byte.
+``tensor_split`` slices, whole values, counters), then real runs: 2 sites of 2 ranks, FSDP2
+or DDP inside (torchrun, Gloo), and a torchft Lighthouse, resumed with ``ranks_per_worker=1``
+and then again with 2. A finished run resumed writes its final model from the state it loaded,
+so the model files before and after each change of ranks are compared byte for byte.
 """
 
 from __future__ import annotations
@@ -82,14 +82,16 @@ def final_models(run_dir: Path) -> list[bytes]:
     return [(run_dir / "final" / f"w{i}.safetensors").read_bytes() for i in range(2)]
 
 
-@pytest.mark.slow  # four runs of two sites: a minute on an idle machine
-def test_a_run_resumes_with_another_rank_count_from_the_same_parameters(tmp_path, cache_dir):
+@pytest.mark.slow  # four runs of two sites: 3.5 min at load 30
+@pytest.mark.parametrize("sharding", ["fsdp", "ddp"])
+def test_a_run_resumes_with_another_rank_count_from_the_same_parameters(tmp_path, cache_dir,
+                                                                       sharding):
     pytest.importorskip("torchft")
     from farlink.config import load_config
     from farlink.train.launcher import launch
 
     cfg = load_config(None, {**RUN, "run_dir": tmp_path / "run", "cache_dir": cache_dir,
-                             "ranks_per_worker": 2})
+                             "ranks_per_worker": 2, "sharding": sharding})
     first = launch(cfg, show_progress=False)
     assert first.returncodes == [0, 0]
     saved_by_two = final_models(cfg.run_dir)

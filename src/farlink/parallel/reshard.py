@@ -12,11 +12,14 @@ checkpoint`), and every tensor in it is one of two kinds:
 * **a rank's own whole value**: the same shape on every rank (a DDP rank's whole replica and
   its AdamW state, counters, torch's RNG state).
 
-A tensor whose parts add up to what the new ranks hold together is a shard: the parts are joined
-and each new rank takes its range. One whose parts all have the shape every new rank holds is a
-whole value: new rank ``r`` takes old rank ``r``'s (the last old rank's when there are more new
-ranks). With different rank counts and a non-empty tensor the two cannot be confused (``K_old *
-n == K_new * n`` only if the counts are equal), and anything else is refused with what to do.
+A tensor whose parts all have the shape every new rank holds (or are all scalars) is a whole
+value: new rank ``r`` takes old rank ``r``'s (the last old rank's when there are more new ranks).
+One whose parts add up to what the new ranks hold together is a shard: the parts are joined and
+each new rank takes its range. With different rank counts and a non-empty tensor the two cannot
+be confused (``K_old * n == K_new * n`` only if the counts are equal), and anything else is
+refused with what to do. What a new rank holds comes from its algorithm's ``state_shapes()``,
+which also sizes the states made only later (an optimizer's moments before its first step, a
+codec's residuals before the first round) by the parameter they belong to.
 No arithmetic touches a value, so the resumed site holds bit for bit the parameters, optimizer
 states and residuals that were saved; a site of K ranks trains them as one of K' would, up to
 the order of FSDP's reductions.
