@@ -529,7 +529,7 @@ class Optimizer:
         A step is published only once all ranks wrote it, so each published step is whole."""
         import torch.distributed as dist
 
-        from farlink.train.checkpoint import (load_checkpoint, load_newest_intact,
+        from farlink.train.checkpoint import (load_newest_intact, load_rank_part,
                                               read_verified_meta)
 
         restored = load_newest_intact(directory, rank=0) if self.site.rank == 0 else None
@@ -551,7 +551,7 @@ class Optimizer:
         else:  # a rank the checkpoint has no part for reads them all (resharding)
             meta = read_verified_meta(path)
             tensors = ({} if meta.get(SITE_RANKS, 1) != self.site.size
-                       else load_checkpoint(path, rank=self.site.rank)[0])
+                       else load_rank_part(path, self.site.rank))
         return self._restore(path, tensors, meta)
 
     def close(self) -> None:

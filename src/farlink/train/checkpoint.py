@@ -207,7 +207,7 @@ def load_checkpoint(path: Path, rank: int = 0) -> tuple[dict[str, torch.Tensor],
     site's checkpoint (DCP), the tensors of rank ``rank``."""
     meta = _verified_meta(path)
     if meta.get(SHARDED):
-        return _load_rank_part(path, rank), meta
+        return load_rank_part(path, rank), meta
     try:
         blob = (path / TENSORS).read_bytes()
         tensors = load_tensors(blob)
@@ -230,7 +230,7 @@ def load_checkpoint_parts(path: Path) -> tuple[list[dict[str, torch.Tensor]], di
     except Exception as exc:  # DCP's errors for a malformed file
         raise CheckpointCorrupt(f"cannot read checkpoint {path}: {exc}") from exc
     ranks = {int(key.split("/", 1)[0][len("rank"):]) for key in stored if key.startswith("rank")}
-    return [_load_rank_part(path, rank) for rank in range(len(ranks))], meta
+    return [load_rank_part(path, rank) for rank in range(len(ranks))], meta
 
 
 def _rank_prefix(rank: int) -> str:
@@ -262,9 +262,10 @@ def _publish_sharded(tmp: Path, final: Path, meta: dict) -> None:
     _atomic_write_text(final.parent / POINTER, final.name)
 
 
-def _load_rank_part(path: Path, rank: int) -> dict[str, torch.Tensor]:
+def load_rank_part(path: Path, rank: int) -> dict[str, torch.Tensor]:
     """Rank ``rank``'s tensors of a DCP checkpoint, read by this process alone (DCP's metadata
-    gives every tensor's shape and dtype, so nothing of the live state is needed)."""
+    gives every tensor's shape and dtype, so nothing of the live state is needed). Its digests
+    are not checked here: read the meta with :func:`read_verified_meta` first."""
     import torch.distributed.checkpoint as dcp
 
     prefix = _rank_prefix(rank)
