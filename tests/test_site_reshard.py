@@ -120,3 +120,30 @@ def test_a_run_resumes_with_another_rank_count_from_the_same_parameters(tmp_path
     assert final_models(cfg.run_dir) == saved_by_one
     saved = json.loads((cfg.run_dir / "config.json").read_text())
     assert saved["ranks_per_worker"] == 2  # the run dir says how it runs now
+
+
+def test_a_peer_whose_shards_are_cut_otherwise_is_not_healed_from():
+    """Healing pairs rank r with rank r: a state cut for another rank count (here half of each
+    tensor, as rank 0 of a 2-rank site holds it) is refused whole, naming the settings to
+    match, and nothing of it is loaded."""
+    import farlink
+    from farlink.sync.base import StateTransferError
+
+    def replica(rows: int, seed: int = 0) -> farlink.Optimizer:
+        torch.manual_seed(seed)
+        model = torch.nn.Linear(4, rows)
+        return farlink.Optimizer(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                                 backend="inprocess", algorithm="diloco", steps=10,
+                                 inner_steps=5)
+
+    whole, half = replica(6), replica(3)
+    before = whole.fingerprint()
+    with pytest.raises(StateTransferError, match="--ranks-per-worker and --sharding"):
+        whole.algorithm.import_state(half.algorithm.export_state())
+    assert whole.fingerprint() == before
+    same = replica(6, seed=1)  # the same cut: healed as before
+    assert same.fingerprint() != before
+    same.algorithm.import_state(whole.algorithm.export_state())
+    assert same.fingerprint() == before
+    for sync in (whole, half, same):
+        sync.close()

@@ -359,8 +359,22 @@ class SyncAlgorithm(ABC):
         return seal(self.shared_state())
 
     def import_state(self, state: TensorState) -> None:
-        """Adopt a transferred state only if it hashes to what the sender sealed."""
-        self.load_shared_state(unseal(state))
+        """Adopt a transferred state only if it hashes to what the sender sealed and every
+        tensor has the shape this replica holds: a site heals rank r from rank r of another
+        site, so a peer whose shards are cut otherwise (another --ranks-per-worker or
+        --sharding) would hand over the wrong slice, or fail deep inside a copy."""
+        state = unseal(state)
+        mine = {key: tuple(value.shape) for key, value in self.shared_state().items()}
+        misfit = sorted(k for k, shape in mine.items()
+                        if k in state and tuple(state[k].shape) != shape)
+        if misfit:
+            key = misfit[0]
+            raise StateTransferError(
+                f"a live peer's state does not fit this replica ({len(misfit)} tensors, e.g. "
+                f"{key}: {tuple(state[key].shape)} there, {mine[key]} here): every worker of a "
+                "run needs the same model, --ranks-per-worker and --sharding (rank r of each "
+                "site holds the same shard)")
+        self.load_shared_state(state)
 
     def state_dict(self) -> TensorState:
         """Shared state plus this worker's private state, for an exact resume."""
