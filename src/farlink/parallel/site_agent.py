@@ -46,9 +46,7 @@ def torchrun_argv(host: str, port: int, ranks: int, max_restarts: int,
 def run_as_site(host: str, ranks: int, command: list[str], max_restarts: int = 0) -> int:
     """Run ``python COMMAND`` as a site of ``ranks`` ranks on this machine (through this module,
     so its store listens on ``host`` only) and wait for it; its exit code. The ranks watch this
-    process (:mod:`farlink.lifeline`): if it dies, they stop at their next step boundary. A
-    Ctrl-C reaches the ranks too (one process group), and they stop at their next step with
-    their checkpoint written: this waits for that once, and a second Ctrl-C leaves at once."""
+    process (:mod:`farlink.lifeline`): if it dies, they stop at their next step boundary."""
     import os
     import subprocess
     import sys
@@ -57,11 +55,7 @@ def run_as_site(host: str, ranks: int, command: list[str], max_restarts: int = 0
 
     argv = [sys.executable, "-m", "farlink.parallel.site_agent", "--host", host,
             f"--nproc-per-node={ranks}", f"--max-restarts={max_restarts}", *command]
-    site = subprocess.Popen(argv, env={**os.environ, **lifeline.child_env()})
-    try:
-        return site.wait()
-    except KeyboardInterrupt:
-        return site.wait()
+    return subprocess.run(argv, env={**os.environ, **lifeline.child_env()}).returncode
 
 
 def main(argv: list[str] | None = None) -> None:
