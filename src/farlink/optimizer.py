@@ -525,8 +525,10 @@ class Optimizer:
 
     def _load_site(self, directory: Path) -> dict | None:
         """A site resumes from its newest checkpoint that verifies: rank 0 checks the digests
-        (setting aside any that fail) and names the step; every rank reads its own part of it.
-        A step is published only once all ranks wrote it, so each published step is whole."""
+        (setting aside any that fail) and names the step; every rank reads its own part of it,
+        or, when another number of ranks wrote it, every part, cut again for this site
+        (:meth:`_resharded`). A step is published only once all ranks wrote it, so each
+        published step is whole."""
         import torch.distributed as dist
 
         from farlink.train.checkpoint import (load_newest_intact, load_rank_part,
