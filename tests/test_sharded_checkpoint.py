@@ -113,9 +113,10 @@ def test_no_temporary_directory_is_left(written):
     assert os.path.isdir(checkpoint_path(written, 10))
 
 
-def test_a_replica_of_another_rank_count_is_told_which_to_resume_with(written):
-    """Each rank's part is its own shard: a one-rank replica must not read rank 0's part as
-    the whole model."""
+def test_a_replica_whose_state_the_parts_do_not_fit_is_told_which_to_resume_with(written):
+    """Each rank's part is its own shard: a one-rank replica cuts the parts again for itself
+    (farlink.parallel.reshard), and parts that are not of its state (another model) are refused,
+    never read as the whole model."""
     import farlink
 
     model = torch.nn.Linear(4, 1)

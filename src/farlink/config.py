@@ -282,11 +282,25 @@ class RunConfig(*algorithm_options()):
         k = self.ranks_per_worker
         if k == 1:
             return
+        if algorithm_class(self.algorithm).capabilities.islands:
+            raise ValueError(
+                f"{self.algorithm} cannot run on sites of several ranks yet: its islands are "
+                f"formed on the emulated WAN (--topology), where sites do not run, and each rank "
+                f"would be a member of two replica groups at once (its island's and the "
+                f"leaders'). Use diloco or streaming_diloco across sites of ranks_per_worker={k}, "
+                f"or hierarchical_diloco with ranks_per_worker=1")
         if not sharded:
             able = [n for n in ALGORITHMS if algorithm_class(n).capabilities.sharded]
             raise ValueError(f"ranks_per_worker={k} shards the model (FSDP2) inside each "
                              f"worker; {self.algorithm} cannot run on shards. Use one of "
                              f"{', '.join(able)}, or ranks_per_worker=1")
+        if self.backend == "hivemind":
+            raise ValueError(
+                f"ranks_per_worker={k} runs on the torchft backend, not hivemind: hivemind "
+                f"matches each peer into its averaging group on its own, so rank 0 of a site "
+                f"could average its shard with one set of sites and rank 1 with another, and "
+                f"the site's shards would no longer be one replica. Use --backend torchft (a "
+                f"replica group of {k} ranks), or ranks_per_worker=1 on hivemind")
         if self.backend != "torchft":
             raise ValueError(f"ranks_per_worker={k} runs on the torchft backend (a replica "
                              f"group of {k} ranks), not {self.backend}")

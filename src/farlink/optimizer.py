@@ -487,23 +487,52 @@ class Optimizer:
             raise ValueError(f"checkpoint {path} was written by algorithm {meta['algorithm']!r}, "
                              f"not {self.config.algorithm!r}; resume with the same algorithm")
         written_by, ranks = meta.get(SITE_RANKS, 1), 1 if self.site is None else self.site.size
-        if written_by != ranks:  # each rank's part is its own shard: no resharding yet
-            raise ValueError(f"checkpoint {path} was written by a site of {written_by} ranks, "
-                             f"this replica has {ranks}; resume with --ranks-per-worker "
-                             f"{written_by} (ranks_per_worker={written_by})")
+        if written_by != ranks:  # each rank's part is its own shard: cut them again
+            tensors = self._resharded(path, meta)
         bytes_sent = tensors.pop(BYTES_SENT, None)
         self.load_state_dict(tensors)
         self.collective.stats.bytes_sent = (meta["bytes_sent"] if bytes_sent is None
                                             else int(bytes_sent))
         return {**meta, "path": str(path)}
 
+    def _resharded(self, path: Path, meta: dict) -> dict[str, torch.Tensor]:
+        """This rank's state from a checkpoint written by a site of another number of ranks:
+        every part read, cut again to what each rank of this site holds (a collective of the
+        site's ranks: they tell each other their shapes). The bytes the old ranks sent go to
+        rank 0 (the site's total is what its metrics report)."""
+        import json
+
+        from farlink.parallel.reshard import ReshardError, reshard
+        from farlink.train.checkpoint import load_checkpoint_parts
+
+        parts, _ = load_checkpoint_parts(path)
+        sent = [part.pop(BYTES_SENT, None) for part in parts]
+        mine = {**self.algorithm.state_shapes(), "rng.torch": tuple(torch.get_rng_state().shape)}
+        rank = 0 if self.site is None else self.site.rank
+        layout = ([mine] if self.site is None else
+                  [{k: tuple(v) for k, v in json.loads(text).items()}
+                   for text in self.site.gather(json.dumps(mine))])
+        try:
+            tensors = reshard(parts, rank, layout)
+        except ReshardError as exc:
+            raise ValueError(f"checkpoint {path} (a site of {len(parts)} ranks) does not fit "
+                             f"this site of {len(layout)}: {exc}") from None
+        total = (sum(int(s) for s in sent) if all(s is not None for s in sent)
+                 else int(meta["bytes_sent"]))
+        tensors[BYTES_SENT] = torch.tensor(total if rank == 0 else 0)
+        log.info("resharded %s from %d ranks to %d", path, len(parts), len(layout))
+        return tensors
+
     def _load_site(self, directory: Path) -> dict | None:
         """A site resumes from its newest checkpoint that verifies: rank 0 checks the digests
-        (setting aside any that fail) and names the step; every rank reads its own part of it.
-        A step is published only once all ranks wrote it, so each published step is whole."""
+        (setting aside any that fail) and names the step; every rank reads its own part of it,
+        or, when another number of ranks wrote it, every part, cut again for this site
+        (:meth:`_resharded`). A step is published only once all ranks wrote it, so each
+        published step is whole."""
         import torch.distributed as dist
 
-        from farlink.train.checkpoint import load_checkpoint, load_newest_intact
+        from farlink.train.checkpoint import (load_newest_intact, load_rank_part,
+                                              read_verified_meta)
 
         restored = load_newest_intact(directory, rank=0) if self.site.rank == 0 else None
         name = [restored.path.name if restored and restored.path else None]
@@ -519,8 +548,12 @@ class Optimizer:
                     f"run with the farlink that wrote it, or start a new --run-dir")
             return None
         path = directory / name[0]
-        tensors, meta = ((restored.tensors, restored.meta) if self.site.rank == 0
-                         else load_checkpoint(path, rank=self.site.rank))
+        if self.site.rank == 0:
+            tensors, meta = restored.tensors, restored.meta
+        else:  # a rank the checkpoint has no part for reads them all (resharding)
+            meta = read_verified_meta(path)
+            tensors = ({} if meta.get(SITE_RANKS, 1) != self.site.size
+                       else load_rank_part(path, self.site.rank))
         return self._restore(path, tensors, meta)
 
     def close(self) -> None:

@@ -14,6 +14,16 @@ with FSDP; after a round the ranks broadcast their updated slices (:meth:`Site.s
 The alternative, rank 0 alone exchanging and broadcasting, would leave the other ranks' links
 idle and put the whole replica through one rank's connection.
 
+A site that joins a run under way, or restarts behind the others, heals through torchft as one
+process does. torchft pairs rank r of the healing replica group with rank r of the recovery
+source (each rank's Manager serves and fetches its own state), and what a rank serves is its
+algorithm's state of its own shard as plain tensors: the algorithms keep ``to_local()`` views of
+FSDP2's DTensors (:func:`local_shard`) and copies of them, never DTensors, which torchft's
+transport would have to rebuild on a device mesh of the receiver's. So each rank receives exactly
+its shard and copies it into its local view in place; sites must have the same K and
+``--sharding`` for rank r's shards to be the same slice. A checkpoint resumed with another K is
+cut again instead (:mod:`farlink.parallel.reshard`).
+
 A site is started the way torchtitan and torchft examples start one, by ``torchrun``::
 
     TORCHFT_LIGHTHOUSE=http://host:29510 REPLICA_GROUP_ID=0 \\

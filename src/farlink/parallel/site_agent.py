@@ -43,6 +43,21 @@ def torchrun_argv(host: str, port: int, ranks: int, max_restarts: int,
             f"--max-restarts={max_restarts}", *command]
 
 
+def run_as_site(host: str, ranks: int, command: list[str], max_restarts: int = 0) -> int:
+    """Run ``python COMMAND`` as a site of ``ranks`` ranks on this machine (through this module,
+    so its store listens on ``host`` only) and wait for it; its exit code. The ranks watch this
+    process (:mod:`farlink.lifeline`): if it dies, they stop at their next step boundary."""
+    import os
+    import subprocess
+    import sys
+
+    from farlink import lifeline
+
+    argv = [sys.executable, "-m", "farlink.parallel.site_agent", "--host", host,
+            f"--nproc-per-node={ranks}", f"--max-restarts={max_restarts}", *command]
+    return subprocess.run(argv, env={**os.environ, **lifeline.child_env()}).returncode
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(
         prog="python -m farlink.parallel.site_agent",

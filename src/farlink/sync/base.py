@@ -359,8 +359,22 @@ class SyncAlgorithm(ABC):
         return seal(self.shared_state())
 
     def import_state(self, state: TensorState) -> None:
-        """Adopt a transferred state only if it hashes to what the sender sealed."""
-        self.load_shared_state(unseal(state))
+        """Adopt a transferred state only if it hashes to what the sender sealed and every
+        tensor has the shape this replica holds: a site heals rank r from rank r of another
+        site, so a peer whose shards are cut otherwise (another --ranks-per-worker or
+        --sharding) would hand over the wrong slice, or fail deep inside a copy."""
+        state = unseal(state)
+        mine = {key: tuple(value.shape) for key, value in self.shared_state().items()}
+        misfit = sorted(k for k, shape in mine.items()
+                        if k in state and tuple(state[k].shape) != shape)
+        if misfit:
+            key = misfit[0]
+            raise StateTransferError(
+                f"a live peer's state does not fit this replica ({len(misfit)} tensors, e.g. "
+                f"{key}: {tuple(state[key].shape)} there, {mine[key]} here): every worker of a "
+                "run needs the same model, --ranks-per-worker and --sharding (rank r of each "
+                "site holds the same shard)")
+        self.load_shared_state(state)
 
     def state_dict(self) -> TensorState:
         """Shared state plus this worker's private state, for an exact resume."""
@@ -369,6 +383,24 @@ class SyncAlgorithm(ABC):
     def load_state_dict(self, state: TensorState) -> None:
         self.load_shared_state(state)
         self.inner_steps_done = int(state["counter.inner_steps"])
+
+    def state_shapes(self) -> dict[str, tuple[int, ...]]:
+        """The shape of every tensor :meth:`state_dict` holds on this rank, and of those made
+        only later, under a prefix: ``inner.I.`` and ``outer.I.`` for the states of an
+        optimizer's parameter I (made at its first step), ``residual.NAME`` for a codec's
+        residual of NAME (made at the first round): what this rank would hold of each. A site
+        resumed with another number of ranks cuts its checkpoint to them
+        (:mod:`farlink.parallel.reshard`)."""
+        from farlink.parallel.sharding import local_shard
+
+        shapes = {key: tuple(value.shape) for key, value in self.state_dict().items()}
+        for prefix in ("inner", "outer"):
+            opt = getattr(self, f"{prefix}_opt", None)
+            for index, param in enumerate(_optimizer_params(opt) if opt is not None else []):
+                shapes[f"{prefix}.{index}."] = tuple(local_shard(param).shape)
+        for name, param in zip(self.names, self.params):
+            shapes.setdefault(f"residual.{name}", tuple(param.shape))
+        return shapes
 
     # --- helpers -------------------------------------------------------------------------------
     def round_outcome(self, committed: bool, seconds: float, info: RoundInfo | None) -> StepOutcome:

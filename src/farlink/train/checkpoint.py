@@ -21,7 +21,9 @@ A site of several ranks (FSDP2 or DDP inside) writes one checkpoint per step wit
 site's ranks, each writing its own part into the same directory, after which rank 0 records the
 SHA-256 of every file DCP wrote and publishes the directory as above. A rank killed mid-write
 leaves only a temporary directory, so a published step is always whole; on load every digest is
-checked the same way and each rank reads back only its own part.
+checked the same way and each rank reads back only its own part, or, resumed with another number
+of ranks, every part (:func:`load_checkpoint_parts`), which :mod:`farlink.parallel.reshard`
+cuts again.
 """
 
 from __future__ import annotations
@@ -195,18 +197,40 @@ def _verified_meta(path: Path) -> dict:
     return meta
 
 
+def read_verified_meta(path: Path) -> dict:
+    """A checkpoint's meta, after checking every digest it records (files and itself)."""
+    return _verified_meta(path)
+
+
 def load_checkpoint(path: Path, rank: int = 0) -> tuple[dict[str, torch.Tensor], dict]:
     """Tensors and meta of one checkpoint, after checking every digest its meta recorded. Of a
     site's checkpoint (DCP), the tensors of rank ``rank``."""
     meta = _verified_meta(path)
     if meta.get(SHARDED):
-        return _load_rank_part(path, rank), meta
+        return load_rank_part(path, rank), meta
     try:
         blob = (path / TENSORS).read_bytes()
         tensors = load_tensors(blob)
     except Exception as exc:  # safetensors raises its own error type for a malformed file
         raise CheckpointCorrupt(f"cannot read checkpoint {path}: {exc}") from exc
     return tensors, meta
+
+
+def load_checkpoint_parts(path: Path) -> tuple[list[dict[str, torch.Tensor]], dict]:
+    """Every rank's tensors of one checkpoint, in rank order, after checking every digest: a
+    site's checkpoint read whole, to be cut again for another number of ranks
+    (:mod:`farlink.parallel.reshard`); one part for a checkpoint of a single process."""
+    meta = _verified_meta(path)
+    if not meta.get(SHARDED):
+        return [load_checkpoint(path)[0]], meta
+    import torch.distributed.checkpoint as dcp
+
+    try:
+        stored = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+    except Exception as exc:  # DCP's errors for a malformed file
+        raise CheckpointCorrupt(f"cannot read checkpoint {path}: {exc}") from exc
+    ranks = {int(key.split("/", 1)[0][len("rank"):]) for key in stored if key.startswith("rank")}
+    return [load_rank_part(path, rank) for rank in range(len(ranks))], meta
 
 
 def _rank_prefix(rank: int) -> str:
@@ -238,9 +262,10 @@ def _publish_sharded(tmp: Path, final: Path, meta: dict) -> None:
     _atomic_write_text(final.parent / POINTER, final.name)
 
 
-def _load_rank_part(path: Path, rank: int) -> dict[str, torch.Tensor]:
+def load_rank_part(path: Path, rank: int) -> dict[str, torch.Tensor]:
     """Rank ``rank``'s tensors of a DCP checkpoint, read by this process alone (DCP's metadata
-    gives every tensor's shape and dtype, so nothing of the live state is needed)."""
+    gives every tensor's shape and dtype, so nothing of the live state is needed). Its digests
+    are not checked here: read the meta with :func:`read_verified_meta` first."""
     import torch.distributed.checkpoint as dcp
 
     prefix = _rank_prefix(rank)

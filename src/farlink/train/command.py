@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import inspect
 import os
+import sys
 from pathlib import Path
 from typing import Any, Optional, get_args, get_origin
 
@@ -118,18 +119,22 @@ def register(app: typer.Typer, bench_app: typer.Typer) -> None:
         keeps it as it is, and its own run dir gets its config, tokenizer and model shape. An
         index a live worker holds is refused (naming a free one); one an earlier worker left
         files for is continued only with --resume (after a crash: the same command with --resume).
+        With --ranks-per-worker K (outside torchrun) it starts a site of K ranks on this machine,
+        each rank running this command; each heals its own shard from the same rank of a live
+        site.
         """
         from farlink.robust.auth import run_secret
         from farlink.train.index_lock import check_joinable
         from farlink.train.rundir import check_resume
-        from farlink.train.worker import run_worker
+        from farlink.train.worker import exit_process, run_worker
 
         cfg = _config_from(values)
         if cfg.lighthouse is None:
             typer.secho("error: --lighthouse ADDR is required to join", fg="red", err=True)
             raise typer.Exit(2)
         try:
-            check_joinable(cfg.run_dir, index, cfg.resume)
+            if os.environ.get("RANK", "0") == "0":  # a site's rank 0 speaks for it (its lock)
+                check_joinable(cfg.run_dir, index, cfg.resume)
             run_secret(cfg)  # a missing or exposed secret fails here, not in the first round
             if cfg.resume:
                 check_resume(cfg)
@@ -138,10 +143,16 @@ def register(app: typer.Typer, bench_app: typer.Typer) -> None:
             raise typer.Exit(2) from None
         from farlink.worker import prepare_run_dir
 
+        if cfg.ranks_per_worker > 1 and "WORLD_SIZE" not in os.environ:
+            # a site of K ranks on this machine: this same command, once per rank, by torchrun
+            from farlink.parallel.site_agent import run_as_site
+
+            raise typer.Exit(run_as_site(cfg.host, cfg.ranks_per_worker,
+                                         ["-m", "farlink.cli", *sys.argv[1:]]))
         # a joiner's own run dir gets the run's files; under torchrun only the site's rank 0
         # writes them
         prepare_run_dir(cfg, rank=int(os.environ.get("RANK", "0")))
-        raise typer.Exit(run_worker(cfg, index, cfg.lighthouse, joining=True))
+        exit_process(run_worker(cfg, index, cfg.lighthouse, joining=True))
 
     register_model_commands(app)
 
