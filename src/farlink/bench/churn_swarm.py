@@ -65,16 +65,18 @@ class SwarmChurn:
 
     def __init__(self, out: Path, rounds: int, inner_steps: int, volunteers: int, rate: float,
                  model: str, seed: int, timeout_s: float, min_replicas: int = 2,
-                 claim_ttl: float | None = None) -> None:
+                 pace_seconds: float | None = None) -> None:
         from farlink.comm.swarm_shards import CLAIM_TTL, SETTLE_S
 
         self.out, self.rounds, self.inner_steps = out, rounds, inner_steps
         self.start_volunteers, self.rate, self.model = volunteers, rate, model
         self.min_replicas = min_replicas
+        # every inner step padded to this long: rounds as slow on an idle machine as on a busy one
+        self.pace_seconds = pace_seconds
         self.rng = random.Random(seed)
         self.deadline = time.monotonic() + timeout_s
         # a departed volunteer's claim lives this long after its last refresh
-        self.claim_ttl = (CLAIM_TTL if claim_ttl is None else claim_ttl) + SETTLE_S + 2.0
+        self.claim_ttl = CLAIM_TTL + SETTLE_S + 2.0
         self.procs: dict[str, subprocess.Popen] = {}
         self.dirs: dict[str, Path] = {}
         self.events: list[dict] = []
@@ -120,6 +122,8 @@ class SwarmChurn:
                  str(self.min_replicas), "--steps", str(steps), "--inner-steps",
                  str(self.inner_steps), "--warmup-steps", str(min(5, steps - 1)),
                  "--log-every", "1"]
+        if self.pace_seconds:
+            flags += ["--pace-seconds", str(self.pace_seconds)]
         boot = self._farlink("boot", ["swarm", "start", *flags, "--run-dir",
                                       str(self.out / "runs" / "boot"), "--cache-dir",
                                       str(self.out / "caches" / "boot")])

@@ -67,12 +67,10 @@ def volunteer_record(run_dir: Path) -> dict:
             tokens_at_commit = r["tokens"]
     ends = [r for r in records if r["kind"] == "end"]
     positions = [r for r in records if r["kind"] == "data_position"]
-    starts = [r["time"] for r in records if r["kind"] == "start"]
     return {
         "run_dir": str(run_dir),
         "shard": claim.get("shard"),
         "join_round": claim.get("join_round"),
-        "started": min(starts) if starts else None,
         "rounds": rounds,
         "committed_tokens": sum(r["tokens"] for r in rounds),
         "discarded_tokens": discarded,
@@ -114,9 +112,10 @@ def audit_swarm(run_dirs: dict[str, Path]) -> dict:
     for name in departed:
         gone = volunteers[name]
         last = max((r["round"] for r in gone["rounds"]), default=0)
-        heirs = sorted((v["started"], n) for n, v in volunteers.items()
-                       if n != name and v["shard"] == gone["shard"] and v["started"] is not None
-                       and gone["started"] is not None and v["started"] > gone["started"])
+        # the next volunteer on that shard: the first whose rounds begin after the departed's
+        heirs = sorted((min(r["round"] for r in v["rounds"]), n) for n, v in volunteers.items()
+                       if n != name and v["shard"] == gone["shard"] and v["rounds"]
+                       and min(r["round"] for r in v["rounds"]) > last)
         heir = heirs[0][1] if heirs else None
         hand_overs.append({
             "departed": name, "shard": gone["shard"], "last_committed_round": last,
