@@ -107,7 +107,9 @@ class SwarmChurn:
         proc = self.procs[name]
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
+        # the swarm's round as the driver last saw it, and the victim's own last commit
         self.events.append({"event": "sigkill", "volunteer": name, "committed_round": committed,
+                            "victim_last_round": _committed(_records(self.dirs[name])),
                             "time": round(time.time() - self.t0, 2)})
 
     def _live(self) -> list[str]:
@@ -204,8 +206,8 @@ def run(out: Path, rounds: int = 50, inner_steps: int = 2, volunteers: int = 3,
 
 
 def plot(path: Path, dirs: dict[str, Path], events: list[dict], audit: dict) -> Path:
-    """Left: held-out loss against the swarm's committed tokens. Right: every volunteer's
-    committed rounds over wall-clock (one line each), arrivals and SIGKILLs marked."""
+    """Left: held-out loss against the swarm's committed tokens. Right: the peers that averaged
+    each committed round, with every SIGKILL and arrival marked at the round it came in."""
     from farlink.bench.report import pyplot
 
     plt = pyplot()
@@ -223,29 +225,32 @@ def plot(path: Path, dirs: dict[str, Path], events: list[dict], audit: dict) -> 
     for rnd in range(1, max(per_round, default=0) + 1):
         total += per_round.get(rnd, 0)
         cumulative[rnd] = total
-    start = min((r["time"] for rs in records.values() for r in rs[:1]), default=0.0)
+    group: dict[int, int] = {}
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.2))
     for name, rs in records.items():
         evals = sorted((cumulative.get(r["outer_step"], total), r["loss"]) for r in rs
                        if r["kind"] == "eval")
         if evals:
             left.plot(*zip(*evals), marker="o", markersize=3, label=name)
-        commits = [(r["time"] - start, r["outer_step"]) for r in rs
-                   if r["kind"] == "sync" and r.get("committed")]
-        if commits:
-            right.plot(*zip(*commits), marker=".", markersize=3, label=name)
+        for r in rs:
+            if r["kind"] in ("sync", "join") and r.get("committed"):
+                group[r["outer_step"]] = max(group.get(r["outer_step"], 0), r["world_size"])
+    if group:
+        right.step(*zip(*sorted(group.items())), where="mid", color="0.3",
+                   label="peers in the round")
     for e in events:
         if e["committed_round"] == 0:
             continue
         color = "tab:red" if e["event"] == "sigkill" else "tab:green"
-        right.axhline(e["committed_round"], color=color, linestyle=":", linewidth=1)
-    right.plot([], [], ":", color="tab:red", label="SIGKILL")
-    right.plot([], [], ":", color="tab:green", label="arrival")
+        right.axvline(e["committed_round"], color=color, linestyle=":", linewidth=1.2)
+    right.plot([], [], ":", color="tab:red", label="SIGKILL of a volunteer")
+    right.plot([], [], ":", color="tab:green", label="a volunteer arrives")
+    right.set_ylim(0, max(group.values(), default=1) + 1)
     left.set_xlabel("committed tokens (all volunteers)")
     left.set_ylabel("held-out loss")
     left.set_title("held-out loss, each volunteer's evaluations")
-    right.set_xlabel("wall-clock (s)")
-    right.set_ylabel("committed round")
+    right.set_xlabel("committed round")
+    right.set_ylabel("peers averaged")
     right.set_title(f"lost committed tokens: {audit['lost_committed_tokens']}, "
                     f"same final state: {audit['same_final_state']}")
     for ax in (left, right):

@@ -121,7 +121,13 @@ def audit_swarm(run_dirs: dict[str, Path]) -> dict:
             "departed": name, "shard": gone["shard"], "last_committed_round": last,
             "uncommitted_tokens_lost": gone["uncommitted_tokens"], "picked_up_by": heir,
             "continued_from_round": volunteers[heir]["took_over_position_of_round"]
-            if heir else None})
+            if heir else None,
+            # the heir's data position predates the departed's last commit when that commit's
+            # position had not reached the DHT yet: those rounds' tokens are trained again
+            "rounds_of_data_trained_again": last - volunteers[heir]["took_over_position_of_round"]
+            if heir and volunteers[heir]["took_over_position_of_round"] is not None else None,
+            # rounds the run still had after the departure (a claim expires 30 s after it)
+            "rounds_left": last_round - last})
 
     return {
         "committed_rounds": last_round,
