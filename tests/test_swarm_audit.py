@@ -90,8 +90,17 @@ def test_a_clean_churned_swarm_loses_nothing_and_every_figure_adds_up(tmp_path: 
     assert audit["uncommitted_tokens_lost_with_departed"] == TOKENS_PER_ROUND  # c's last steps
     assert audit["shard_hand_overs"] == [{
         "departed": "c", "shard": 2, "last_committed_round": 4, "uncommitted_tokens_lost": 256,
-        "picked_up_by": "d", "continued_from_round": 4}]
+        "picked_up_by": "d", "continued_from_round": 4, "rounds_of_data_trained_again": 0,
+        "rounds_left": 2}]
     assert audit["all_departed_shards_picked_up"]
+
+
+def test_an_heir_that_continues_from_an_older_position_trains_those_rounds_again(
+        tmp_path: Path) -> None:
+    # c's position after round 4 never reached the DHT: d starts from round 3's
+    audit = audit_swarm(swarm(tmp_path, d={"took_over": 3}))
+    assert audit["shard_hand_overs"][0]["rounds_of_data_trained_again"] == 1
+    assert audit["lost_committed_tokens"] == 0 and audit["consistent"]
 
 
 def test_two_states_under_one_round_number_lose_that_rounds_committed_tokens(

@@ -9,10 +9,11 @@ and judges the run as a whole.
 member of its averaging group voted yes in the round's vote (hivemind's ``commit()`` returned
 True for it): it applied the averaged outer update, its metrics record the round
 (``kind == "sync"``, ``committed``, ``outer_step == r``) with the fingerprint of the state it now
-holds, and it checkpoints that state in its own run dir. A newcomer's first round (``kind ==
-"join"``, before any inner step) is committed the same way and brings no tokens. The *committed tokens* of that round are
-the tokens this volunteer trained since its previous committed round (or its start): its
-pseudo-gradient over them went into the average with their weight. A round in which the
+holds, and it checkpoints that state in its own run dir. A newcomer's first round
+(``kind == "join"``, before any inner step) is committed the same way and brings no tokens.
+The *committed tokens* of a round are the tokens this volunteer trained since its previous
+committed round (or its start): its pseudo-gradient over them went into the average with their
+weight. A round in which the
 volunteer was healed instead (it was behind and adopted an up-to-date peer's state) commits none
 of its tokens: the work it did since its last commit was replaced, never averaged, and is counted
 as *discarded*, as is the work a killed volunteer did after its last commit (*uncommitted work
