@@ -366,7 +366,7 @@ class HivemindCollective(Collective):
             healed=healed,
             peers=[str(p) for p in group.peers],
         )
-        self.stats.comm_seconds += time.perf_counter() - start
+        self.stats.add_phase("matchmaking", time.perf_counter() - start)
         return self._info
 
     async def _find_group(self, due: float) -> Any:
@@ -623,7 +623,7 @@ class HivemindCollective(Collective):
                     "slow; the round is discarded. Fix if it persists: raise allreduce_timeout."
                 )
             )
-        self.stats.comm_seconds += time.perf_counter() - start
+        self.stats.add_phase("all_reduce", time.perf_counter() - start)
 
     async def _all_reduce(self, group: _Group, key: bytes, work, fractions) -> int:
         reducers = sum(1 for f in fractions if f > 0)
@@ -696,7 +696,7 @@ class HivemindCollective(Collective):
                     "raise gather_timeout."
                 )
             )
-        self.stats.comm_seconds += time.perf_counter() - start
+        self.stats.add_phase("all_gather", time.perf_counter() - start)
         return out
 
     async def _exchange(
@@ -878,7 +878,7 @@ class HivemindCollective(Collective):
             self.round_id = group.round_id + 1
             self.last_failure = None
         self._group = None
-        self.stats.comm_seconds += time.perf_counter() - start
+        self.stats.add_phase("commit", time.perf_counter() - start)
         return ok
 
     @property
