@@ -89,6 +89,8 @@ def _peer(k: int, initial_peers: list[str], q, stop, plan: dict) -> None:
                     w_const=bool((state["w"] == state["w"][0]).all()),
                     seconds=time.perf_counter() - t0,
                     state_sources=len(coll.last_state_sources),
+                    phases=dict(coll.stats.phase_seconds),
+                    comm_seconds=coll.stats.comm_seconds,
                 ),
                 None,
             )
@@ -201,6 +203,10 @@ def test_three_peers_sum_gather_and_bytes(swarm: Swarm) -> None:
         check_round(swarm, reports)
         for rep in reports:  # gather: payload to each of the 2 other (server) members
             assert rep["ag_bytes"] == len(payload_for(0, rep["round_id"])) * 2
+        for rep in reports:  # every second in a collective is booked under one phase
+            assert set(rep["phases"]) == {"matchmaking", "all_reduce", "all_gather", "commit"}
+            assert sum(rep["phases"].values()) == pytest.approx(rep["comm_seconds"])
+            assert all(seconds > 0 for seconds in rep["phases"].values())
     # shards are bandwidth-proportional (equal bandwidths -> nearly equal, whole parts)
     shards = by_round[0][0]["shards"]
     assert max(shards) - min(shards) <= (N1 + N2) // (8 * 3) + 2
