@@ -173,17 +173,7 @@ class _Mailbox:
         self, key: bytes, ranks: set[int], deadline: float, dead: set[int] | None = None
     ) -> dict[int, bytes]:
         """Wait until every rank in ``ranks`` delivered (or is known dead), or the deadline."""
-        while True:
-            got = self.slots.get(key, {})
-            missing = ranks - set(got) - (dead or set())
-            remaining = deadline - time.monotonic()
-            if not missing or remaining <= 0:
-                return {r: got[r] for r in ranks if r in got}
-            self.changed.clear()
-            try:
-                await asyncio.wait_for(self.changed.wait(), timeout=min(remaining, 0.5))
-            except TimeoutError:
-                pass
+        return {rank: data async for rank, data in self.arrivals(key, ranks, deadline, dead)}
 
     async def arrivals(
         self, key: bytes, ranks: set[int], deadline: float, dead: set[int] | None = None
