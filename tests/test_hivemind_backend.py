@@ -89,6 +89,8 @@ def _peer(k: int, initial_peers: list[str], q, stop, plan: dict) -> None:
                     w_const=bool((state["w"] == state["w"][0]).all()),
                     seconds=time.perf_counter() - t0,
                     state_sources=len(coll.last_state_sources),
+                    phases=dict(coll.stats.phase_seconds),
+                    comm_seconds=coll.stats.comm_seconds,
                 ),
                 None,
             )
@@ -201,6 +203,10 @@ def test_three_peers_sum_gather_and_bytes(swarm: Swarm) -> None:
         check_round(swarm, reports)
         for rep in reports:  # gather: payload to each of the 2 other (server) members
             assert rep["ag_bytes"] == len(payload_for(0, rep["round_id"])) * 2
+        for rep in reports:  # every second in a collective is booked under one phase
+            assert set(rep["phases"]) == {"matchmaking", "all_reduce", "all_gather", "commit"}
+            assert sum(rep["phases"].values()) == pytest.approx(rep["comm_seconds"])
+            assert all(seconds > 0 for seconds in rep["phases"].values())
     # shards are bandwidth-proportional (equal bandwidths -> nearly equal, whole parts)
     shards = by_round[0][0]["shards"]
     assert max(shards) - min(shards) <= (N1 + N2) // (8 * 3) + 2
@@ -277,3 +283,35 @@ def test_newcomer_heals_from_peers_and_joins(swarm: Swarm) -> None:
         check_round(swarm, reports)
     for reports in by_round.values():  # every peer holds the same state after each round
         assert len({r["w"] for r in reports}) == 1
+
+
+def test_a_server_hands_each_payload_on_as_it_arrives_not_after_the_last() -> None:
+    """What a client-mode member's fetch is answered from: payload 0 goes out while payload 2 is
+    still on its way; a member known dead is not waited for; the deadline ends the wait."""
+    import asyncio
+
+    from farlink.comm.hivemind_backend import _Mailbox
+
+    async def scenario() -> tuple[list, float, list, list]:
+        box = _Mailbox()
+        box.put(b"k", 0, b"zero")
+        handed: list[tuple[int, bytes, bool]] = []
+        started = time.monotonic()
+
+        async def late() -> None:
+            await asyncio.sleep(0.3)
+            box.put(b"k", 2, b"two")
+
+        task = asyncio.create_task(late())
+        async for rank, data in box.arrivals(b"k", {0, 2}, time.monotonic() + 10):
+            handed.append((rank, data, 2 in box.slots[b"k"]))  # was 2 there yet?
+        await task
+        took = time.monotonic() - started
+        dead = [r async for r, _ in box.arrivals(b"k", {0, 1}, time.monotonic() + 10, {1})]
+        expired = [r async for r, _ in box.arrivals(b"k", {0, 3}, time.monotonic() + 0.2)]
+        return handed, took, dead, expired
+
+    handed, took, dead, expired = asyncio.run(scenario())
+    assert handed == [(0, b"zero", False), (2, b"two", True)]
+    assert 0.3 <= took < 2.0
+    assert dead == [0] and expired == [0]

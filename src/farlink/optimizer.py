@@ -391,10 +391,12 @@ class Optimizer:
         """Cumulative figures for logs: bytes sent (by level where the algorithm has levels),
         where rounds spent their time (quorum, wire, total), rounds that failed."""
         algo = self.algorithm
+        phases = self.collective.stats.phase_seconds
         return {"bytes_sent": self.bytes_sent(), "outer_step": algo.outer_step,
                 "lr": algo.current_lr(), "quorum_s": round(algo.quorum_seconds, 4),
                 "network_s": round(algo.network_seconds, 4),
                 "rounds_s": round(algo.round_seconds, 4),
+                **({"phases_s": {k: round(v, 4) for k, v in phases.items()}} if phases else {}),
                 "failed_rounds": self.failed_rounds, **self.traffic()}
 
     # --- state ---------------------------------------------------------------------------------

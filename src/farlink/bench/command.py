@@ -177,11 +177,14 @@ def register(app: typer.Typer, bench_app: typer.Typer) -> None:
     @bench_app.command("churn")
     def churn(
         out: Path = typer.Option(Path("bench/churn"), help="output directory"),
-        rates: list[float] = typer.Option([0.0, 1.0, 4.0], help="kills per 100 outer steps"),
+        rates: list[float] | None = typer.Option(
+            None, help="kills per 100 outer steps (default 0, 1, 4; hivemind: one rate, 4)"),
         steps: int | None = typer.Option(
-            None, help="inner steps per worker (default 2000; --long: 6000)"),
-        inner_steps: int | None = typer.Option(None, help="H (default 20; --long: 10)"),
-        workers: int = typer.Option(4, help="worker processes"),
+            None, help="inner steps per worker (default 2000; --long: 6000; hivemind: 100)"),
+        inner_steps: int | None = typer.Option(None, help="H (default 20; --long: 10; "
+                                               "hivemind: 2)"),
+        workers: int | None = typer.Option(
+            None, help="worker processes (default 4; hivemind: volunteers at the start, 3)"),
         long: bool = typer.Option(
             False, "--long", help="instead of kill rates: a schedule of SIGKILLs aimed at every "
             "moment (inner step, round, checkpoint write, heal), Lighthouse kills and damaged "
@@ -189,11 +192,37 @@ def register(app: typer.Typer, bench_app: typer.Typer) -> None:
         kills: int = typer.Option(100, help="--long: worker SIGKILLs"),
         lighthouse_kills: int = typer.Option(2, help="--long: Lighthouse SIGKILLs"),
         corruptions: int = typer.Option(3, help="--long: checkpoints damaged on disk"),
-        seed: int = typer.Option(0, help="--long: schedule and victims"),
+        seed: int = typer.Option(0, help="--long and hivemind: schedule and victims"),
+        backend: str = typer.Option(
+            "torchft", help="torchft: workers of one job killed and restarted; hivemind: a "
+            "volunteer swarm (farlink swarm start / join, a run dir each), volunteers SIGKILLed "
+            "and newcomers taking their shards over"),
+        model: str = typer.Option("nano", help="hivemind: the model preset"),
     ) -> None:
         """Loss vs tokens with workers SIGKILLed and restarted; audits lost committed progress."""
         from farlink.bench.churn import run, run_long
 
+        if backend == "hivemind":
+            from farlink.bench import churn_swarm
+
+            if rates is not None and len(rates) != 1:
+                typer.secho("error: --backend hivemind runs one departure rate; give --rates "
+                            "once", fg="red", err=True)
+                raise typer.Exit(2)
+            inner = inner_steps or 2
+            result = churn_swarm.run(out, rounds=(steps or 100) // inner, inner_steps=inner,
+                                     volunteers=workers or 3, rate=rates[0] if rates else 4.0,
+                                     model=model, seed=seed)
+            print_rows(result["rows"], ["departures_per_100_rounds", "rounds", "sigkills",
+                                        "arrivals", "consistent", "same_final_state",
+                                        "lost_committed_tokens", "committed_tokens"],
+                       "farlink bench churn --backend hivemind")
+            return
+        if backend != "torchft":
+            typer.secho(f"error: backend {backend!r} unknown; choose torchft or hivemind",
+                        fg="red", err=True)
+            raise typer.Exit(2)
+        rates, workers = rates or [0.0, 1.0, 4.0], workers or 4
         if long:
             result = run_long(out, kills, lighthouse_kills, corruptions, steps or 6000,
                               inner_steps or 10, workers, seed)

@@ -68,6 +68,7 @@ def peer_report(run_dir: Path) -> dict:
     ends = [r for r in records if r["kind"] == "end"]
     end = ends[-1] if ends else {}
     round_s = [r["round_s"] for r in rounds]
+    phases = round_phases(records)
     # the first round of a joining volunteer heals it from the others (a "join" record, no
     # round time); the rounds after it are the ones timed here
     return {"finished": end.get("finished", False), "fingerprint": end.get("fingerprint"),
@@ -77,7 +78,27 @@ def peer_report(run_dir: Path) -> dict:
             "wall_s": end.get("wall_s"), "setup_s": end.get("setup_s"),
             "compute_s": end.get("compute_s"), "comm_s": end.get("comm_s"),
             "round_s": round_s, "mean_round_s": statistics.fmean(round_s) if round_s else None,
+            "mean_round_phases_s": phases,
             "group_sizes": [r["world_size"] for r in rounds]}
+
+
+def round_phases(records: list[dict]) -> dict[str, float] | None:
+    """Where a committed round's time went, averaged over the rounds after the first: the
+    collective's phases (matchmaking, all-reduce, all-gather, commit vote) and the rest of the
+    round on this peer (encoding, validation, aggregation, the outer step). From the cumulative
+    ``phases_s`` of the worker's sync records; None when the backend does not report phases."""
+    syncs = [r for r in records if r["kind"] == "sync" and "phases_s" in r]
+    per_round: list[dict[str, float]] = []
+    for before, after in zip(syncs, syncs[1:]):
+        if not after.get("committed"):
+            continue
+        spent = {k: v - before["phases_s"].get(k, 0.0) for k, v in after["phases_s"].items()}
+        spent["rest"] = after["rounds_s"] - before["rounds_s"] - sum(spent.values())
+        per_round.append(spent)
+    if not per_round:
+        return None
+    return {k: round(statistics.fmean(p.get(k, 0.0) for p in per_round), 3)
+            for k in per_round[-1]}
 
 
 def _console_notes(log_path: Path) -> list[str]:

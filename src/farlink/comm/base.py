@@ -42,6 +42,13 @@ class CommStats:
     collectives: int = 0
     failed_rounds: int = 0
     comm_seconds: float = 0.0
+    #: comm_seconds by phase of a round, for backends that tell them apart (hivemind:
+    #: matchmaking, all_reduce, all_gather, commit): where a round's time goes on a slow link
+    phase_seconds: dict[str, float] = field(default_factory=dict)
+
+    def add_phase(self, phase: str, seconds: float) -> None:
+        self.comm_seconds += seconds
+        self.phase_seconds[phase] = self.phase_seconds.get(phase, 0.0) + seconds
 
 
 @dataclass

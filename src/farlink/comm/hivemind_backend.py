@@ -16,7 +16,8 @@ shares the p2p daemon of a ``hivemind.DHT`` (which runs in its own process). Per
 * ``all_reduce_sum`` runs hivemind's butterfly :class:`AllReduceRunner` with shards proportional to
   the announced bandwidths (client-mode peers reduce nothing) and turns its average into a sum.
 * ``all_gather_bytes`` pushes the payload (signed by the exchange above, which verifies what
-  arrives) to every member that accepts connections; client-mode members fetch the full list from one of them.
+  arrives) to every member that accepts connections; client-mode members fetch the full list
+  from one of them, which streams each payload on as soon as it has it, not after the last one.
 * ``commit`` is an all-gather of one-byte votes. A member that failed anything (timeout, dead
   peer, bad state hash) votes no, and a member that is gone does not vote, so **a peer failing
   mid-round makes the round's ``commit()`` return False for the survivors**; their next
@@ -172,12 +173,25 @@ class _Mailbox:
         self, key: bytes, ranks: set[int], deadline: float, dead: set[int] | None = None
     ) -> dict[int, bytes]:
         """Wait until every rank in ``ranks`` delivered (or is known dead), or the deadline."""
+        return {rank: data async for rank, data in self.arrivals(key, ranks, deadline, dead)}
+
+    async def arrivals(
+        self, key: bytes, ranks: set[int], deadline: float, dead: set[int] | None = None
+    ) -> AsyncIterator[tuple[int, bytes]]:
+        """``(rank, payload)`` for each rank in ``ranks`` as soon as it is here, until every
+        rank delivered (or is known dead) or the deadline: a server streams each payload on to
+        a client-mode member while the others still arrive, instead of after the last one."""
+        given: set[int] = set()
         while True:
             got = self.slots.get(key, {})
-            missing = ranks - set(got) - (dead or set())
+            for rank in sorted(ranks - given):
+                if rank in got:
+                    given.add(rank)
+                    yield rank, got[rank]
+            missing = ranks - given - (dead or set())
             remaining = deadline - time.monotonic()
             if not missing or remaining <= 0:
-                return {r: got[r] for r in ranks if r in got}
+                return
             self.changed.clear()
             try:
                 await asyncio.wait_for(self.changed.wait(), timeout=min(remaining, 0.5))
@@ -366,7 +380,7 @@ class HivemindCollective(Collective):
             healed=healed,
             peers=[str(p) for p in group.peers],
         )
-        self.stats.comm_seconds += time.perf_counter() - start
+        self.stats.add_phase("matchmaking", time.perf_counter() - start)
         return self._info
 
     async def _find_group(self, due: float) -> Any:
@@ -623,7 +637,7 @@ class HivemindCollective(Collective):
                     "slow; the round is discarded. Fix if it persists: raise allreduce_timeout."
                 )
             )
-        self.stats.comm_seconds += time.perf_counter() - start
+        self.stats.add_phase("all_reduce", time.perf_counter() - start)
 
     async def _all_reduce(self, group: _Group, key: bytes, work, fractions) -> int:
         reducers = sum(1 for f in fractions if f > 0)
@@ -696,7 +710,7 @@ class HivemindCollective(Collective):
                     "raise gather_timeout."
                 )
             )
-        self.stats.comm_seconds += time.perf_counter() - start
+        self.stats.add_phase("all_gather", time.perf_counter() - start)
         return out
 
     async def _exchange(
@@ -737,25 +751,14 @@ class HivemindCollective(Collective):
             got = {}
             if self.admission is not None and group.peers[server] not in self.admission.members:
                 return got, sum(await pushes)
+            request = {"key": key, "rank": group.me, "ranks": sorted(others),
+                       "timeout": timeout, "kind": kind}
             try:
-                header, bodies = await asyncio.wait_for(
-                    self._request(
-                        group.peers[server],
-                        "fetch",
-                        {
-                            "key": key,
-                            "rank": group.me,
-                            "ranks": sorted(others),
-                            "timeout": timeout,
-                            "kind": kind,
-                        },
-                        [],
-                    ),
-                    timeout=max(0.1, deadline - time.monotonic() + 5),
-                )
-                got = dict(zip(header["ranks"], bodies))
+                await asyncio.wait_for(self._fetch(group.peers[server], request, got),
+                                       timeout=max(0.1, deadline - time.monotonic() + 5))
             except Exception as exc:  # noqa: BLE001
                 log.info("fetch from rank %d failed: %r", server, exc)
+                got = {}
         sent = sum(await pushes)
         return got, sent
 
@@ -764,6 +767,22 @@ class HivemindCollective(Collective):
         """The member that answers a client-mode member's fetches (spread over servers)."""
         servers = group.servers()
         return servers[client_rank % len(servers)]
+
+    async def _fetch(self, peer: PeerID, request: dict, got: dict[int, bytes]) -> None:
+        """A client-mode member's fetch: the server streams one message per payload as each
+        arrives there, then ``{"done": True}``; ``got`` fills as they come."""
+        _, reader, writer = await self._p2p.call_binary_stream_handler(
+            peer, f"{self.prefix}.fetch"
+        )
+        try:
+            await send_message(writer, request, [])
+            while True:
+                header, bodies = await recv_message(reader)
+                if header.get("done"):
+                    return
+                got[int(header["rank"])] = bodies[0]
+        finally:
+            writer.close()
 
     async def _request(
         self, peer: PeerID, handler: str, header: dict, bodies: list[bytes]
@@ -804,11 +823,12 @@ class HivemindCollective(Collective):
             ranks = {int(r) for r in header["ranks"]}
             deadline = time.monotonic() + min(float(header["timeout"]), 600.0)
             group = self._group
-            got = await self._mailbox.wait(
+            sent = 0
+            async for rank, payload in self._mailbox.arrivals(
                 bytes(header["key"]), ranks, deadline, group.dead if group else None
-            )
-            order = sorted(got)
-            sent = await send_message(writer, {"ranks": order}, [got[r] for r in order])
+            ):
+                sent += await send_message(writer, {"rank": rank}, [payload])
+            await send_message(writer, {"done": True}, [])
             if header.get("kind") == "data":
                 self.stats.bytes_sent += sent
             else:
@@ -878,7 +898,7 @@ class HivemindCollective(Collective):
             self.round_id = group.round_id + 1
             self.last_failure = None
         self._group = None
-        self.stats.comm_seconds += time.perf_counter() - start
+        self.stats.add_phase("commit", time.perf_counter() - start)
         return ok
 
     @property

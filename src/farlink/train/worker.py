@@ -386,7 +386,7 @@ class Worker:
             if outcome.synced and cfg.sync_every > 1:
                 self.metrics.write("sync", committed=outcome.committed,
                                    fingerprint=self.fingerprint() if outcome.committed else None,
-                                   world_size=outcome.world_size,
+                                   world_size=outcome.world_size, healed=sync.healed,
                                    round_s=round(outcome.comm_seconds, 4),
                                    rejected=outcome.rejected, **fields)
             elif step % cfg.log_every == 0 or (outcome.synced and not outcome.committed):
