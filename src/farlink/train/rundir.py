@@ -35,7 +35,8 @@ RUN_FILES = ("config.json", "config.toml", "metrics", "checkpoints", "final", "s
 # evaluation, device, precision) may change between invocations.
 FIXED_ON_RESUME = ("model", "vocab_size", "seq_len", "corpus", "seed", "batch_size", "grad_accum",
                    "workers", "algorithm", "inner_steps", "island_steps", "fragments", "codec",
-                   "demo_chunk", "demo_topk", "ranks_per_worker", "sharding")
+                   "demo_chunk", "demo_topk", "ranks_per_worker", "sharding",
+                   "pipeline_stages", "pipeline_micro_batches")
 
 
 class RunDirError(ConfigError):
