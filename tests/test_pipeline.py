@@ -433,3 +433,20 @@ def test_placement_bench_writes_distinct_baselines_and_a_plot(tmp_path) -> None:
     assert found["chosen_vs_best_random"] < 1
     assert (tmp_path / "pipeline_placement.json").exists()
     assert (tmp_path / "pipeline_placement.png").stat().st_size > 10_000
+
+
+def test_trainer_reuses_its_connections_to_a_stage_peer() -> None:
+    """Every request used to open a TCP connection: a round trip before each request could
+    leave, on every link. The trainer keeps them: after 3 steps of 4 micro-batches (each stage
+    serves at least 12 requests), a peer has accepted no more connections than requests were
+    in flight at once, plus the step's side-by-side calls."""
+    peers = start_pipeline(MICRO, 2)
+    try:
+        trainer = PipelineTrainer(_addresses(peers), micro_batches=4, in_flight=2)
+        for step in range(3):
+            trainer.step(*batch(30 + step))
+        accepted = [trainer.call(p.address, wire.Message("ping")).meta["connections"]
+                    for stage in peers for p in stage]
+    finally:
+        stop_pipeline(peers)
+    assert all(1 <= n <= 4 for n in accepted), accepted

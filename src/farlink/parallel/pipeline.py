@@ -99,6 +99,7 @@ class PipelineTrainer:
         self._served: dict[str, int] = {}  # backward passes per peer in the current step
         self._lock = threading.Lock()
         self._keys = itertools.count()
+        self._idle: dict[str, list[socket.socket]] = {}  # open connections, by peer
 
     # -- transport ----------------------------------------------------------------------------
     def _count(self, kind: str, nbytes: int) -> None:
@@ -120,16 +121,36 @@ class PipelineTrainer:
             link = self.path_links.get((source, peer))
         if reply_codecs:
             message.meta["reply_codecs"] = reply_codecs
+        sock = self._connection(peer)
         try:
-            with socket.create_connection(_addr(peer), timeout=self.timeout) as sock:
-                self._count(kind, wire.send(sock, message, codecs, link))
-                reply = wire.recv(sock)
+            self._count(kind, wire.send(sock, message, codecs, link))
+            reply = wire.recv(sock)
         except OSError as exc:  # refused, reset, closed mid-message, timed out
+            sock.close()
             raise PeerFailure(f"stage peer {peer}: {exc}") from exc
+        except BaseException:
+            sock.close()
+            raise
+        with self._lock:
+            self._idle.setdefault(peer, []).append(sock)
         self._count(reply_kind or kind, reply.nbytes)
         if reply.op == "error":
             raise StageError(f"stage peer {peer}: {reply.meta.get('error')}")
         return reply
+
+    def _connection(self, peer: str) -> socket.socket:
+        """An idle connection to ``peer`` kept from an earlier request, else a new one. Each
+        new TCP connection costs a round trip before the request can leave (and starts slow),
+        which on a 60 ms home link is as long as the request itself; a stage peer serves any
+        number of requests on one connection, one at a time, so each thread takes its own."""
+        with self._lock:
+            idle = self._idle.get(peer)
+            if idle:
+                return idle.pop()
+        try:
+            return socket.create_connection(_addr(peer), timeout=self.timeout)
+        except OSError as exc:
+            raise PeerFailure(f"stage peer {peer}: {exc}") from exc
 
     # -- one micro-batch ----------------------------------------------------------------------
     def _timed(self, stage: int, message: wire.Message, kind: str, reply_kind: str,
@@ -370,6 +391,11 @@ class PipelineTrainer:
         return grads
 
     def close(self, shutdown: bool = True) -> None:
+        with self._lock:
+            for sockets in self._idle.values():
+                for sock in sockets:
+                    sock.close()
+            self._idle.clear()
         if not shutdown:
             return
         for s in range(self.n_stages):

@@ -56,6 +56,7 @@ class StageWorker:
         self.pending: dict[str, tuple[torch.Tensor | None, torch.Tensor]] = {}
         self.steps = 0
         self.micro_batches = 0  # backward passes accumulated since the last step
+        self.connections = 0  # accepted by its server (a trainer keeps and reuses them)
 
     def handle(self, request: wire.Message) -> wire.Message:
         started = time.perf_counter()
@@ -66,7 +67,8 @@ class StageWorker:
 
     def op_ping(self, request: wire.Message) -> wire.Message:
         return wire.Message("ok", {"stage": self.stage.stage, "start": self.stage.start,
-                                   "steps": self.steps, "pid": os.getpid()})
+                                   "steps": self.steps, "pid": os.getpid(),
+                                   "connections": self.connections})
 
     def _input(self, request: wire.Message) -> torch.Tensor | None:
         x = request.tensors["x"]
@@ -212,6 +214,7 @@ class StageServer:
         threading.Thread(target=self._compute, daemon=True).start()
         while not self.stopped.is_set():
             conn, _ = self.listener.accept()
+            self.worker.connections += 1
             threading.Thread(target=self._connection, args=(conn,), daemon=True).start()
 
     def _compute(self) -> None:
