@@ -450,3 +450,38 @@ def test_trainer_reuses_its_connections_to_a_stage_peer() -> None:
     finally:
         stop_pipeline(peers)
     assert all(1 <= n <= 4 for n in accepted), accepted
+
+
+def test_each_fixed_pipeline_steps_as_the_unsplit_model_on_its_own_micro_batches() -> None:
+    """2 stages x 2 peers wired as two fixed pipelines: micro-batches 0 and 2 go through
+    pipeline 0, 1 and 3 through pipeline 1. Each pipeline's peers step exactly as an unsplit
+    model on that pipeline's micro-batches alone, both copies of the tied embedding included:
+    the embedding's gradient from the other end is its own pipeline partner's, not the mean
+    over both pipelines."""
+    lr = 1e-2
+    tokens, targets = batch(60)
+    chunks = list(zip(tokens.chunk(4), targets.chunk(4)))
+    peers = start_pipeline(MICRO, 2, peers_per_stage=2, lr=lr)
+    try:
+        pipelines = [[peers[0][p].address, peers[1][p].address] for p in range(2)]
+        trainer = PipelineTrainer(_addresses(peers), micro_batches=4, lr=lr,
+                                  pipelines=pipelines)
+        trainer.step(tokens, targets)
+        states = [[{model_parameter_name(n, trainer.call(a, wire.Message("ping")).meta["start"]):
+                    t for n, t in trainer.call(a, wire.Message("state")).tensors.items()}
+                   for a in pipeline] for pipeline in pipelines]
+    finally:
+        stop_pipeline(peers)
+    for p, (first, last) in enumerate(states):
+        torch.manual_seed(0)
+        model = GPT(MICRO)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95),
+                                      weight_decay=0.1)
+        for x, y in chunks[p::2]:
+            (model(x, y)[1] / 2).backward()
+        optimizer.step()
+        expected = dict(model.named_parameters())
+        assert torch.allclose(last.pop("lm_head.weight"), expected["embed.weight"], atol=1e-5,
+                              rtol=0), f"pipeline {p}: head"
+        for name, weight in (first | last).items():
+            assert torch.allclose(weight, expected[name], atol=1e-5, rtol=0), f"{p}: {name}"
