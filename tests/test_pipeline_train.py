@@ -152,3 +152,45 @@ def test_farlink_train_pipeline_stages_learns_checkpoints_each_peer_and_resumes(
     assert summary["bytes_by_kind"]["averaging"] > 0
     model = run_dir / "model.safetensors"
     assert hashlib.sha256(model.read_bytes()).hexdigest() == summary["model_sha256"]
+
+
+def test_a_stage_peer_killed_mid_run_is_routed_around_and_the_run_finishes(
+        tmp_path: Path, cache_dir: Path) -> None:
+    """SIGKILL of one last-stage peer of `farlink train --pipeline-stages 2 --workers 4` once
+    step 2 is logged: its micro-batches go to the stage's other peer, the stage's outer rounds
+    go on with the survivor, and the run ends with its model and a held-out loss below the
+    initial one."""
+    import os
+    import signal
+    import time
+
+    from procfs import descendants
+
+    run_dir = tmp_path / "run"
+    process = subprocess.Popen(
+        [sys.executable, "-m", "farlink.cli", "train", "--run-dir", str(run_dir),
+         "--cache-dir", str(cache_dir), "--pipeline-stages", "2", "--workers", "4",
+         "--steps", "8", "--inner-steps", "4", "--vocab-size", "512", "--seq-len", "32",
+         "--batch-size", "4", "--pipeline-micro-batches", "2", "--eval-batches", "2",
+         "--warmup-steps", "2", "--lr", "1e-2", "--log-every", "1"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    metrics = run_dir / "metrics" / "pipeline.jsonl"
+    deadline = time.monotonic() + 240
+    while not any(r.get("step", 0) >= 2 and r["kind"] == "step" for r in read_metrics(metrics)):
+        assert process.poll() is None and time.monotonic() < deadline, process.stderr.read()
+        time.sleep(0.2)
+    victims = [pid for pid in descendants(process.pid)
+               if b"--stage\x001\x00" in Path(f"/proc/{pid}/cmdline").read_bytes()]
+    assert len(victims) == 2, victims  # the two peers of stage 1
+    os.kill(victims[0], signal.SIGKILL)
+    _, err = process.communicate(timeout=240)
+    assert process.returncode == 0, err[-2000:]
+    records = read_metrics(metrics)
+    assert [r["step"] for r in records if r["kind"] == "step"] == list(range(1, 9))
+    assert sum(r["reroutes"] for r in records if r["kind"] == "step") >= 1
+    assert [r["live_peers"] for r in records if r["kind"] == "sync"][-1] == [2, 1]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert list(summary["live_peers"].values()).count(False) == 1
+    evals = [r["loss"] for r in records if r["kind"] == "eval"]
+    assert evals[-1] < evals[0] - 0.5, evals
+    assert (run_dir / "model.safetensors").is_file()
