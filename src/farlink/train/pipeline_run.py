@@ -267,9 +267,8 @@ class PipelineRun:
             "total_tokens": self.tokens, "wall_s": round(wall_s, 3),
             "bytes_by_kind": dict(moved),
             "bytes_per_token": sum(moved.values()) / max(self.tokens, 1),
-            "live_peers": {self.names[p]: p in self.trainer.router.live(s)
-                           for s, row in enumerate(self.peers) for p in
-                           (peer.address for peer in row)},
+            "live_peers": {self.names[peer.address]: peer.address in self.trainer.router.live(s)
+                           for s, row in enumerate(self.peers) for peer in row},
             "evals": self.evals,
             **({"model": str(model[0]), "model_sha256": model[1]} if model else {}),
         }
