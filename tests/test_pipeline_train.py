@@ -148,6 +148,7 @@ def test_farlink_train_pipeline_stages_learns_checkpoints_each_peer_and_resumes(
     assert evals[-1]["loss"] < evals[0]["loss"] - 0.5, evals
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["outer_steps"] == 2 and summary["final_heldout_loss"] == evals[-1]["loss"]
+    assert [e["step"] for e in summary["evals"]] == [0, 4, 8]  # both invocations' evaluations
     assert summary["bytes_by_kind"]["activations"] > 0
     assert summary["bytes_by_kind"]["averaging"] > 0
     model = run_dir / "model.safetensors"

@@ -40,7 +40,7 @@ from farlink.parallel.stages import model_parameter_name, stage_bounds
 from farlink.sync import algorithm_class
 from farlink.train.checkpoint import (TEMP_PREFIX, is_disk_full, load_newest_intact,
                                       remove_stale_temps, save_checkpoint)
-from farlink.train.metrics import MetricsLog
+from farlink.train.metrics import MetricsLog, read_metrics
 
 TRAINER = "trainer"  # checkpoints/trainer: what the trainer itself holds
 
@@ -178,6 +178,11 @@ class PipelineRun:
             raise ValueError(f"{restored.path} is a run of {meta['stages']} stages x "
                              f"{meta['replicas']} peers, not {self.stages} x {self.replicas}")
         self.step, self.tokens = int(meta["step"]), int(meta["tokens"])
+        # the evaluations of the state resumed from and before it, for the summary's curve
+        self.evals = [{k: r[k] for k in ("step", "tokens", "loss", "ppl", "bytes_sent",
+                                         "seconds")}
+                      for r in read_metrics(self.metrics.path)
+                      if r["kind"] == "eval" and r["step"] <= self.step]
         self.outer.load_state_dict(restored.tensors)
         for sampler, state in zip(self.samplers, meta["samplers"]):
             sampler.load_state_dict(state)
