@@ -485,3 +485,14 @@ def test_each_fixed_pipeline_steps_as_the_unsplit_model_on_its_own_micro_batches
                               rtol=0), f"pipeline {p}: head"
         for name, weight in (first | last).items():
             assert torch.allclose(weight, expected[name], atol=1e-5, rtol=0), f"{p}: {name}"
+
+
+@pytest.mark.slow
+def test_bench_rows_train_on_equal_tokens_when_the_preset_context_differs(tmp_path) -> None:
+    """The nano preset's own context is 64 tokens, data parallel's runs 128: the pipeline rows
+    used the preset's and trained on half the tokens of the data-parallel row."""
+    from farlink.bench.pipeline import run
+
+    found = run(tmp_path, model="nano", steps=3, codecs=(), eval_every=3)
+    tokens = [row["tokens"] for row in found["rows"]]
+    assert tokens == [3 * 8 * 128] * 2, tokens
