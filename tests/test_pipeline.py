@@ -433,3 +433,66 @@ def test_placement_bench_writes_distinct_baselines_and_a_plot(tmp_path) -> None:
     assert found["chosen_vs_best_random"] < 1
     assert (tmp_path / "pipeline_placement.json").exists()
     assert (tmp_path / "pipeline_placement.png").stat().st_size > 10_000
+
+
+def test_trainer_reuses_its_connections_to_a_stage_peer() -> None:
+    """Every request used to open a TCP connection: a round trip before each request could
+    leave, on every link. The trainer keeps them: after 3 steps of 4 micro-batches (each stage
+    serves at least 12 requests), a peer has accepted no more connections than requests were
+    in flight at once, plus the step's side-by-side calls."""
+    peers = start_pipeline(MICRO, 2)
+    try:
+        trainer = PipelineTrainer(_addresses(peers), micro_batches=4, in_flight=2)
+        for step in range(3):
+            trainer.step(*batch(30 + step))
+        accepted = [trainer.call(p.address, wire.Message("ping")).meta["connections"]
+                    for stage in peers for p in stage]
+    finally:
+        stop_pipeline(peers)
+    assert all(1 <= n <= 4 for n in accepted), accepted
+
+
+def test_each_fixed_pipeline_steps_as_the_unsplit_model_on_its_own_micro_batches() -> None:
+    """2 stages x 2 peers wired as two fixed pipelines: micro-batches 0 and 2 go through
+    pipeline 0, 1 and 3 through pipeline 1. Each pipeline's peers step exactly as an unsplit
+    model on that pipeline's micro-batches alone, both copies of the tied embedding included:
+    the embedding's gradient from the other end is its own pipeline partner's, not the mean
+    over both pipelines."""
+    lr = 1e-2
+    tokens, targets = batch(60)
+    chunks = list(zip(tokens.chunk(4), targets.chunk(4)))
+    peers = start_pipeline(MICRO, 2, peers_per_stage=2, lr=lr)
+    try:
+        pipelines = [[peers[0][p].address, peers[1][p].address] for p in range(2)]
+        trainer = PipelineTrainer(_addresses(peers), micro_batches=4, lr=lr,
+                                  pipelines=pipelines)
+        trainer.step(tokens, targets)
+        states = [[{model_parameter_name(n, trainer.call(a, wire.Message("ping")).meta["start"]):
+                    t for n, t in trainer.call(a, wire.Message("state")).tensors.items()}
+                   for a in pipeline] for pipeline in pipelines]
+    finally:
+        stop_pipeline(peers)
+    for p, (first, last) in enumerate(states):
+        torch.manual_seed(0)
+        model = GPT(MICRO)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95),
+                                      weight_decay=0.1)
+        for x, y in chunks[p::2]:
+            (model(x, y)[1] / 2).backward()
+        optimizer.step()
+        expected = dict(model.named_parameters())
+        assert torch.allclose(last.pop("lm_head.weight"), expected["embed.weight"], atol=1e-5,
+                              rtol=0), f"pipeline {p}: head"
+        for name, weight in (first | last).items():
+            assert torch.allclose(weight, expected[name], atol=1e-5, rtol=0), f"{p}: {name}"
+
+
+@pytest.mark.slow
+def test_bench_rows_train_on_equal_tokens_when_the_preset_context_differs(tmp_path) -> None:
+    """The nano preset's own context is 64 tokens, data parallel's runs 128: the pipeline rows
+    used the preset's and trained on half the tokens of the data-parallel row."""
+    from farlink.bench.pipeline import run
+
+    found = run(tmp_path, model="nano", steps=3, codecs=(), eval_every=3)
+    tokens = [row["tokens"] for row in found["rows"]]
+    assert tokens == [3 * 8 * 128] * 2, tokens

@@ -133,6 +133,21 @@ class RunConfig(*algorithm_options()):
         "model, FSDP2) or ddp (each rank holds the whole replica, gradients averaged over the "
         "site; each rank syncs a 1/K slice across sites)")
 
+    # pipelines (SWARM): the model cut into stages, each stage served by its own peer processes
+    pipeline_stages: int = Field(
+        1, ge=1, description="cut the model into S stages of contiguous blocks, each served by "
+        "its own peer processes, micro-batches wired through them (1: every worker holds the "
+        "whole model)")
+    peers_per_stage: int | None = Field(
+        None, ge=1, description="peers serving each pipeline stage, one per pipeline replica "
+        "(default: workers / pipeline_stages; given alone, workers becomes stages x peers)")
+    pipeline_micro_batches: int = Field(
+        4, ge=1, description="micro-batches a pipeline splits each step's batch_size sequences "
+        "into (1F1B: stages work on different micro-batches at once)")
+    activation_codec: str = Field(
+        "fp32", description="codec of the activations and their gradients between pipeline "
+        "stages: fp32, fp16, int8, int4, topk:F")
+
     # bookkeeping
     run_dir: Path = Field(LATEST_RUN, description="metrics, checkpoints, final model (default: "
                           "a new runs/<time> dir, linked as runs/latest)")
@@ -166,6 +181,17 @@ class RunConfig(*algorithm_options()):
         if values.get("backend") == "hivemind" and local:
             values = {**values,
                       "min_replicas": values.get("workers", cls.model_fields["workers"].default)}
+        return values
+
+    @model_validator(mode="before")
+    @classmethod
+    def _workers_of_pipelines(cls, values: Any) -> Any:
+        """``--pipeline-stages S --peers-per-stage P`` without ``--workers`` means S x P peers:
+        the user said how many peers each stage has, so the total is not asked again."""
+        if (isinstance(values, dict) and values.get("peers_per_stage") is not None
+                and values.get("workers") is None):
+            stages = values.get("pipeline_stages") or 1
+            values = {**values, "workers": int(stages) * int(values["peers_per_stage"])}
         return values
 
     @model_validator(mode="after")
@@ -216,6 +242,7 @@ class RunConfig(*algorithm_options()):
                              f"backend, not {self.backend}")
         self._check_network(caps.islands)
         self._check_sites(caps.sharded)
+        self._check_pipeline(caps.stage_averaging)
         algorithm.check_run(self)
         return self
 
@@ -319,6 +346,73 @@ class RunConfig(*algorithm_options()):
         if self.topology:
             raise ValueError("ranks_per_worker > 1 does not run inside the emulated WAN "
                              "(--topology) yet; use --emulate-link for an in-process link")
+
+    @property
+    def pipeline_peers_per_stage(self) -> int:
+        """Peers of each stage (= pipeline replicas) of a pipelined run."""
+        return self.peers_per_stage or self.workers // self.pipeline_stages
+
+    def _check_pipeline(self, stage_averaging: bool) -> None:
+        """A pipelined run: a shape that divides, an outer step that can average a stage's
+        peers, and nothing that needs a worker process holding the whole model."""
+        stages = self.pipeline_stages
+        if stages == 1:
+            if self.peers_per_stage is not None:
+                raise ValueError("peers_per_stage applies to pipelines: give --pipeline-stages "
+                                 "S (2 or more) too, or drop --peers-per-stage")
+            return
+        from farlink.parallel.wire import codec_for
+
+        try:
+            codec_for(self.activation_codec)
+        except ValueError as exc:
+            raise ValueError(f"activation_codec: {exc}") from None
+        if self.peers_per_stage is None and self.workers % stages:
+            raise ValueError(f"workers={self.workers} does not split into {stages} pipeline "
+                             f"stages: give a multiple of {stages}, or --peers-per-stage P "
+                             f"(then workers = {stages} x P)")
+        if self.peers_per_stage is not None and self.workers != stages * self.peers_per_stage:
+            raise ValueError(f"workers={self.workers} but {stages} stages x peers_per_stage="
+                             f"{self.peers_per_stage} is {stages * self.peers_per_stage}: give "
+                             "one of --workers and --peers-per-stage")
+        if not stage_averaging:
+            able = [n for n in ALGORITHMS if algorithm_class(n).capabilities.stage_averaging]
+            raise ValueError(f"pipeline_stages={stages}: the peers of a stage average with the "
+                             f"run's outer step every inner_steps, which {self.algorithm} does "
+                             f"not provide yet; use {' or '.join(able)}")
+        if self.pipeline_micro_batches > self.batch_size or \
+                self.batch_size % self.pipeline_micro_batches:
+            raise ValueError(f"batch_size={self.batch_size} does not split into "
+                             f"pipeline_micro_batches={self.pipeline_micro_batches} equal "
+                             "micro-batches: give a batch_size that is a multiple of it")
+        refused = {
+            "ranks_per_worker": (self.ranks_per_worker > 1, "a stage peer is one process; "
+                                 "use ranks_per_worker=1"),
+            "grad_accum": (self.grad_accum > 1, "a pipeline accumulates over its micro-batches; "
+                           "raise batch_size and pipeline_micro_batches instead"),
+            "codec": (self.codec != "none", "a stage's peers are averaged in fp32 by the "
+                      "pipeline trainer; compress activations with --activation-codec"),
+            "auth": (self.auth != "none", "stage peers listen on loopback for the trainer "
+                     "that started them and do not authenticate it yet; use --auth none"),
+            "attackers": (bool(self.attackers), "robust aggregation of stage peers is not "
+                          "implemented"),
+            "topology": (bool(self.topology) or self.emulate_link is not None,
+                         "emulated links of stage peers are set by farlink bench pipeline and "
+                         "the namespace emulator, not by --topology / --emulate-link yet"),
+            "hf_model": (self.hf_model_dir is not None, "stages cut farlink's GPT presets"),
+            "precision": (self.precision != "fp32", "stage peers compute in fp32"),
+            "device": (self.device.startswith("cuda"), "stage peers compute on the CPU"),
+            "pace_seconds": (self.pace_seconds is not None, "give --slowdown factors (one per "
+                             "stage peer) instead"),
+            "round_seconds": (self.round_seconds is not None, "a pipeline's stage averages "
+                              "every inner_steps steps"),
+            "lighthouse": (self.lighthouse is not None, "joining a pipeline is not supported; "
+                           "farlink train starts every stage peer itself"),
+        }
+        for name, (bad, why) in refused.items():
+            if bad:
+                raise ValueError(f"pipeline_stages={stages} does not run with this {name} yet: "
+                                 f"{why}")
 
     def _check_network(self, islands: bool) -> None:
         """Topology, islands and the hierarchical schedule (see farlink.comm.islands)."""

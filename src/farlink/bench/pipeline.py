@@ -95,7 +95,7 @@ def _finished_rows(path: Path, model: str, steps: int, batch_size: int, link: st
 def run(out: Path, model: str = "tiny", steps: int = 150, batch_size: int = 8,
         micro_batches: int = 4, codecs: tuple[str, ...] = ("int8", "int4"),
         link_name: str = "home", lr: float = 3e-3, warmup: int = 20, eval_every: int = 25,
-        memory_cap_mb: float | None = None, reuse: bool = False) -> dict:
+        memory_cap_mb: float | None = None, reuse: bool = False, seq_len: int = 128) -> dict:
     from farlink.data import heldout_batches, prepare_data
     from farlink.model import preset_config
     from farlink.parallel.stage_server import training_memory_bytes
@@ -107,7 +107,7 @@ def run(out: Path, model: str = "tiny", steps: int = 150, batch_size: int = 8,
     eval_every = min(eval_every, steps)
     kept = _finished_rows(out / "pipeline.json", model, steps, batch_size, link_name) \
         if reuse else {}
-    base = {"model": model, "steps": steps, "algorithm": "ddp", "workers": 2,
+    base = {"model": model, "seq_len": seq_len, "steps": steps, "algorithm": "ddp", "workers": 2,
             "batch_size": batch_size // 2, "lr": lr, "warmup_steps": warmup, "grad_clip": 0.0,
             "emulate_link": link_name, "eval_every": eval_every, "eval_batches": 4,
             "log_every": 1}
@@ -115,7 +115,8 @@ def run(out: Path, model: str = "tiny", steps: int = 150, batch_size: int = 8,
                                                             reuse=reuse)
     cache = Path.home() / ".cache" / "farlink"
     data = prepare_data("kjv", 4096, cache)
-    config = preset_config(model, vocab_size=data.vocab_size)
+    # the sequences data parallel trains on (a preset's own context may be longer): equal tokens
+    config = preset_config(model, vocab_size=data.vocab_size, seq_len=seq_len)
     full_mib = training_memory_bytes(config.num_parameters()) / 2**20
     stage_mib = [training_memory_bytes(n) / 2**20 for n in _tied_stage_parameters(config, 2)]
     cap = memory_cap_mb if memory_cap_mb is not None else (max(stage_mib) + full_mib) / 2

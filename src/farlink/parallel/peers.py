@@ -8,6 +8,7 @@ import subprocess
 import sys
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 from farlink.model import GPTConfig
 from farlink.parallel.stage_server import config_json
@@ -28,18 +29,30 @@ class StagePeer:
 def start_stage_peer(config: GPTConfig, stage: int, stages: int, seed: int = 0,
                      lr: float = 3e-3, slowdown: float = 1.0, link_mbit: float | None = None,
                      link_ms: float = 0.0, memory_cap_mb: float | None = None,
-                     host: str = "127.0.0.1", ready_timeout: float = 120.0) -> StagePeer:
-    """Start ``python -m farlink.parallel.stage_server`` and wait for its READY line."""
+                     host: str = "127.0.0.1", ready_timeout: float = 120.0,
+                     weight_decay: float = 0.1, threads: int = 1,
+                     log_path: Path | None = None,
+                     env: dict[str, str] | None = None) -> StagePeer:
+    """Start ``python -m farlink.parallel.stage_server`` and wait for its READY line; with
+    ``log_path``, its stderr (warnings, a traceback) goes there instead of a pipe nobody reads
+    once it runs."""
     cmd = [sys.executable, "-m", "farlink.parallel.stage_server", "--stage", str(stage),
            "--stages", str(stages), "--config", config_json(config), "--seed", str(seed),
            "--lr", str(lr), "--slowdown", str(slowdown), "--host", host,
-           "--link-ms", str(link_ms)]
+           "--link-ms", str(link_ms), "--weight-decay", str(weight_decay),
+           "--threads", str(threads)]
     if link_mbit is not None:
         cmd += ["--link-mbit", str(link_mbit)]
     if memory_cap_mb is not None:
         cmd += ["--memory-cap-mb", str(memory_cap_mb)]
-    process = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                               env=dict(os.environ), text=True)
+    stderr = subprocess.PIPE
+    if log_path is not None:
+        log_path.parent.mkdir(parents=True, exist_ok=True)
+        stderr = open(log_path, "ab")
+    process = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=stderr,
+                               env={**os.environ, **(env or {})}, text=True)
+    if log_path is not None:
+        stderr.close()  # the child holds its own copy
     deadline = time.monotonic() + ready_timeout
     while time.monotonic() < deadline:
         ready, _, _ = select.select([process.stdout], [], [], 0.5)
@@ -51,6 +64,8 @@ def start_stage_peer(config: GPTConfig, stage: int, stages: int, seed: int = 0,
             break
     process.kill()
     _, err = process.communicate()
+    if log_path is not None:
+        err = log_path.read_text(errors="replace")
     raise RuntimeError(f"stage {stage} peer did not start: {err.strip()[-500:]}")
 
 

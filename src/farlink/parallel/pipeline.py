@@ -14,8 +14,10 @@ A step commits when every micro-batch of the batch has gone all the way back; th
 peer steps its optimizer on its accumulated gradients, normalised to the micro-batches it served
 (one peer per stage: exactly the unsplit model's gradient of the mean loss). The tied embedding's
 two copies (first stage's input embedding, last stage's head) receive each other's gradient
-first. Peers of one stage drift apart between averages, and every ``average_every`` steps the
-trainer averages their parameters (local SGD within a stage; Adam moments stay per peer).
+first: with fixed pipelines, that of the peer at the other end of the same pipeline, so every
+pipeline steps as the unsplit model on its own micro-batches. Peers of one stage drift apart
+between averages, and every ``average_every`` steps the trainer averages their parameters
+(local SGD within a stage; Adam moments stay per peer).
 
 Activations and their gradients go through a codec (``activation_codec``, ``gradient_codec``:
 ``fp32``, ``int8``, ``int4``, ``topk:F``...): the bytes reported are the exact frames sent.
@@ -99,6 +101,7 @@ class PipelineTrainer:
         self._served: dict[str, int] = {}  # backward passes per peer in the current step
         self._lock = threading.Lock()
         self._keys = itertools.count()
+        self._idle: dict[str, list[socket.socket]] = {}  # open connections, by peer
 
     # -- transport ----------------------------------------------------------------------------
     def _count(self, kind: str, nbytes: int) -> None:
@@ -120,16 +123,36 @@ class PipelineTrainer:
             link = self.path_links.get((source, peer))
         if reply_codecs:
             message.meta["reply_codecs"] = reply_codecs
+        sock = self._connection(peer)
         try:
-            with socket.create_connection(_addr(peer), timeout=self.timeout) as sock:
-                self._count(kind, wire.send(sock, message, codecs, link))
-                reply = wire.recv(sock)
+            self._count(kind, wire.send(sock, message, codecs, link))
+            reply = wire.recv(sock)
         except OSError as exc:  # refused, reset, closed mid-message, timed out
+            sock.close()
             raise PeerFailure(f"stage peer {peer}: {exc}") from exc
+        except BaseException:
+            sock.close()
+            raise
+        with self._lock:
+            self._idle.setdefault(peer, []).append(sock)
         self._count(reply_kind or kind, reply.nbytes)
         if reply.op == "error":
             raise StageError(f"stage peer {peer}: {reply.meta.get('error')}")
         return reply
+
+    def _connection(self, peer: str) -> socket.socket:
+        """An idle connection to ``peer`` kept from an earlier request, else a new one. Each
+        new TCP connection costs a round trip before the request can leave (and starts slow),
+        which on a 60 ms home link is as long as the request itself; a stage peer serves any
+        number of requests on one connection, one at a time, so each thread takes its own."""
+        with self._lock:
+            idle = self._idle.get(peer)
+            if idle:
+                return idle.pop()
+        try:
+            return socket.create_connection(_addr(peer), timeout=self.timeout)
+        except OSError as exc:
+            raise PeerFailure(f"stage peer {peer}: {exc}") from exc
 
     # -- one micro-batch ----------------------------------------------------------------------
     def _timed(self, stage: int, message: wire.Message, kind: str, reply_kind: str,
@@ -282,10 +305,12 @@ class PipelineTrainer:
                 return None
 
         tied: dict[int, torch.Tensor] = {}
+        tied_of: dict[str, torch.Tensor] = {}
         ends = [(s, p) for s in (0, last) for p in self.router.live(s)]
         with ThreadPoolExecutor(max(1, len(ends))) as pool:
-            for (s, _), g in zip(ends, pool.map(lambda e: tied_grad(e[1]), ends)):
+            for (s, p), g in zip(ends, pool.map(lambda e: tied_grad(e[1]), ends)):
                 if g is not None:
+                    tied_of[p] = g
                     tied[s] = g if s not in tied else tied[s] + g
         lost = sum(n for p, n in self._served.items() if p in stats["failed"])
         lr = self.lr_at(self.steps)
@@ -295,8 +320,14 @@ class PipelineTrainer:
             meta = {"lr": lr, "scale": n_micro / served if served else 0.0}
             other_end = last if stage == 0 else 0
             tensors = {}
-            if served and stage in (0, last) and other_end in tied:
-                tensors["tied"] = tied[other_end]
+            if served and stage in (0, last):
+                partner = self._pipeline_partner(stage, peer, stats)
+                if partner is not None and partner in tied_of:
+                    # the partner's micro-batches are this peer's: the gradient of the mean
+                    # over them, as this peer's own gradients are scaled to
+                    tensors["tied"] = tied_of[partner] * (n_micro / self._served[partner])
+                elif other_end in tied:
+                    tensors["tied"] = tied[other_end]
             try:
                 self.call(peer, wire.Message("step", meta, tensors),
                           "tied" if tensors else "control")
@@ -307,6 +338,21 @@ class PipelineTrainer:
         with ThreadPoolExecutor(len(everyone)) as pool:
             list(pool.map(lambda e: step(*e), everyone))
         return lost
+
+    def _pipeline_partner(self, stage: int, peer: str, stats: dict) -> str | None:
+        """The other end's peer that served exactly ``peer``'s micro-batches this step: its
+        one fixed pipeline's, when the two share no other pipeline and no peer failed this
+        step (a re-routed micro-batch mixes pipelines). None otherwise: then each end gets the
+        other end's gradient of the mean over every micro-batch."""
+        if self.pipelines is None or stats["failed"]:
+            return None
+        other_end = self.n_stages - 1 if stage == 0 else 0
+        rows = [row for row in self.pipelines if row[stage] == peer]
+        if len(rows) != 1:
+            return None
+        partner = rows[0][other_end]
+        shared = sum(1 for row in self.pipelines if row[other_end] == partner)
+        return partner if shared == 1 and self._served.get(partner) else None
 
     def average_stages(self) -> None:
         """Local SGD within each stage: every live peer of a stage takes their mean weights."""
@@ -370,6 +416,11 @@ class PipelineTrainer:
         return grads
 
     def close(self, shutdown: bool = True) -> None:
+        with self._lock:
+            for sockets in self._idle.values():
+                for sock in sockets:
+                    sock.close()
+            self._idle.clear()
         if not shutdown:
             return
         for s in range(self.n_stages):

@@ -25,6 +25,7 @@ import sys
 import threading
 import time
 from dataclasses import asdict
+from pathlib import Path
 
 import torch
 
@@ -55,6 +56,7 @@ class StageWorker:
         self.pending: dict[str, tuple[torch.Tensor | None, torch.Tensor]] = {}
         self.steps = 0
         self.micro_batches = 0  # backward passes accumulated since the last step
+        self.connections = 0  # accepted by its server (a trainer keeps and reuses them)
 
     def handle(self, request: wire.Message) -> wire.Message:
         started = time.perf_counter()
@@ -65,7 +67,8 @@ class StageWorker:
 
     def op_ping(self, request: wire.Message) -> wire.Message:
         return wire.Message("ok", {"stage": self.stage.stage, "start": self.stage.start,
-                                   "steps": self.steps, "pid": os.getpid()})
+                                   "steps": self.steps, "pid": os.getpid(),
+                                   "connections": self.connections})
 
     def _input(self, request: wire.Message) -> torch.Tensor | None:
         x = request.tensors["x"]
@@ -153,6 +156,43 @@ class StageWorker:
                 self.params[name].copy_(value)
         return wire.Message("ok")
 
+    def op_save(self, request: wire.Message) -> wire.Message:
+        """Checkpoint this peer's own state (its weights and AdamW moments) under the
+        directory the trainer names, atomically and with digests, as every farlink checkpoint
+        (:mod:`farlink.train.checkpoint`): the peer writes its own files, so its state never
+        crosses a link to be saved."""
+        from farlink.sync.base import optimizer_state
+        from farlink.train.checkpoint import save_checkpoint
+
+        tensors = {f"param.{n}": p.detach() for n, p in self.params.items()}
+        tensors.update(optimizer_state(self.optimizer, "inner"))
+        meta = {"stage": self.stage.stage, "stages": self.stage.stages, "steps": self.steps,
+                **request.meta.get("meta", {})}
+        path = save_checkpoint(Path(request.meta["root"]), int(request.meta["step"]), tensors,
+                               meta)
+        return wire.Message("ok", {"path": str(path)})
+
+    def op_restore(self, request: wire.Message) -> wire.Message:
+        """Load this peer's checkpoint of step ``step`` under ``root`` (every digest checked:
+        a corrupt one is an error naming it, and the trainer decides what replaces it)."""
+        from farlink.sync.base import load_optimizer_state
+        from farlink.train.checkpoint import checkpoint_path, load_checkpoint
+
+        path = checkpoint_path(Path(request.meta["root"]), int(request.meta["step"]))
+        tensors, meta = load_checkpoint(path)
+        if (meta.get("stage"), meta.get("stages")) != (self.stage.stage, self.stage.stages):
+            raise ValueError(f"{path} holds stage {meta.get('stage')} of {meta.get('stages')}, "
+                             f"not stage {self.stage.stage} of {self.stage.stages}")
+        with torch.no_grad():
+            for name, p in self.params.items():
+                p.copy_(tensors[f"param.{name}"])
+        load_optimizer_state(self.optimizer, tensors, "inner")
+        self.steps = int(meta["steps"])
+        self.optimizer.zero_grad(set_to_none=True)
+        self.pending.clear()
+        self.micro_batches = 0
+        return wire.Message("ok", {"steps": self.steps})
+
 
 #: lower runs first: finish micro-batches (backward, loss) before starting new ones
 _PRIORITY = {"loss": 0, "backward": 0, "forward": 1, "evaluate": 1}
@@ -174,6 +214,7 @@ class StageServer:
         threading.Thread(target=self._compute, daemon=True).start()
         while not self.stopped.is_set():
             conn, _ = self.listener.accept()
+            self.worker.connections += 1
             threading.Thread(target=self._connection, args=(conn,), daemon=True).start()
 
     def _compute(self) -> None:
@@ -222,6 +263,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
+    from farlink import lifeline
+
+    lifeline.watch_parent(grace=0.0)  # started by farlink train: end with it
     torch.set_num_threads(args.threads)
     config = GPTConfig(**json.loads(args.config))
     stage = build_stage(config, args.seed, args.stage, args.stages)

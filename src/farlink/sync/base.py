@@ -76,6 +76,8 @@ class Capabilities:
     wire_codec: str | None = None  # the codec family it must send with (DeMo: dct_topk)
     sharded: bool = False  # runs on a site's local shards (FSDP2): each rank owns the part of
     #                        its state that matches its shard (elementwise, or per-shard chunks)
+    stage_averaging: bool = False  # its outer step (``outer_optimizer_of``) can join the peers
+    #                                of one pipeline stage (farlink train --pipeline-stages)
 
 
 @dataclass

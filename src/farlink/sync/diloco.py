@@ -54,7 +54,8 @@ class DiLoCoOptions(SyncOptions):
 class DiLoCo(SyncAlgorithm):
     name = "diloco"
     Options = DiLoCoOptions
-    capabilities = Capabilities(time_budget=True, outer_optimizer=True, sharded=True)
+    capabilities = Capabilities(time_budget=True, outer_optimizer=True, sharded=True,
+                                stage_averaging=True)
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
@@ -69,9 +70,14 @@ class DiLoCo(SyncAlgorithm):
         self.steps_in_round = 0
         self.total_rounds = max(1, (cfg.steps or 0) // cfg.inner_steps)
 
+    @classmethod
+    def outer_optimizer_of(cls, options: DiLoCoOptions) -> OuterOptimizerFactory:
+        """Nesterov SGD with the options' lr and momentum (DiLoCo: 0.7, 0.9); also what a
+        pipeline's stage peers are averaged with (:mod:`farlink.parallel.stage_sync`)."""
+        return nesterov(options.outer_lr, options.outer_momentum)
+
     def default_outer_optimizer(self) -> OuterOptimizerFactory:
-        """Nesterov SGD with the options' lr and momentum (DiLoCo: 0.7, 0.9)."""
-        return nesterov(self.cfg.outer_lr, self.cfg.outer_momentum)
+        return self.outer_optimizer_of(self.cfg)
 
     def make_outer_optimizer(self, params: list[torch.Tensor]) -> torch.optim.Optimizer:
         """The outer optimizer over ``params`` (a global copy): the injected one, or the default."""
@@ -214,5 +220,6 @@ class LocalSGD(DiLoCo):
 
     name = "local_sgd"
 
-    def default_outer_optimizer(self) -> OuterOptimizerFactory:
+    @classmethod
+    def outer_optimizer_of(cls, options: DiLoCoOptions) -> OuterOptimizerFactory:
         return nesterov(1.0, 0.0)  # plain SGD with lr 1: theta <- theta - mean(delta)

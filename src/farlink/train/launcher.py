@@ -291,8 +291,9 @@ def check_data(cfg: RunConfig, data) -> None:
     from farlink.data import ShardSampler, heldout_batches
     from farlink.model import preset_config
 
-    for shard in range(cfg.workers):
-        ShardSampler(data.train, shard=shard, num_shards=cfg.workers, seq_len=cfg.seq_len,
+    shards = cfg.pipeline_peers_per_stage if cfg.pipeline_stages > 1 else cfg.workers
+    for shard in range(shards):  # a pipeline replica reads one shard, as a worker does
+        ShardSampler(data.train, shard=shard, num_shards=shards, seq_len=cfg.seq_len,
                      batch_size=cfg.batch_size, seed=cfg.seed)
     heldout_batches(data.heldout, cfg.seq_len, cfg.batch_size, cfg.eval_batches)
     if cfg.hf_model_dir is not None:  # ConfigError if its embeddings or positions are too few
@@ -301,7 +302,11 @@ def check_data(cfg: RunConfig, data) -> None:
         check_fits(cfg.hf_model_dir, data.vocab_size, cfg.seq_len)
         return
     try:
-        preset_config(cfg.model, vocab_size=data.vocab_size, seq_len=cfg.seq_len)
+        config = preset_config(cfg.model, vocab_size=data.vocab_size, seq_len=cfg.seq_len)
+        if cfg.pipeline_stages > 1:
+            from farlink.parallel.stages import stage_bounds
+
+            stage_bounds(config.n_layer, cfg.pipeline_stages)
     except ValueError as exc:
         raise ConfigError(f"model: {exc}") from None
 
@@ -355,6 +360,10 @@ def launch(cfg: RunConfig, show_progress: bool = True,
         f"model {cfg.model} | corpus {cfg.corpus}: {len(data.train):,} train / "
         f"{len(data.heldout):,} held-out tokens | run dir {cfg.run_dir}"
     )
+    if cfg.pipeline_stages > 1:  # stage peers driven by this process, not worker processes
+        from farlink.train.pipeline_run import train_pipeline
+
+        return train_pipeline(cfg, data, show_progress)
     from farlink.train.network import network_summary, prepare_network
 
     # --topology / hierarchical_diloco: measure the links, form islands, one Lighthouse per island

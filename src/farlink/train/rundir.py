@@ -37,7 +37,8 @@ RUN_FILES = ("config.json", "config.toml", "metrics", "checkpoints", "final", "s
 # for another --sharding, whose ranks hold other tensors.
 FIXED_ON_RESUME = ("model", "vocab_size", "seq_len", "corpus", "seed", "batch_size", "grad_accum",
                    "workers", "algorithm", "inner_steps", "island_steps", "fragments", "codec",
-                   "demo_chunk", "demo_topk", "sharding")
+                   "demo_chunk", "demo_topk", "sharding", "pipeline_stages",
+                   "pipeline_micro_batches")
 
 
 class RunDirError(ConfigError):

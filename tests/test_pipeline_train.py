@@ -1,0 +1,197 @@
+"""``farlink train --pipeline-stages S``: the run shape, its outer step within a stage, its
+checkpoints, and an end-to-end run on loopback that learns and resumes."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from farlink.config import RunConfig
+from farlink.model import GPTConfig
+from farlink.parallel import wire
+from farlink.parallel.stage_server import StageWorker
+from farlink.parallel.stage_sync import StageOuterSync
+from farlink.parallel.stages import build_stage
+from farlink.sync import algorithm_class
+from farlink.train.checkpoint import checkpoint_path, load_checkpoint
+from farlink.train.metrics import read_metrics
+
+
+# -- the run shape ------------------------------------------------------------------------------
+def test_peers_per_stage_alone_sets_the_number_of_peers() -> None:
+    cfg = RunConfig(pipeline_stages=2, peers_per_stage=3)
+    assert (cfg.workers, cfg.pipeline_peers_per_stage) == (6, 3)
+    assert RunConfig(pipeline_stages=2, workers=4).pipeline_peers_per_stage == 2
+
+
+@pytest.mark.parametrize("values, says", [
+    ({"workers": 3}, "does not split into 2 pipeline stages"),
+    ({"workers": 4, "peers_per_stage": 3}, "give one of --workers and --peers-per-stage"),
+    ({"algorithm": "ddp"}, "use local_sgd or diloco"),
+    ({"algorithm": "streaming_diloco"}, "use local_sgd or diloco"),
+    ({"ranks_per_worker": 2}, "ranks_per_worker"),
+    ({"grad_accum": 2}, "raise batch_size and pipeline_micro_batches"),
+    ({"codec": "int8"}, "--activation-codec"),
+    ({"batch_size": 6}, "multiple of it"),
+    ({"activation_codec": "int3"}, "activation_codec"),
+])
+def test_combinations_that_do_not_run_yet_are_refused_naming_the_fix(values: dict,
+                                                                      says: str) -> None:
+    with pytest.raises(ValueError, match=says.replace("-", r"\-").replace("(", r"\(")):
+        RunConfig(pipeline_stages=2, **values)
+
+
+def test_peers_per_stage_without_pipeline_stages_is_refused() -> None:
+    with pytest.raises(ValueError, match="give --pipeline-stages S"):
+        RunConfig(peers_per_stage=2)
+
+
+# -- the outer step within a stage -------------------------------------------------------------
+def _stage_of_two_peers(algorithm: str) -> tuple[StageOuterSync, dict[str, dict]]:
+    weights = {"a": {"w": torch.tensor([0.0])}, "b": {"w": torch.tensor([0.0])}}
+    cfg = RunConfig(algorithm=algorithm)
+    sync = StageOuterSync(1, algorithm_class(algorithm).outer_optimizer_of(cfg),
+                          lambda stage: ["a", "b"], lambda peer: weights[peer],
+                          lambda peer, theta: weights.__setitem__(
+                              peer, {n: t.clone() for n, t in theta.items()}))
+    weights["a"], weights["b"] = {"w": torch.tensor([1.0])}, {"w": torch.tensor([3.0])}
+    return sync, weights
+
+
+def test_local_sgd_within_a_stage_takes_the_peers_mean() -> None:
+    sync, weights = _stage_of_two_peers("local_sgd")
+    sync.sync()
+    assert weights["a"]["w"].item() == weights["b"]["w"].item() == pytest.approx(2.0)
+
+
+def test_diloco_within_a_stage_is_nesterov_sgd_on_the_pseudo_gradient() -> None:
+    """θ=0, peers at 1 and 3: Δ = θ - mean = -2; Nesterov (lr 0.7, momentum 0.9) steps by
+    Δ + 0.9 Δ = -3.8, so θ = 0 - 0.7 x -3.8 = 2.66; both peers continue from it."""
+    sync, weights = _stage_of_two_peers("diloco")
+    sync.sync()
+    assert weights["a"]["w"].item() == weights["b"]["w"].item() == pytest.approx(2.66)
+    assert sync.globals[0]["w"].item() == pytest.approx(2.66)
+    again = StageOuterSync(1, algorithm_class("diloco").outer_optimizer_of(RunConfig()),
+                           lambda stage: ["a"], lambda peer: {"w": torch.tensor([0.0])},
+                           lambda peer, theta: None)
+    again.load_state_dict(sync.state_dict())  # θ and the momentum buffer travel together
+    assert again.globals[0]["w"].item() == pytest.approx(2.66)
+    assert again.rounds == 1
+
+
+# -- a stage peer's own checkpoint -------------------------------------------------------------
+def test_stage_peer_checkpoint_restores_weights_and_adam_moments(tmp_path: Path) -> None:
+    config = GPTConfig(vocab_size=64, seq_len=16, n_layer=2, n_head=2, d_model=32, d_ff=64)
+    worker = StageWorker(build_stage(config, 0, 0, 2))
+    tokens = torch.randint(0, 64, (2, 16))
+
+    def train_once(w: StageWorker, mb: str) -> None:
+        y = w.handle(wire.Message("forward", {"mb": mb}, {"x": tokens})).tensors["y"]
+        w.handle(wire.Message("backward", {"mb": mb}, {"dy": torch.ones_like(y)}))
+        w.handle(wire.Message("step", {"lr": 1e-2}))
+
+    train_once(worker, "1")
+    worker.handle(wire.Message("save", {"root": str(tmp_path), "step": 1}))
+    _, meta = load_checkpoint(checkpoint_path(tmp_path, 1))  # digests verified
+    assert (meta["stage"], meta["stages"], meta["steps"]) == (0, 2, 1)
+
+    fresh = StageWorker(build_stage(config, 0, 0, 2))
+    fresh.handle(wire.Message("restore", {"root": str(tmp_path), "step": 1}))
+    train_once(worker, "2")
+    train_once(fresh, "2")  # the same step from the restored state: the same weights
+    for name, p in worker.params.items():
+        assert torch.equal(p, fresh.params[name]), name
+
+    other_stage = StageWorker(build_stage(config, 0, 1, 2))
+    with pytest.raises(ValueError, match="holds stage 0 of 2, not stage 1 of 2"):
+        other_stage.handle(wire.Message("restore", {"root": str(tmp_path), "step": 1}))
+
+
+# -- end to end --------------------------------------------------------------------------------
+def _train(run_dir: Path, cache_dir: Path, *flags: str) -> subprocess.CompletedProcess:
+    argv = [sys.executable, "-m", "farlink.cli", "train", "--run-dir", str(run_dir),
+            "--cache-dir", str(cache_dir), *flags]
+    return subprocess.run(argv, capture_output=True, text=True, timeout=300)
+
+
+def test_farlink_train_pipeline_stages_learns_checkpoints_each_peer_and_resumes(
+        tmp_path: Path, cache_dir: Path) -> None:
+    """2 stages x 2 peers on loopback: 8 steps with DiLoCo within a stage every 4, stopped
+    after step 4 and resumed; held-out loss drops, every peer checkpointed itself."""
+    run_dir = tmp_path / "run"
+    flags = ["--pipeline-stages", "2", "--workers", "4", "--steps", "8", "--inner-steps", "4",
+             "--vocab-size", "512", "--seq-len", "32", "--batch-size", "4",
+             "--pipeline-micro-batches", "2", "--eval-batches", "2", "--warmup-steps", "2",
+             "--lr", "1e-2", "--log-every", "1"]
+    first = _train(run_dir, cache_dir, *flags, "--stop-at-step", "4")
+    assert first.returncode == 0, first.stderr[-2000:]
+    assert "continue with `farlink train --resume" in " ".join(first.stderr.split())
+    for peer in ("s0p0", "s0p1", "s1p0", "s1p1"):
+        _, meta = load_checkpoint(checkpoint_path(run_dir / "checkpoints" / peer, 4))
+        assert meta["stage"] == int(peer[1])
+    assert not (run_dir / "model.safetensors").exists()  # it really stopped early
+
+    second = _train(run_dir, cache_dir, "--resume")
+    assert second.returncode == 0, second.stderr[-2000:]
+    records = read_metrics(run_dir / "metrics" / "pipeline.jsonl")
+    steps = [r["step"] for r in records if r["kind"] == "step"]
+    assert steps == [1, 2, 3, 4, 5, 6, 7, 8]  # nothing redone, nothing skipped
+    assert [r["step"] for r in records if r["kind"] == "resume"] == [4]
+    evals = [r for r in records if r["kind"] == "eval"]
+    assert [e["step"] for e in evals] == [0, 4, 8]
+    assert evals[-1]["loss"] < evals[0]["loss"] - 0.5, evals
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["outer_steps"] == 2 and summary["final_heldout_loss"] == evals[-1]["loss"]
+    assert [e["step"] for e in summary["evals"]] == [0, 4, 8]  # both invocations' evaluations
+    assert summary["bytes_by_kind"]["activations"] > 0
+    assert summary["bytes_by_kind"]["averaging"] > 0
+    model = run_dir / "model.safetensors"
+    assert hashlib.sha256(model.read_bytes()).hexdigest() == summary["model_sha256"]
+
+
+def test_a_stage_peer_killed_mid_run_is_routed_around_and_the_run_finishes(
+        tmp_path: Path, cache_dir: Path) -> None:
+    """SIGKILL of one last-stage peer of `farlink train --pipeline-stages 2 --workers 4` once
+    step 2 is logged: its micro-batches go to the stage's other peer, the stage's outer rounds
+    go on with the survivor, and the run ends with its model and a held-out loss below the
+    initial one."""
+    import os
+    import signal
+    import time
+
+    from procfs import descendants
+
+    run_dir = tmp_path / "run"
+    process = subprocess.Popen(
+        [sys.executable, "-m", "farlink.cli", "train", "--run-dir", str(run_dir),
+         "--cache-dir", str(cache_dir), "--pipeline-stages", "2", "--workers", "4",
+         "--steps", "8", "--inner-steps", "4", "--vocab-size", "512", "--seq-len", "32",
+         "--batch-size", "4", "--pipeline-micro-batches", "2", "--eval-batches", "2",
+         "--warmup-steps", "2", "--lr", "1e-2", "--log-every", "1"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    metrics = run_dir / "metrics" / "pipeline.jsonl"
+    deadline = time.monotonic() + 240
+    while not any(r.get("step", 0) >= 2 and r["kind"] == "step" for r in read_metrics(metrics)):
+        assert process.poll() is None and time.monotonic() < deadline, process.stderr.read()
+        time.sleep(0.2)
+    victims = [pid for pid in descendants(process.pid)
+               if b"--stage\x001\x00" in Path(f"/proc/{pid}/cmdline").read_bytes()]
+    assert len(victims) == 2, victims  # the two peers of stage 1
+    os.kill(victims[0], signal.SIGKILL)
+    _, err = process.communicate(timeout=240)
+    assert process.returncode == 0, err[-2000:]
+    records = read_metrics(metrics)
+    assert [r["step"] for r in records if r["kind"] == "step"] == list(range(1, 9))
+    assert sum(r["reroutes"] for r in records if r["kind"] == "step") >= 1
+    assert [r["live_peers"] for r in records if r["kind"] == "sync"][-1] == [2, 1]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert list(summary["live_peers"].values()).count(False) == 1
+    evals = [r["loss"] for r in records if r["kind"] == "eval"]
+    assert evals[-1] < evals[0] - 0.5, evals
+    assert (run_dir / "model.safetensors").is_file()
