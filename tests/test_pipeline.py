@@ -3,6 +3,8 @@ model's, compressed activations, stochastic wiring and peers killed mid-run."""
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 import torch
 
@@ -197,20 +199,24 @@ def _addresses(peers) -> list[list[str]]:
     return [[p.address for p in stage] for stage in peers]
 
 
-def _kill_before(trainer: PipelineTrainer, victim, op: str, at_step: int) -> None:
-    """SIGKILL ``victim`` just before the trainer's first ``op`` request to it in step
-    ``at_step`` (0-based) or, when the router sends it no such request then (it routes by
-    measured speed), in the first step after that does, so the request meets a dead peer at a
-    known point of a step."""
-    original = trainer.call
+def _kill_first_sent(trainer: PipelineTrainer, stage, op: str, at_step: int) -> list:
+    """SIGKILL whichever peer of ``stage`` the trainer first sends an ``op`` request in step
+    ``at_step`` (0-based) or later, just before the request: it meets a dead peer at a known
+    point of a step whichever peer the router (which routes by measured speed) picked. The
+    returned list gets the victim."""
+    original, victims, one_at_a_time = trainer.call, [], threading.Lock()
 
     def call(peer, message, *args, **kwargs):
-        if (peer == victim.address and message.op == op and trainer.steps >= at_step
-                and victim.process.poll() is None):
-            victim.kill()
+        with one_at_a_time:  # micro-batches run in threads: one victim per stage
+            if (not victims and message.op == op and trainer.steps >= at_step
+                    and peer in [p.address for p in stage]):
+                victim = next(p for p in stage if p.address == peer)
+                victim.kill()
+                victims.append(victim)
         return original(peer, message, *args, **kwargs)
 
     trainer.call = call
+    return victims
 
 
 def test_killing_a_peer_of_each_stage_mid_step_loses_no_committed_step() -> None:
@@ -221,19 +227,20 @@ def test_killing_a_peer_of_each_stage_mid_step_loses_no_committed_step() -> None
     try:
         trainer = PipelineTrainer(_addresses(peers), micro_batches=4, in_flight=4,
                                   average_every=2)
-        _kill_before(trainer, peers[0][1], "backward", 1)
-        _kill_before(trainer, peers[1][0], "loss", 3)
+        first_victims = _kill_first_sent(trainer, peers[0], "backward", 1)
+        last_victims = _kill_first_sent(trainer, peers[1], "loss", 3)
         tokens, targets = batch(10)  # one batch, again and again: its loss must fall
         reports = [trainer.step(tokens, targets) for _ in range(6)]
-        survivors = [peers[0][0].address, peers[1][1].address]
+        first, second = first_victims[0].address, last_victims[0].address
+        survivors = [p.address for stage in peers for p in stage if p.address not in
+                     (first, second)]
         survivor_steps = [trainer.call(p, wire.Message("ping")).meta["steps"] for p in survivors]
     finally:
         stop_pipeline(peers)
     assert [r.step for r in reports] == [1, 2, 3, 4, 5, 6]
     killed_at = [(peer, i) for i, r in enumerate(reports) for peer in r.failed_peers]
-    first, second = peers[0][1].address, peers[1][0].address
     # each victim fails once, in the step its kill was due (or the first after that routed
-    # work to it), and that step re-routed its work
+    # work to its stage), and that step re-routed its work
     assert sorted(p for p, _ in killed_at) == sorted([first, second]), killed_at
     step_of = dict(killed_at)
     assert step_of[first] >= 1 and step_of[second] >= 3, killed_at
