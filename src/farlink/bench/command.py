@@ -91,8 +91,8 @@ def register(app: typer.Typer, bench_app: typer.Typer) -> None:
         only: list[str] | None = typer.Option(None, help="run only these method labels"),
         reuse: bool = typer.Option(False, help="read back finished runs of the same config"),
         ablations: bool = typer.Option(
-            False, help="then DiLoCo at H/2 and 2H, plain averaging, lower outer lrs and one worker alone, to explain "
-                        "DiLoCo's gap to DDP"),
+            False, help="then DiLoCo at H/2 and 2H, plain averaging and one worker alone, to "
+                        "explain DiLoCo's gap to DDP"),
     ) -> None:
         """Loss vs bytes per token for every method, each at lrs picked by a small sweep."""
         from farlink.bench.frontier import ablations as ablation_runs
