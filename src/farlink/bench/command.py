@@ -290,7 +290,7 @@ def register(app: typer.Typer, bench_app: typer.Typer) -> None:
             "near 150 Mbit/s)"),
         reuse: bool = typer.Option(False, help="read back finished runs of the same config"),
     ) -> None:
-        """DDP vs DiLoCo vs Streaming DiLoCo vs DeMo on an emulated WAN link."""
+        """DDP vs DiLoCo vs Streaming DiLoCo vs SparseLoCo vs DeMo on an emulated WAN link."""
         from farlink.bench.wan import run
 
         if emulation not in ("auto", "netns", "inprocess"):

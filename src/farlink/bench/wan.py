@@ -1,5 +1,5 @@
-"""``farlink bench wan --profile NAME``: DDP, DiLoCo, Streaming DiLoCo and DeMo on one emulated
-wide-area link, same token budget, side by side.
+"""``farlink bench wan --profile NAME``: DDP, DiLoCo, Streaming DiLoCo, SparseLoCo and DeMo on one
+emulated wide-area link, same token budget, side by side.
 
 Where the machine allows it (root, namespaces, tc, NFQUEUE), every variant runs with each worker in
 its own network namespace behind the profile's shaped, delayed link and the Lighthouse in the
@@ -42,6 +42,7 @@ def variants(inner_steps: int, fragments: int) -> list[tuple[str, dict]]:
         (f"streaming-H{inner_steps}-P{fragments}-int4",
          {"algorithm": "streaming_diloco", "codec": "int4+ef", "fragments": fragments,
           "overlap_steps": max(1, inner_steps // (2 * fragments) - 1)}),
+        (f"sparseloco-H{inner_steps}", {"algorithm": "sparseloco"}),
         ("demo", {"algorithm": "demo", "log_every": 1}),
     ]
 
@@ -119,11 +120,13 @@ def validate_planner(rows: list[dict], link: LinkProfile, runs_dir: Path) -> dic
     """The planner against each measured run's steady-state rounds (after the first, which pays
     process-group setup), from the run's own measured inputs: mean step time, straggler spread,
     per-sync local work and model size, plus the link profile the runs were emulated on (the same
-object the planner prices by name). Predicted vs measured round time
-    and utilization, relative errors."""
+    object the planner prices by name). Predicted vs measured round time and utilization,
+    relative errors. A method the planner has no model of (``planned`` false in its
+    capabilities, e.g. SparseLoCo's own exchange) keeps its measured rounds and is marked
+    ``not_planned`` with the reason instead of failing the benchmark."""
     from farlink.bench.rounds import steady_rounds
     from farlink.model import preset_config
-    from farlink.plan import predict_round
+    from farlink.plan import PlanInputError, predict_round
     from farlink.plan.validate import compare
     from farlink.sync import capabilities
 
@@ -140,14 +143,23 @@ object the planner prices by name). Predicted vs measured round time
             predicted.append({"label": r["label"]})
             continue
         measured.append({"label": r["label"], **steady.to_dict()})
+        if not caps.planned:
+            predicted.append({"label": r["label"], "not_planned":
+                              f"the planner has no model of {r['algorithm']}'s exchange"})
+            continue
         codec = (f"{caps.wire_codec}:64:32" if caps.wire_codec  # the run's default chunk, k
                  else r["codec"].removesuffix("+ef"))
         codec = "fp32" if codec == "none" else codec
-        pred = predict_round(
-            r["algorithm"], r["workers"], steady.step_seconds, link.bandwidth_bps,
-            link.latency_s, jitter_s=link.jitter_s, loss=link.loss, n_params=n_params, inner_steps=r["inner_steps"], codec=codec,
-            fragments=r.get("fragments", 1), overlap_steps=r.get("overlap_steps"),
-            straggler_sigma=steady.straggler_sigma, local_seconds=steady.local_seconds)
+        try:
+            pred = predict_round(
+                r["algorithm"], r["workers"], steady.step_seconds, link.bandwidth_bps,
+                link.latency_s, jitter_s=link.jitter_s, loss=link.loss, n_params=n_params,
+                inner_steps=r["inner_steps"], codec=codec, fragments=r.get("fragments", 1),
+                overlap_steps=r.get("overlap_steps"), straggler_sigma=steady.straggler_sigma,
+                local_seconds=steady.local_seconds)
+        except PlanInputError as exc:
+            predicted.append({"label": r["label"], "not_planned": str(exc)})
+            continue
         predicted.append({"label": r["label"], "round_seconds": pred.round_seconds,
                           "utilization": pred.utilization,
                           "comm_seconds": pred.comm_seconds})
