@@ -18,7 +18,8 @@ better) and checks two targets, met or not, as measured:
 * SparseLoCo reaches DiLoCo-fp32's loss (or lower) with >= 10x fewer bytes than DiLoCo int8.
 
 Each finished run is one JSON file under ``out/frontier/``; ``reuse`` reads back those whose
-configuration matches, so an interrupted sweep continues where it stopped.
+configuration matches, so an interrupted sweep continues where it stopped. A run file may carry
+a ``source`` (where a read-back row was measured); it is kept in the row and the sweep point.
 """
 
 from __future__ import annotations
@@ -326,7 +327,8 @@ def run(out: Path, base: dict[str, Any], sweep_steps: int, inner_steps: int,
                     row = store.run("sweep", f"{fam.name}-{_lr_tag(point)}", values,
                                     eval_points=1)
                     points.append({**point, "final_heldout_loss": row["final_heldout_loss"],
-                                   "wall_s": row["wall_s"]})
+                                   "wall_s": row["wall_s"],
+                                   **({"source": row["source"]} if "source" in row else {})})
                 best = min(points, key=lambda p: p["final_heldout_loss"])
                 best_point = {k: best[k] for k in axes}
                 todo = edge_extensions([{k: p[k] for k in axes} for p in points], best_point)
