@@ -174,3 +174,12 @@ def test_equal_tokens_scales_steps_and_warmup_by_the_batch() -> None:
     assert equal_tokens({**values, "batch_size": 8}, 8)["steps"] == 400
     with pytest.raises(ValueError, match="pick a divisor"):
         equal_tokens({**values, "batch_size": 3}, 8)
+
+
+def test_a_report_records_the_load_its_timings_were_taken_under(tmp_path: Path) -> None:
+    from farlink.bench.report import write_json
+
+    doc = json.loads(write_json(tmp_path / "x.json", "x", []).read_text())
+    load = doc["machine"]["load_average_1_5_15_min"]
+    assert len(load) == 3 and all(isinstance(v, float) and v >= 0 for v in load)
+    assert doc["machine"]["cpus"] >= 1
