@@ -64,6 +64,9 @@ def test_targets_on_hand_made_rows() -> None:
     assert second["met"]
     assert [(c["label"], c["met"]) for c in second["candidates"]] == [
         ("sparseloco-k64", True), ("sparseloco-k32", False)]  # k32: loss above DiLoCo's
+    # a second DDP row is a baseline, not a candidate, however close to DDP it lands
+    with_small = [*rows, row("ddp-small-batch", 16000, 3.9)]
+    assert targets(with_small)["reduction_within_2pct_of_ddp"] == first
     rows[3] = row("sparseloco-k64", 30, 4.05)  # 6.7x fewer than int8: short of 10x
     assert not targets(rows)["sparseloco_vs_diloco"]["met"]
     assert not targets(rows)["reduction_within_2pct_of_ddp"]["met"]  # 267x
