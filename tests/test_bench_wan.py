@@ -39,6 +39,16 @@ def test_sparseloco_is_a_wan_variant() -> None:
     assert ("sparseloco-H50", {"algorithm": "sparseloco"}) in variants(50, 4)
 
 
+def test_streaming_overlap_defaults_to_half_the_gap_between_fragment_syncs() -> None:
+    def overlap(*args: int | None) -> int:
+        return next(o for label, o in variants(*args) if label.startswith("streaming"))[
+            "overlap_steps"]
+
+    assert overlap(50, 4) == 5  # 50 // 8 - 1
+    assert overlap(50, 4, 10) == 10
+    assert overlap(4, 4) == 1
+
+
 def test_a_method_the_planner_cannot_price_is_measured_and_marked_not_planned(
         tmp_path: Path) -> None:
     for label in ("sparse", "diloco"):

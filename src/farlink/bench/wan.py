@@ -34,14 +34,20 @@ def peak_round_bytes(run_dir: Path) -> int:
     return peak
 
 
-def variants(inner_steps: int, fragments: int) -> list[tuple[str, dict]]:
+def variants(inner_steps: int, fragments: int,
+             overlap_steps: int | None = None) -> list[tuple[str, dict]]:
+    """The benchmark's runs. Streaming DiLoCo overlaps each fragment's exchange with
+    ``overlap_steps`` inner steps (default: about half the steps between fragment syncs, less
+    one); an exchange longer than that many steps shows as time blocked."""
+    if overlap_steps is None:
+        overlap_steps = max(1, inner_steps // (2 * fragments) - 1)
     return [
         ("ddp", {"algorithm": "ddp", "log_every": 1}),
         (f"diloco-H{inner_steps}", {"algorithm": "diloco"}),
         (f"diloco-H{inner_steps}-int8", {"algorithm": "diloco", "codec": "int8"}),
         (f"streaming-H{inner_steps}-P{fragments}-int4",
          {"algorithm": "streaming_diloco", "codec": "int4+ef", "fragments": fragments,
-          "overlap_steps": max(1, inner_steps // (2 * fragments) - 1)}),
+          "overlap_steps": overlap_steps}),
         (f"sparseloco-H{inner_steps}", {"algorithm": "sparseloco"}),
         ("demo", {"algorithm": "demo", "log_every": 1}),
     ]
@@ -63,7 +69,8 @@ def choose_emulation(requested: str) -> tuple[str, str]:
 
 def run(out: Path, profile: str, steps: int, inner_steps: int, workers: int, fragments: int,
         only: list[str] | None = None, emulation: str = "auto",
-        bandwidth_mbit: float | None = None, reuse: bool = False) -> dict:
+        bandwidth_mbit: float | None = None, reuse: bool = False,
+        overlap_steps: int | None = None) -> dict:
     from rich.console import Console
 
     from farlink.links import get_profile, scaled
@@ -78,7 +85,7 @@ def run(out: Path, profile: str, steps: int, inner_steps: int, workers: int, fra
     base = {"workers": workers, "steps": steps, "inner_steps": inner_steps, "eval_batches": 8,
             "emulate_link": profile if mode == "inprocess" else None}
     rows = []
-    for label, overrides in variants(inner_steps, fragments):
+    for label, overrides in variants(inner_steps, fragments, overlap_steps):
         if only and not any(o in label for o in only):
             continue
         run_label = f"{link.name}-{label}"
