@@ -12,6 +12,8 @@ import pytest
 from farlink.bench.frontier import (
     Family,
     ablations,
+    edge_extensions,
+    equal_tokens,
     families,
     methods,
     pareto_front,
@@ -25,9 +27,11 @@ STEPS, SWEEP_STEPS, H, WORKERS, BATCH, SEQ = 4, 2, 2, 2, 2, 16
 
 
 def toy_families() -> list[Family]:
-    """The default families with one lr point each, except DDP's two (a choice to check)."""
+    """The default families with one lr point each, except DDP's two (a choice to check, and
+    an edge to extend: with two points the best is always on one). The small-batch DDP row
+    steps on 1 sequence per worker, half the toy batch: twice the steps, the same tokens."""
     out = []
-    for fam in families(H):
+    for fam in families(H, small_batch=BATCH // 2):
         points = fam.grid[:2] if fam.name == "ddp" else fam.grid[:1]
         out.append(Family(fam.name, fam.base, points))
     return out
@@ -60,6 +64,9 @@ def test_targets_on_hand_made_rows() -> None:
     assert second["met"]
     assert [(c["label"], c["met"]) for c in second["candidates"]] == [
         ("sparseloco-k64", True), ("sparseloco-k32", False)]  # k32: loss above DiLoCo's
+    # a second DDP row is a baseline, not a candidate, however close to DDP it lands
+    with_small = [*rows, row("ddp-small-batch", 16000, 3.9)]
+    assert targets(with_small)["reduction_within_2pct_of_ddp"] == first
     rows[3] = row("sparseloco-k64", 30, 4.05)  # 6.7x fewer than int8: short of 10x
     assert not targets(rows)["sparseloco_vs_diloco"]["met"]
     assert not targets(rows)["reduction_within_2pct_of_ddp"]["met"]  # 267x
@@ -76,7 +83,8 @@ def test_frontier_toy_run_has_every_method_exact_bytes_and_the_sweep(
     base = {"model": "nano", "workers": WORKERS, "steps": STEPS, "batch_size": BATCH,
             "seq_len": SEQ, "warmup_steps": 1, "eval_batches": 2, "vocab_size": 300,
             "cache_dir": cache_dir}
-    result = run(tmp_path, base, SWEEP_STEPS, H, family_list=toy_families(), train=train)
+    result = run(tmp_path, base, SWEEP_STEPS, H, family_list=toy_families(), train=train,
+                 max_extensions=1)
     doc = json.loads((tmp_path / "frontier.json").read_text())
     assert (tmp_path / "frontier.png").stat().st_size > 0
 
@@ -84,6 +92,8 @@ def test_frontier_toy_run_has_every_method_exact_bytes_and_the_sweep(
     assert {r["config"]["algorithm"] for r in doc["rows"]} == {
         "ddp", "diloco", "streaming_diloco", "sparseloco", "demo"}
     by_label = {r["label"]: r for r in doc["rows"]}
+    small = by_label["ddp-small-batch"]["config"]
+    assert (small["batch_size"], small["steps"], small["warmup_steps"]) == (BATCH // 2, 2 * STEPS, 2)
     tokens = STEPS * BATCH * SEQ
     for r in doc["rows"]:  # the same tokens for all, bytes per token as bench probe counts them
         assert r["tokens_per_worker"] == tokens
@@ -98,12 +108,19 @@ def test_frontier_toy_run_has_every_method_exact_bytes_and_the_sweep(
 
     # the sweep: every point recorded with its loss, the best used by every method of the family
     sweep = doc["sweep"]
-    assert set(sweep) == {"ddp", "diloco", "sparseloco", "demo"}
+    assert set(sweep) == {"ddp", "ddp-small-batch", "diloco", "sparseloco", "demo"}
     points = sweep["ddp"]["points"]
-    assert [p["lr"] for p in points] == [1e-3, 3e-3]
+    # two points: the better is on an edge, so one more step outwards was tried (one round)
+    first_best = min(points[:2], key=lambda p: p["final_heldout_loss"])["lr"]
+    outward = 1e-3 * 1e-3 / 3e-3 if first_best == 1e-3 else 3e-3 * 3e-3 / 1e-3
+    assert [p["lr"] for p in points] == [1e-3, 3e-3, pytest.approx(outward, rel=1e-3)]
+    assert [p["lr"] for p in sweep["ddp"]["extended"]] == [points[2]["lr"]]
+    assert sweep["ddp"]["extended"][0]["because_best_was_on_edge"] == {"lr": first_best}
     best = min(points, key=lambda p: p["final_heldout_loss"])
     assert sweep["ddp"]["best"] == {"lr": best["lr"]} and ddp["config"]["lr"] == best["lr"]
     assert sweep["ddp"]["steps"] == SWEEP_STEPS
+    assert sweep["ddp-small-batch"]["steps"] == 2 * SWEEP_STEPS
+    assert sweep["diloco"]["extended"] == [] and sweep["diloco"]["edge_left_untried"] == []
     for label in ("diloco-int8", "streaming-diloco-int4"):
         assert by_label[label]["lrs_from_sweep"] == sweep["diloco"]["best"]
         assert by_label[label]["config"]["outer_lr"] == sweep["diloco"]["best"]["outer_lr"]
@@ -114,23 +131,21 @@ def test_frontier_toy_run_has_every_method_exact_bytes_and_the_sweep(
 
     # --reuse: nothing is trained again, the table is the same
     trained = len(calls)
-    assert trained == 5 + len(methods())
+    assert trained == 7 + len(methods())  # ddp 3 (one extension), 4 other families 1 each
     again = run(tmp_path, base, SWEEP_STEPS, H, family_list=toy_families(), reuse=True,
-                train=train, plot=False)
+                train=train, plot=False, max_extensions=1)
     assert len(calls) == trained
     assert [r["final_heldout_loss"] for r in again["rows"]] == [
         r["final_heldout_loss"] for r in doc["rows"]]
     # ablations afterwards: only they are trained, at the family's swept lrs, off the frontier
     with_ablations = run(tmp_path, base, SWEEP_STEPS, H, family_list=toy_families(), reuse=True,
-                         train=train, plot=False, ablation_list=ablations(H))
+                         train=train, plot=False, ablation_list=ablations(H), max_extensions=1)
     assert calls[trained:] == [m.label for m in ablations(H)] == [
-        "diloco-fp32-H1", "diloco-fp32-H4", "local-sgd-averaging", "diloco-fp32-outer-lr0.1",
-        "diloco-fp32-outer-lr0.3", "one-worker"]
+        "diloco-fp32-H1", "diloco-fp32-H4", "local-sgd-averaging", "one-worker"]
     extra = {r["label"]: r for r in with_ablations["ablations"]}
     assert extra["diloco-fp32-H1"]["config"]["inner_steps"] == 1
     assert extra["diloco-fp32-H4"]["config"]["inner_steps"] == 4
     assert extra["local-sgd-averaging"]["config"]["algorithm"] == "local_sgd"
-    assert extra["diloco-fp32-outer-lr0.1"]["config"]["outer_lr"] == 0.1
     assert extra["one-worker"]["bytes_per_worker"] == 0
     assert extra["one-worker"]["config"]["lr"] == sweep["ddp"]["best"]["lr"]
     assert all("loss_vs_ddp" in r for r in extra.values())
@@ -138,5 +153,36 @@ def test_frontier_toy_run_has_every_method_exact_bytes_and_the_sweep(
     trained = len(calls)
     # a changed budget is trained again (its old file does not match)
     run(tmp_path, {**base, "steps": STEPS + 1}, SWEEP_STEPS, H, family_list=toy_families(),
-        only=["ddp"], reuse=True, train=train, plot=False)
+        only=["ddp"], reuse=True, train=train, plot=False, max_extensions=1)
     assert calls[trained:] == ["ddp"]
+
+
+def test_edge_extensions_step_outwards_only_from_an_edge() -> None:
+    tried = [{"lr": a, "outer_lr": b} for a in (3e-3, 1e-2) for b in (0.1, 0.3, 0.5, 0.7)]
+    assert edge_extensions(tried, {"lr": 1e-2, "outer_lr": 0.3}) == [
+        {"lr": 0.0333, "outer_lr": 0.3}]  # inner lr on its upper edge, outer lr inside
+    assert edge_extensions(tried, {"lr": 3e-3, "outer_lr": 0.1}) == [
+        {"lr": 0.0009, "outer_lr": 0.1}, {"lr": 3e-3, "outer_lr": 0.0333}]
+    assert edge_extensions(tried, {"lr": 1e-2, "outer_lr": 0.7}) == [
+        {"lr": 0.0333, "outer_lr": 0.7}, {"lr": 1e-2, "outer_lr": 0.98}]
+    one_axis = [{"demo_lr": 3e-3}]
+    assert edge_extensions(one_axis, {"demo_lr": 3e-3}) == []  # a single value has no edge
+    inside = [{"lr": 1e-3}, {"lr": 3e-3}, {"lr": 1e-2}]
+    assert edge_extensions(inside, {"lr": 3e-3}) == []
+
+
+def test_equal_tokens_scales_steps_and_warmup_by_the_batch() -> None:
+    values = {"batch_size": 2, "steps": 400, "warmup_steps": 20}
+    assert equal_tokens(values, 8) == {"batch_size": 2, "steps": 1600, "warmup_steps": 80}
+    assert equal_tokens({**values, "batch_size": 8}, 8)["steps"] == 400
+    with pytest.raises(ValueError, match="pick a divisor"):
+        equal_tokens({**values, "batch_size": 3}, 8)
+
+
+def test_a_report_records_the_load_its_timings_were_taken_under(tmp_path: Path) -> None:
+    from farlink.bench.report import write_json
+
+    doc = json.loads(write_json(tmp_path / "x.json", "x", []).read_text())
+    load = doc["machine"]["load_average_1_5_15_min"]
+    assert len(load) == 3 and all(isinstance(v, float) and v >= 0 for v in load)
+    assert doc["machine"]["cpus"] >= 1

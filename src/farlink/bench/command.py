@@ -91,8 +91,8 @@ def register(app: typer.Typer, bench_app: typer.Typer) -> None:
         only: list[str] | None = typer.Option(None, help="run only these method labels"),
         reuse: bool = typer.Option(False, help="read back finished runs of the same config"),
         ablations: bool = typer.Option(
-            False, help="then DiLoCo at H/2 and 2H, plain averaging, lower outer lrs and one worker alone, to explain "
-                        "DiLoCo's gap to DDP"),
+            False, help="then DiLoCo at H/2 and 2H, plain averaging and one worker alone, to "
+                        "explain DiLoCo's gap to DDP"),
     ) -> None:
         """Loss vs bytes per token for every method, each at lrs picked by a small sweep."""
         from farlink.bench.frontier import ablations as ablation_runs
@@ -318,14 +318,17 @@ def register(app: typer.Typer, bench_app: typer.Typer) -> None:
             None, help="netns: the profile's delay at this rate (the user-space delayer tops out "
             "near 150 Mbit/s)"),
         reuse: bool = typer.Option(False, help="read back finished runs of the same config"),
+        overlap_steps: int | None = typer.Option(
+            None, help="Streaming DiLoCo: inner steps each fragment's exchange overlaps "
+            "(default about H / (2 x fragments) - 1)"),
     ) -> None:
-        """DDP vs DiLoCo vs Streaming DiLoCo vs DeMo on an emulated WAN link."""
+        """DDP vs DiLoCo vs Streaming DiLoCo vs SparseLoCo vs DeMo on an emulated WAN link."""
         from farlink.bench.wan import run
 
         if emulation not in ("auto", "netns", "inprocess"):
             raise typer.BadParameter("choose auto, netns or inprocess", param_hint="--emulation")
         result = run(out, profile, steps, inner_steps, workers, fragments, only, emulation,
-                     bandwidth_mbit, reuse)
+                     bandwidth_mbit, reuse, overlap_steps)
         print_rows(result["rows"], ["label", "final_heldout_loss", "bytes_per_token",
                                     "peak_round_bytes", "compute_utilization", "wall_s"],
                    f"farlink bench wan --profile {profile}")

@@ -18,7 +18,8 @@ better) and checks two targets, met or not, as measured:
 * SparseLoCo reaches DiLoCo-fp32's loss (or lower) with >= 10x fewer bytes than DiLoCo int8.
 
 Each finished run is one JSON file under ``out/frontier/``; ``reuse`` reads back those whose
-configuration matches, so an interrupted sweep continues where it stopped.
+configuration matches, so an interrupted sweep continues where it stopped. A run file may carry
+a ``source`` (where a read-back row was measured); it is kept in the row and the sweep point.
 """
 
 from __future__ import annotations
@@ -39,7 +40,9 @@ SPARSELOCO_VS_INT8_TARGET = 10.0
 
 @dataclass(frozen=True)
 class Family:
-    """Methods that share one lr sweep: ``grid`` lists the lr settings tried (RunConfig fields)."""
+    """Methods that share one lr sweep: ``grid`` lists the lr settings tried first (RunConfig
+    fields). A family whose ``base`` sets a smaller ``batch_size`` than the benchmark's runs
+    proportionally more steps (and warmup steps), so it still sees the same tokens."""
 
     name: str
     base: dict[str, Any]
@@ -59,23 +62,71 @@ def grid(**axes: Sequence[Any]) -> list[dict[str, Any]]:
     return [dict(zip(keys, values)) for values in itertools.product(*axes.values())]
 
 
-def families(inner_steps: int) -> list[Family]:
-    """The default sweep: 2-3 points per family around each method's published defaults."""
+SMALL_BATCH = 2  # sequences per worker per step of the small-batch DDP row (8 in all for 4)
+MAX_EXTENSIONS = 3  # rounds of grid extension per family before its edge is reported as such
+
+
+def families(inner_steps: int, small_batch: int = SMALL_BATCH) -> list[Family]:
+    """The default sweep, around each method's published defaults. DiLoCo's outer lr reaches
+    down to 0.1: with momentum 0.9 a steady outer step is about ``lr / (1 - 0.9)`` = 10 lr
+    pseudo-gradients, and the paper's 0.7 (7 of them) need not suit a small model and budget.
+    ``ddp-small-batch`` is DDP at ``small_batch`` sequences per worker per step (more steps,
+    the same tokens): whether DDP's lead over the local-update methods is its batch per step."""
     local = {"inner_steps": inner_steps}
     return [
         Family("ddp", {"algorithm": "ddp"}, grid(lr=[1e-3, 3e-3, 1e-2])),
+        Family("ddp-small-batch", {"algorithm": "ddp", "batch_size": small_batch},
+               grid(lr=[1e-3, 3e-3])),
         Family("diloco", {"algorithm": "diloco", **local},
-               grid(lr=[3e-3, 1e-2], outer_lr=[0.7, 1.0])),
+               grid(lr=[3e-3, 1e-2], outer_lr=[0.1, 0.3, 0.5, 0.7])),
         Family("sparseloco", {"algorithm": "sparseloco", **local},
-               grid(lr=[3e-3, 1e-2], sparseloco_lr=[1.0, 1.5])),
-        Family("demo", {"algorithm": "demo"}, grid(demo_lr=[3e-4, 1e-3, 3e-3])),
+               grid(lr=[1e-2, 3e-2], sparseloco_lr=[1.0, 1.5, 2.0])),
+        Family("demo", {"algorithm": "demo"}, grid(demo_lr=[1e-3, 3e-3, 1e-2])),
     ]
+
+
+def equal_tokens(values: dict[str, Any], batch_size: int) -> dict[str, Any]:
+    """``values`` with steps and warmup scaled so that a run at ``values['batch_size']`` sees
+    the tokens a run at ``batch_size`` would (the benchmark's batch)."""
+    factor = batch_size / values["batch_size"]
+    if factor == 1:
+        return values
+    if factor != int(factor):
+        raise ValueError(f"batch_size {values['batch_size']} does not divide the benchmark's "
+                         f"{batch_size}: pick a divisor so every run sees the same tokens")
+    out = {**values, "steps": values["steps"] * int(factor)}
+    if "warmup_steps" in out:
+        out["warmup_steps"] = out["warmup_steps"] * int(factor)
+    return out
+
+
+def edge_extensions(tried: list[dict[str, Any]], best: dict[str, Any]) -> list[dict[str, Any]]:
+    """The points to try next when ``best`` lies on an edge of the grid ``tried``: for each axis
+    on whose smallest or largest value the best sits, one step further out (geometric, by the
+    ratio of that edge to its neighbour), the other axes held at the best's values. Axes with a
+    single value have no edge to judge and are not extended."""
+    out = []
+    for axis in best:
+        values = sorted({p[axis] for p in tried})
+        if len(values) < 2:
+            continue
+        if best[axis] == values[-1]:
+            nxt = values[-1] * values[-1] / values[-2]
+        elif best[axis] == values[0]:
+            nxt = values[0] * values[0] / values[1]
+        else:
+            continue
+        point = {**best, axis: float(f"{nxt:.3g}")}
+        if point not in tried:
+            out.append(point)
+    return out
 
 
 def methods(sparse_topks: Sequence[int] = (64, 32)) -> list[Method]:
     """The frontier's points, in the order they run (cheapest families first)."""
     out = [
         Method("ddp", "ddp"),
+        Method("ddp-small-batch", "ddp-small-batch"),
         Method("diloco-fp32", "diloco"),
         Method("diloco-int8", "diloco", {"codec": "int8+ef"}),
         Method("diloco-int4", "diloco", {"codec": "int4+ef"}),
@@ -90,17 +141,14 @@ def methods(sparse_topks: Sequence[int] = (64, 32)) -> list[Method]:
 def ablations(inner_steps: int) -> list[Method]:
     """Runs that ask why DiLoCo trails DDP, at the final budget and DiLoCo's swept lrs: fewer
     and more inner steps per round (H/2, 2H), plain parameter averaging instead of the outer
-    Nesterov step, outer lrs below the swept grid (with momentum 0.9, a steady outer step is
-    about ``lr / (1 - 0.9)`` = 10 lr pseudo-gradients; 0.1 matches plain averaging's one), and
-    one worker alone (the floor that averaging four replicas must beat; a quarter of the
-    tokens, at DDP's swept lr)."""
+    Nesterov step (outer lr 1, no momentum), and one worker alone (the floor that averaging
+    four replicas must beat; a quarter of the tokens, at DDP's swept lr). Outer lrs are part
+    of DiLoCo's sweep itself (see :func:`families`)."""
     return [
         Method(f"diloco-fp32-H{max(1, inner_steps // 2)}", "diloco",
                {"inner_steps": max(1, inner_steps // 2)}),
         Method(f"diloco-fp32-H{2 * inner_steps}", "diloco", {"inner_steps": 2 * inner_steps}),
         Method("local-sgd-averaging", "diloco", {"algorithm": "local_sgd"}),
-        Method("diloco-fp32-outer-lr0.1", "diloco", {"outer_lr": 0.1}),
-        Method("diloco-fp32-outer-lr0.3", "diloco", {"outer_lr": 0.3}),
         Method("one-worker", "ddp", {"workers": 1}),
     ]
 
@@ -153,10 +201,10 @@ def targets(rows: list[dict]) -> dict[str, Any]:
     """The two frontier targets, as measured (``met`` is False when a needed row is missing)."""
     by_label = {r["label"]: r for r in rows}
     ddp = by_label.get("ddp")
-    within = [r for r in rows if r["label"] != "ddp" and ddp is not None
-              and r["loss_vs_ddp"] <= LOSS_TOLERANCE]
+    candidates = [r for r in rows if not r["label"].startswith("ddp")]
+    within = [r for r in candidates if ddp is not None and r["loss_vs_ddp"] <= LOSS_TOLERANCE]
     best = max(within, key=lambda r: r["bytes_per_token_reduction_vs_ddp"], default=None)
-    cheapest = max((r for r in rows if r["label"] != "ddp"),
+    cheapest = max(candidates,
                    key=lambda r: r.get("bytes_per_token_reduction_vs_ddp", 0), default=None)
     first = {
         "goal": f">= {REDUCTION_TARGET:g}x fewer bytes/token than DDP, held-out loss within "
@@ -234,11 +282,14 @@ def plot_frontier(path: Path, rows: list[dict]) -> Path:
 def run(out: Path, base: dict[str, Any], sweep_steps: int, inner_steps: int,
         family_list: list[Family] | None = None, method_list: list[Method] | None = None,
         only: list[str] | None = None, reuse: bool = False, plot: bool = True,
-        train: Trainer = _train, ablation_list: list[Method] | None = None) -> dict:
+        train: Trainer = _train, ablation_list: list[Method] | None = None,
+        max_extensions: int = MAX_EXTENSIONS) -> dict:
     """Sweep each family at ``sweep_steps``, then run its methods for ``base['steps']`` at the
     best lrs; writes ``out/frontier.json`` (after every run, so a partial table is never lost)
     and ``out/frontier.png``. ``ablation_list`` (see :func:`ablations`) runs afterwards, at the
-    same budget and lrs, into the JSON's ``ablations`` (not on the frontier)."""
+    same budget and lrs, into the JSON's ``ablations`` (not on the frontier). A family whose
+    best sweep point lies on an edge of its grid is swept one step further out on that axis,
+    up to ``max_extensions`` rounds (see :func:`edge_extensions`)."""
     store = RunStore(out / "frontier", reuse, train)
     fams = {f.name: f for f in (family_list or families(inner_steps))}
     chosen = [m for m in (method_list or methods()) if not only or m.label in only]
@@ -260,24 +311,41 @@ def run(out: Path, base: dict[str, Any], sweep_steps: int, inner_steps: int,
         write_json(out / "frontier.json", "frontier", rows, doc)
         return doc
 
+    def configured(fam: Family, values: dict[str, Any]) -> dict[str, Any]:
+        return equal_tokens({**base, **fam.base, **values}, base["batch_size"])
+
     def best_lrs(fam: Family) -> dict[str, Any]:
+        """The family's grid, extended outwards while its best point lies on an edge (at most
+        MAX_EXTENSIONS rounds; the JSON records each added point and any edge left)."""
         if fam.name not in sweep:
-            points = []
-            for point in fam.grid:
-                values = {**base, **fam.base, **point, "steps": sweep_steps}
-                row = store.run("sweep", f"{fam.name}-{_lr_tag(point)}", values, eval_points=1)
-                points.append({**point, "final_heldout_loss": row["final_heldout_loss"],
-                               "wall_s": row["wall_s"]})
-            best = min(points, key=lambda p: p["final_heldout_loss"])
-            sweep[fam.name] = {"steps": sweep_steps, "points": points,
-                               "best": {k: best[k] for k in fam.grid[0]}}
+            points: list[dict[str, Any]] = []
+            axes = list(fam.grid[0])
+            todo, extended, rounds = list(fam.grid), [], 0
+            while True:
+                for point in todo:
+                    values = configured(fam, {**point, "steps": sweep_steps})
+                    row = store.run("sweep", f"{fam.name}-{_lr_tag(point)}", values,
+                                    eval_points=1)
+                    points.append({**point, "final_heldout_loss": row["final_heldout_loss"],
+                                   "wall_s": row["wall_s"],
+                                   **({"source": row["source"]} if "source" in row else {})})
+                best = min(points, key=lambda p: p["final_heldout_loss"])
+                best_point = {k: best[k] for k in axes}
+                todo = edge_extensions([{k: p[k] for k in axes} for p in points], best_point)
+                if not todo or rounds == max_extensions:
+                    break
+                rounds += 1
+                extended += [{**p, "because_best_was_on_edge": best_point} for p in todo]
+            sweep[fam.name] = {"steps": configured(fam, {"steps": sweep_steps})["steps"],
+                               "grid": fam.grid, "extended": extended, "points": points,
+                               "best": best_point, "edge_left_untried": todo}
         return sweep[fam.name]["best"]
 
     for phase, selected, into in (("final", chosen, rows),
                                   ("ablation", ablation_list or [], extra_rows)):
         for m in selected:
             fam = fams[m.family]
-            values = {**base, **fam.base, **best_lrs(fam), **m.overrides}
+            values = configured(fam, {**best_lrs(fam), **m.overrides})
             row = store.run(phase, m.label, values, eval_points=4)
             into.append({**row, "family": fam.name, "lrs_from_sweep": best_lrs(fam)})
             doc = report()

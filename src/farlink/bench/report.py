@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import platform
 import time
 from pathlib import Path
@@ -24,7 +25,9 @@ def write_json(path: Path, name: str, rows: list[dict], extra: dict[str, Any] | 
     doc = {
         "benchmark": name,
         "created": time.strftime("%Y-%m-%dT%H:%M:%S"),
-        "machine": {"platform": platform.platform(), "python": platform.python_version()},
+        # timings depend on what else the machine ran; losses and byte counts do not
+        "machine": {"platform": platform.platform(), "python": platform.python_version(),
+                    "cpus": os.cpu_count(), "load_average_1_5_15_min": list(os.getloadavg())},
         "rows": rows,
         **(extra or {}),
     }

@@ -1,5 +1,5 @@
-"""``farlink bench wan --profile NAME``: DDP, DiLoCo, Streaming DiLoCo and DeMo on one emulated
-wide-area link, same token budget, side by side.
+"""``farlink bench wan --profile NAME``: DDP, DiLoCo, Streaming DiLoCo, SparseLoCo and DeMo on one
+emulated wide-area link, same token budget, side by side.
 
 Where the machine allows it (root, namespaces, tc, NFQUEUE), every variant runs with each worker in
 its own network namespace behind the profile's shaped, delayed link and the Lighthouse in the
@@ -34,14 +34,21 @@ def peak_round_bytes(run_dir: Path) -> int:
     return peak
 
 
-def variants(inner_steps: int, fragments: int) -> list[tuple[str, dict]]:
+def variants(inner_steps: int, fragments: int,
+             overlap_steps: int | None = None) -> list[tuple[str, dict]]:
+    """The benchmark's runs. Streaming DiLoCo overlaps each fragment's exchange with
+    ``overlap_steps`` inner steps (default: about half the steps between fragment syncs, less
+    one); an exchange longer than that many steps shows as time blocked."""
+    if overlap_steps is None:
+        overlap_steps = max(1, inner_steps // (2 * fragments) - 1)
     return [
         ("ddp", {"algorithm": "ddp", "log_every": 1}),
         (f"diloco-H{inner_steps}", {"algorithm": "diloco"}),
         (f"diloco-H{inner_steps}-int8", {"algorithm": "diloco", "codec": "int8"}),
         (f"streaming-H{inner_steps}-P{fragments}-int4",
          {"algorithm": "streaming_diloco", "codec": "int4+ef", "fragments": fragments,
-          "overlap_steps": max(1, inner_steps // (2 * fragments) - 1)}),
+          "overlap_steps": overlap_steps}),
+        (f"sparseloco-H{inner_steps}", {"algorithm": "sparseloco"}),
         ("demo", {"algorithm": "demo", "log_every": 1}),
     ]
 
@@ -62,7 +69,8 @@ def choose_emulation(requested: str) -> tuple[str, str]:
 
 def run(out: Path, profile: str, steps: int, inner_steps: int, workers: int, fragments: int,
         only: list[str] | None = None, emulation: str = "auto",
-        bandwidth_mbit: float | None = None, reuse: bool = False) -> dict:
+        bandwidth_mbit: float | None = None, reuse: bool = False,
+        overlap_steps: int | None = None) -> dict:
     from rich.console import Console
 
     from farlink.links import get_profile, scaled
@@ -77,7 +85,7 @@ def run(out: Path, profile: str, steps: int, inner_steps: int, workers: int, fra
     base = {"workers": workers, "steps": steps, "inner_steps": inner_steps, "eval_batches": 8,
             "emulate_link": profile if mode == "inprocess" else None}
     rows = []
-    for label, overrides in variants(inner_steps, fragments):
+    for label, overrides in variants(inner_steps, fragments, overlap_steps):
         if only and not any(o in label for o in only):
             continue
         run_label = f"{link.name}-{label}"
@@ -119,11 +127,13 @@ def validate_planner(rows: list[dict], link: LinkProfile, runs_dir: Path) -> dic
     """The planner against each measured run's steady-state rounds (after the first, which pays
     process-group setup), from the run's own measured inputs: mean step time, straggler spread,
     per-sync local work and model size, plus the link profile the runs were emulated on (the same
-object the planner prices by name). Predicted vs measured round time
-    and utilization, relative errors."""
+    object the planner prices by name). Predicted vs measured round time and utilization,
+    relative errors. A method the planner has no model of (``planned`` false in its
+    capabilities, e.g. SparseLoCo's own exchange) keeps its measured rounds and is marked
+    ``not_planned`` with the reason instead of failing the benchmark."""
     from farlink.bench.rounds import steady_rounds
     from farlink.model import preset_config
-    from farlink.plan import predict_round
+    from farlink.plan import PlanInputError, predict_round
     from farlink.plan.validate import compare
     from farlink.sync import capabilities
 
@@ -140,14 +150,23 @@ object the planner prices by name). Predicted vs measured round time
             predicted.append({"label": r["label"]})
             continue
         measured.append({"label": r["label"], **steady.to_dict()})
+        if not caps.planned:
+            predicted.append({"label": r["label"], "not_planned":
+                              f"the planner has no model of {r['algorithm']}'s exchange"})
+            continue
         codec = (f"{caps.wire_codec}:64:32" if caps.wire_codec  # the run's default chunk, k
                  else r["codec"].removesuffix("+ef"))
         codec = "fp32" if codec == "none" else codec
-        pred = predict_round(
-            r["algorithm"], r["workers"], steady.step_seconds, link.bandwidth_bps,
-            link.latency_s, jitter_s=link.jitter_s, loss=link.loss, n_params=n_params, inner_steps=r["inner_steps"], codec=codec,
-            fragments=r.get("fragments", 1), overlap_steps=r.get("overlap_steps"),
-            straggler_sigma=steady.straggler_sigma, local_seconds=steady.local_seconds)
+        try:
+            pred = predict_round(
+                r["algorithm"], r["workers"], steady.step_seconds, link.bandwidth_bps,
+                link.latency_s, jitter_s=link.jitter_s, loss=link.loss, n_params=n_params,
+                inner_steps=r["inner_steps"], codec=codec, fragments=r.get("fragments", 1),
+                overlap_steps=r.get("overlap_steps"), straggler_sigma=steady.straggler_sigma,
+                local_seconds=steady.local_seconds)
+        except PlanInputError as exc:
+            predicted.append({"label": r["label"], "not_planned": str(exc)})
+            continue
         predicted.append({"label": r["label"], "round_seconds": pred.round_seconds,
                           "utilization": pred.utilization,
                           "comm_seconds": pred.comm_seconds})

@@ -1,0 +1,66 @@
+"""``bench wan``'s planner check on runs the planner cannot price: the run keeps its measured
+rounds and is marked "not planned" instead of failing the benchmark."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from farlink.bench.wan import validate_planner, variants
+from farlink.links import get_profile
+
+H, WORKERS = 5, 2
+
+
+def write_round_logs(run_dir: Path, rounds: int) -> None:
+    """Worker logs as the loop writes them: cumulative compute and blocked seconds per step,
+    0.1 s of compute per step and 0.5 s blocked per round."""
+    metrics = run_dir / "metrics"
+    metrics.mkdir(parents=True)
+    for w in range(WORKERS):
+        lines = []
+        for step in range(1, rounds * H + 1):
+            synced = step // H
+            lines.append({"kind": "sync" if step % H == 0 else "step", "step": step,
+                          "compute_s": 0.1 * step, "comm_s": 0.5 * synced,
+                          "quorum_s": 0.1 * synced, "network_s": 0.3 * synced,
+                          "rounds_s": 0.5 * synced, "bytes_sent": 1000 * synced})
+        (metrics / f"w{w}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
+
+
+def row(label: str, algorithm: str, codec: str = "none") -> dict:
+    return {"label": label, "algorithm": algorithm, "codec": codec, "inner_steps": H,
+            "workers": WORKERS, "fragments": 1, "overlap_steps": None}
+
+
+def test_sparseloco_is_a_wan_variant() -> None:
+    assert ("sparseloco-H50", {"algorithm": "sparseloco"}) in variants(50, 4)
+
+
+def test_streaming_overlap_defaults_to_half_the_gap_between_fragment_syncs() -> None:
+    def overlap(*args: int | None) -> int:
+        return next(o for label, o in variants(*args) if label.startswith("streaming"))[
+            "overlap_steps"]
+
+    assert overlap(50, 4) == 5  # 50 // 8 - 1
+    assert overlap(50, 4, 10) == 10
+    assert overlap(4, 4) == 1
+
+
+def test_a_method_the_planner_cannot_price_is_measured_and_marked_not_planned(
+        tmp_path: Path) -> None:
+    for label in ("sparse", "diloco"):
+        write_round_logs(tmp_path / label, rounds=4)
+    rows = [row("sparse", "sparseloco"), row("diloco", "diloco")]
+    result = validate_planner(rows, get_profile("intercontinental"), tmp_path)
+    sparse_measured, diloco_measured = result["measured"]
+    assert sparse_measured["round_seconds"] == pytest.approx(H * 0.1 + 0.5)
+    assert sparse_measured["utilization"] == pytest.approx(0.5 / 1.0)
+    assert "sparseloco" in result["predicted"][0]["not_planned"]
+    assert "round_seconds" not in result["predicted"][0]
+    # the one it can price is still predicted and compared
+    assert result["predicted"][1]["round_seconds"] > 0
+    assert result["errors"]["metrics"]["round_seconds"]["n"] == 1
+    assert diloco_measured["round_seconds"] == pytest.approx(1.0)
