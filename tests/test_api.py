@@ -359,3 +359,10 @@ def test_the_examples_loops_add_at_most_ten_lines() -> None:
         added = [line for line in text.splitlines() if line.rstrip().endswith("# farlink")
                  or "# farlink:" in line]
         assert 0 < len(added) <= 10, (name, len(added))
+
+
+def test_public_names_are_the_lazy_exports() -> None:
+    import farlink
+
+    assert set(farlink.__all__) == {"__version__", *farlink._EXPORTS}
+    assert all(getattr(farlink, name) is not None for name in farlink.__all__)

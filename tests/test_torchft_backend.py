@@ -3,10 +3,7 @@
 from __future__ import annotations
 
 import multiprocessing as mp
-import os
-import time
 
-import pytest
 import torch
 
 from farlink.comm.base import ring_allgather_bytes, ring_allreduce_bytes

@@ -20,7 +20,8 @@ _EXPORTS = {
     "ALGORITHMS": "farlink.sync",
     "StepOutcome": "farlink.sync",
 }
-__all__ = ["__version__", *_EXPORTS]
+# _EXPORTS by name: a literal list, so that linters and IDEs read it
+__all__ = ["__version__", "Optimizer", "RunConfig", "ALGORITHMS", "StepOutcome"]
 
 
 def __getattr__(name: str) -> object:

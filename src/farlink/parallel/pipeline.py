@@ -195,7 +195,6 @@ class PipelineTrainer:
                      stats: dict, index: int = 0) -> float:
         last = self.n_stages - 1
         act = {"x": self.activation_codec}
-        grad = {"dy": self.gradient_codec}
         inputs: list[torch.Tensor] = [tokens]
         peers: list[str] = []
         keys: list[str] = []
