@@ -153,6 +153,10 @@ def test_farlink_train_pipeline_stages_learns_checkpoints_each_peer_and_resumes(
     assert summary["bytes_by_kind"]["averaging"] > 0
     model = run_dir / "model.safetensors"
     assert hashlib.sha256(model.read_bytes()).hexdigest() == summary["model_sha256"]
+    from farlink.train.report import report
+
+    shown = report(run_dir, plot=False)["summary"]  # farlink report reads the pipeline's figures
+    assert shown["final_heldout_loss"] == evals[-1]["loss"] and shown["outer_steps"] == 2
 
 
 def test_a_stage_peer_killed_mid_run_is_routed_around_and_the_run_finishes(

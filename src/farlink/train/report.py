@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 from rich.console import Console
@@ -20,6 +21,8 @@ def report(run_dir: Path, plot: bool = True) -> dict:
     # the stored run_dir is as the run was started (often relative to another directory): the
     # directory asked about is the one to read
     cfg = cfg.model_copy(update={"run_dir": run_dir})
+    if cfg.pipeline_stages > 1:  # no worker processes: the pipeline trainer wrote the figures
+        return report_pipeline(run_dir, cfg.algorithm, plot)
     summary = summarize(cfg)
     audit = audit_run(run_dir)
     table = Table(title=f"{run_dir}: {cfg.algorithm} ({cfg.codec}), {cfg.workers} workers")
@@ -38,15 +41,51 @@ def report(run_dir: Path, plot: bool = True) -> dict:
         console.print(f"rounds computed again to the same state after their checkpoint was lost: "
                       f"{audit['redone_steps']}")
     if plot and summary["evals"]:
-        from farlink.bench.report import plot_curves
-        from farlink.extras import MissingExtra
-
-        try:
-            points = [(e["tokens"], e["loss"]) for e in summary["evals"]]
-            path = plot_curves(run_dir / "loss_vs_tokens.png", {cfg.algorithm: points},
-                               "tokens (evaluating worker)", "held-out loss", str(run_dir))
-        except MissingExtra as exc:
-            console.print(f"no plot: {exc}", markup=False)  # keep "farlink[plots]" literal
-        else:
-            console.print(f"plot: {path}")
+        _plot(console, run_dir, cfg.algorithm, summary["evals"], "tokens (evaluating worker)")
     return {"summary": summary, "audit": audit}
+
+
+def report_pipeline(run_dir: Path, algorithm: str, plot: bool = True) -> dict:
+    """A pipeline run's figures (``train/pipeline_run.py``): its ``summary.json``, written when
+    the run ends, is stopped or fails; peers and bytes by what they carried."""
+    path = run_dir / "summary.json"
+    if not path.is_file():
+        raise FileNotFoundError(f"{run_dir} has no summary.json: the pipeline run has not ended "
+                                f"(it is running, or was killed: farlink train --resume "
+                                f"--run-dir {run_dir} finishes it)")
+    summary = json.loads(path.read_text())
+    console = Console()
+    table = Table(title=f"{run_dir}: {summary['pipeline_stages']} stages x "
+                        f"{summary['peers_per_stage']} peers, {algorithm} within a stage "
+                        f"({summary['activation_codec']} activations)")
+    for column in ("carried", "bytes", "bytes/token"):
+        table.add_column(column)
+    tokens = max(summary["total_tokens"], 1)
+    for kind, moved in summary["bytes_by_kind"].items():
+        table.add_row(kind, f"{moved:,}", f"{moved / tokens:.1f}")
+    console.print(table)
+    dead = [name for name, live in summary["live_peers"].items() if not live]
+    console.print(f"held-out loss {summary['final_heldout_loss']} (ppl "
+                  f"{summary['final_heldout_ppl']}); steps {summary['steps_done']} of "
+                  f"{summary['steps']}, outer steps {summary['outer_steps']}, tokens "
+                  f"{summary['total_tokens']:,}, {summary['wall_s']:.1f} s; peers lost: "
+                  f"{', '.join(dead) or 'none'}")
+    if summary.get("problem"):
+        console.print(f"problem: {summary['problem']}", markup=False)
+    if plot and summary["evals"]:
+        _plot(console, run_dir, algorithm, summary["evals"], "tokens (all pipelines)")
+    return {"summary": summary}
+
+
+def _plot(console: Console, run_dir: Path, label: str, evals: list[dict], xlabel: str) -> None:
+    from farlink.bench.report import plot_curves
+    from farlink.extras import MissingExtra
+
+    try:
+        points = [(e["tokens"], e["loss"]) for e in evals]
+        path = plot_curves(run_dir / "loss_vs_tokens.png", {label: points}, xlabel,
+                           "held-out loss", str(run_dir))
+    except MissingExtra as exc:
+        console.print(f"no plot: {exc}", markup=False)  # keep "farlink[plots]" literal
+    else:
+        console.print(f"plot: {path}")
