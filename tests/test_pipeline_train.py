@@ -164,7 +164,9 @@ def test_a_stage_peer_killed_mid_run_is_routed_around_and_the_run_finishes(
     """SIGKILL of one last-stage peer of `farlink train --pipeline-stages 2 --workers 4` once
     step 2 is logged: its micro-batches go to the stage's other peer, the stage's outer rounds
     go on with the survivor, and the run ends with its model and a held-out loss below the
-    initial one."""
+    initial one. Whether a step or a stage's outer round meets the dead peer first depends on
+    when the kill lands (a step re-routes, a round drops it from the router);
+    ``tests/test_pipeline.py`` pins the re-routing of a step at a known point."""
     import os
     import signal
     import time
@@ -192,7 +194,6 @@ def test_a_stage_peer_killed_mid_run_is_routed_around_and_the_run_finishes(
     assert process.returncode == 0, err[-2000:]
     records = read_metrics(metrics)
     assert [r["step"] for r in records if r["kind"] == "step"] == list(range(1, 9))
-    assert sum(r["reroutes"] for r in records if r["kind"] == "step") >= 1
     assert [r["live_peers"] for r in records if r["kind"] == "sync"][-1] == [2, 1]
     summary = json.loads((run_dir / "summary.json").read_text())
     assert list(summary["live_peers"].values()).count(False) == 1
