@@ -30,6 +30,7 @@ import time
 from pathlib import Path
 
 from farlink.bench.report import write_json
+from farlink.bench.swarm import join_command
 from farlink.train.metrics import read_metrics
 from farlink.train.swarm_audit import audit_swarm
 
@@ -47,17 +48,6 @@ def _committed(records: list[dict]) -> int:
 def _settled(records: list[dict]) -> bool:
     """Whether a volunteer has taken part in a committed round (healed or averaged)."""
     return any(r["kind"] == "sync" and r.get("committed") for r in records)
-
-
-def _join_command(boot: subprocess.Popen, log_path: Path, timeout_s: float = 300.0) -> list[str]:
-    """The arguments after ``farlink`` of the join command the bootstrap peer printed."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline and boot.poll() is None:
-        for line in log_path.read_text().splitlines():
-            if line.strip().startswith("farlink swarm join "):
-                return line.split()[1:]
-        time.sleep(0.3)
-    raise RuntimeError(f"the bootstrap peer printed no join command; see {log_path}")
 
 
 class SwarmChurn:
@@ -134,7 +124,7 @@ class SwarmChurn:
         # follows (a claim TTL later) still has rounds left to take part in
         next_kill, arrival_due = every / 4, None
         try:
-            command = _join_command(boot, self.out / "logs" / "boot.log")
+            command = join_command(boot, self.out / "logs" / "boot.log")
             for _ in range(self.start_volunteers):
                 self._arrive(command, 0)
             while self._live():

@@ -48,15 +48,15 @@ def _farlink_swarm(topo, index: int, args: list[str], log: IO[str] | int) -> sub
                       text=True)
 
 
-def _join_command(boot: subprocess.Popen, log_path: Path, timeout_s: float = 300.0) -> list[str]:
-    """The volunteers' command as the bootstrap peer printed it to its log (without
-    ``farlink swarm``)."""
+def join_command(boot: subprocess.Popen, log_path: Path, timeout_s: float = 300.0) -> list[str]:
+    """The arguments after ``farlink`` of the join command the bootstrap peer printed to its
+    log (what a volunteer runs)."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline and boot.poll() is None:
         for line in log_path.read_text().splitlines():
             if line.strip().startswith("farlink swarm join "):
-                return line.split()[2:]
-        time.sleep(0.5)
+                return line.split()[1:]
+        time.sleep(0.3)
     raise RuntimeError(f"the bootstrap peer printed no join command; see {log_path}")
 
 
@@ -145,7 +145,7 @@ def run(out: Path, model: str = "tiny", steps: int = 30, inner_steps: int = 10,
         procs: dict[int, subprocess.Popen] = {}
         dialed: dict[int, set[tuple[str, int]]] = {i: set() for i in NATTED}
         try:
-            command = _join_command(boot, logs / "boot.log")
+            command = join_command(boot, logs / "boot.log")[1:]  # without "swarm"
             for i in volunteers:
                 with (logs / f"v{i}.log").open("w") as log:
                     procs[i] = _farlink_swarm(topo, i, [
