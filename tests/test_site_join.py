@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 
 import pytest
-from procfs import descendants
+from procfs import site_ranks
 
 from farlink.bench.churn import committed_outer_steps
 from farlink.config import load_config
@@ -99,21 +99,6 @@ def test_a_fresh_site_heals_its_shards_from_a_live_site_and_contributes(tmp_path
     assert audit["consistent"] and not audit["missing_steps"], audit
 
 
-def _ranks_of(site: subprocess.Popen) -> list[int]:
-    """PIDs of a site's training ranks: torchrun's children running the worker."""
-    ranks = []
-    for pid in descendants(site.pid):
-        try:
-            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
-            environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        if (b"farlink.train.worker" in cmdline and b"farlink.parallel.site_agent" not in cmdline
-                and any(e.startswith(b"LOCAL_RANK=") for e in environ)):
-            ranks.append(pid)
-    return ranks
-
-
 @pytest.mark.slow  # a site killed and restarted while the other trains 24 rounds: 4 min at load 30
 def test_a_site_whose_rank_is_sigkilled_restarts_from_its_checkpoint_and_heals(
         tmp_path: Path, cache_dir: Path):
@@ -140,7 +125,7 @@ def test_a_site_whose_rank_is_sigkilled_restarts_from_its_checkpoint_and_heals(
             assert time.time() < deadline and all(p.poll() is None for p in procs), \
                 "the sites made no progress"
             time.sleep(0.2)
-        victims = _ranks_of(procs[1])
+        victims = site_ranks(procs[1].pid, b"farlink.train.worker")
         assert len(victims) == 2, victims
         os.kill(max(victims), signal.SIGKILL)  # one rank of site 1, mid-run
         assert procs[1].wait(timeout=60) != 0  # torchrun ended the whole site

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from procfs import descendants
+from procfs import site_ranks
 
 pytest.importorskip("torchft")
 
@@ -51,22 +51,6 @@ def test_two_sites_of_two_ranks_train_what_unsharded_sites_train(tmp_path):
     assert abs(site_k2 - site_k1) <= 1e-3 * site_k1, (site_k2, site_k1)
 
 
-def _site_ranks(root: int, site: int) -> list[int]:
-    """PIDs of the training ranks of site ``site`` (torchrun's children) below ``root``."""
-    ranks = []
-    for pid in descendants(root):
-        try:
-            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
-            environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        if (b"--site-worker" in cmdline and b"farlink.parallel.site_agent" not in cmdline
-                and f"REPLICA_GROUP_ID={site}".encode() in environ
-                and any(e.startswith(b"LOCAL_RANK=") for e in environ)):
-            ranks.append(pid)
-    return ranks
-
-
 @pytest.mark.slow
 def test_a_site_whose_rank_is_sigkilled_restarts_and_rejoins(tmp_path):
     workdir = tmp_path / "run"
@@ -81,7 +65,7 @@ def test_a_site_whose_rank_is_sigkilled_restarts_and_rejoins(tmp_path):
         while not marker.is_dir():
             assert proc.poll() is None and time.time() < deadline, proc.communicate()
             time.sleep(0.2)
-        victims = _site_ranks(proc.pid, site=1)
+        victims = site_ranks(proc.pid, b"--site-worker", replica_group=1)
         assert len(victims) == 2, victims
         os.kill(max(victims), signal.SIGKILL)  # one rank of site 1, mid-run
         out, err = proc.communicate(timeout=400)
