@@ -325,7 +325,7 @@ def run_long_churn(cfg: RunConfig, kills: int = 100, lighthouse_kills: int = 2,
 
 def plot_timeline(path: Path, result: dict, run_dir: Path) -> Path:
     """Committed outer step over wall-clock, with every fault marked where it struck."""
-    from farlink.bench.report import pyplot
+    from farlink.bench.report import pyplot, save_figure
     from farlink.train.metrics import read_metrics
 
     plt = pyplot()
@@ -360,8 +360,4 @@ def plot_timeline(path: Path, result: dict, run_dir: Path) -> Path:
                  f"lost committed tokens={result['lost_committed_tokens']}")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7, loc="upper left")
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path)

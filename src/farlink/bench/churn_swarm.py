@@ -198,7 +198,7 @@ def run(out: Path, rounds: int = 50, inner_steps: int = 2, volunteers: int = 3,
 def plot(path: Path, dirs: dict[str, Path], events: list[dict], audit: dict) -> Path:
     """Left: held-out loss against the swarm's committed tokens. Right: the peers that averaged
     each committed round, with every SIGKILL and arrival marked at the round it came in."""
-    from farlink.bench.report import pyplot
+    from farlink.bench.report import pyplot, save_figure
 
     plt = pyplot()
     records = {n: _records(d) for n, d in dirs.items()}
@@ -246,8 +246,4 @@ def plot(path: Path, dirs: dict[str, Path], events: list[dict], audit: dict) -> 
     for ax in (left, right):
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path, dpi=110)

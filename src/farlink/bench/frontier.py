@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from farlink.bench.report import pyplot, write_json
+from farlink.bench.report import pyplot, save_figure, write_json
 
 REDUCTION_TARGET = 1000.0  # bytes per token, DDP / method
 LOSS_TOLERANCE = 0.02  # held-out loss within 2% of DDP's
@@ -272,11 +272,7 @@ def plot_frontier(path: Path, rows: list[dict]) -> Path:
     ax.set_title("held-out loss vs bytes per token (each method at its swept lrs)")
     ax.grid(alpha=0.3, which="both")
     ax.legend(fontsize=7)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path)
 
 
 def run(out: Path, base: dict[str, Any], sweep_steps: int, inner_steps: int,

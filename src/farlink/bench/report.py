@@ -20,6 +20,15 @@ def pyplot():  # noqa: ANN201 (matplotlib is the optional ``plots`` extra)
     return plt
 
 
+def save_figure(fig, path: Path, dpi: int = 120) -> Path:  # noqa: ANN001 (a matplotlib Figure)
+    """Lay out ``fig``, write it to ``path`` (its directory made if missing) and free it."""
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=dpi)
+    pyplot().close(fig)
+    return path
+
+
 def write_json(path: Path, name: str, rows: list[dict], extra: dict[str, Any] | None = None) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     doc = {
@@ -57,11 +66,7 @@ def plot_curves(
     ax.set_title(title)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path)
 
 
 def plot_panels(
@@ -94,8 +99,4 @@ def plot_panels(
     for ax in axes[:, 0]:
         ax.set_ylabel(ylabel)
     axes.flat[0].legend(fontsize=7)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path, dpi=110)

@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 
 from farlink.bench.overhead import PLAIN_LOOP, farlink_tokens_per_s
-from farlink.bench.report import pyplot, write_json
+from farlink.bench.report import pyplot, save_figure, write_json
 
 TARGET_PER_RANK = 0.15  # per-rank tokens/s of a K-rank site within 15% of one rank
 TARGET_OVERHEAD = 0.05  # farlink with one rank within 5% of a plain torch loop
@@ -115,8 +115,4 @@ def plot(path: Path, rows: list[dict]) -> Path:
     ax.set_ylabel("tokens/s per rank")
     ax.set_title(f"one site on CPU, every repeat ({time.strftime('%Y-%m-%d')})")
     ax.tick_params(axis="x", labelsize=8)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path)
