@@ -23,13 +23,20 @@ from farlink.train.lighthouse import Lighthouse
 from farlink.train.metrics import read_metrics
 
 
+def worker_records(run_dir: Path) -> list[dict]:
+    """Every metrics record of every worker of ``run_dir``."""
+    return [r for path in sorted((run_dir / "metrics").glob("w*.jsonl"))
+            for r in read_metrics(path)]
+
+
+def last_committed_outer_step(records: list[dict]) -> int:
+    """The highest outer step committed in ``records`` (0: none yet)."""
+    return max((r["outer_step"] for r in records if r["kind"] == "sync" and r.get("committed")),
+               default=0)
+
+
 def committed_outer_steps(run_dir: Path) -> int:
-    best = 0
-    for path in (run_dir / "metrics").glob("w*.jsonl"):
-        for r in read_metrics(path):
-            if r["kind"] == "sync" and r.get("committed"):
-                best = max(best, r["outer_step"])
-    return best
+    return last_committed_outer_step(worker_records(run_dir))
 
 
 def run_with_churn(cfg: RunConfig, kills_per_100: float, max_kills: int, seed: int = 0,

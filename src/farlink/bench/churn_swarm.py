@@ -29,20 +29,10 @@ import sys
 import time
 from pathlib import Path
 
+from farlink.bench.churn import last_committed_outer_step, worker_records
 from farlink.bench.report import write_json
 from farlink.bench.swarm import join_command
-from farlink.train.metrics import read_metrics
 from farlink.train.swarm_audit import audit_swarm
-
-
-def _records(run_dir: Path) -> list[dict]:
-    return [r for path in sorted((run_dir / "metrics").glob("w*.jsonl"))
-            for r in read_metrics(path)]
-
-
-def _committed(records: list[dict]) -> int:
-    return max((r["outer_step"] for r in records if r["kind"] == "sync" and r.get("committed")),
-               default=0)
 
 
 def _settled(records: list[dict]) -> bool:
@@ -98,8 +88,9 @@ class SwarmChurn:
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
         # the swarm's round as the driver last saw it, and the victim's own last commit
+        victim_last = last_committed_outer_step(worker_records(self.dirs[name]))
         self.events.append({"event": "sigkill", "volunteer": name, "committed_round": committed,
-                            "victim_last_round": _committed(_records(self.dirs[name])),
+                            "victim_last_round": victim_last,
                             "time": round(time.time() - self.t0, 2)})
 
     def _live(self) -> list[str]:
@@ -131,8 +122,8 @@ class SwarmChurn:
                 if time.monotonic() > self.deadline:
                     raise TimeoutError("the swarm churn run did not finish in time; see "
                                        f"{self.out / 'logs'}")
-                records = {n: _records(d) for n, d in self.dirs.items()}
-                committed = max(_committed(r) for r in records.values())
+                records = {n: worker_records(d) for n, d in self.dirs.items()}
+                committed = max(last_committed_outer_step(r) for r in records.values())
                 live = self._live()
                 settled = [n for n in live if _settled(records[n])]
                 if (committed >= next_kill and committed < self.rounds - 3
@@ -201,7 +192,7 @@ def plot(path: Path, dirs: dict[str, Path], events: list[dict], audit: dict) -> 
     from farlink.bench.report import pyplot, save_figure
 
     plt = pyplot()
-    records = {n: _records(d) for n, d in dirs.items()}
+    records = {n: worker_records(d) for n, d in dirs.items()}
     per_round: dict[int, int] = {}
     for rs in records.values():
         last = 0
