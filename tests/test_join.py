@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 from join_scenario import two_workers_then_join
 
 from farlink.config import load_config
@@ -13,6 +14,7 @@ from farlink.train.lighthouse import Lighthouse
 from farlink.train.metrics import read_metrics
 
 
+@pytest.mark.slow  # the same join-and-heal runs with --auth in test_trust_integration
 def test_join_heals_from_live_peers_and_contributes(tmp_path: Path, cache_dir: Path) -> None:
     from farlink.data import prepare_data
 

@@ -102,7 +102,8 @@ def _restart_run(quorum_timeout: float, join_timeout: float, outage: float) -> d
     return logs
 
 
-@pytest.mark.parametrize("outage", [pytest.param(3.0, marks=pytest.mark.slow), 5.0])
+@pytest.mark.parametrize("outage", [pytest.param(3.0, marks=pytest.mark.slow),
+                                     pytest.param(5.0, marks=pytest.mark.slow)])
 def test_short_quorum_timeout_rides_out_a_restart(outage: float) -> None:
     """--quorum-timeout at or below --join-timeout + 10 s used to leave a single attempt that a
     request stuck on the killed Lighthouse used up entirely; an outage shorter than

@@ -27,7 +27,7 @@ def farlink_train(*args: str, **popen: object) -> subprocess.Popen:
                              "train", *args], **popen)
 
 
-@pytest.mark.parametrize("backend", ["torchft", "hivemind"])
+@pytest.mark.parametrize("backend", ["torchft", pytest.param("hivemind", marks=pytest.mark.slow)])
 def test_sigkilled_launcher_leaves_no_process_and_resume_finishes(tmp_path: Path,
                                                                  cache_dir: Path,
                                                                  backend: str) -> None:

@@ -33,6 +33,7 @@ def run_sites(workdir: Path, *args: str, timeout: float = 400) -> tuple[list[dic
     return sorted(results, key=lambda r: r["site"]), proc.stdout
 
 
+@pytest.mark.slow  # through farlink train: test_train_with_two_ranks_per_worker_matches_one_rank
 def test_two_sites_of_two_ranks_train_what_unsharded_sites_train(tmp_path):
     steps = ["--sites", "2", "--steps", "30", "--inner-steps", "10", "--batch", "8"]
     sharded, _ = run_sites(tmp_path / "k2", *steps, "--ranks", "2")
