@@ -414,8 +414,11 @@ def register(app: typer.Typer, bench_app: typer.Typer) -> None:
 
         result = run(out, model, steps, inner_steps, bandwidth_mbit, timeout_s)
         print_rows(result["rows"], ["peer", "role", "reachability", "latency_ms", "bytes_sent",
-                                    "mean_round_s", "group_sizes", "finished"],
+                                    "mean_round_s", "median_round_over_transfer",
+                                    "group_sizes", "finished"],
                    "farlink bench swarm")
+        typer.echo(f"median round / transfer time: {result['median_round_over_transfer']} "
+                   "(transfer time: the round's largest upload over the home uplink)")
         typer.echo(f"path: {result['path']}")
         typer.echo(f"all volunteers on the same state: {result['same_state']}")
         if not result["same_state"]:

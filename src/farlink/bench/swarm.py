@@ -32,6 +32,7 @@ import statistics
 import subprocess
 import sys
 import time
+from itertools import pairwise
 from pathlib import Path
 from typing import IO
 
@@ -60,10 +61,15 @@ def join_command(boot: subprocess.Popen, log_path: Path, timeout_s: float = 300.
     raise RuntimeError(f"the bootstrap peer printed no join command; see {log_path}")
 
 
+def peer_records(run_dir: Path) -> list[dict]:
+    """The metrics records a volunteer's worker wrote."""
+    return [r for path in sorted((run_dir / "metrics").glob("w*.jsonl"))
+            for r in read_metrics(path)]
+
+
 def peer_report(run_dir: Path) -> dict:
     """A volunteer's committed rounds and end record, from the metrics its worker wrote."""
-    records = [r for path in sorted((run_dir / "metrics").glob("w*.jsonl"))
-               for r in read_metrics(path)]
+    records = peer_records(run_dir)
     rounds = [r for r in records if r["kind"] == "sync" and r["committed"]]
     ends = [r for r in records if r["kind"] == "end"]
     end = ends[-1] if ends else {}
@@ -80,6 +86,42 @@ def peer_report(run_dir: Path) -> dict:
             "round_s": round_s, "mean_round_s": statistics.fmean(round_s) if round_s else None,
             "mean_round_phases_s": phases,
             "group_sizes": [r["world_size"] for r in rounds]}
+
+
+TRANSFER_TIME = (
+    "a round's transfer time: the most bytes any member of the round sent in it (all-reduce, "
+    "all-gather and serving client-mode members; votes and state downloads excluded) over the "
+    "home uplink's rate (the slowest link those bytes cross: up 50 vs down 200 Mbit/s, the "
+    "bootstrap and NAT links no slower). Every byte of a round crosses its sender's uplink and a "
+    "round ends for every member only when all of its bytes have arrived (the commit vote waits "
+    "for them), so no member's round can be shorter. Each peer's ratio is its round time over "
+    "its round's transfer time; rounds whose bytes are not known apart from the joining round "
+    "(a volunteer's first timed round) are left out.")
+
+
+def round_uploads(records: list[dict]) -> dict[int, int]:
+    """Bytes this peer sent in each committed round, by the outer step the round ended at:
+    the difference of the cumulative ``bytes_sent`` of consecutive sync records (the first sync
+    record also holds the joining round's bytes, so it gives none)."""
+    syncs = [r for r in records if r["kind"] == "sync" and r.get("bytes_sent") is not None]
+    return {after["outer_step"]: after["bytes_sent"] - before["bytes_sent"]
+            for before, after in pairwise(syncs) if after.get("committed")}
+
+
+def transfer_ratios(round_s: dict[int, float], uploads_by_peer: list[dict[int, int]],
+                    up_mbit: float) -> list[dict]:
+    """Per committed round of one peer: its round time, the round's transfer time (see
+    ``TRANSFER_TIME``) and their ratio; rounds where some member's bytes are unknown are left
+    out."""
+    rows = []
+    for step, seconds in sorted(round_s.items()):
+        sent = [uploads.get(step) for uploads in uploads_by_peer]
+        if not sent or any(b is None for b in sent):
+            continue
+        transfer_s = max(sent) * 8 / (up_mbit * 1e6)
+        rows.append({"outer_step": step, "round_s": seconds,
+                     "transfer_s": round(transfer_s, 4), "ratio": round(seconds / transfer_s, 3)})
+    return rows
 
 
 def round_phases(records: list[dict]) -> dict[str, float] | None:
@@ -99,6 +141,24 @@ def round_phases(records: list[dict]) -> dict[str, float] | None:
         return None
     return {k: round(statistics.fmean(p.get(k, 0.0) for p in per_round), 3)
             for k in per_round[-1]}
+
+
+def add_transfer_ratios(rows: list[dict], records_by_peer: list[list[dict]],
+                        up_mbit: float) -> None:
+    """Give each volunteer's row its rounds' transfer times and ratios (``TRANSFER_TIME``) and
+    the median ratio."""
+    uploads = [round_uploads(records) for records in records_by_peer]
+    for row, records in zip(rows, records_by_peer):
+        round_s = {r["outer_step"]: r["round_s"] for r in records
+                   if r["kind"] == "sync" and r.get("committed")}
+        per_round = transfer_ratios(round_s, uploads, up_mbit)
+        row["round_over_transfer"] = per_round
+        row["median_round_over_transfer"] = _median([r["ratio"] for r in per_round])
+
+
+def _median(values: list[float | None]) -> float | None:
+    known = [v for v in values if v is not None]
+    return round(statistics.median(known), 3) if known else None
 
 
 def _console_notes(log_path: Path) -> list[str]:
@@ -183,11 +243,15 @@ def run(out: Path, model: str = "tiny", steps: int = 30, inner_steps: int = 10,
                         topo.nat_namespace(i), nat.WAN_IF.format(i))} if i in NATTED else {}),
                 **peer_report(out / "runs" / f"v{i}")})
     trained = [r for r in rows if r["role"] == "volunteer"]
+    link = links[0]
+    add_transfer_ratios(trained, [peer_records(out / "runs" / f"v{i}") for i in volunteers],
+                        link.up_mbit)
     same_state = (all(r["finished"] for r in trained)
                   and len({r["fingerprint"] for r in trained}) == 1)
-    link = links[0]
     extra = {
         "same_state": same_state,
+        "transfer_time": TRANSFER_TIME,
+        "median_round_over_transfer": _median([r["median_round_over_transfer"] for r in trained]),
         "path": _path(rows),
         "links": {"up_mbit": link.up_mbit, "down_mbit": link.down_mbit,
                   "jitter_ms": link.jitter_ms, "latency_ms": [p.latency_ms for p in links]},
