@@ -7,7 +7,8 @@ from farlink.bench.swarm import round_phases, round_uploads, transfer_ratios
 
 
 def sync(rounds_s: float, committed: bool = True, **phases: float) -> dict:
-    return {"kind": "sync", "committed": committed, "rounds_s": rounds_s, "phases_s": phases}
+    return {"kind": "sync", "committed": committed, "rounds_s": rounds_s, "phases_s": phases,
+            "outer_step": int(rounds_s)}
 
 
 def test_phases_are_per_round_means_after_the_first_round_with_the_rest_of_the_round() -> None:

@@ -124,19 +124,26 @@ def transfer_ratios(round_s: dict[int, float], uploads_by_peer: list[dict[int, i
     return rows
 
 
-def round_phases(records: list[dict]) -> dict[str, float] | None:
-    """Where a committed round's time went, averaged over the rounds after the first: the
-    collective's phases (matchmaking, all-reduce, all-gather, commit vote) and the rest of the
-    round on this peer (encoding, validation, aggregation, the outer step). From the cumulative
-    ``phases_s`` of the worker's sync records; None when the backend does not report phases."""
+def phases_by_round(records: list[dict]) -> dict[int, dict[str, float]]:
+    """Where each committed round after the first spent its time, by the outer step it ended
+    at: the collective's phases (matchmaking, all-reduce, all-gather, commit vote) and the rest
+    of the round on this peer (encoding, validation, aggregation, the outer step), from the
+    cumulative ``phases_s`` of the worker's sync records (none when the backend reports none)."""
     syncs = [r for r in records if r["kind"] == "sync" and "phases_s" in r]
-    per_round: list[dict[str, float]] = []
-    for before, after in zip(syncs, syncs[1:]):
+    rounds: dict[int, dict[str, float]] = {}
+    for before, after in pairwise(syncs):
         if not after.get("committed"):
             continue
         spent = {k: v - before["phases_s"].get(k, 0.0) for k, v in after["phases_s"].items()}
         spent["rest"] = after["rounds_s"] - before["rounds_s"] - sum(spent.values())
-        per_round.append(spent)
+        rounds[after["outer_step"]] = spent
+    return rounds
+
+
+def round_phases(records: list[dict]) -> dict[str, float] | None:
+    """The phases of :func:`phases_by_round`, averaged over the rounds; None when the backend
+    does not report phases."""
+    per_round = list(phases_by_round(records).values())
     if not per_round:
         return None
     return {k: round(statistics.fmean(p.get(k, 0.0) for p in per_round), 3)
@@ -145,13 +152,17 @@ def round_phases(records: list[dict]) -> dict[str, float] | None:
 
 def add_transfer_ratios(rows: list[dict], records_by_peer: list[list[dict]],
                         up_mbit: float) -> None:
-    """Give each volunteer's row its rounds' transfer times and ratios (``TRANSFER_TIME``) and
-    the median ratio."""
+    """Give each volunteer's row its rounds' transfer times, ratios (``TRANSFER_TIME``) and
+    phases, and the median ratio."""
     uploads = [round_uploads(records) for records in records_by_peer]
     for row, records in zip(rows, records_by_peer):
         round_s = {r["outer_step"]: r["round_s"] for r in records
                    if r["kind"] == "sync" and r.get("committed")}
         per_round = transfer_ratios(round_s, uploads, up_mbit)
+        phases = phases_by_round(records)
+        for r in per_round:
+            if r["outer_step"] in phases:
+                r["phases_s"] = {k: round(v, 3) for k, v in phases[r["outer_step"]].items()}
         row["round_over_transfer"] = per_round
         row["median_round_over_transfer"] = _median([r["ratio"] for r in per_round])
 
