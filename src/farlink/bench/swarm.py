@@ -150,6 +150,22 @@ def round_phases(records: list[dict]) -> dict[str, float] | None:
             for k in per_round[-1]}
 
 
+def serving_floor(topo, server_run_dir: Path, repeats: int = 4) -> dict | None:
+    """Plain TCP in the same namespaces for the reachable volunteer's round: each NATed
+    volunteer asks it at once for half its median round upload (what it serves each of them),
+    ``repeats`` times over one connection, idle between (:func:`measure_serving`); seconds from
+    request to last byte, by client, and their median. None if the volunteer sent nothing."""
+    from farlink.emulate.measure import measure_serving
+
+    uploads = list(round_uploads(peer_records(server_run_dir)).values())
+    if not uploads:
+        return None
+    nbytes = int(statistics.median(uploads)) // len(NATTED)
+    seconds = measure_serving(topo, REACHABLE, list(NATTED), nbytes, repeats=repeats)
+    return {"bytes_per_client": nbytes, "seconds": {str(i): s for i, s in seconds.items()},
+            "median_s": round(statistics.median(t for s in seconds.values() for t in s), 4)}
+
+
 def add_transfer_ratios(rows: list[dict], records_by_peer: list[list[dict]],
                         up_mbit: float) -> None:
     """Give each volunteer's row its rounds' transfer times, ratios (``TRANSFER_TIME``) and
@@ -239,6 +255,7 @@ def run(out: Path, model: str = "tiny", steps: int = 30, inner_steps: int = 10,
                 boot.kill()
         for i in NATTED:
             dialed[i] |= nat.dialed(topo.nat_namespace(i))
+        tcp_serving = serving_floor(topo, out / "runs" / f"v{REACHABLE}")
         peer_at = {topo.wan_address(j): j for j in range(4)}
         rows = [{"peer": BOOTSTRAP, "role": "bootstrap", "reachability": "reachable",
                  "address": topo.address(BOOTSTRAP), "latency_ms": links[BOOTSTRAP].latency_ms}]
@@ -263,6 +280,7 @@ def run(out: Path, model: str = "tiny", steps: int = 30, inner_steps: int = 10,
         "same_state": same_state,
         "transfer_time": TRANSFER_TIME,
         "median_round_over_transfer": _median([r["median_round_over_transfer"] for r in trained]),
+        "tcp_serving": tcp_serving,
         "path": _path(rows),
         "links": {"up_mbit": link.up_mbit, "down_mbit": link.down_mbit,
                   "jitter_ms": link.jitter_ms, "latency_ms": [p.latency_ms for p in links]},
