@@ -22,6 +22,12 @@ Every volunteer trains the run to its end; the report records per peer its reach
 note its console printed, bytes sent, the time of each committed round and the group it was
 averaged in, and checks that all volunteers end on the same state (the fingerprints their
 workers record).
+
+Against what the links allow: each timed round of each volunteer is set against the round's
+transfer time (``TRANSFER_TIME``: its largest upload over the home uplink) with its phases, and
+after training, in the same namespaces, plain TCP is timed serving what the reachable volunteer
+serves each NATed one per round, both asking at once (:func:`serving_floor`). ``swarm.png``
+draws both.
 """
 
 from __future__ import annotations
@@ -292,3 +298,54 @@ def run(out: Path, model: str = "tiny", steps: int = 30, inner_steps: int = 10,
     }
     write_json(out / "swarm.json", "swarm", rows, extra)
     return {"rows": rows, **extra}
+
+
+PHASE_COLORS = {"matchmaking": "tab:red", "all_reduce": "tab:purple", "all_gather": "tab:blue",
+                "commit": "tab:orange", "rest": "0.6"}
+
+
+def plot_rounds(runs: dict[str, dict], path: Path) -> Path:
+    """One panel per run (a swarm.json document, by label): each timed round of each volunteer
+    as a bar of its phases, against the round's transfer time (``TRANSFER_TIME``) and, where
+    measured, plain TCP's time for the reachable volunteer's serving."""
+    from farlink.bench.report import pyplot, save_figure
+
+    plt = pyplot()
+    fig, axes = plt.subplots(1, len(runs), figsize=(4.2 * len(runs), 3.6), sharey=True,
+                             squeeze=False)
+    for ax, (label, doc) in zip(axes[0], runs.items()):
+        volunteers = [r for r in doc["rows"] if r["role"] == "volunteer"]
+        x = 0.0
+        ticks, names = [], []
+        for row in volunteers:
+            for r in row.get("round_over_transfer", []):
+                bottom = 0.0
+                for phase, seconds in r.get("phases_s", {}).items():
+                    ax.bar(x, max(0.0, seconds), bottom=bottom, width=0.8,
+                           color=PHASE_COLORS.get(phase, "0.3"))
+                    bottom += max(0.0, seconds)
+                ax.plot([x - 0.4, x + 0.4], [r["transfer_s"]] * 2, color="k", linewidth=1.5)
+                x += 1
+            ticks.append(x - 0.5 - len(row.get("round_over_transfer", [])) / 2)
+            where = "NAT" if "NAT" in row["reachability"] else "reachable"
+            names.append(f"peer {row['peer']}\n{where}")
+            x += 1
+        floor = (doc.get("tcp_serving") or {}).get("median_s")
+        if floor:
+            ax.axhline(floor, color="tab:green", linestyle="--", linewidth=1)
+        ax.set_xticks(ticks, names, fontsize=7)
+        load = doc.get("load_average", [])
+        ax.set_title(f"{label}: median round / transfer {doc.get('median_round_over_transfer')}\n"
+                     f"load {load}", fontsize=8)
+        ax.grid(axis="y", alpha=0.3)
+    from matplotlib.lines import Line2D
+    from matplotlib.patches import Patch
+
+    axes[0][0].set_ylabel("seconds per timed round")
+    axes[0][0].set_ylim(0, axes[0][0].get_ylim()[1] * 1.35)  # room for the legend
+    handles = [Patch(color=color, label=phase) for phase, color in PHASE_COLORS.items()]
+    handles += [Line2D([], [], color="k", label="transfer time (bytes / uplink)"),
+                Line2D([], [], color="tab:green", linestyle="--",
+                       label="plain TCP, same serving")]
+    axes[0][-1].legend(handles=handles, fontsize=6, loc="upper center", ncol=3)
+    return save_figure(fig, path, dpi=110)
