@@ -159,8 +159,11 @@ def round_phases(records: list[dict]) -> dict[str, float] | None:
 def serving_floor(topo, server_run_dir: Path, repeats: int = 4) -> dict | None:
     """Plain TCP in the same namespaces for the reachable volunteer's round: each NATed
     volunteer asks it at once for half its median round upload (what it serves each of them),
-    ``repeats`` times over one connection, idle between (:func:`measure_serving`); seconds from
-    request to last byte, by client, and their median. None if the volunteer sent nothing."""
+    ``repeats`` times over one connection, idle between (:func:`measure_serving`). Seconds from
+    request to last byte, by client; per request, the time until both had everything (a round
+    ends only then); and the median of that over the requests after the first (a round's
+    connections are open already; the first includes the new connection's ramp). None if the
+    volunteer sent nothing."""
     from farlink.emulate.measure import measure_serving
 
     uploads = list(round_uploads(peer_records(server_run_dir)).values())
@@ -168,8 +171,9 @@ def serving_floor(topo, server_run_dir: Path, repeats: int = 4) -> dict | None:
         return None
     nbytes = int(statistics.median(uploads)) // len(NATTED)
     seconds = measure_serving(topo, REACHABLE, list(NATTED), nbytes, repeats=repeats)
+    all_served = [max(times) for times in zip(*seconds.values())]
     return {"bytes_per_client": nbytes, "seconds": {str(i): s for i, s in seconds.items()},
-            "median_s": round(statistics.median(t for s in seconds.values() for t in s), 4)}
+            "all_served_s": all_served, "median_s": round(statistics.median(all_served[1:]), 4)}
 
 
 def add_transfer_ratios(rows: list[dict], records_by_peer: list[list[dict]],
