@@ -176,6 +176,14 @@ def serving_floor(topo, server_run_dir: Path, repeats: int = 4) -> dict | None:
             "all_served_s": all_served, "median_s": round(statistics.median(all_served[1:]), 4)}
 
 
+def round_over_serving(rows: list[dict], tcp_serving: dict | None) -> float | None:
+    """The volunteers' median timed round over plain TCP's time for the same serving."""
+    rounds = [r["round_s"] for row in rows for r in row.get("round_over_transfer", [])]
+    if not rounds or not tcp_serving:
+        return None
+    return round(statistics.median(rounds) / tcp_serving["median_s"], 3)
+
+
 def add_transfer_ratios(rows: list[dict], records_by_peer: list[list[dict]],
                         up_mbit: float) -> None:
     """Give each volunteer's row its rounds' transfer times, ratios (``TRANSFER_TIME``) and
@@ -291,6 +299,7 @@ def run(out: Path, model: str = "tiny", steps: int = 30, inner_steps: int = 10,
         "transfer_time": TRANSFER_TIME,
         "median_round_over_transfer": _median([r["median_round_over_transfer"] for r in trained]),
         "tcp_serving": tcp_serving,
+        "median_round_over_tcp_serving": round_over_serving(trained, tcp_serving),
         "path": _path(rows),
         "links": {"up_mbit": link.up_mbit, "down_mbit": link.down_mbit,
                   "jitter_ms": link.jitter_ms, "latency_ms": [p.latency_ms for p in links]},
