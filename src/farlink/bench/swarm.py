@@ -173,7 +173,8 @@ def serving_floor(topo, server_run_dir: Path, repeats: int = 4) -> dict | None:
     seconds = measure_serving(topo, REACHABLE, list(NATTED), nbytes, repeats=repeats)
     all_served = [max(times) for times in zip(*seconds.values())]
     return {"bytes_per_client": nbytes, "seconds": {str(i): s for i, s in seconds.items()},
-            "all_served_s": all_served, "median_s": round(statistics.median(all_served[1:]), 4)}
+            "all_served_s": all_served,
+            "median_s": round(statistics.median(all_served[1:] or all_served), 4)}
 
 
 def round_over_serving(rows: list[dict], tcp_serving: dict | None) -> float | None:
