@@ -3,11 +3,12 @@ cumulative ``phases_s`` a worker's sync records carry (worked out by hand)."""
 
 from __future__ import annotations
 
-from farlink.bench.swarm import round_phases
+from farlink.bench.swarm import round_phases, round_uploads, transfer_ratios
 
 
 def sync(rounds_s: float, committed: bool = True, **phases: float) -> dict:
-    return {"kind": "sync", "committed": committed, "rounds_s": rounds_s, "phases_s": phases}
+    return {"kind": "sync", "committed": committed, "rounds_s": rounds_s, "phases_s": phases,
+            "outer_step": int(rounds_s)}
 
 
 def test_phases_are_per_round_means_after_the_first_round_with_the_rest_of_the_round() -> None:
@@ -25,3 +26,21 @@ def test_phases_are_per_round_means_after_the_first_round_with_the_rest_of_the_r
 
 def test_a_backend_without_phases_reports_none() -> None:
     assert round_phases([{"kind": "sync", "committed": True, "rounds_s": 1.0}]) is None
+
+
+def test_each_round_is_compared_with_the_largest_upload_of_the_round_over_the_uplink() -> None:
+    def sent(step: int, total: int, committed: bool = True) -> dict:
+        return {"kind": "sync", "committed": committed, "outer_step": step, "bytes_sent": total,
+                "round_s": 9.0}
+
+    server = [{"kind": "join", "outer_step": 1}, sent(2, 20_000_000), sent(3, 35_000_000),
+              sent(4, 50_000_000)]
+    client = [{"kind": "join", "outer_step": 1}, sent(2, 8_000_000), sent(3, 12_000_000),
+              sent(4, 14_000_000, committed=False)]
+    # the first sync record also holds the joining round: no bytes for round 2
+    assert round_uploads(server) == {3: 15_000_000, 4: 15_000_000}
+    assert round_uploads(client) == {3: 4_000_000}
+    # round 3: the server's 15 MB at 50 Mbit/s = 2.4 s; round 4: the client's bytes unknown
+    rows = transfer_ratios({2: 5.0, 3: 3.0, 4: 2.6}, [round_uploads(server),
+                                                      round_uploads(client)], up_mbit=50.0)
+    assert rows == [{"outer_step": 3, "round_s": 3.0, "transfer_s": 2.4, "ratio": 1.25}]

@@ -83,3 +83,20 @@ def test_a_natted_workers_path_keeps_its_delay_and_rate() -> None:
             measure_link(topo, 0, 1)
     assert abs(m.rtt_ms - m.expected_rtt_ms) < 0.15 * m.expected_rtt_ms, m
     assert m.throughput_mbit > 0.8 * m.expected_throughput_mbit, m
+
+
+def test_serving_two_natted_workers_at_once_takes_at_least_the_uplinks_time() -> None:
+    """The serving probe moves real bytes through the shaper: two clients behind NATs asking
+    the same server at once share its uplink, so each transfer takes at least both payloads
+    over the upload rate, and a repeat on the same connection is timed again."""
+    from farlink.emulate.measure import measure_serving
+
+    rate_mbit, nbytes = 20.0, 1_000_000
+    with Topology(3, scaled("home", rate_mbit), behind_nat={1, 2}) as topo:
+        seconds = measure_serving(topo, 0, [1, 2], nbytes, repeats=2, period_s=3.0)
+        with pytest.raises(EmulationError, match="behind a NAT"):
+            measure_serving(topo, 1, [0], nbytes)
+    floor = 2 * nbytes * 8 / (rate_mbit * 1e6)  # 0.8 s: both payloads over the one uplink
+    assert set(seconds) == {1, 2} and all(len(s) == 2 for s in seconds.values())
+    assert min(min(s) for s in seconds.values()) > 0.9 * floor, seconds
+    assert max(max(s) for s in seconds.values()) < 4 * floor + 2.0, seconds

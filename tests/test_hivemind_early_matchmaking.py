@@ -148,3 +148,39 @@ def test_diloco_hints_each_round_with_the_training_time_since_the_last() -> None
     # round 1 has no previous gap; round 2 hints the 3 inner steps before it; the last none
     assert len(collective.hints) == 1
     assert 3 * step_seconds <= collective.hints[0] < 3 * step_seconds + 1.0
+
+
+def test_client_mode_members_that_look_earlier_than_the_leader_join_it_at_once() -> None:
+    """A client-mode member cannot lead, so its join request's expiration (its own schedule)
+    ranks nobody: a leader whose schedule ends later than a client's must accept it, not
+    turn it away until the leader's window runs out (the group formed a whole window late)."""
+    server = HivemindCollective("late-leader", target_group_size=3, min_group_size=3, **FAST)
+    clients = [HivemindCollective("late-leader", server.maddrs, client_mode=True,
+                                  target_group_size=3, min_group_size=3, **FAST)
+               for _ in range(2)]
+    members = {"s": server, "c": clients[0], "d": clients[1]}
+    try:
+        in_threads(one_round, members)
+        server.expect_round(3.0)  # the leader expects its boundary later than the clients
+        for client in clients:
+            client.expect_round(0.0)
+        # the leader declares itself 1.5 s from now, for a window ending 4.5 s from now; the
+        # clients, looking since now, ask it as soon as it is declared
+        time.sleep(2.5)
+
+        def timed_round(name: str, coll: HivemindCollective) -> tuple:
+            start = time.monotonic()
+            info = coll.begin_round()
+            waited = time.monotonic() - start
+            x = [torch.ones(50)]
+            coll.all_reduce_sum(x)
+            return info, waited, coll.commit()
+
+        results = in_threads(timed_round, members)
+        for name, (info, waited, ok) in results.items():
+            assert ok and info.world_size == 3 and info.round_id == 1
+            # before the leader's window ends (2 s from here): not a window late
+            assert waited < 1.0, f"{name} waited {waited:.2f} s for a group of members all looking"
+    finally:
+        for coll in members.values():
+            coll.close()

@@ -97,3 +97,9 @@ def test_volunteers_behind_nat_train_through_a_reachable_one(tmp_path: Path) -> 
         if natted:  # its router saw it dial the bootstrap peer and the reachable volunteer only
             assert set(row["dialed_peers"]) == {0, 1}, row
     assert result["path"].startswith("direct, no relay"), result["path"]
+    # no round beats its transfer time, nor plain TCP serving the same bytes the uplink's rate
+    for row in volunteers:
+        assert row["round_over_transfer"], row
+        assert all(r["ratio"] > 1.0 for r in row["round_over_transfer"]), row
+    serving = result["tcp_serving"]
+    assert serving["median_s"] > 0.9 * 2 * serving["bytes_per_client"] * 8 / 20e6, serving

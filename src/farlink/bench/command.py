@@ -410,12 +410,17 @@ def register(app: typer.Typer, bench_app: typer.Typer) -> None:
     ) -> None:
         """A bootstrap peer, a reachable volunteer and two volunteers behind NAT (client mode)
         on home links of 50-150 ms, in network namespaces, training one run to its end."""
-        from farlink.bench.swarm import run
+        from farlink.bench.swarm import plot_rounds, run
 
         result = run(out, model, steps, inner_steps, bandwidth_mbit, timeout_s)
+        plot_rounds({"bench swarm": result}, out / "swarm.png")
         print_rows(result["rows"], ["peer", "role", "reachability", "latency_ms", "bytes_sent",
-                                    "mean_round_s", "group_sizes", "finished"],
+                                    "mean_round_s", "median_round_over_transfer",
+                                    "group_sizes", "finished"],
                    "farlink bench swarm")
+        typer.echo(f"median round / transfer time: {result['median_round_over_transfer']} "
+                   "(transfer time: the round's largest upload over the home uplink); plain "
+                   f"TCP for the same serving: {(result['tcp_serving'] or {}).get('median_s')} s")
         typer.echo(f"path: {result['path']}")
         typer.echo(f"all volunteers on the same state: {result['same_state']}")
         if not result["same_state"]:

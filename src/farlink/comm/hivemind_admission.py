@@ -30,11 +30,11 @@ import time
 from typing import Any
 
 import msgpack
-from hivemind.averaging.matchmaking import Matchmaking
 from hivemind.p2p import P2P, PeerID
 from hivemind.utils.auth import AuthorizerBase
 from hivemind.utils.timed_storage import TimedStorage, get_dht_time
 
+from farlink.comm.hivemind_matchmaking import ClientAwareMatchmaking
 from farlink.robust.auth import Authenticator, AuthError
 
 log = logging.getLogger(__name__)
@@ -257,9 +257,10 @@ class Admission:
             writer.close()
 
 
-class AdmittingMatchmaking(Matchmaking):
-    """hivemind's Matchmaking that proves a would-be leader (and itself to it) before joining:
-    a follower never sends its join request, or later its data, to a non-member."""
+class AdmittingMatchmaking(ClientAwareMatchmaking):
+    """Matchmaking (:class:`ClientAwareMatchmaking`) that proves a would-be leader (and itself to
+    it) before joining: a follower never sends its join request, or later its data, to a
+    non-member."""
 
     def __init__(self, *args: Any, admission: Admission | None = None, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)

@@ -12,7 +12,10 @@ shares the p2p daemon of a ``hivemind.DHT`` (which runs in its own process). Per
   adopts it through ``set_state`` before the round goes on (``RoundInfo.healed``).
 * ``expect_round`` (the sync layer's hint that the next round is due in T seconds) starts that
   matchmaking ``matchmaking_time`` before the round is due, in the background, so the group forms
-  while its members still train and ``begin_round`` at the boundary only collects it.
+  while its members still train and ``begin_round`` at the boundary only collects it. A leader
+  accepts client-mode members whatever schedule they announce
+  (:mod:`farlink.comm.hivemind_matchmaking`): a client that expects the round sooner than the
+  leader would otherwise be turned away until the leader's window ran out.
 * ``all_reduce_sum`` runs hivemind's butterfly :class:`AllReduceRunner` with shards proportional to
   the announced bandwidths (client-mode peers reduce nothing) and turns its average into a sum.
 * ``all_gather_bytes`` pushes the payload (signed by the exchange above, which verifies what

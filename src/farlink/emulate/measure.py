@@ -1,5 +1,8 @@
 """Measure what an emulated link really delivers, with a real TCP transfer between namespaces.
 
+:func:`measure_serving` times one worker serving several at once
+(:mod:`farlink.emulate.serve_probe`).
+
 The probe's server runs in worker ``b``, its client in worker ``a``: RTT is the median of
 one-byte ping-pongs (TCP_NODELAY, so no Nagle or delayed-ACK wait), throughput is ``a`` -> ``b``
 goodput counted at the receiver over a window that starts after a warm-up long enough for TCP
@@ -12,10 +15,12 @@ import json
 import random
 import subprocess
 import sys
+import time
 from dataclasses import dataclass
 
-from farlink.emulate.probe import LISTENING
 from farlink.emulate.errors import EmulationError
+from farlink.emulate.probe import LISTENING
+from farlink.emulate.serve_probe import LISTENING as SERVE_LISTENING
 from farlink.emulate.topology import Topology
 
 
@@ -72,3 +77,43 @@ def measure_link(topology: Topology, a: int, b: int, window_s: float = 3.0, ping
         expected_throughput_mbit=topology.expected_throughput_mbit(a, b),
         expected_rtt_ms=expected_rtt,
     )
+
+
+def measure_serving(topology: Topology, server: int, clients: list[int], nbytes: int,
+                    repeats: int = 4, period_s: float = 6.0, port: int | None = None,
+                    timeout_s: float = 180.0) -> dict[int, list[float]]:
+    """Seconds from request to last byte when every worker in ``clients`` asks worker
+    ``server`` for ``nbytes`` at the same moment, ``repeats`` times over one connection each,
+    ``period_s`` apart (:mod:`farlink.emulate.serve_probe`); by client."""
+    if server in topology.behind_nat:
+        raise EmulationError(f"worker {server} is behind a NAT: nobody can dial it")
+    topology.check()
+    port = port or random.randint(20000, 60000)
+    host = topology.address(server)
+    py = [sys.executable, "-m", "farlink.emulate.serve_probe"]
+    serving = topology.spawn(server, [*py, "server", "--host", host, "--port", str(port),
+                                      "--clients", str(len(clients))],
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    asking: dict[int, subprocess.Popen] = {}
+    try:
+        assert serving.stdout is not None
+        line = serving.stdout.readline().strip()
+        if line != SERVE_LISTENING:
+            raise EmulationError(f"serve probe did not start: {line} {serving.stderr.read()}")
+        start_at = time.time() + 5.0  # every client connected by then
+        for i in clients:
+            asking[i] = topology.spawn(i, [*py, "client", "--host", host, "--port", str(port),
+                                           "--nbytes", str(nbytes), "--start-at", str(start_at),
+                                           "--repeats", str(repeats),
+                                           "--period-s", str(period_s)],
+                                       stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        outputs = {i: proc.communicate(timeout=timeout_s) for i, proc in asking.items()}
+        serving.communicate(timeout=timeout_s)
+    finally:
+        for proc in (serving, *asking.values()):
+            if proc.poll() is None:
+                proc.kill()
+    failed = {i: err.strip() for i, (_, err) in outputs.items() if asking[i].returncode}
+    if failed or serving.returncode:
+        raise EmulationError(f"serve probe failed: clients {failed}, server {serving.returncode}")
+    return {i: json.loads(out.splitlines()[-1])["seconds"] for i, (out, _) in outputs.items()}
