@@ -85,6 +85,9 @@ class StepOutcome:
     """What one call to :meth:`SyncAlgorithm.step` did, for metrics."""
 
     synced: bool = False  # a round was attempted during this step
+    # an island-level round ran (hierarchical_diloco, whose ``synced`` speaks of global rounds):
+    # it rewrote the parameters too
+    island_round: bool = False
     committed: bool = False  # ... and every participant committed it
     outer_step: int = 0  # committed rounds so far
     world_size: int = 1

@@ -129,7 +129,8 @@ class HierarchicalDiLoCo(DiLoCo):
     Options = HierarchicalOptions
     # in-process collectives too (threads as peers; their all-reduce is exact); the planner
     # has no model of it (its hand-off carries SGD's momentum)
-    capabilities = Capabilities(time_budget=True, islands=True,
+    # on sites of several ranks every tier is elementwise, so each rank runs it on its shard
+    capabilities = Capabilities(time_budget=True, islands=True, sharded=True,
                                 backends=("torchft", "inprocess"), planned=False)
 
     @classmethod
@@ -274,7 +275,7 @@ class HierarchicalDiLoCo(DiLoCo):
         delivered = [h for h in staged.handoffs if h["present"]]
         if not staged.handoffs:
             return StepOutcome(outer_step=self.outer_step, comm_seconds=seconds,
-                               world_size=info.world_size)
+                               world_size=info.world_size, island_round=True)
         last = delivered[-1] if delivered else None
         world = int(last["world"]) if last else 1
         self.last_round = RoundInfo(

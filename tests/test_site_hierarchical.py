@@ -1,0 +1,72 @@
+"""Hierarchical DiLoCo across sites of several ranks: real processes throughout.
+
+Three workers, each a ``torchrun`` site of 2 ranks (FSDP2 over Gloo on CPU), in the forced
+islands ``0,1|2``: an island Lighthouse per island and the main one for the leaders (sites 0 and
+2). Every rank holds an island Manager (its site is the replica group) and, on a leader site, a
+global one, so rank r exchanges only its own shard with rank r of the other sites on both tiers
+and receives its shard of the hand-off. The same run with one rank per worker is the reference.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from safetensors.torch import load_file
+
+pytest.importorskip("torchft")
+
+RUN = {"workers": 3, "algorithm": "hierarchical_diloco", "islands": "0,1|2", "steps": 20,
+       "inner_steps": 10, "island_steps": 5, "warmup_steps": 5, "batch_size": 8,
+       "vocab_size": 512, "seq_len": 64, "eval_batches": 4, "join_timeout": 10,
+       "heartbeat_timeout": 3}
+
+
+def hier_run(tmp_path: Path, cache_dir: Path, name: str, **overrides):  # noqa: ANN003, ANN201
+    from farlink.config import load_config
+    from farlink.train.launcher import launch
+
+    cfg = load_config(None, {**RUN, "run_dir": tmp_path / name, "cache_dir": cache_dir,
+                             **overrides})
+    return cfg, launch(cfg, show_progress=False)
+
+
+def finals(run_dir: Path) -> list[dict]:
+    return [load_file(str(p)) for p in sorted((run_dir / "final").glob("w*.safetensors"))]
+
+
+def end_records(run_dir: Path) -> dict[str, dict]:
+    out = {}
+    for path in sorted((run_dir / "metrics").glob("w*.jsonl")):
+        ends = [r for r in map(json.loads, path.read_text().splitlines()) if r["kind"] == "end"]
+        out[path.stem] = ends[-1]
+    return out
+
+
+def test_sites_of_two_ranks_in_islands_train_what_one_rank_sites_train(tmp_path, cache_dir):
+    cfg2, sites = hier_run(tmp_path, cache_dir, "k2", ranks_per_worker=2)
+    _, plain = hier_run(tmp_path, cache_dir, "k1")
+    assert sites.returncodes == [0, 0, 0] and plain.returncodes == [0, 0, 0]
+    s2, s1 = sites.summary, plain.summary
+    assert s2["network"]["islands"] == [[0, 1], [2]] and s2["network"]["source"] == "forced"
+    # every site ends on the same state, shard by shard (the fingerprint covers every rank's)
+    ends = end_records(cfg2.run_dir)
+    assert all(e["finished"] and e["outer_step"] == 2 for e in ends.values()), ends
+    assert len({e["fingerprint"] for e in ends.values()}) == 1, ends
+    assert s2["final_replicas"]["consistent"]
+    whole = finals(cfg2.run_dir)  # each gathered from its site's shards
+    assert len(whole) == 3
+    assert all((f[k] == whole[0][k]).all() for f in whole[1:] for k in whole[0])
+    # the same model from the same global batches: FSDP2 changes reduction order only
+    loss2, loss1 = s2["final_heldout_loss"], s1["final_heldout_loss"]
+    assert abs(loss2 - loss1) <= 1e-4 * loss1, (loss2, loss1)
+    # only the leader sites crossed islands, each with what one unsharded leader sends
+    per2, per1 = s2["per_worker"], s1["per_worker"]
+    assert per2["w1"]["inter_bytes"] == 0 and per2["w1"]["intra_bytes"] > 0
+    for leader in ("w0", "w2"):
+        k2, k1 = per2[leader]["inter_bytes"], per1[leader]["inter_bytes"]
+        assert k1 > 0 and abs(k2 - k1) <= 1e-3 * k1, (leader, k2, k1)
+    # and the island tier: a site's ranks together move what one unsharded member moves
+    k2, k1 = per2["w1"]["intra_bytes"], per1["w1"]["intra_bytes"]
+    assert abs(k2 - k1) <= 1e-3 * k1, (k2, k1)
