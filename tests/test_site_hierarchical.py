@@ -44,21 +44,42 @@ def end_records(run_dir: Path) -> dict[str, dict]:
     return out
 
 
-def test_sites_of_two_ranks_in_islands_train_what_one_rank_sites_train(tmp_path, cache_dir):
-    cfg2, sites = hier_run(tmp_path, cache_dir, "k2", ranks_per_worker=2)
-    _, plain = hier_run(tmp_path, cache_dir, "k1")
-    assert sites.returncodes == [0, 0, 0] and plain.returncodes == [0, 0, 0]
-    s2, s1 = sites.summary, plain.summary
+@pytest.fixture(scope="module")
+def one_rank_runs(tmp_path_factory, cache_dir):  # noqa: ANN001, ANN201
+    """The reference: the same runs with one rank per worker (made once per overlap mode)."""
+    made: dict[bool, dict] = {}
+
+    def run(overlap: bool) -> dict:
+        if overlap not in made:
+            tmp = tmp_path_factory.mktemp("one-rank")
+            _, result = hier_run(tmp, cache_dir, "k1", overlap_global=overlap)
+            assert result.returncodes == [0, 0, 0]
+            made[overlap] = result.summary
+        return made[overlap]
+
+    return run
+
+
+@pytest.mark.parametrize("sharding,overlap", [
+    ("fsdp", False), ("ddp", False),
+    pytest.param("fsdp", True, marks=pytest.mark.slow)], ids=["fsdp", "ddp", "fsdp-overlapped"])
+def test_sites_of_two_ranks_in_islands_train_what_one_rank_sites_train(
+        tmp_path, cache_dir, one_rank_runs, sharding, overlap):
+    cfg2, sites = hier_run(tmp_path, cache_dir, "k2", ranks_per_worker=2, sharding=sharding,
+                           overlap_global=overlap)
+    assert sites.returncodes == [0, 0, 0]
+    s2, s1 = sites.summary, one_rank_runs(overlap)
     assert s2["network"]["islands"] == [[0, 1], [2]] and s2["network"]["source"] == "forced"
     # every site ends on the same state, shard by shard (the fingerprint covers every rank's)
     ends = end_records(cfg2.run_dir)
     assert all(e["finished"] and e["outer_step"] == 2 for e in ends.values()), ends
     assert len({e["fingerprint"] for e in ends.values()}) == 1, ends
     assert s2["final_replicas"]["consistent"]
-    whole = finals(cfg2.run_dir)  # each gathered from its site's shards
+    whole = finals(cfg2.run_dir)  # each gathered from its site's shards (fsdp), rank 0's (ddp)
     assert len(whole) == 3
     assert all((f[k] == whole[0][k]).all() for f in whole[1:] for k in whole[0])
-    # the same model from the same global batches: FSDP2 changes reduction order only
+    # the same model from the same global batches: the site changes reduction order only
+    # (ddp: rank 0's whole replica holds the slices rank 1 averaged in every island round)
     loss2, loss1 = s2["final_heldout_loss"], s1["final_heldout_loss"]
     assert abs(loss2 - loss1) <= 1e-4 * loss1, (loss2, loss1)
     # only the leader sites crossed islands, each with what one unsharded leader sends
