@@ -282,6 +282,8 @@ class Optimizer:
         extra = {}
         if self.whole_replica_site:
             extra["part_of"] = self.site.part_of
+        if self.site is not None:
+            extra["agree"] = self.site.agree_any
         if self.tiers is not None and self.tiers.upper is not None:
             extra["global_exchange"] = build_exchange(cfg, self.tiers.upper, self.replica_id,
                                                       index, self.ledger)

@@ -203,8 +203,8 @@ class HierarchicalDiLoCo(DiLoCo):
         if not self.timed:
             return self.inner_steps_done % self.cfg.island_steps == 0
         deadline = self.period_start + (self.island_round + 1) * self.island_seconds
-        return nearest_step_boundary(time.monotonic(), self.round_started, self.steps_in_round,
-                                     deadline)
+        return self.agree(nearest_step_boundary(time.monotonic(), self.round_started,
+                                                self.steps_in_round, deadline))
 
     def _global_due(self) -> bool:
         if not self.timed:
