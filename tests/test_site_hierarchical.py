@@ -91,3 +91,18 @@ def test_sites_of_two_ranks_in_islands_train_what_one_rank_sites_train(
     # and the island tier: a site's ranks together move what one unsharded member moves
     k2, k1 = per2["w1"]["intra_bytes"], per1["w1"]["intra_bytes"]
     assert abs(k2 - k1) <= 1e-3 * k1, (k2, k1)
+
+
+@pytest.mark.slow
+def test_time_budgeted_islands_of_sites_end_on_one_model(tmp_path, cache_dir):
+    """Island and global rounds on deadlines: the ranks of each site settle every round's end
+    together (each reads its own clock), and the sites end on one model."""
+    cfg, run = hier_run(tmp_path, cache_dir, "timed", ranks_per_worker=2, steps=30,
+                        round_seconds=4.0, island_seconds=2.0)
+    assert run.returncodes == [0, 0, 0]
+    ends = end_records(cfg.run_dir)
+    assert all(e["finished"] and e["outer_step"] == 3 for e in ends.values()), ends
+    assert len({e["fingerprint"] for e in ends.values()}) == 1, ends
+    whole = finals(cfg.run_dir)
+    assert len(whole) == 3
+    assert all((f[k] == whole[0][k]).all() for f in whole[1:] for k in whole[0])
