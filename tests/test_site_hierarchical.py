@@ -5,6 +5,7 @@ islands ``0,1|2``: an island Lighthouse per island and the main one for the lead
 2). Every rank holds an island Manager (its site is the replica group) and, on a leader site, a
 global one, so rank r exchanges only its own shard with rank r of the other sites on both tiers
 and receives its shard of the hand-off. The same run with one rank per worker is the reference.
+Slow ones: ``--overlap-global``, time-budgeted rounds, and a member site SIGKILLed mid-run.
 """
 
 from __future__ import annotations
@@ -37,10 +38,12 @@ def finals(run_dir: Path) -> list[dict]:
 
 
 def end_records(run_dir: Path) -> dict[str, dict]:
+    """Each worker's last end record (a worker killed before its end has none)."""
     out = {}
     for path in sorted((run_dir / "metrics").glob("w*.jsonl")):
         ends = [r for r in map(json.loads, path.read_text().splitlines()) if r["kind"] == "end"]
-        out[path.stem] = ends[-1]
+        if ends:
+            out[path.stem] = ends[-1]
     return out
 
 
@@ -72,6 +75,7 @@ def test_sites_of_two_ranks_in_islands_train_what_one_rank_sites_train(
     assert s2["network"]["islands"] == [[0, 1], [2]] and s2["network"]["source"] == "forced"
     # every site ends on the same state, shard by shard (the fingerprint covers every rank's)
     ends = end_records(cfg2.run_dir)
+    assert len(ends) == 3, ends
     assert all(e["finished"] and e["outer_step"] == 2 for e in ends.values()), ends
     assert len({e["fingerprint"] for e in ends.values()}) == 1, ends
     assert s2["final_replicas"]["consistent"]
@@ -101,8 +105,62 @@ def test_time_budgeted_islands_of_sites_end_on_one_model(tmp_path, cache_dir):
                         round_seconds=4.0, island_seconds=2.0)
     assert run.returncodes == [0, 0, 0]
     ends = end_records(cfg.run_dir)
+    assert len(ends) == 3, ends
     assert all(e["finished"] and e["outer_step"] == 3 for e in ends.values()), ends
     assert len({e["fingerprint"] for e in ends.values()}) == 1, ends
     whole = finals(cfg.run_dir)
     assert len(whole) == 3
     assert all((f[k] == whole[0][k]).all() for f in whole[1:] for k in whole[0])
+
+
+@pytest.mark.slow
+def test_a_member_site_sigkilled_mid_run_leaves_the_others_on_one_model(tmp_path, cache_dir):
+    """One rank of the member site w1 is SIGKILLed after the first global round: torchrun ends
+    that site, its island's next quorum leaves it out (the leader site goes on alone in it), and
+    the two surviving sites (one per island) commit every later global round together and end
+    on one model: nothing committed is lost, no round is applied by one site and not the
+    other."""
+    import os
+    import signal
+    import threading
+    import time
+
+    from procfs import site_ranks
+
+    from farlink.bench.churn import committed_outer_steps
+    from farlink.config import load_config
+    from farlink.train.launcher import launch
+    from farlink.train.metrics import read_metrics
+
+    cfg = load_config(None, {**RUN, "run_dir": tmp_path / "run", "cache_dir": cache_dir,
+                             "ranks_per_worker": 2, "steps": 60, "pace_seconds": 0.1,
+                             "round_timeout": 10, "quorum_timeout": 30})
+    outcome: dict = {}
+    launcher = threading.Thread(target=lambda: outcome.update(
+        result=launch(cfg, show_progress=False)), daemon=True)
+    launcher.start()
+    deadline = time.time() + 300
+    while committed_outer_steps(cfg.run_dir) < 1:
+        assert time.time() < deadline and launcher.is_alive(), "no global round committed"
+        time.sleep(0.2)
+    victims = site_ranks(os.getpid(), b"farlink.train.worker", replica_group=1)
+    assert len(victims) == 2, victims
+    os.kill(max(victims), signal.SIGKILL)
+    launcher.join(timeout=400)
+    assert not launcher.is_alive(), "the run did not end"
+    result = outcome["result"]
+    assert result.returncodes[0] == 0 and result.returncodes[2] == 0, result.returncodes
+    assert result.returncodes[1] != 0, result.returncodes
+    syncs = {w: [r for r in read_metrics(cfg.run_dir / "metrics" / f"{w}.jsonl")
+                 if r["kind"] == "sync" and r["committed"]] for w in ("w0", "w2")}
+    for w, records in syncs.items():  # every global round, in order, each committed once
+        assert [r["outer_step"] for r in records] == list(range(1, 7)), (w, records)
+    for mine, theirs in zip(syncs["w0"], syncs["w2"]):
+        assert mine["fingerprint"] == theirs["fingerprint"]
+    ends = end_records(cfg.run_dir)
+    assert sorted(ends) == ["w0", "w2"], ends
+    assert ends["w0"]["fingerprint"] == ends["w2"]["fingerprint"], ends
+    assert ends["w0"]["finished"] and ends["w2"]["finished"], ends
+    whole = {p.stem: load_file(str(p)) for p in (cfg.run_dir / "final").glob("w*.safetensors")}
+    assert sorted(whole) == ["w0", "w2"]
+    assert all((whole["w0"][k] == whole["w2"][k]).all() for k in whole["w0"])
