@@ -85,14 +85,14 @@ class StepOutcome:
     """What one call to :meth:`SyncAlgorithm.step` did, for metrics."""
 
     synced: bool = False  # a round was attempted during this step
-    # an island-level round ran (hierarchical_diloco, whose ``synced`` speaks of global rounds):
-    # it rewrote the parameters too
-    island_round: bool = False
     committed: bool = False  # ... and every participant committed it
     outer_step: int = 0  # committed rounds so far
     world_size: int = 1
     comm_seconds: float = 0.0  # time this step spent blocked on communication
     rejected: int = 0  # peer updates dropped by validation this step
+    # an island-level round ran (hierarchical_diloco, whose ``synced`` speaks of global rounds):
+    # it rewrote the parameters too
+    island_round: bool = False
 
 
 def lr_at(step: int, base_lr: float, warmup: int, total: int, min_ratio: float = 0.1) -> float:
