@@ -236,9 +236,11 @@ def test_a_site_stopped_and_resumed_ends_bit_exact(tmp_path, cache_dir, sharding
 def test_ranks_per_worker_refuses_what_cannot_run_on_shards():
     from farlink.config import RunConfig
 
-    with pytest.raises(ValueError, match="hierarchical_diloco cannot run on sites.*two "
-                       "replica groups at once"):
-        RunConfig(algorithm="hierarchical_diloco", ranks_per_worker=2)
+    with pytest.raises(ValueError, match="cannot take its islands from the emulated WAN "
+                       r"\(--topology\).*Give the islands with --islands"):
+        RunConfig(algorithm="hierarchical_diloco", ranks_per_worker=2, topology="0,1|2,3")
+    # forced (or measured) islands run on sites: tests/test_site_hierarchical.py
+    RunConfig(algorithm="hierarchical_diloco", ranks_per_worker=2, islands="0,1|2,3")
     with pytest.raises(ValueError, match="rank 0 of a site could average its shard with one "
                        "set of sites and rank 1 with another"):
         RunConfig(backend="hivemind", workers=2, ranks_per_worker=2)

@@ -305,17 +305,16 @@ class RunConfig(*algorithm_options()):
 
     def _check_sites(self, sharded: bool) -> None:
         """Several ranks per worker: an elementwise algorithm on torchft, a batch they split,
-        one GPU per rank."""
+        one GPU per rank; islands forced or measured, not from the emulated WAN."""
         k = self.ranks_per_worker
         if k == 1:
             return
-        if algorithm_class(self.algorithm).capabilities.islands:
+        if algorithm_class(self.algorithm).capabilities.islands and self.topology:
             raise ValueError(
-                f"{self.algorithm} cannot run on sites of several ranks yet: its islands are "
-                f"formed on the emulated WAN (--topology), where sites do not run, and each rank "
-                f"would be a member of two replica groups at once (its island's and the "
-                f"leaders'). Use diloco or streaming_diloco across sites of ranks_per_worker={k}, "
-                f"or hierarchical_diloco with ranks_per_worker=1")
+                f"{self.algorithm} on sites of ranks_per_worker={k} cannot take its islands "
+                f"from the emulated WAN (--topology): sites do not run inside it yet. Give the "
+                f"islands with --islands (e.g. '0,1|2') and drop --topology, or use "
+                f"ranks_per_worker=1")
         if not sharded:
             able = [n for n in ALGORITHMS if algorithm_class(n).capabilities.sharded]
             raise ValueError(f"ranks_per_worker={k} shards the model (FSDP2) inside each "

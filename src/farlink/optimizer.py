@@ -239,23 +239,31 @@ class Optimizer:
             lighthouse = (cfg.lighthouse or cfg.initial_peers
                           or os.environ.get("TORCHFT_LIGHTHOUSE", ""))
         from farlink.train.network import needs_network
-        from farlink.train.tiers import Tiers, build_tiers, island_config
+        from farlink.train.tiers import Tiers, build_tiers, two_levels
 
-        two_levels = cls.capabilities.islands
+        tiered = cls.capabilities.islands
         formed = global_lighthouse is not None or global_collective is not None
-        if formed and not two_levels:
-            tiered = [n for n in ALGORITHMS if algorithm_class(n).capabilities.islands]
+        if formed and not tiered:
+            names = [n for n in ALGORITHMS if algorithm_class(n).capabilities.islands]
             raise ValueError(f"global_lighthouse/global_collective link island leaders in "
-                             f"{', '.join(tiered)}; {cls.name} has one level: drop them")
+                             f"{', '.join(names)}; {cls.name} has one level: drop them")
         # island/global collectives and emulated links when the launcher planned a network
-        self.tiers = (build_tiers(cfg, index, lighthouse, build_collective)
+        host = advertised_host(cfg)
+        self.tiers = (build_tiers(cfg, index, lighthouse, build_collective, self.site, host)
                       if collective is None and not formed and needs_network(cfg) else None)
-        if self.tiers is None and two_levels:  # islands the caller formed: its island's
+        if self.tiers is None and tiered:  # islands the caller formed: its island's
             # collective or Lighthouse, and for the island's leader the global one
-            island = collective or build_collective(island_config(cfg), self.replica_id,
-                                                    lighthouse)
-            if global_collective is None and global_lighthouse is not None:
-                global_collective = build_collective(cfg, self.replica_id, global_lighthouse)
+            if collective is not None:
+                island = collective
+                if global_collective is None and global_lighthouse is not None:
+                    global_collective = build_collective(cfg, self.replica_id,
+                                                         global_lighthouse, site=self.site)
+            else:
+                island, built = two_levels(
+                    cfg, self.replica_id, lighthouse,
+                    global_lighthouse if global_collective is None else None,
+                    build_collective, self.site, host)
+                global_collective = global_collective or built
             self.tiers = Tiers(island, global_collective)
         if self.tiers is not None:
             self.collective = self.tiers.collective
@@ -274,6 +282,8 @@ class Optimizer:
         extra = {}
         if self.whole_replica_site:
             extra["part_of"] = self.site.part_of
+        if self.site is not None:
+            extra["agree"] = self.site.agree_any
         if self.tiers is not None and self.tiers.upper is not None:
             extra["global_exchange"] = build_exchange(cfg, self.tiers.upper, self.replica_id,
                                                       index, self.ledger)
@@ -297,7 +307,8 @@ class Optimizer:
         if self.whole_replica_site:
             self.site.average_gradients(self.trainable)
         outcome = self.algorithm.step(tokens)
-        if self.whole_replica_site and outcome.synced:
+        # every round (an island's too) rewrote each rank's own slice
+        if self.whole_replica_site and (outcome.synced or outcome.island_round):
             self.site.share_parts(self.trainable)
         return outcome
 

@@ -38,7 +38,7 @@ replica group's torchft store at rank 0 (a fresh one per start, so a site restar
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from torch import nn
@@ -128,19 +128,39 @@ class Site:
                 torch.cuda.set_device(device)
             dist.init_process_group("nccl" if cuda else "gloo", store=self._rendezvous(),
                                     rank=self.rank, world_size=self.size)
-        self._store = None
+        self._stores: list = []
+        self.store_host, self.store_port = self._host_store(host)
+        return self
+
+    def _host_store(self, host: str) -> tuple[str, int]:
+        """A fresh TCPStore hosted by rank 0 on ``host``; its address, on every rank (a
+        collective of the site's ranks)."""
+        import torch.distributed as dist
+
         address = [None]
         if self.rank == 0:
             from torch.distributed import TCPStore
 
             from farlink.comm.torchft_listeners import store_listener
 
-            self._store = TCPStore(host, 0, is_master=True, wait_for_workers=False,
-                                   master_listen_fd=store_listener(host))
-            address = [(host, self._store.port)]
+            store = TCPStore(host, 0, is_master=True, wait_for_workers=False,
+                             master_listen_fd=store_listener(host))
+            self._stores.append(store)  # alive as long as the site
+            address = [(host, store.port)]
         dist.broadcast_object_list(address, src=0, group=self.gloo_group())
-        self.store_host, self.store_port = address[0]
-        return self
+        return address[0]
+
+    def with_own_store(self, host: str = "127.0.0.1") -> Site:
+        """This site as a second replica group: the same ranks around a store of its own.
+
+        A torchft Manager publishes its server's address under fixed keys of its replica
+        group's store, so two Managers on one store (hierarchical DiLoCo's island and global
+        tiers) would read each other's; each tier gets its own store instead. A collective:
+        every rank of the site calls it at the same point."""
+        if self.size == 1:
+            return self
+        store_host, store_port = self._host_store(host)
+        return replace(self, store_host=store_host, store_port=store_port)
 
     def _rendezvous(self):
         """The store the site's ranks meet in, at MASTER_ADDR/PORT: torchrun's agent's, or

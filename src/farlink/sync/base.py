@@ -90,6 +90,9 @@ class StepOutcome:
     world_size: int = 1
     comm_seconds: float = 0.0  # time this step spent blocked on communication
     rejected: int = 0  # peer updates dropped by validation this step
+    # an island-level round ran (hierarchical_diloco, whose ``synced`` speaks of global rounds):
+    # it rewrote the parameters too
+    island_round: bool = False
 
 
 def lr_at(step: int, base_lr: float, warmup: int, total: int, min_ratio: float = 0.1) -> float:
@@ -98,6 +101,11 @@ def lr_at(step: int, base_lr: float, warmup: int, total: int, min_ratio: float =
         return base_lr * (step + 1) / warmup
     progress = min(1.0, (step - warmup) / max(1, total - warmup))
     return base_lr * (min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
+
+
+def _as_is(flag: bool) -> bool:
+    """One process is the whole replica: its own decision stands."""
+    return flag
 
 
 def nearest_step_boundary(now: float, started: float, steps: int, deadline: float) -> bool:
@@ -240,6 +248,7 @@ class SyncAlgorithm(ABC):
         outer_optimizer: OuterOptimizerFactory | None = None,
         lr_schedule: bool | None = None,
         part_of: Callable[[torch.Tensor], torch.Tensor] | None = None,
+        agree: Callable[[bool], bool] | None = None,
     ) -> None:
         if not isinstance(options, self.Options):
             raise TypeError(f"{self.name} takes {self.Options.__name__} (or a RunConfig), "
@@ -263,6 +272,9 @@ class SyncAlgorithm(ABC):
         #: its storage), or the slice ``part_of`` gives (a DDP site's rank syncs 1/K of each
         #: whole parameter), the parameter itself when the model is not sharded
         self.shard_of = part_of or local_shard
+        #: on a site of several ranks, a yes/no every rank must share although each reads it
+        #: from its own clock (a time-budgeted round's end): True on all ranks if on any
+        self.agree = agree or _as_is
         self.params = [self.shard_of(p) for p in self.module_params]
         self.lr_schedule = inner_optimizer is None if lr_schedule is None else lr_schedule
         if self.lr_schedule and options.steps is None:

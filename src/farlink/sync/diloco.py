@@ -125,10 +125,10 @@ class DiLoCo(SyncAlgorithm):
         return self.cfg.round_seconds is not None
 
     def round_due(self) -> bool:
-        if self.timed:
-            return nearest_step_boundary(time.monotonic(), self.round_started,
-                                         self.steps_in_round,
-                                         self.round_started + self.cfg.round_seconds)
+        if self.timed:  # each rank of a site reads its own clock: they settle it together
+            return self.agree(nearest_step_boundary(time.monotonic(), self.round_started,
+                                                    self.steps_in_round,
+                                                    self.round_started + self.cfg.round_seconds))
         return self.inner_steps_done % self.cfg.inner_steps == 0
 
     def at_boundary(self, outcome: StepOutcome) -> bool:

@@ -43,8 +43,13 @@ byte counting apply to each tier as they do to flat DiLoCo.
 Transport: a worker holds two torchft Managers in one process, the island one (its island's own
 Lighthouse) and, for leaders, the global one (the main Lighthouse). Two Managers in a process do
 not interfere: each has its own replica id, TCPStore, manager server and process group on ports
-chosen by the OS (``tests/test_hierarchical_integration.py`` runs it). This module sees only the
-:class:`~farlink.comm.base.Collective`/:class:`~farlink.sync.exchange.Exchange` interfaces.
+chosen by the OS (``tests/test_hierarchical_integration.py`` runs it). On a site of K ranks
+(``--ranks-per-worker``) each rank holds both Managers, the site being one replica group of K
+ranks on each Lighthouse (each tier with a store of its own, :mod:`farlink.train.tiers`); this
+algorithm then runs on the rank's shard (or DDP slice): rank r averages, sends across islands and
+hands off only its part, with rank r of the other sites, and every tier stays elementwise, so a
+site ends where one-rank workers end (``tests/test_site_hierarchical.py``). This module sees only
+the :class:`~farlink.comm.base.Collective`/:class:`~farlink.sync.exchange.Exchange` interfaces.
 
 Failures keep replicas consistent rather than maximise progress: everything a round received is
 staged and applied only when the island commits; a global round that does not commit leaves θ_g
@@ -129,7 +134,8 @@ class HierarchicalDiLoCo(DiLoCo):
     Options = HierarchicalOptions
     # in-process collectives too (threads as peers; their all-reduce is exact); the planner
     # has no model of it (its hand-off carries SGD's momentum)
-    capabilities = Capabilities(time_budget=True, islands=True,
+    # on sites of several ranks every tier is elementwise, so each rank runs it on its shard
+    capabilities = Capabilities(time_budget=True, islands=True, sharded=True,
                                 backends=("torchft", "inprocess"), planned=False)
 
     @classmethod
@@ -197,8 +203,8 @@ class HierarchicalDiLoCo(DiLoCo):
         if not self.timed:
             return self.inner_steps_done % self.cfg.island_steps == 0
         deadline = self.period_start + (self.island_round + 1) * self.island_seconds
-        return nearest_step_boundary(time.monotonic(), self.round_started, self.steps_in_round,
-                                     deadline)
+        return self.agree(nearest_step_boundary(time.monotonic(), self.round_started,
+                                                self.steps_in_round, deadline))
 
     def _global_due(self) -> bool:
         if not self.timed:
@@ -274,7 +280,7 @@ class HierarchicalDiLoCo(DiLoCo):
         delivered = [h for h in staged.handoffs if h["present"]]
         if not staged.handoffs:
             return StepOutcome(outer_step=self.outer_step, comm_seconds=seconds,
-                               world_size=info.world_size)
+                               world_size=info.world_size, island_round=True)
         last = delivered[-1] if delivered else None
         world = int(last["world"]) if last else 1
         self.last_round = RoundInfo(

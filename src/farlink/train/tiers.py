@@ -11,6 +11,13 @@ so the worker loop stays the same for flat and hierarchical runs:
   timeout covers a global round, since members wait inside an island round for their leader's
   hand-off. Each level keeps its own :class:`~farlink.comm.base.CommStats` (a global round may
   run in a background thread); :meth:`Tiers.bytes_sent` is the worker's total.
+
+A worker that is a site of K ranks (:mod:`farlink.parallel.sharding`) is one replica group of K
+ranks on each level: rank r's island Manager pairs it with rank r of its island's other sites,
+its global Manager (leader sites) with rank r of the other leaders, so each rank moves only its
+own shard on both levels. The two levels' Managers of one rank get separate replica-group stores
+(:meth:`~farlink.parallel.sharding.Site.with_own_store`): a Manager publishes its server's
+address under fixed keys of its store.
 """
 
 from __future__ import annotations
@@ -46,23 +53,46 @@ def island_config(cfg: RunConfig) -> RunConfig:
 
 
 def build_tiers(cfg: RunConfig, index: int, lighthouse: str,
-                build_collective: Callable[[RunConfig, str, str], Collective]) -> Tiers | None:
+                build_collective: Callable[..., Collective], site=None,  # noqa: ANN001
+                host: str = "127.0.0.1") -> Tiers | None:
     """The collectives of worker ``index``; None when the run has no network plan (a flat
-    run, or islands that a caller of :class:`farlink.Optimizer` formed itself)."""
+    run, or islands that a caller of :class:`farlink.Optimizer` formed itself). ``site``: the
+    worker's started :class:`~farlink.parallel.sharding.Site` when it has several ranks (every
+    rank calls this at the same point: the island level's store is a collective of the site);
+    ``host``: where rank 0 hosts that store."""
     plan = NetworkPlan.load(cfg.run_dir)
     if plan is None:
         return None
     replica = f"w{index}"
     if not has_islands(cfg.algorithm):
-        flat = build_collective(cfg, replica, lighthouse)
+        flat = build_collective(cfg, replica, lighthouse, site=site)
         flat.emulated_link = emulated_link(plan.collective_link(list(range(cfg.workers))))
         return Tiers(flat, None, plan)
     k = plan.island_index(index)
     members = plan.islands[k]
-    island = build_collective(island_config(cfg), replica, plan.island_lighthouses[k])
+    island, upper = two_levels(cfg, replica, plan.island_lighthouses[k],
+                               lighthouse if plan.is_leader(index) else None,
+                               build_collective, site, host)
     island.emulated_link = emulated_link(plan.collective_link(members))
-    upper = None
-    if plan.is_leader(index):
-        upper = build_collective(cfg, replica, lighthouse)
+    if upper is not None:
         upper.emulated_link = emulated_link(plan.collective_link(plan.leaders()))
     return Tiers(island, upper, plan)
+
+
+def two_levels(cfg: RunConfig, replica: str, island_lighthouse: str,
+               global_lighthouse: str | None, build_collective: Callable[..., Collective],
+               site=None, host: str = "127.0.0.1",  # noqa: ANN001 - a Site
+               ) -> tuple[Collective, Collective | None]:
+    """The island collective and, for a leader (``global_lighthouse`` given), the global one.
+    On a site of several ranks the island level gets a store of its own and the global level
+    keeps the site's."""
+    island_site = site.with_own_store(host) if site is not None else None
+    island = build_collective(island_config(cfg), replica, island_lighthouse, site=island_site)
+    upper = None
+    if global_lighthouse is not None:
+        try:
+            upper = build_collective(cfg, replica, global_lighthouse, site=site)
+        except BaseException:
+            island.close()
+            raise
+    return island, upper

@@ -297,6 +297,14 @@ class Worker:
         sent = self.sync.bytes_sent()
         return sent if self.site is None else self.site.total(sent)
 
+    def site_traffic(self) -> dict[str, int]:
+        """Bytes by level (hierarchical: inside the island, across islands): on a site, every
+        rank's, as :meth:`site_bytes_sent` (all ranks call it)."""
+        traffic = self.sync.traffic()
+        if self.site is None:
+            return traffic
+        return {level: self.site.total(sent) for level, sent in sorted(traffic.items())}
+
     # --- the loop ------------------------------------------------------------------------------
     def _at_boundary(self, step: int) -> None:
         """Every H inner steps (token-aligned for every algorithm): checkpoint and evaluate,
@@ -406,6 +414,7 @@ class Worker:
         self.checkpoint_s += time.perf_counter() - t0
         self._land_background_work()  # a stop too waits for the write in flight
         fingerprint, bytes_sent = self.fingerprint(), self.site_bytes_sent()
+        traffic = self.site_traffic()
         self.metrics.write("end", worker=self.replica_id, finished=finished,
                            inner_steps=sync.inner_steps, tokens=self.tokens,
                            bytes_sent=bytes_sent,
@@ -418,7 +427,7 @@ class Worker:
                            pace_overruns=self.pace_overruns, outer_step=sync.outer_step,
                            widest_group=self.widest_group,
                            fingerprint=fingerprint, model_sha256=model_sha256,
-                           **sync.traffic())
+                           **traffic)
         return 0 if finished or stopped else 1
 
     def _save_final_model(self) -> str:

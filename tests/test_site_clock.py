@@ -1,0 +1,67 @@
+"""A time-budgeted round's end on a site of several ranks: each rank reads its own clock, but the
+site is one replica, so every rank must end the round at the same step (a rank that entered the
+round alone would wait in torchft's quorum while the others waited in the next step's all-reduce).
+
+Two real processes, a Gloo group between them (the site), each a DiLoCo or hierarchical DiLoCo
+replica through :class:`farlink.Optimizer`; rank 0's clock is put past the round's deadline,
+rank 1's is not.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import socket
+
+import pytest
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def rank_decides(rank: int, port: int, algorithm: str, answers) -> None:  # noqa: ANN001
+    import os
+
+    import torch
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      WORLD_SIZE="2", LOCAL_RANK=str(rank))
+    import farlink
+    from farlink.comm.inprocess import InProcessGroup
+    from farlink.parallel.sharding import Site
+
+    torch.set_num_threads(1)
+    site = Site.from_env(replica_index=0).start()
+    model = torch.nn.Linear(4, 4)
+    options = {"island_seconds": 1.0} if algorithm == "hierarchical_diloco" else {}
+    sync = farlink.Optimizer(model, algorithm=algorithm, backend="inprocess", steps=100,
+                             round_seconds=1.0, collective=InProcessGroup(1).member(0),
+                             site=site, **options)
+    if rank == 0:  # this rank's clock says the round's time is long over
+        sync.algorithm.round_started -= 1000.0
+        if hasattr(sync.algorithm, "period_start"):
+            sync.algorithm.period_start -= 1000.0
+    sync.algorithm.steps_in_round = 1
+    answers.put((rank, sync.algorithm.round_due()))
+    site.close()
+
+
+@pytest.mark.parametrize("algorithm", ["diloco", "hierarchical_diloco"])
+def test_the_ranks_of_a_site_end_a_timed_round_together(algorithm: str) -> None:
+    ctx = mp.get_context("spawn")
+    answers, port = ctx.Queue(), free_port()
+    ranks = [ctx.Process(target=rank_decides, args=(r, port, algorithm, answers))
+             for r in range(2)]
+    for proc in ranks:
+        proc.start()
+    try:
+        decided = dict(answers.get(timeout=120) for _ in ranks)
+    finally:
+        for proc in ranks:
+            proc.join(timeout=30)
+            if proc.is_alive():
+                proc.kill()
+    assert [proc.exitcode for proc in ranks] == [0, 0]
+    assert decided == {0: True, 1: True}, decided
