@@ -64,7 +64,7 @@ def one_rank_runs(tmp_path_factory, cache_dir):  # noqa: ANN001, ANN201
 
 
 @pytest.mark.parametrize("sharding,overlap", [
-    ("fsdp", False), ("ddp", False),
+    ("fsdp", False), pytest.param("ddp", False, marks=pytest.mark.slow),
     pytest.param("fsdp", True, marks=pytest.mark.slow)], ids=["fsdp", "ddp", "fsdp-overlapped"])
 def test_sites_of_two_ranks_in_islands_train_what_one_rank_sites_train(
         tmp_path, cache_dir, one_rank_runs, sharding, overlap):
