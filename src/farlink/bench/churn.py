@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 
 from farlink.bench.report import plot_curves, write_json
+from farlink.bench.runner import set_aside_earlier_runs
 from farlink.config import RunConfig, load_config
 from farlink.train.audit import audit_run
 from farlink.train.launcher import _stop_all, spawn_worker, summarize, write_run_config
@@ -81,6 +82,7 @@ def run_with_churn(cfg: RunConfig, kills_per_100: float, max_kills: int, seed: i
 
 
 def run(out: Path, rates: list[float], steps: int, inner_steps: int, workers: int) -> dict:
+    set_aside_earlier_runs(out)
     rows, series = [], {}
     for rate in rates:
         cfg = load_config(None, {
@@ -116,6 +118,8 @@ def run_long(out: Path, kills: int, lighthouse_kills: int, corruptions: int, ste
     import json
 
     from farlink.bench.churn_long import plot_timeline, run_long_churn
+
+    set_aside_earlier_runs(out)
 
     cfg = load_config(None, {
         "steps": steps, "inner_steps": inner_steps, "workers": workers, "min_replicas": 2,

@@ -31,6 +31,7 @@ from pathlib import Path
 
 from farlink.bench.churn import last_committed_outer_step, worker_records
 from farlink.bench.report import write_json
+from farlink.bench.runner import set_aside_earlier_runs
 from farlink.bench.swarm import join_command
 from farlink.train.swarm_audit import audit_swarm
 
@@ -158,6 +159,7 @@ def run(out: Path, rounds: int = 50, inner_steps: int = 2, volunteers: int = 3,
         timeout_s: float = 1800.0) -> dict:
     """Run the scenario (module docstring) under ``out``; write ``out/churn-hivemind.json`` and
     ``out/churn-hivemind.png``."""
+    set_aside_earlier_runs(out)
     load_before = os.getloadavg()[0]
     driver = SwarmChurn(out, rounds, inner_steps, volunteers, rate, model, seed, timeout_s)
     result = driver.run()

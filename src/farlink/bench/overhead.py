@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 
 from farlink.bench.report import write_json
+from farlink.bench.runner import set_aside_earlier_runs
 from farlink.train.metrics import read_metrics
 
 PLAIN_LOOP = r"""
@@ -52,6 +53,7 @@ def farlink_tokens_per_s(run_dir: Path, warm: int = 10) -> float:
 
 
 def run(out: Path, steps: int, repeats: int, model: str) -> dict:
+    set_aside_earlier_runs(out)
     from farlink.config import load_config
     from farlink.train.launcher import launch
 

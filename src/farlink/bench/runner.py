@@ -25,6 +25,21 @@ def _finished_summary(cfg: RunConfig) -> dict | None:
     return summary if done else None
 
 
+def set_aside_earlier_runs(out: Path) -> Path | None:
+    """Start a benchmark whose runs are never read back from an empty ``out/runs``: an earlier
+    invocation's runs move aside to ``out/runs.old-<time>`` (nothing is deleted). Without this,
+    running a benchmark again into the same directory failed at its first run dir, after the
+    measurements before it had already been spent. Returns where they went, if anywhere."""
+    from farlink.train.rundir import move_aside
+
+    runs = out / "runs"
+    if not runs.exists():
+        return None
+    moved = move_aside(runs)
+    print(f"an earlier run of this benchmark was moved aside to {moved}")
+    return moved
+
+
 def run_variant(label: str, base: dict[str, Any], out: Path, reuse: bool = False,
                 network: Any = None, **overrides: Any) -> dict:
     """Train one variant in ``out/runs/<label>`` and return its summary row; with ``reuse``, a

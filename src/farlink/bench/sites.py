@@ -24,6 +24,7 @@ from pathlib import Path
 
 from farlink.bench.overhead import PLAIN_LOOP, farlink_tokens_per_s
 from farlink.bench.report import pyplot, save_figure, write_json
+from farlink.bench.runner import set_aside_earlier_runs
 
 TARGET_PER_RANK = 0.15  # per-rank tokens/s of a K-rank site within 15% of one rank
 TARGET_OVERHEAD = 0.05  # farlink with one rank within 5% of a plain torch loop
@@ -44,6 +45,7 @@ def measure(name: str, ranks: int, tokens_per_s) -> dict:  # noqa: ANN001 - a th
 
 def run(out: Path, steps: int, model: str, ranks: int, batch_size: int, repeats: int = 1,
         cache_dir: Path | None = None) -> dict:
+    set_aside_earlier_runs(out)
     from farlink.config import load_config
     from farlink.train.launcher import launch
 

@@ -43,6 +43,7 @@ from pathlib import Path
 from typing import IO
 
 from farlink.bench.report import write_json
+from farlink.bench.runner import set_aside_earlier_runs
 from farlink.train.metrics import read_metrics
 
 BOOTSTRAP, REACHABLE, NATTED = 0, 1, (2, 3)
@@ -233,6 +234,7 @@ def run(out: Path, model: str = "tiny", steps: int = 30, inner_steps: int = 10,
     caps = detect_capabilities()
     if not caps.full:
         raise SystemExit(f"bench swarm needs network namespace emulation: {caps.reason}")
+    set_aside_earlier_runs(out)
     home = scaled("home", bandwidth_mbit) if bandwidth_mbit else "home"
     links = latency_spread(home, 4, *LATENCY_RANGE_MS)
     volunteers = [REACHABLE, *NATTED]
