@@ -13,6 +13,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import torch
 
 pytest.importorskip("hivemind")
 
@@ -50,3 +51,94 @@ def test_two_sites_of_two_ranks_on_hivemind_match_one_rank_sites(tmp_path, cache
         bytes2 = s2["per_worker"][worker]["bytes_sent"]
         bytes1 = s1["per_worker"][worker]["bytes_sent"]
         assert abs(bytes2 - bytes1) <= 1e-3 * bytes1, (worker, bytes2, bytes1)
+
+
+# --- the collective alone: two sites of two ranks, one of them behind -------------------------
+
+N = 300  # elements each rank reduces (its "shard")
+
+
+def _site_rank(site: int, rank: int, port: int, bootstrap: list[str], committed: int, q) -> None:
+    torch.set_num_threads(1)
+    import torch.distributed as dist
+
+    from farlink.comm.hivemind_backend import HivemindCollective
+    from farlink.comm.hivemind_site import HivemindSiteCollective
+    from farlink.parallel.sharding import Site
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=2)
+    coll = HivemindSiteCollective(
+        Site(rank=rank, size=2, replica_index=site),
+        lambda: HivemindCollective("sitetest", bootstrap, min_group_size=2, target_group_size=2,
+                                   matchmaking_time=1.0, request_timeout=1.0, round_timeout=60.0,
+                                   state_timeout=20.0))
+    # this rank's shard of the replica's state: different on every rank of the up-to-date site
+    state = {"w": torch.full((8,), 10.0 * rank + 1.0 if committed else -1.0)}
+    coll.register_state(lambda: {"w": state["w"].clone()},
+                        lambda s: state.update(w=s["w"].clone()))
+    coll.load_committed_step(committed)
+    info = coll.begin_round()
+    tensors = [torch.full((N,), float((site + 1) * (rank + 1)))]
+    before = coll.stats.bytes_sent
+    coll.all_reduce_sum(tensors)
+    reduce_bytes = coll.stats.bytes_sent - before
+    gathered = coll.all_gather_bytes(f"site{site}-rank{rank}".encode())
+    ok = coll.commit()
+    q.put(dict(site=site, rank=rank, round_id=info.round_id, world=info.world_size,
+               healed=info.healed, w=state["w"].tolist(), sums=tensors[0].tolist(),
+               reduce_bytes=reduce_bytes, shards=list(coll.last_shards), gathered=gathered,
+               ok=ok, committed_after=coll.peer.round_id, peer=str(coll.peer.peer_id)))
+    coll.close()
+    dist.destroy_process_group()
+
+
+def test_a_behind_site_heals_rank_by_rank_and_ranks_reduce_with_their_counterparts():
+    """Site 0 has committed 3 rounds, site 1 none: one round later every rank of site 1 holds
+    the state of the same rank of site 0 (not rank 0's, not a mix), each rank's all-reduce and
+    all-gather ran with its counterpart only, and both sites committed round 3 together."""
+    import multiprocessing as mp
+    import socket
+
+    from farlink.comm.hivemind_net import start_bootstrap_peer
+
+    bootstrap, maddrs = start_bootstrap_peer("127.0.0.1")
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    ports = []
+    for _ in range(2):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            ports.append(s.getsockname()[1])
+    procs = [ctx.Process(target=_site_rank, args=(site, rank, ports[site], maddrs,
+                                                  3 if site == 0 else 0, q))
+             for site in range(2) for rank in range(2)]
+    try:
+        for p in procs:
+            p.start()
+        reports = [q.get(timeout=120) for _ in procs]
+        for p in procs:
+            p.join(30)
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+        bootstrap.shutdown()
+    by = {(r["site"], r["rank"]): r for r in reports}
+    assert all(r["ok"] and r["round_id"] == 3 and r["world"] == 2 for r in reports), reports
+    assert all(r["committed_after"] == 4 for r in reports)
+    assert [by[(1, r)]["healed"] for r in range(2)] == [True, True]
+    assert [by[(0, r)]["healed"] for r in range(2)] == [False, False]
+    for rank in range(2):
+        # rank r of the behind site got rank r's shard of the state, nobody else's
+        assert by[(1, rank)]["w"] == by[(0, rank)]["w"] == [10.0 * rank + 1.0] * 8
+        # the sum over the sites' rank r only: (1 + 2) * (rank + 1), never rank 0's numbers
+        for site in range(2):
+            mine = by[(site, rank)]
+            assert mine["sums"] == pytest.approx([3.0 * (rank + 1)] * N)
+            assert sorted(mine["gathered"]) == [f"site{s}-rank{rank}".encode() for s in range(2)]
+            # the butterfly's bytes for a group of 2 (module formula 4 * ((N - e) + (2-1) * e)):
+            # this rank's N elements, not the site's 2N
+            assert sum(mine["shards"]) == N and mine["reduce_bytes"] == 4 * N, mine
+    # four distinct peers: each rank its own link
+    assert len({r["peer"] for r in reports}) == 4
