@@ -85,10 +85,11 @@ def _site_rank(site: int, rank: int, port: int, bootstrap: list[str], committed:
     reduce_bytes = coll.stats.bytes_sent - before
     gathered = coll.all_gather_bytes(f"site{site}-rank{rank}".encode())
     ok = coll.commit()
-    q.put(dict(site=site, rank=rank, round_id=info.round_id, world=info.world_size,
-               healed=info.healed, w=state["w"].tolist(), sums=tensors[0].tolist(),
-               reduce_bytes=reduce_bytes, shards=list(coll.last_shards), gathered=gathered,
-               ok=ok, committed_after=coll.peer.round_id, peer=str(coll.peer.peer_id)))
+    q.put({"site": site, "rank": rank, "round_id": info.round_id, "world": info.world_size,
+           "healed": info.healed, "w": state["w"].tolist(), "sums": tensors[0].tolist(),
+           "reduce_bytes": reduce_bytes, "shards": list(coll.last_shards),
+           "gathered": gathered, "ok": ok, "committed_after": coll.peer.round_id,
+           "peer": str(coll.peer.peer_id)})
     coll.close()
     dist.destroy_process_group()
 
