@@ -1,15 +1,17 @@
-"""Sites of several ranks on the hivemind backend, through ``farlink train``.
+"""Sites of several ranks on the hivemind backend: through ``farlink train``, and the collective.
 
 Real processes: a bootstrap DHT peer, each site a ``torchrun`` of 2 ranks that shard a GPT with
 ``fully_shard`` over Gloo, every rank with its own p2p daemon; the site's rank 0 matchmakes and
 votes, and rank r exchanges its shard with rank r of the other site. The same run with one rank
 per site is the reference: same batches, same arithmetic (the gathered path decodes the same
 bytes on every site), so FSDP2 changes only the order of floating-point reductions inside a
-step, which is why the held-out losses agree to 1e-4 as on torchft.
+step, which is why the held-out losses agree to 1e-4 as on torchft. Both runs use ``--auth
+secret``: every rank proves membership to its counterparts and MACs its own shard's update.
 """
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -18,7 +20,8 @@ import torch
 pytest.importorskip("hivemind")
 
 SITE_RUN = {"workers": 2, "steps": 20, "inner_steps": 10, "warmup_steps": 10, "batch_size": 8,
-            "vocab_size": 512, "seq_len": 64, "eval_batches": 4, "backend": "hivemind"}
+            "vocab_size": 512, "seq_len": 64, "eval_batches": 4, "backend": "hivemind",
+            "auth": "secret", "secret": "the-run-secret"}
 
 
 def site_run(tmp_path: Path, cache_dir: Path, name: str, **overrides):
@@ -34,8 +37,17 @@ def test_two_sites_of_two_ranks_on_hivemind_match_one_rank_sites(tmp_path, cache
     from safetensors.torch import load_file
 
     cfg2, sites = site_run(tmp_path, cache_dir, "k2", ranks_per_worker=2)
+    assert sites.returncodes == [0, 0]
+    # every rank checked every update it took: one ledger per rank, each site's accepted twice
+    ledgers = sorted(p.name for p in (cfg2.run_dir / "ledger").iterdir())
+    assert ledgers == ["w0.json", "w0.rank1.json", "w1.json", "w1.rank1.json"]
+    for name in ledgers:
+        peers = json.loads((cfg2.run_dir / "ledger" / name).read_text())["peers"]
+        assert sorted(peers) == ["w0", "w1"], (name, peers)
+        assert all(p["updates_accepted"] == 2 and p["updates_rejected"] == 0
+                   for p in peers.values()), (name, peers)
     _, plain = site_run(tmp_path, cache_dir, "k1")
-    assert sites.returncodes == [0, 0] and plain.returncodes == [0, 0]
+    assert plain.returncodes == [0, 0]
     s2, s1 = sites.summary, plain.summary
     # each site one member of every group: both rounds averaged the two sites, never 4 peers
     assert s2["widest_group"] == 2 and s2["final_replicas"]["consistent"], s2["final_replicas"]
@@ -45,8 +57,8 @@ def test_two_sites_of_two_ranks_on_hivemind_match_one_rank_sites(tmp_path, cache
     assert a.keys() == b.keys() and all(bool((a[k] == b[k]).all()) for k in a)
     loss2, loss1 = s2["final_heldout_loss"], s1["final_heldout_loss"]
     assert abs(loss2 - loss1) <= 1e-4 * loss1, (loss2, loss1)
-    # each rank sends only its shard: a site moves what a one-rank site moves (each rank's
-    # payload carries its own small header, hence not bit-equal)
+    # each rank sends only its shard: a site moves what a one-rank site moves, up to each
+    # rank's payload carrying its own header (tensor names and shapes) and MAC
     for worker in ("w0", "w1"):
         bytes2 = s2["per_worker"][worker]["bytes_sent"]
         bytes1 = s1["per_worker"][worker]["bytes_sent"]
