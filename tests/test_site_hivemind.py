@@ -70,7 +70,10 @@ def test_two_sites_of_two_ranks_on_hivemind_match_one_rank_sites(tmp_path, cache
 N = 300  # elements each rank reduces (its "shard")
 
 
-def _site_rank(site: int, rank: int, port: int, bootstrap: list[str], committed: int, q) -> None:
+def _site_rank(site: int, rank: int, port: int, bootstrap: list[str], plan: dict, q) -> None:
+    """One rank of a site: ``plan["committed"][site]`` rounds done, ``plan["rounds"]`` rounds
+    to run; the rank in ``plan["stateless"]`` (site, rank) registers no state before its
+    second round, so it cannot heal in the first."""
     torch.set_num_threads(1)
     import torch.distributed as dist
 
@@ -82,34 +85,45 @@ def _site_rank(site: int, rank: int, port: int, bootstrap: list[str], committed:
                             world_size=2)
     coll = HivemindSiteCollective(
         Site(rank=rank, size=2, replica_index=site),
-        lambda: HivemindCollective("sitetest", bootstrap, min_group_size=2, target_group_size=2,
+        lambda: HivemindCollective(plan["run"], bootstrap, min_group_size=2, target_group_size=2,
                                    matchmaking_time=1.0, request_timeout=1.0, round_timeout=60.0,
+                                   allreduce_timeout=4.0, gather_timeout=4.0, commit_timeout=4.0,
                                    state_timeout=20.0))
+    committed = plan["committed"][site]
     # this rank's shard of the replica's state: different on every rank of the up-to-date site
     state = {"w": torch.full((8,), 10.0 * rank + 1.0 if committed else -1.0)}
-    coll.register_state(lambda: {"w": state["w"].clone()},
-                        lambda s: state.update(w=s["w"].clone()))
+
+    def register() -> None:
+        coll.register_state(lambda: {"w": state["w"].clone()},
+                            lambda s: state.update(w=s["w"].clone()))
+
+    stateless = tuple(plan.get("stateless", ())) == (site, rank)
+    if not stateless:
+        register()
     coll.load_committed_step(committed)
-    info = coll.begin_round()
-    tensors = [torch.full((N,), float((site + 1) * (rank + 1)))]
-    before = coll.stats.bytes_sent
-    coll.all_reduce_sum(tensors)
-    reduce_bytes = coll.stats.bytes_sent - before
-    gathered = coll.all_gather_bytes(f"site{site}-rank{rank}".encode())
-    ok = coll.commit()
-    q.put({"site": site, "rank": rank, "round_id": info.round_id, "world": info.world_size,
-           "healed": info.healed, "w": state["w"].tolist(), "sums": tensors[0].tolist(),
-           "reduce_bytes": reduce_bytes, "shards": list(coll.last_shards),
-           "gathered": gathered, "ok": ok, "committed_after": coll.peer.round_id,
-           "peer": str(coll.peer.peer_id)})
+    reports = []
+    for _ in range(plan["rounds"]):
+        info = coll.begin_round()
+        tensors = [torch.full((N,), float((site + 1) * (rank + 1)))]
+        before = coll.stats.bytes_sent
+        coll.all_reduce_sum(tensors)
+        reduce_bytes = coll.stats.bytes_sent - before
+        gathered = coll.all_gather_bytes(f"site{site}-rank{rank}".encode())
+        ok = coll.commit()
+        reports.append({"round_id": info.round_id, "world": info.world_size,
+                        "healed": info.healed, "w": state["w"].tolist(),
+                        "sums": tensors[0].tolist(), "reduce_bytes": reduce_bytes,
+                        "shards": list(coll.last_shards), "gathered": gathered, "ok": ok,
+                        "committed_after": coll.peer.round_id})
+        if stateless:
+            register()
+    q.put({"site": site, "rank": rank, "rounds": reports, "peer": str(coll.peer.peer_id)})
     coll.close()
     dist.destroy_process_group()
 
 
-def test_a_behind_site_heals_rank_by_rank_and_ranks_reduce_with_their_counterparts():
-    """Site 0 has committed 3 rounds, site 1 none: one round later every rank of site 1 holds
-    the state of the same rank of site 0 (not rank 0's, not a mix), each rank's all-reduce and
-    all-gather ran with its counterpart only, and both sites committed round 3 together."""
+def run_sites(plan: dict) -> dict[tuple[int, int], dict]:
+    """Two sites of two ranks, each rank its own process and hivemind peer; their reports."""
     import multiprocessing as mp
     import socket
 
@@ -123,8 +137,7 @@ def test_a_behind_site_heals_rank_by_rank_and_ranks_reduce_with_their_counterpar
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             ports.append(s.getsockname()[1])
-    procs = [ctx.Process(target=_site_rank, args=(site, rank, ports[site], maddrs,
-                                                  3 if site == 0 else 0, q))
+    procs = [ctx.Process(target=_site_rank, args=(site, rank, ports[site], maddrs, plan, q))
              for site in range(2) for rank in range(2)]
     try:
         for p in procs:
@@ -137,21 +150,47 @@ def test_a_behind_site_heals_rank_by_rank_and_ranks_reduce_with_their_counterpar
             if p.is_alive():
                 p.kill()
         bootstrap.shutdown()
-    by = {(r["site"], r["rank"]): r for r in reports}
-    assert all(r["ok"] and r["round_id"] == 3 and r["world"] == 2 for r in reports), reports
-    assert all(r["committed_after"] == 4 for r in reports)
-    assert [by[(1, r)]["healed"] for r in range(2)] == [True, True]
-    assert [by[(0, r)]["healed"] for r in range(2)] == [False, False]
+    return {(r["site"], r["rank"]): r for r in reports}
+
+
+def test_a_behind_site_heals_rank_by_rank_and_ranks_reduce_with_their_counterparts():
+    """Site 0 has committed 3 rounds, site 1 none: one round later every rank of site 1 holds
+    the state of the same rank of site 0 (not rank 0's, not a mix), each rank's all-reduce and
+    all-gather ran with its counterpart only, and both sites committed round 3 together."""
+    by = run_sites({"run": "heal", "committed": [3, 0], "rounds": 1})
+    first = {key: r["rounds"][0] for key, r in by.items()}
+    assert all(r["ok"] and r["round_id"] == 3 and r["world"] == 2 for r in first.values()), by
+    assert all(r["committed_after"] == 4 for r in first.values())
+    assert [first[(1, r)]["healed"] for r in range(2)] == [True, True]
+    assert [first[(0, r)]["healed"] for r in range(2)] == [False, False]
     for rank in range(2):
         # rank r of the behind site got rank r's shard of the state, nobody else's
-        assert by[(1, rank)]["w"] == by[(0, rank)]["w"] == [10.0 * rank + 1.0] * 8
-        # the sum over the sites' rank r only: (1 + 2) * (rank + 1), never rank 0's numbers
+        assert first[(1, rank)]["w"] == first[(0, rank)]["w"] == [10.0 * rank + 1.0] * 8
         for site in range(2):
-            mine = by[(site, rank)]
+            mine = first[(site, rank)]
+            # the sum over the sites' rank r only: (1 + 2) * (rank + 1), never rank 0's numbers
             assert mine["sums"] == pytest.approx([3.0 * (rank + 1)] * N)
             assert sorted(mine["gathered"]) == [f"site{s}-rank{rank}".encode() for s in range(2)]
             # the butterfly's bytes for a group of 2 (module formula 4 * ((N - e) + (2-1) * e)):
             # this rank's N elements, not the site's 2N
             assert sum(mine["shards"]) == N and mine["reduce_bytes"] == 4 * N, mine
     # four distinct peers: each rank its own link
-    assert len({r["peer"] for r in reports}) == 4
+    assert len({r["peer"] for r in by.values()}) == 4
+
+
+def test_a_site_half_healed_sits_the_round_out_and_heals_whole_next_round():
+    """Rank 1 of the behind site cannot heal in the first round (no state to load into) while
+    its rank 0 can: the site votes no, so neither site commits, and rank 0 keeps the site's old
+    round count although it loaded round 3's state. In the second round the site is behind as
+    a whole again, both ranks heal, and both sites commit round 3."""
+    by = run_sites({"run": "halfheal", "committed": [3, 0], "rounds": 2, "stateless": [1, 1]})
+    first = {key: r["rounds"][0] for key, r in by.items()}
+    second = {key: r["rounds"][1] for key, r in by.items()}
+    assert not any(r["ok"] for r in first.values()), first
+    assert first[(1, 0)]["healed"] and not first[(1, 1)]["healed"]
+    assert [first[(s, r)]["committed_after"] for s in range(2) for r in range(2)] == [3, 3, 0, 0]
+    assert all(r["ok"] and r["round_id"] == 3 for r in second.values()), second
+    assert [second[(1, r)]["healed"] for r in range(2)] == [True, True]
+    assert all(r["committed_after"] == 4 for r in second.values())
+    for rank in range(2):
+        assert second[(1, rank)]["w"] == second[(0, rank)]["w"] == [10.0 * rank + 1.0] * 8
