@@ -194,3 +194,23 @@ def test_a_site_half_healed_sits_the_round_out_and_heals_whole_next_round():
     assert all(r["committed_after"] == 4 for r in second.values())
     for rank in range(2):
         assert second[(1, rank)]["w"] == second[(0, rank)]["w"] == [10.0 * rank + 1.0] * 8
+
+
+@pytest.mark.slow
+def test_streaming_diloco_with_a_lossy_codec_and_a_robust_aggregator_across_hivemind_sites(
+        tmp_path, cache_dir):
+    """Streaming DiLoCo's fragment rounds (in the background, overlapping training), int4 with
+    error feedback and the median, each rank on its own shard: the sites still end on one
+    model, and every rank's ledger accepted every update."""
+    cfg, run = site_run(tmp_path, cache_dir, "stream", ranks_per_worker=2, steps=40,
+                        algorithm="streaming_diloco", fragments=2, overlap_steps=2,
+                        codec="int4+ef", aggregator="median")
+    assert run.returncodes == [0, 0]
+    states = run.summary["final_replicas"]["states"]
+    assert run.summary["final_replicas"]["consistent"] and run.summary["widest_group"] == 2
+    assert [s[0] for s in states.values()] == [8, 8], states  # 4 syncs x 2 fragments
+    for name in sorted(p.name for p in (cfg.run_dir / "ledger").iterdir()):
+        peers = json.loads((cfg.run_dir / "ledger" / name).read_text())["peers"]
+        assert sorted(peers) == ["w0", "w1"], (name, peers)
+        assert all(p["updates_rejected"] == 0 and p["updates_accepted"] > 0
+                   for p in peers.values()), (name, peers)
