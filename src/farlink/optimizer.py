@@ -178,7 +178,7 @@ class Optimizer:
     ``site``: for a model sharded with FSDP2 over several ranks (one replica trained by a
     site of K processes, started by torchrun): the :class:`~farlink.parallel.sharding.Site`;
     by default read from torchrun's environment and started here. Each rank then syncs its own
-    shard with the same rank of the other sites, the ranks write each checkpoint together
+    shard with the same rank of the other sites (torchft or hivemind), the ranks write each checkpoint together
     (``directory/step-N``, one per step, through ``torch.distributed.checkpoint``), and the
     site resumes from the newest one that verifies, each rank reading its own part.
     ``global_lighthouse`` / ``global_collective``: ``hierarchical_diloco`` only, for islands
