@@ -77,6 +77,7 @@ def _site_rank(site: int, rank: int, port: int, bootstrap: list[str], plan: dict
     torch.set_num_threads(1)
     import torch.distributed as dist
 
+    from farlink.comm.errors import CommError
     from farlink.comm.hivemind_backend import HivemindCollective
     from farlink.comm.hivemind_site import HivemindSiteCollective
     from farlink.parallel.sharding import Site
@@ -86,7 +87,8 @@ def _site_rank(site: int, rank: int, port: int, bootstrap: list[str], plan: dict
     coll = HivemindSiteCollective(
         Site(rank=rank, size=2, replica_index=site),
         lambda: HivemindCollective(plan["run"], bootstrap, min_group_size=2, target_group_size=2,
-                                   matchmaking_time=1.0, request_timeout=1.0, round_timeout=60.0,
+                                   matchmaking_time=1.0, request_timeout=1.0,
+                                   round_timeout=plan.get("round_timeout", 60.0),
                                    allreduce_timeout=4.0, gather_timeout=4.0, commit_timeout=4.0,
                                    state_timeout=20.0))
     committed = plan["committed"][site]
@@ -103,7 +105,11 @@ def _site_rank(site: int, rank: int, port: int, bootstrap: list[str], plan: dict
     coll.load_committed_step(committed)
     reports = []
     for _ in range(plan["rounds"]):
-        info = coll.begin_round()
+        try:
+            info = coll.begin_round()
+        except CommError as exc:  # no group: every rank of the site says why
+            reports.append({"error": type(exc).__name__, "message": str(exc)})
+            break
         tensors = [torch.full((N,), float((site + 1) * (rank + 1)))]
         before = coll.stats.bytes_sent
         coll.all_reduce_sum(tensors)
@@ -122,8 +128,9 @@ def _site_rank(site: int, rank: int, port: int, bootstrap: list[str], plan: dict
     dist.destroy_process_group()
 
 
-def run_sites(plan: dict) -> dict[tuple[int, int], dict]:
-    """Two sites of two ranks, each rank its own process and hivemind peer; their reports."""
+def run_sites(plan: dict, sites: int = 2) -> dict[tuple[int, int], dict]:
+    """``sites`` sites of two ranks, each rank its own process and hivemind peer; their
+    reports."""
     import multiprocessing as mp
     import socket
 
@@ -133,12 +140,12 @@ def run_sites(plan: dict) -> dict[tuple[int, int], dict]:
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     ports = []
-    for _ in range(2):
+    for _ in range(sites):
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             ports.append(s.getsockname()[1])
     procs = [ctx.Process(target=_site_rank, args=(site, rank, ports[site], maddrs, plan, q))
-             for site in range(2) for rank in range(2)]
+             for site in range(sites) for rank in range(2)]
     try:
         for p in procs:
             p.start()
@@ -176,6 +183,17 @@ def test_a_behind_site_heals_rank_by_rank_and_ranks_reduce_with_their_counterpar
             assert sum(mine["shards"]) == N and mine["reduce_bytes"] == 4 * N, mine
     # four distinct peers: each rank its own link
     assert len({r["peer"] for r in by.values()}) == 4
+
+
+def test_a_site_alone_times_out_on_every_rank():
+    """Rank 0 finds no group to join (the other site never comes): every rank of the site
+    raises RoundTimeout saying so, none waits for its rank 0 forever."""
+    by = run_sites({"run": "alone", "committed": [0], "rounds": 1, "round_timeout": 4.0},
+                   sites=1)
+    errors = [by[(0, rank)]["rounds"][0] for rank in range(2)]
+    assert [e.get("error") for e in errors] == ["RoundTimeout", "RoundTimeout"], errors
+    assert "no group of at least 2 peers" in errors[0]["message"]
+    assert errors[1]["message"].startswith("rank 0 of this site: no group of at least 2")
 
 
 def test_a_site_half_healed_sits_the_round_out_and_heals_whole_next_round():

@@ -27,7 +27,7 @@ site's old round count, so the next round finds the whole site behind and heals 
 
 from __future__ import annotations
 
-import logging
+import time
 from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
@@ -35,9 +35,7 @@ from typing import Any
 import torch
 
 from farlink.comm.base import Collective, CommStats, LinkModel, RoundInfo
-from farlink.comm.errors import CommError
-
-log = logging.getLogger(__name__)
+from farlink.comm.errors import CommError, RoundTimeout
 
 #: how long a rank waits for its rank 0 inside the site (rank 0 may wait out a newcomer's
 #: whole quorum timeout, or a long round of the other sites, before it has a group to hand on)
@@ -67,7 +65,6 @@ class HivemindSiteCollective(Collective):
         dist.all_gather_object(endpoints, mine, group=self._agree_group)
         if site.rank == 0:
             self.peer.site_endpoints = endpoints  # announced in rank 0's matchmaking metadata
-        self._group = None
         self.emulated_link: LinkModel | None = None
 
     # --- what the rest of farlink reads of a collective: this rank's peer's -----------------
@@ -109,18 +106,20 @@ class HivemindSiteCollective(Collective):
             self.peer.expect_round(in_seconds)
 
     def begin_round(self) -> RoundInfo:
-        import time
-
         start = time.perf_counter()
         found: list[Any] = [None]
+        failure = None
         if self.site.rank == 0:
             try:
                 found[0] = self.peer.find_group()
             except Exception as exc:  # noqa: BLE001 - every rank of the site raises it
-                found[0] = exc
+                failure, found[0] = exc, (isinstance(exc, RoundTimeout), str(exc))
         self._broadcast(found)
-        if isinstance(found[0], BaseException):
-            raise found[0]
+        if failure is not None:
+            raise failure
+        if isinstance(found[0], tuple):  # rank 0 found no group: what it raised, as text
+            timed_out, message = found[0]
+            raise (RoundTimeout if timed_out else CommError)(f"rank 0 of this site: {message}")
         group = found[0].of_site_rank(self.site.rank)
         if self.site.rank > 0:
             self.peer.connect_to(group.peers, found[0].site_rank_addresses(self.site.rank),
@@ -143,8 +142,6 @@ class HivemindSiteCollective(Collective):
         return self.peer.all_gather_bytes(payload)
 
     def commit(self) -> bool:
-        import time
-
         start = time.perf_counter()
         site_ok = self._all_ranks(self.peer.current_ok())
         outcome = [False]
