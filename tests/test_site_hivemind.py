@@ -89,7 +89,7 @@ def _site_rank(site: int, rank: int, port: int, bootstrap: list[str], plan: dict
         lambda: HivemindCollective(plan["run"], bootstrap, min_group_size=2, target_group_size=2,
                                    matchmaking_time=1.0, request_timeout=1.0,
                                    round_timeout=plan.get("round_timeout", 60.0),
-                                   allreduce_timeout=4.0, gather_timeout=4.0, commit_timeout=4.0,
+                                   allreduce_timeout=2.0, gather_timeout=4.0, commit_timeout=4.0,
                                    state_timeout=20.0))
     committed = plan["committed"][site]
     # this rank's shard of the replica's state: different on every rank of the up-to-date site
