@@ -241,13 +241,12 @@ def test_ranks_per_worker_refuses_what_cannot_run_on_shards():
         RunConfig(algorithm="hierarchical_diloco", ranks_per_worker=2, topology="0,1|2,3")
     # forced (or measured) islands run on sites: tests/test_site_hierarchical.py
     RunConfig(algorithm="hierarchical_diloco", ranks_per_worker=2, islands="0,1|2,3")
-    with pytest.raises(ValueError, match="rank 0 of a site could average its shard with one "
-                       "set of sites and rank 1 with another"):
-        RunConfig(backend="hivemind", workers=2, ranks_per_worker=2)
     with pytest.raises(ValueError, match="demo on sites of several ranks runs on FSDP2"):
         RunConfig(algorithm="demo", codec="dct_topk", ranks_per_worker=2, sharding="ddp")
-    with pytest.raises(ValueError, match="runs on the torchft backend"):
+    with pytest.raises(ValueError, match="runs on the torchft backend .* or on hivemind"):
         RunConfig(backend="inprocess", ranks_per_worker=2)
+    # hivemind runs sites: each one member of every averaging group
+    assert RunConfig(backend="hivemind", workers=2, ranks_per_worker=2).ranks_per_worker == 2
     with pytest.raises(ValueError, match="batch_size=9 does not split"):
         RunConfig(batch_size=9, ranks_per_worker=2)
     with pytest.raises(ValueError, match="use --sharding fsdp"):

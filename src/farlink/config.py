@@ -304,8 +304,8 @@ class RunConfig(*algorithm_options()):
                              f"--steps of at least --inner-steps, or a smaller --inner-steps")
 
     def _check_sites(self, sharded: bool) -> None:
-        """Several ranks per worker: an elementwise algorithm on torchft, a batch they split,
-        one GPU per rank; islands forced or measured, not from the emulated WAN."""
+        """Several ranks per worker: an elementwise algorithm on torchft or hivemind, a batch
+        they split, one GPU per rank; islands forced or measured, not from the emulated WAN."""
         k = self.ranks_per_worker
         if k == 1:
             return
@@ -320,16 +320,10 @@ class RunConfig(*algorithm_options()):
             raise ValueError(f"ranks_per_worker={k} shards the model (FSDP2) inside each "
                              f"worker; {self.algorithm} cannot run on shards. Use one of "
                              f"{', '.join(able)}, or ranks_per_worker=1")
-        if self.backend == "hivemind":
-            raise ValueError(
-                f"ranks_per_worker={k} runs on the torchft backend, not hivemind: hivemind "
-                f"matches each peer into its averaging group on its own, so rank 0 of a site "
-                f"could average its shard with one set of sites and rank 1 with another, and "
-                f"the site's shards would no longer be one replica. Use --backend torchft (a "
-                f"replica group of {k} ranks), or ranks_per_worker=1 on hivemind")
-        if self.backend != "torchft":
+        if self.backend not in ("torchft", "hivemind"):
             raise ValueError(f"ranks_per_worker={k} runs on the torchft backend (a replica "
-                             f"group of {k} ranks), not {self.backend}")
+                             f"group of {k} ranks) or on hivemind (the site one member of "
+                             f"each averaging group), not {self.backend}")
         if self.sharding == "ddp" and algorithm_class(self.algorithm).capabilities.fragments:
             raise ValueError(f"{self.algorithm} applies a fragment's update steps after its "
                              "round, which a DDP site's slices do not follow yet: use "

@@ -70,12 +70,14 @@ def build_collective(cfg: RunConfig, replica_id: str, lighthouse: str, site=None
                      **hivemind: Any) -> Collective:
     """The run's backend for one replica: ``lighthouse`` is the torchft Lighthouse address or
     hivemind's initial peers (a comma list; empty: this peer starts the DHT). ``site``: a
-    started :class:`~farlink.parallel.sharding.Site` of several ranks (torchft only), whose
-    ranks form one replica group. ``hivemind``: HivemindCollective options that override the
-    ones derived from ``cfg`` (a volunteer's run id, identity file, client mode)."""
-    if site is not None and site.size > 1 and cfg.backend != "torchft":
-        raise ValueError(f"a site of {site.size} ranks per replica runs on the torchft backend "
-                         f"(one replica group of {site.size} ranks), not {cfg.backend!r}")
+    started :class:`~farlink.parallel.sharding.Site` of several ranks, whose ranks form one
+    replica group (torchft) or one member of each averaging group (hivemind; every rank runs
+    its own peer, :mod:`farlink.comm.hivemind_site`). ``hivemind``: HivemindCollective options
+    that override the ones derived from ``cfg`` (a volunteer's run id, identity file, client
+    mode)."""
+    if site is not None and site.size > 1 and cfg.backend not in ("torchft", "hivemind"):
+        raise ValueError(f"a site of {site.size} ranks per replica runs on the torchft or "
+                         f"hivemind backend, not {cfg.backend!r}")
     from farlink.robust.auth import run_authenticator
 
     admission = run_authenticator(cfg, replica_id)  # None without --auth: nothing to prove
@@ -117,6 +119,11 @@ def build_collective(cfg: RunConfig, replica_id: str, lighthouse: str, site=None
             gather_timeout=cfg.round_timeout,
             admission=admission,
         )
+        if site is not None and site.size > 1:
+            from farlink.comm.hivemind_site import HivemindSiteCollective
+
+            return HivemindSiteCollective(
+                site, lambda: HivemindCollective(**{**options, **hivemind}))
         return HivemindCollective(**{**options, **hivemind})
     if cfg.backend == "inprocess":
         from farlink.comm.inprocess import InProcessGroup
@@ -171,7 +178,7 @@ class Optimizer:
     ``site``: for a model sharded with FSDP2 over several ranks (one replica trained by a
     site of K processes, started by torchrun): the :class:`~farlink.parallel.sharding.Site`;
     by default read from torchrun's environment and started here. Each rank then syncs its own
-    shard with the same rank of the other sites, the ranks write each checkpoint together
+    shard with the same rank of the other sites (torchft or hivemind), the ranks write each checkpoint together
     (``directory/step-N``, one per step, through ``torch.distributed.checkpoint``), and the
     site resumes from the newest one that verifies, each rank reading its own part.
     ``global_lighthouse`` / ``global_collective``: ``hierarchical_diloco`` only, for islands

@@ -148,6 +148,9 @@ class _Group:
     seq: int = 0
     ok: bool = True
     dead: set[int] = field(default_factory=set)
+    #: per member that is a site of several ranks: ``[peer id bytes, [multiaddrs]]`` of each of
+    #: its ranks' own peers, in rank order (empty for a one-process member)
+    endpoints: list[list] = field(default_factory=list)
 
     @property
     def size(self) -> int:
@@ -159,6 +162,31 @@ class _Group:
     def next_key(self, kind: bytes) -> bytes:
         self.seq += 1
         return self.group_id + b"/" + kind + str(self.seq).encode()
+
+    def of_site_rank(self, rank: int) -> _Group:
+        """The group as rank ``rank`` of every member site sees it: the same members, order,
+        rounds and announcements, but each member's rank-``rank`` peer, under a group id of
+        its own (so the ranks' exchanges never mix). Every member must be a site of the same
+        number of ranks, or rank r of one would have no counterpart in another."""
+        sizes = [len(e) for e in self.endpoints]
+        if len(set(sizes)) != 1 or not 0 <= rank < sizes[0]:
+            raise CommError(
+                f"the averaging group mixes sites of {sorted(set(sizes))} ranks; rank {rank} of "
+                "a site exchanges its shard with the same rank of every other site. Fix: start "
+                "every worker of the run with the same --ranks-per-worker.")
+        return _Group(
+            group_id=self.group_id + b"/site-rank" + str(rank).encode(),
+            peers=[PeerID(e[rank][0]) for e in self.endpoints],
+            client=list(self.client),
+            bandwidth=list(self.bandwidth),
+            committed=list(self.committed),
+            me=self.me,
+            round_id=self.round_id,
+        )
+
+    def site_rank_addresses(self, rank: int) -> list[list[str]]:
+        """The multiaddresses of each member's rank-``rank`` peer, in member order."""
+        return [list(e[rank][1]) for e in self.endpoints]
 
 
 class _Mailbox:
@@ -259,6 +287,9 @@ class HivemindCollective(Collective):
         self.state_bytes_sent = 0
         self.last_failure: CommError | None = None  # why the last round did not commit
         self.rejected: dict[int, str] = {}  # rank -> reason, for the last all-gather
+        #: a site's rank 0 announces its ranks' peers (``[peer id bytes, [multiaddrs]]`` each,
+        #: in rank order) in its matchmaking metadata; empty for a one-process worker
+        self.site_endpoints: list[list] = []
         self.last_shards: list[int] = []  # elements each rank reduced in the last all-reduce
         self._get_state: Callable[[], dict[str, torch.Tensor]] | None = None
         self._set_state: Callable[[dict[str, torch.Tensor]], None] | None = None
@@ -351,9 +382,16 @@ class HivemindCollective(Collective):
         self._search = asyncio.run_coroutine_threadsafe(self._find_group(due), self._loop)
 
     def begin_round(self) -> RoundInfo:
+        start = time.perf_counter()
+        info = self.enter_group(self.find_group())
+        self.stats.add_phase("matchmaking", time.perf_counter() - start)
+        return info
+
+    def find_group(self) -> _Group:
+        """This round's group from matchmaking (the one an early search found, or a new
+        search): who is in it and what each announced. Nothing is exchanged with it yet."""
         if self._closed:
             raise CommError("begin_round on a closed collective")
-        start = time.perf_counter()
         now = get_dht_time()
         if self._search is None:
             self._deadline = now + self.round_timeout
@@ -372,7 +410,13 @@ class HivemindCollective(Collective):
         except TimeoutError:
             search.cancel()
             raise
-        group = self._make_group(group_info)
+        return self._make_group(group_info)
+
+    def enter_group(self, group: _Group) -> RoundInfo:
+        """Make ``group`` this round's: prove membership to its members (with --auth), bring
+        this worker up to the group's round if it is behind (healing), and say who takes part.
+        A site's ranks other than 0 enter the group their rank 0 found, as its rank-r view
+        (:mod:`farlink.comm.hivemind_site`)."""
         self._group = group
         self._admit_group(group)
         healed = self._heal(group) if group.ok else False
@@ -383,7 +427,6 @@ class HivemindCollective(Collective):
             healed=healed,
             peers=[str(p) for p in group.peers],
         )
-        self.stats.add_phase("matchmaking", time.perf_counter() - start)
         return self._info
 
     async def _find_group(self, due: float) -> Any:
@@ -417,7 +460,8 @@ class HivemindCollective(Collective):
                 allow_retries=True,
                 weight=1.0,
                 data_for_gather=msgpack.packb(
-                    [self.round_id, int(self.client_mode), self.bandwidth]),
+                    [self.round_id, int(self.client_mode), self.bandwidth,
+                     *([self.site_endpoints] if self.site_endpoints else [])]),
             )
             step.attach(MPFuture(), MPFuture())  # hivemind's averager does this; no trigger here
             step.allow_allreduce()
@@ -448,6 +492,14 @@ class HivemindCollective(Collective):
         self._runners.clear()
         self._snapshots.clear()
 
+    async def forget_other_rounds(self, group_id: bytes) -> None:
+        """Drop what earlier rounds left (payloads, runners, state snapshots), keeping what
+        groupmates already sent for ``group_id``: a site's rank other than 0 enters a group
+        that others may have started sending to before this rank heard of it."""
+        for store in (self._mailbox.slots, self._runners, self._snapshots):
+            for key in [k for k in store if not k.startswith(group_id)]:
+                del store[key]
+
     def _make_group(self, info) -> _Group:
         metas = [msgpack.unpackb(g) for g in info.gathered]
         committed = [int(m[0]) for m in metas]
@@ -459,6 +511,7 @@ class HivemindCollective(Collective):
             committed=committed,
             me=list(info.peer_ids).index(self.peer_id),
             round_id=max(committed),
+            endpoints=[m[3] if len(m) > 3 else [] for m in metas],
         )
 
     def _heal(self, group: _Group) -> bool:
@@ -506,6 +559,34 @@ class HivemindCollective(Collective):
         )
         self.round_id = group.round_id
         return True
+
+    def connect_to(self, peers: list[PeerID], addresses: list[list[str]],
+                   group_id: bytes) -> None:
+        """Before entering a group someone else formed (a site's rank 0): dial its members at
+        the addresses they announced (best effort: the DHT finds them otherwise) and drop what
+        earlier rounds left, keeping what members already sent for ``group_id``."""
+        from hivemind.utils.multiaddr import Multiaddr
+
+        async def dial() -> None:
+            await self.forget_other_rounds(group_id)
+            for peer, maddrs in zip(peers, addresses):
+                if peer == self.peer_id:
+                    continue
+                try:
+                    await self._p2p._client.connect(peer, [Multiaddr(m) for m in maddrs])
+                except Exception as exc:  # noqa: BLE001 - the exchange reports a dead member
+                    log.info("could not dial %s at %s: %r", peer, maddrs, exc)
+
+        self._call(dial(), timeout=self.request_timeout * max(1, len(peers)) + 5)
+
+    def current_ok(self) -> bool:
+        """Whether this worker has got through the current round so far."""
+        return self._current().ok
+
+    def fail_round(self, error: CommError) -> None:
+        """Fail the current round for a reason found outside this peer (another rank of its
+        site failed): it votes no."""
+        self._fail(error)
 
     def _fail(self, error: CommError) -> bool:
         if self._group is not None:
@@ -877,32 +958,42 @@ class HivemindCollective(Collective):
 
     # --- commit / close ------------------------------------------------------------------------
     def commit(self) -> bool:
-        group = self._current()
         start = time.perf_counter()
+        ok = self.vote(self._current().ok)
+        self.end_round(ok)
+        self.stats.add_phase("commit", time.perf_counter() - start)
+        return ok
+
+    def vote(self, ok: bool) -> bool:
+        """Vote ``ok`` on this round with the group; True when every member voted yes."""
+        group = self._current()
+        group.ok = group.ok and ok
         if group.size == 1:
-            ok = group.ok
-        else:
-            vote = VOTE_YES if group.ok else VOTE_NO
-            key = group.group_id + b"/vote"
-            got, sent = self._call(
-                self._exchange(group, key, vote, self.commit_timeout, kind="control"),
-                timeout=self.commit_timeout + 10,
+            return group.ok
+        vote = VOTE_YES if group.ok else VOTE_NO
+        key = group.group_id + b"/vote"
+        got, sent = self._call(
+            self._exchange(group, key, vote, self.commit_timeout, kind="control"),
+            timeout=self.commit_timeout + 10,
+        )
+        self.control_bytes_sent += sent
+        votes = [got.get(r) for r in range(group.size) if r != group.me]
+        passed = group.ok and all(v == VOTE_YES for v in votes)
+        if group.ok and not passed:
+            absent = [r for r in range(group.size) if r != group.me and got.get(r) is None]
+            self.last_failure = RoundTimeout(
+                f"round {group.round_id} not committed: ranks {absent} did not vote (left "
+                "or timed out) or some member voted no. The next round forms without them."
             )
-            self.control_bytes_sent += sent
-            votes = [got.get(r) for r in range(group.size) if r != group.me]
-            ok = group.ok and all(v == VOTE_YES for v in votes)
-            if group.ok and not ok:
-                absent = [r for r in range(group.size) if r != group.me and got.get(r) is None]
-                self.last_failure = RoundTimeout(
-                    f"round {group.round_id} not committed: ranks {absent} did not vote (left "
-                    "or timed out) or some member voted no. The next round forms without them."
-                )
-        if ok:
+        return passed
+
+    def end_round(self, committed: bool) -> None:
+        """Close the round: a committed one counts (this worker is at the next round)."""
+        group = self._current()
+        if committed:
             self.round_id = group.round_id + 1
             self.last_failure = None
         self._group = None
-        self.stats.add_phase("commit", time.perf_counter() - start)
-        return ok
 
     @property
     def quorum_timeout(self) -> float:

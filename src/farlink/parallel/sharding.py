@@ -2,8 +2,10 @@
 
 INTELLECT-1's shape: inside a node (a "site") the model is sharded over its K ranks with
 ``fully_shard`` (FSDP2; NCCL on CUDA, Gloo on CPU); across sites the outer algorithm runs through
-torchft, as a replica group of K ranks. Rank ``r`` of one site exchanges only its own shard with
-rank ``r`` of every other site (torchft's cross-group process groups pair ranks that way), so the
+torchft, as a replica group of K ranks, or through hivemind, as one member of each averaging
+group (:mod:`farlink.comm.hivemind_site`). Rank ``r`` of one site exchanges only its own shard
+with rank ``r`` of every other site (torchft's cross-group process groups pair ranks that way;
+on hivemind rank 0 matchmakes for the site and rank r takes the rank-r view of its group), so the
 bytes a site sends per round are those of one whole replica, whatever K is.
 
 With ``--sharding ddp`` every rank instead holds the whole replica and the site averages

@@ -1,0 +1,173 @@
+"""A site of several ranks on hivemind: one member of every averaging group, each rank on its own link.
+
+A site (``--ranks-per-worker K``: K ranks that train one replica, FSDP2 or DDP inside) must be
+one member of an averaging group, never K: if each rank matched on its own, rank 0 could average
+its shard with one set of sites and rank 1 with another, and the site's replica would no longer
+be one model. Yet each rank should send only its own shard across sites, over its own
+connection, as INTELLECT-1 did, so the site's cross-site bytes are those of one replica
+whatever K is and no single rank carries the whole replica. So:
+
+* every rank runs its own hivemind peer (its own p2p daemon in the run's DHT); at start the
+  ranks tell rank 0 their peer ids and addresses over the site's Gloo group;
+* rank 0 alone matchmakes, and announces its ranks' peers in its matchmaking metadata; the
+  group it forms (members in order, what each announced) goes to the other ranks over the
+  site's group, and rank r takes the rank-r view of it (:meth:`_Group.of_site_rank`): the same
+  members in the same order, their rank-r peers, a group id of its own;
+* each rank then runs the round's collectives (butterfly all-reduce, all-gather) on its own
+  shard with rank r of exactly those sites, and heals on its own when the site is behind: rank r
+  fetches its shard's state from rank r of an up-to-date site (as torchft pairs the ranks of a
+  healing replica group), checked against its SHA-256;
+* a round counts only if every rank of the site got through it: the ranks' outcomes are
+  combined inside the site (healing right after it, the collectives at commit), rank 0 votes the
+  site's outcome with the other sites, and the vote's result goes back to every rank.
+
+A site whose rank healed while another failed to is not left half-healed: every rank keeps the
+site's old round count, so the next round finds the whole site behind and heals it again.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+import torch
+
+from farlink.comm.base import Collective, CommStats, LinkModel, RoundInfo
+from farlink.comm.errors import CommError, RoundTimeout
+
+#: how long a rank waits for its rank 0 inside the site (rank 0 may wait out a newcomer's
+#: whole quorum timeout, or a long round of the other sites, before it has a group to hand on)
+SITE_WAIT = timedelta(hours=2)
+
+
+class HivemindSiteCollective(Collective):
+    """One rank of a site on the hivemind backend; see the module docstring.
+
+    ``site``: the started :class:`~farlink.parallel.sharding.Site`. ``make_peer``: builds this
+    rank's own :class:`~farlink.comm.hivemind_backend.HivemindCollective` (its DHT joins the
+    run's initial peers). Every rank of the site constructs one at the same point of its
+    program (a Gloo group of the site's ranks is created here)."""
+
+    exact_all_reduce = False  # hivemind's butterfly hands each peer its average as a delta
+
+    def __init__(self, site, make_peer: Callable[[], Any]) -> None:
+        import torch.distributed as dist
+
+        self.site = site
+        # the site's agreements on a group of their own: a round may run in a background
+        # thread (Streaming DiLoCo) while the training thread uses the site's other groups
+        self._agree_group = dist.new_group(backend="gloo", timeout=SITE_WAIT)
+        self.peer = make_peer()
+        mine = [self.peer.peer_id.to_bytes(), self.peer.maddrs]
+        endpoints: list[Any] = [None] * site.size
+        dist.all_gather_object(endpoints, mine, group=self._agree_group)
+        if site.rank == 0:
+            self.peer.site_endpoints = endpoints  # announced in rank 0's matchmaking metadata
+        self.emulated_link: LinkModel | None = None
+
+    # --- what the rest of farlink reads of a collective: this rank's peer's -----------------
+    @property
+    def stats(self) -> CommStats:  # type: ignore[override]
+        return self.peer.stats
+
+    @property
+    def maddrs(self) -> list[str]:
+        return self.peer.maddrs
+
+    @property
+    def quorum_timeout(self) -> float:  # type: ignore[override]
+        return self.peer.quorum_timeout
+
+    @quorum_timeout.setter
+    def quorum_timeout(self, seconds: float) -> None:
+        self.peer.quorum_timeout = seconds
+
+    @property
+    def last_failure(self) -> CommError | None:
+        return self.peer.last_failure
+
+    def __getattr__(self, name: str) -> Any:
+        # byte counters and diagnostics (control_bytes_sent, last_shards, ...) are the peer's
+        if name == "peer":
+            raise AttributeError(name)
+        return getattr(self.peer, name)
+
+    def register_state(self, get_state, set_state) -> None:
+        self.peer.register_state(get_state, set_state)  # this rank's shard of the state
+
+    def load_committed_step(self, step: int) -> None:
+        self.peer.load_committed_step(step)
+
+    # --- rounds --------------------------------------------------------------------------------
+    def expect_round(self, in_seconds: float) -> None:
+        if self.site.rank == 0:  # only rank 0 matchmakes
+            self.peer.expect_round(in_seconds)
+
+    def begin_round(self) -> RoundInfo:
+        start = time.perf_counter()
+        found: list[Any] = [None]
+        failure = None
+        if self.site.rank == 0:
+            try:
+                found[0] = self.peer.find_group()
+            except Exception as exc:  # noqa: BLE001 - every rank of the site raises it
+                failure, found[0] = exc, (isinstance(exc, RoundTimeout), str(exc))
+        self._broadcast(found)
+        if failure is not None:
+            raise failure
+        if isinstance(found[0], tuple):  # rank 0 found no group: what it raised, as text
+            timed_out, message = found[0]
+            raise (RoundTimeout if timed_out else CommError)(f"rank 0 of this site: {message}")
+        group = found[0].of_site_rank(self.site.rank)
+        if self.site.rank > 0:
+            self.peer.connect_to(group.peers, found[0].site_rank_addresses(self.site.rank),
+                                 group.group_id)
+        before = self.peer.round_id
+        info = self.peer.enter_group(group)  # membership proofs, and healing rank by rank
+        if not self._all_ranks(self.peer.current_ok()):
+            self.peer.round_id = before  # the site is behind as a whole until all ranks heal
+            if self.peer.current_ok():
+                self.peer.fail_round(CommError(
+                    f"round {group.round_id}: another rank of this site could not prove "
+                    "membership or heal; the site sits this round out and heals in the next"))
+        self.peer.stats.add_phase("matchmaking", time.perf_counter() - start)
+        return info
+
+    def all_reduce_sum(self, tensors: list[torch.Tensor]) -> None:
+        self.peer.all_reduce_sum(tensors)
+
+    def all_gather_bytes(self, payload: bytes) -> list[bytes]:
+        return self.peer.all_gather_bytes(payload)
+
+    def commit(self) -> bool:
+        start = time.perf_counter()
+        site_ok = self._all_ranks(self.peer.current_ok())
+        outcome = [False]
+        if self.site.rank == 0:
+            outcome[0] = self.peer.vote(site_ok)
+        self._broadcast(outcome)
+        if not outcome[0] and self.peer.current_ok() and not site_ok:
+            self.peer.fail_round(CommError("another rank of this site failed its part of the "
+                                           "round; the site voted no"))
+        self.peer.end_round(bool(outcome[0]))
+        self.peer.stats.add_phase("commit", time.perf_counter() - start)
+        return bool(outcome[0])
+
+    def close(self) -> None:
+        self.peer.close()
+
+    # --- inside the site -----------------------------------------------------------------------
+    def _broadcast(self, box: list[Any]) -> None:
+        import torch.distributed as dist
+
+        dist.broadcast_object_list(box, src=0, group=self._agree_group)
+
+    def _all_ranks(self, ok: bool) -> bool:
+        """True on every rank when ``ok`` is true on all of them."""
+        import torch.distributed as dist
+
+        flag = torch.tensor([int(ok)], dtype=torch.int64)
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self._agree_group)
+        return bool(flag.item())
