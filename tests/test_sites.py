@@ -17,7 +17,6 @@ import time
 from pathlib import Path
 
 import pytest
-
 from procfs import site_ranks
 
 pytest.importorskip("torchft")

@@ -97,9 +97,9 @@ def run(out: Path, model: str = "tiny", steps: int = 150, batch_size: int = 8,
         link_name: str = "home", lr: float = 3e-3, warmup: int = 20, eval_every: int = 25,
         memory_cap_mb: float | None = None, reuse: bool = False, seq_len: int = 128) -> dict:
     from farlink.data import heldout_batches, prepare_data
+    from farlink.links import get_profile
     from farlink.model import preset_config
     from farlink.parallel.stage_server import training_memory_bytes
-    from farlink.links import get_profile
 
     torch.set_num_threads(1)
     link = get_profile(link_name)
