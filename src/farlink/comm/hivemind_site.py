@@ -85,6 +85,14 @@ class HivemindSiteCollective(Collective):
         self.peer.quorum_timeout = seconds
 
     @property
+    def final_round(self) -> bool:  # type: ignore[override]
+        return self.peer.final_round
+
+    @final_round.setter
+    def final_round(self, last: bool) -> None:
+        self.peer.final_round = last  # rank 0's peer matchmakes it with every live site
+
+    @property
     def last_failure(self) -> CommError | None:
         return self.peer.last_failure
 
@@ -117,6 +125,10 @@ class HivemindSiteCollective(Collective):
         self._broadcast(found)
         if failure is not None:
             raise failure
+        if found[0] is None:  # no group took the site in time: every rank skips the round
+            info = self.peer.enter_group(self.peer.alone())
+            self.peer.stats.add_phase("matchmaking", time.perf_counter() - start)
+            return info
         if isinstance(found[0], tuple):  # rank 0 found no group: what it raised, as text
             timed_out, message = found[0]
             raise (RoundTimeout if timed_out else CommError)(f"rank 0 of this site: {message}")

@@ -395,6 +395,7 @@ class Worker:
                 self.metrics.write("sync", committed=outcome.committed,
                                    fingerprint=self.fingerprint() if outcome.committed else None,
                                    world_size=outcome.world_size, healed=sync.healed,
+                                   **({"skipped": True} if outcome.skipped else {}),
                                    round_s=round(outcome.comm_seconds, 4),
                                    rejected=outcome.rejected, **fields)
             elif step % cfg.log_every == 0 or (outcome.synced and not outcome.committed):
