@@ -411,6 +411,12 @@ class Optimizer:
         return self.algorithm.traffic()
 
     @property
+    def skipped_rounds(self) -> int:
+        """Rounds in which no group took this replica in time (Moshpit groups smaller than the
+        swarm): it averaged nothing and went on with its local update."""
+        return self.algorithm.skipped_rounds
+
+    @property
     def failed_rounds(self) -> int:
         """Rounds that did not commit (a peer failed mid-round) and were retried or skipped."""
         return self.collective.stats.failed_rounds
@@ -434,7 +440,7 @@ class Optimizer:
                 **({"phases_s": {k: round(v, 4) for k, v in phases.items()}} if phases else {}),
                 "failed_rounds": self.failed_rounds,
                 # Moshpit groups that left this replica out: it averaged nothing those rounds
-                **({"skipped_rounds": algo.skipped_rounds} if algo.skipped_rounds else {}),
+                **({"skipped_rounds": self.skipped_rounds} if self.skipped_rounds else {}),
                 **self.traffic()}
 
     # --- state ---------------------------------------------------------------------------------

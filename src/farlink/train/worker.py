@@ -425,6 +425,7 @@ class Worker:
                            setup_s=round(self.setup_s, 4),
                            wall_s=round(self.wall(), 3),
                            failed_rounds=sync.failed_rounds,
+                           skipped_rounds=sync.skipped_rounds,
                            pace_overruns=self.pace_overruns, outer_step=sync.outer_step,
                            widest_group=self.widest_group,
                            fingerprint=fingerprint, model_sha256=model_sha256,
