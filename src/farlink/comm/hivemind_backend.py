@@ -10,6 +10,15 @@ shares the p2p daemon of a ``hivemind.DHT`` (which runs in its own process). Per
   round id is the largest committed round in the group; a member that is behind (a newcomer, or one
   whose last commit failed) downloads the state of an up-to-date member, checks its SHA-256 and
   adopts it through ``set_state`` before the round goes on (``RoundInfo.healed``).
+* Groups smaller than the swarm (``target_group_size`` below the number of peers, Moshpit)
+  leave a peer out whenever the live peers do not divide into them. With ``skip_after`` set,
+  such a peer stops looking that long after its boundary and skips the round
+  (:meth:`HivemindCollective.alone`: ``RoundInfo.skipped``; it exchanges and commits nothing,
+  so its next group heals it and no round number ever holds two states). The run's last round
+  (``final_round``, set by the sync layer) is never skipped: it matchmakes under a group key of
+  its own with a target of ``final_group_size``, the whole swarm, so every live peer ends on
+  one model; a dead peer is waited for until ``round_timeout``, then the group starts with those
+  that came.
 * ``expect_round`` (the sync layer's hint that the next round is due in T seconds) starts that
   matchmaking ``matchmaking_time`` before the round is due, in the background, so the group forms
   while its members still train and ``begin_round`` at the boundary only collects it. A leader
