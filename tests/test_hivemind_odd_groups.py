@@ -43,3 +43,55 @@ def test_three_peers_in_groups_of_two_end_on_one_model(tmp_path: Path, cache_dir
     assert len(models) == 3
     for other in models[1:]:
         assert all((other[name] == models[0][name]).all() for name in models[0])
+
+
+def test_the_left_out_peer_skips_after_its_window_and_the_last_round_takes_everyone() -> None:
+    """On the collectives themselves (real daemons): the peer groups of 2 leave out stops
+    looking after ``skip_after``, far short of ``round_timeout``; the pair moves on to the
+    last round at once, and its group waits for the third (longer than a matchmaking window)
+    instead of starting as a pair, heals it and commits with it."""
+    import time
+
+    import torch
+    from test_hivemind_early_matchmaking import FAST, in_threads
+
+    from farlink.comm.hivemind_backend import HivemindCollective
+
+    options = {**FAST, "round_timeout": 60.0}
+    first = HivemindCollective("odd", target_group_size=2, skip_after=3.0, final_group_size=3,
+                               **options)
+    peers = {"a": first}
+    peers.update({name: HivemindCollective("odd", first.maddrs, target_group_size=2,
+                                           skip_after=3.0, final_group_size=3, **options)
+                  for name in "bc"})
+    states = {name: {"x": torch.full((8,), float(i))} for i, name in enumerate(peers)}
+    for name, peer in peers.items():
+        peer.register_state(lambda n=name: {k: v.clone() for k, v in states[n].items()},
+                            lambda s, n=name: states[n].update(s))
+    try:
+        def round_of(name: str, peer: HivemindCollective) -> tuple:
+            started = time.monotonic()
+            info = peer.begin_round()
+            x = [states[name]["x"]]
+            peer.all_reduce_sum(x)
+            return info, peer.commit(), time.monotonic() - started
+
+        first_round = in_threads(round_of, peers)
+        left_out = [n for n, (info, _, _) in first_round.items() if info.skipped]
+        assert len(left_out) == 1, first_round
+        info, committed, seconds = first_round[left_out[0]]
+        assert not committed and info.world_size == 1 and 3.0 <= seconds < 10
+        assert peers[left_out[0]].skipped_rounds == 1
+        assert all(c and i.world_size == 2 for n, (i, c, _) in first_round.items()
+                   if n not in left_out)
+
+        for peer in peers.values():
+            peer.final_round = True
+        last = in_threads(round_of, peers)
+        assert all(info.world_size == 3 and info.round_id == 1 and committed
+                   for info, committed, _ in last.values()), last
+        assert [n for n, (info, _, _) in last.items() if info.healed] == left_out
+        assert len({tuple(s["x"].tolist()) for s in states.values()}) == 1
+    finally:
+        for peer in peers.values():
+            peer.close()
