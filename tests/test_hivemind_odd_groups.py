@@ -16,14 +16,18 @@ from farlink.train.launcher import launch
 from farlink.train.metrics import read_metrics
 
 
-# sites of 2 ranks (rank 0 matchmakes for the site; every rank skips with it) take 6 processes
-@pytest.mark.parametrize("ranks", [1, pytest.param(2, marks=pytest.mark.slow)])
+# sites of 2 ranks (rank 0 matchmakes for the site; every rank skips with it) take 6 processes;
+# a time-budgeted run counts rounds, so a left-out peer must count the round it skipped
+@pytest.mark.parametrize("shape", [
+    {},
+    pytest.param({"ranks_per_worker": 2}, marks=pytest.mark.slow, id="sites"),
+    pytest.param({"round_seconds": 1.0}, marks=pytest.mark.slow, id="timed"),
+])
 def test_three_peers_in_groups_of_two_end_on_one_model(tmp_path: Path, cache_dir: Path,
-                                                      ranks: int) -> None:
+                                                      shape: dict) -> None:
     # a short quorum timeout: a peer that waited for a group that cannot form would fail fast
     cfg = load_config(None, {
-        "backend": "hivemind", "workers": 3, "ranks_per_worker": ranks, "group_size": 2,
-        "min_replicas": 2,
+        **shape, "backend": "hivemind", "workers": 3, "group_size": 2, "min_replicas": 2,
         "vocab_size": 512, "seq_len": 64, "batch_size": 4, "eval_batches": 2,
         "steps": 20, "inner_steps": 10, "warmup_steps": 2, "quorum_timeout": 20,
         "run_dir": tmp_path / "run", "cache_dir": cache_dir})
