@@ -72,8 +72,8 @@ def moshpit_options(cfg) -> dict[str, Any]:  # noqa: ANN001 - a RunConfig
     :data:`MOSHPIT_SKIP_AFTER` instead of waiting the quorum timeout for a group that cannot
     form, and the run's last round is one group of the whole swarm, so the run ends on one
     model (see :class:`~farlink.comm.hivemind_backend.HivemindCollective`)."""
-    return dict(skip_after=MOSHPIT_SKIP_AFTER,
-                final_group_size=max(cfg.workers, cfg.min_replicas, cfg.group_size))
+    return {"skip_after": MOSHPIT_SKIP_AFTER,
+            "final_group_size": max(cfg.workers, cfg.min_replicas, cfg.group_size)}
 
 
 def advertised_host(cfg: RunConfig) -> str:
