@@ -21,6 +21,11 @@ whatever K is and no single rank carries the whole replica. So:
   combined inside the site (healing right after it, the collectives at commit), rank 0 votes the
   site's outcome with the other sites, and the vote's result goes back to every rank.
 
+When no group takes the site within rank 0's window (Moshpit groups smaller than the swarm
+leave a member out), rank 0 hands on "no group" and every rank skips the round together
+(``RoundInfo.skipped``); the run's last round, matchmade by rank 0 with every live site, is never
+skipped (:mod:`farlink.comm.hivemind_backend`).
+
 A site whose rank healed while another failed to is not left half-healed: every rank keeps the
 site's old round count, so the next round finds the whole site behind and heals it again.
 """
