@@ -60,6 +60,22 @@ SITE_RANKS = "site_ranks"  # a site's checkpoint meta: how many ranks wrote it
 BYTES_SENT = "counter.bytes_sent"  # a site's checkpoint: this rank's bytes (each sends its shard)
 
 
+
+#: how long past its boundary a peer in Moshpit groups looks for a group before it skips the
+#: round's averaging: two of hivemind's matchmaking windows (3 s each by default)
+MOSHPIT_SKIP_AFTER = 6.0
+
+
+def moshpit_options(cfg) -> dict[str, Any]:  # noqa: ANN001 - a RunConfig
+    """Groups smaller than the swarm (``group_size``) leave a peer out whenever the live peers
+    do not divide into them (3 peers in groups of 2): that peer skips the round after
+    :data:`MOSHPIT_SKIP_AFTER` instead of waiting the quorum timeout for a group that cannot
+    form, and the run's last round is one group of the whole swarm, so the run ends on one
+    model (see :class:`~farlink.comm.hivemind_backend.HivemindCollective`)."""
+    return {"skip_after": MOSHPIT_SKIP_AFTER,
+            "final_group_size": max(cfg.workers, cfg.min_replicas, cfg.group_size)}
+
+
 def advertised_host(cfg: RunConfig) -> str:
     """The address peers reach this worker at: inside an emulated WAN namespace, the
     namespace's own address (the launcher sets ``FARLINK_EMULATED_HOST``), else ``host``."""
@@ -114,6 +130,7 @@ def build_collective(cfg: RunConfig, replica_id: str, lighthouse: str, site=None
             # a full group starts its round at once; without a size hivemind's leader waits out
             # the whole matchmaking window every round (about 3 s instead of 0.3 s on loopback)
             target_group_size=cfg.group_size or max(cfg.workers, cfg.min_replicas),
+            **(moshpit_options(cfg) if cfg.group_size else {}),
             round_timeout=cfg.quorum_timeout,
             allreduce_timeout=cfg.round_timeout,
             gather_timeout=cfg.round_timeout,
@@ -394,6 +411,12 @@ class Optimizer:
         return self.algorithm.traffic()
 
     @property
+    def skipped_rounds(self) -> int:
+        """Rounds in which no group took this replica in time (Moshpit groups smaller than the
+        swarm): it averaged nothing and went on with its local update."""
+        return self.algorithm.skipped_rounds
+
+    @property
     def failed_rounds(self) -> int:
         """Rounds that did not commit (a peer failed mid-round) and were retried or skipped."""
         return self.collective.stats.failed_rounds
@@ -415,7 +438,10 @@ class Optimizer:
                 "network_s": round(algo.network_seconds, 4),
                 "rounds_s": round(algo.round_seconds, 4),
                 **({"phases_s": {k: round(v, 4) for k, v in phases.items()}} if phases else {}),
-                "failed_rounds": self.failed_rounds, **self.traffic()}
+                "failed_rounds": self.failed_rounds,
+                # Moshpit groups that left this replica out: it averaged nothing those rounds
+                **({"skipped_rounds": self.skipped_rounds} if self.skipped_rounds else {}),
+                **self.traffic()}
 
     # --- state ---------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, torch.Tensor]:

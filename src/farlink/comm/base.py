@@ -31,6 +31,10 @@ class RoundInfo:
     rank: int  # this worker's position among the participants
     world_size: int  # participants in this round
     healed: bool = False  # this worker just loaded state from a live peer
+    #: no group formed for this worker within its window (Moshpit groups of fixed size leave a
+    #: peer out when the swarm does not divide into them): it averages nothing this round,
+    #: commits nothing, and goes on with its local update
+    skipped: bool = False
     peers: list[str] = field(default_factory=list)  # participant ids, in rank order
 
 
@@ -86,6 +90,10 @@ class Collective(ABC):
     #: how long ``begin_round`` waits for a quorum (s); a newcomer raises it while it waits for
     #: the members' next round, however long their rounds are
     quorum_timeout: float = 120.0
+    #: set by the training side before ``begin_round`` of the run's last round: a backend whose
+    #: groups are smaller than the swarm (hivemind's Moshpit groups) forms that round with every
+    #: live peer, so the run ends on one model
+    final_round: bool = False
 
     def __init__(self) -> None:
         self.stats = CommStats()

@@ -10,6 +10,15 @@ shares the p2p daemon of a ``hivemind.DHT`` (which runs in its own process). Per
   round id is the largest committed round in the group; a member that is behind (a newcomer, or one
   whose last commit failed) downloads the state of an up-to-date member, checks its SHA-256 and
   adopts it through ``set_state`` before the round goes on (``RoundInfo.healed``).
+* Groups smaller than the swarm (``target_group_size`` below the number of peers, Moshpit)
+  leave a peer out whenever the live peers do not divide into them. With ``skip_after`` set,
+  such a peer stops looking that long after its boundary and skips the round
+  (:meth:`HivemindCollective.alone`: ``RoundInfo.skipped``; it exchanges and commits nothing,
+  so its next group heals it and no round number ever holds two states). The run's last round
+  (``final_round``, set by the sync layer) is never skipped: it matchmakes under a group key of
+  its own with a target of ``final_group_size``, the whole swarm, so every live peer ends on
+  one model; a dead peer is waited for until ``round_timeout``, then the group starts with those
+  that came.
 * ``expect_round`` (the sync layer's hint that the next round is due in T seconds) starts that
   matchmaking ``matchmaking_time`` before the round is due, in the background, so the group forms
   while its members still train and ``begin_round`` at the boundary only collects it. A leader
@@ -148,6 +157,7 @@ class _Group:
     seq: int = 0
     ok: bool = True
     dead: set[int] = field(default_factory=set)
+    skipped: bool = False  # no group took this peer in time: a group of itself (see alone())
     #: per member that is a site of several ranks: ``[peer id bytes, [multiaddrs]]`` of each of
     #: its ranks' own peers, in rank order (empty for a one-process member)
     endpoints: list[list] = field(default_factory=list)
@@ -257,6 +267,8 @@ class HivemindCollective(Collective):
         state_timeout: float = 60.0,
         state_chunk_bytes: int = STATE_CHUNK_BYTES,
         bandwidth: float = 1.0,
+        skip_after: float | None = None,
+        final_group_size: int | None = None,
         admission: Authenticator | None = None,
         identity_path: str | None = None,
         public: bool = False,
@@ -276,6 +288,11 @@ class HivemindCollective(Collective):
         self.round_timeout, self.allreduce_timeout = round_timeout, allreduce_timeout
         self.gather_timeout, self.commit_timeout = gather_timeout, commit_timeout
         self.state_timeout = state_timeout
+        if skip_after is not None and skip_after <= 0:
+            raise ValueError("skip_after must be positive (or None: wait round_timeout)")
+        self.skip_after, self.final_group_size = skip_after, final_group_size
+        #: the last search ran out of its window without a group (see ``skip_after``)
+        self.skipped_rounds = 0
         if state_chunk_bytes < 1:
             raise ValueError("state_chunk_bytes must be >= 1")
         self.state_chunk_bytes = state_chunk_bytes
@@ -301,6 +318,7 @@ class HivemindCollective(Collective):
         self._deadline = 0.0  # DHT time by which the search must have found a group
         self._round_asked: float | None = None  # DHT time begin_round asked for the group
         self._search_task: asyncio.Task | None = None  # the search, on the event loop
+        self._search_final = False  # whether that search is for the run's last round
 
         opts = dht_options(host_maddrs, announce_maddrs, client_mode, public, identity_path)
         if admission is not None:  # hivemind's own hook: every DHT RPC signed and checked
@@ -379,13 +397,32 @@ class HivemindCollective(Collective):
         due = get_dht_time() + max(0.0, float(in_seconds))
         self._deadline = due + self.round_timeout
         self._round_asked = None
+        self._search_final = False
         self._search = asyncio.run_coroutine_threadsafe(self._find_group(due), self._loop)
 
     def begin_round(self) -> RoundInfo:
         start = time.perf_counter()
-        info = self.enter_group(self.find_group())
+        group = self.find_group()
+        info = self.enter_group(self.alone()) if group is None else self.enter_group(group)
         self.stats.add_phase("matchmaking", time.perf_counter() - start)
         return info
+
+    def alone(self) -> _Group:
+        """The round of a peer that no group took within ``skip_after``: a group of itself
+        that has already failed, so it exchanges nothing, heals from no one and commits
+        nothing (its round number stays, and its next group heals it if the others moved
+        on). Its ``RoundInfo`` says ``skipped``; the training side goes on with its local
+        update, as hivemind's Optimizer does when averaging fails."""
+        self.skipped_rounds += 1
+        self.last_failure = RoundTimeout(
+            f"round {self.round_id}: no group formed for this peer within {self.skip_after:.0f} s "
+            f"of its boundary (groups of {self.target_group_size} left it out); it skips "
+            "averaging this round and goes on with its local update")
+        log.warning("%s", self.last_failure)
+        return _Group(group_id=b"alone/" + str(self.round_id).encode(), peers=[self.peer_id],
+                      client=[self.client_mode], bandwidth=[self.bandwidth],
+                      committed=[self.round_id], me=0, round_id=self.round_id, ok=False,
+                      skipped=True)
 
     def find_group(self) -> _Group:
         """This round's group from matchmaking (the one an early search found, or a new
@@ -403,13 +440,26 @@ class HivemindCollective(Collective):
         if search is not None and search.done() and search.exception() is not None:
             log.info("early matchmaking failed (%r); looking again", search.exception())
             search = None
+        final = self.final_round and self.final_group_size is not None
+        if search is not None and final and not self._search_final:
+            # an early search for a round of the usual size: the last round forms with everyone
+            self._call(self._cancel_search(search), timeout=self.request_timeout + 10)
+            search = None
         if search is None:
+            self._search_final = final
             search = asyncio.run_coroutine_threadsafe(self._find_group(now), self._loop)
+        wait = self._deadline - get_dht_time() + 30
+        may_skip = self.skip_after is not None and not final
         try:
-            group_info = search.result(timeout=self._deadline - get_dht_time() + 30)
+            group_info = search.result(timeout=self.skip_after if may_skip else wait)
         except TimeoutError:
-            search.cancel()
-            raise
+            if not may_skip:
+                search.cancel()
+                raise
+            self._call(self._cancel_search(search), timeout=self.request_timeout + 10)
+            if not search.done() or search.cancelled() or search.exception() is not None:
+                return None  # no group within the window: this round is skipped
+            group_info = search.result()  # formed while it was being cancelled: take part
         return self._make_group(group_info)
 
     def enter_group(self, group: _Group) -> RoundInfo:
@@ -426,6 +476,7 @@ class HivemindCollective(Collective):
             world_size=group.size,
             healed=healed,
             peers=[str(p) for p in group.peers],
+            skipped=group.skipped,
         )
         return self._info
 
@@ -447,15 +498,27 @@ class HivemindCollective(Collective):
             if self._round_asked is not None:  # the boundary came: no later than now
                 due = min(due, self._round_asked)
             remaining = self._deadline - get_dht_time()
-            if remaining <= self.matchmaking_time:
+            final = self._search_final
+            if remaining <= self.matchmaking_time and not final:
                 raise RoundTimeout(
                     f"no group of at least {self.min_group_size} peers formed for run "
                     f"{self.run_id!r} within {self.round_timeout:.0f} s (round {self.round_id}). "
                     "Fix: start more peers with the same run id and initial peers, check that they "
                     "can reach each other, or lower min_group_size / raise round_timeout."
                 )
+            if final and remaining <= self.matchmaking_time:
+                raise RoundTimeout(
+                    f"the last round of run {self.run_id!r} found no group of at least "
+                    f"{self.min_group_size} peers within {self.round_timeout:.0f} s (round "
+                    f"{self.round_id}). Fix: check that the other peers still run and can reach "
+                    "this one, or raise the quorum timeout.")
+            self._matchmaking_for(final)
+            scheduled = max(due, get_dht_time()) + self.matchmaking_time
+            if final:  # the group fills when every peer came; a dead one is waited for until
+                # the deadline, and the group then starts with those that came
+                scheduled = max(scheduled, self._deadline - self.matchmaking_time)
             step = StepControl(
-                scheduled_time=max(due, get_dht_time()) + self.matchmaking_time,
+                scheduled_time=scheduled,
                 deadline=self._deadline,
                 allow_retries=True,
                 weight=1.0,
@@ -478,6 +541,18 @@ class HivemindCollective(Collective):
                     step.set_result(None)
             if group_info is not None:
                 return group_info
+
+    def _matchmaking_for(self, final: bool) -> None:
+        """Point matchmaking at the run's last round or at the usual ones. The last round has
+        a group key of its own (``…0b1``; the usual rounds use ``…0b``), so a peer still in an
+        earlier round never fills the last round's group in place of a peer that ends with it,
+        and a group as large as ``final_group_size`` (the swarm): every live peer ends on one
+        model whatever the usual group size."""
+        size = self.final_group_size if final else self.target_group_size
+        keys = self._matchmaking.group_key_manager
+        keys.group_bits = "1" if final else ""
+        # the key manager draws each member a bucket among target_group_size once a group forms
+        self._matchmaking.target_group_size = keys.target_group_size = size
 
     async def _cancel_search(self, search) -> None:
         """Cancel an early search and wait until hivemind's matchmaking has let go of it (its

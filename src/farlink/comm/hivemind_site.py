@@ -21,6 +21,11 @@ whatever K is and no single rank carries the whole replica. So:
   combined inside the site (healing right after it, the collectives at commit), rank 0 votes the
   site's outcome with the other sites, and the vote's result goes back to every rank.
 
+When no group takes the site within rank 0's window (Moshpit groups smaller than the swarm
+leave a member out), rank 0 hands on "no group" and every rank skips the round together
+(``RoundInfo.skipped``); the run's last round, matchmade by rank 0 with every live site, is never
+skipped (:mod:`farlink.comm.hivemind_backend`).
+
 A site whose rank healed while another failed to is not left half-healed: every rank keeps the
 site's old round count, so the next round finds the whole site behind and heals it again.
 """
@@ -85,6 +90,14 @@ class HivemindSiteCollective(Collective):
         self.peer.quorum_timeout = seconds
 
     @property
+    def final_round(self) -> bool:  # type: ignore[override]
+        return self.peer.final_round
+
+    @final_round.setter
+    def final_round(self, last: bool) -> None:
+        self.peer.final_round = last  # rank 0's peer matchmakes it with every live site
+
+    @property
     def last_failure(self) -> CommError | None:
         return self.peer.last_failure
 
@@ -117,6 +130,10 @@ class HivemindSiteCollective(Collective):
         self._broadcast(found)
         if failure is not None:
             raise failure
+        if found[0] is None:  # no group took the site in time: every rank skips the round
+            info = self.peer.enter_group(self.peer.alone())
+            self.peer.stats.add_phase("matchmaking", time.perf_counter() - start)
+            return info
         if isinstance(found[0], tuple):  # rank 0 found no group: what it raised, as text
             timed_out, message = found[0]
             raise (RoundTimeout if timed_out else CommError)(f"rank 0 of this site: {message}")

@@ -93,6 +93,9 @@ class StepOutcome:
     # an island-level round ran (hierarchical_diloco, whose ``synced`` speaks of global rounds):
     # it rewrote the parameters too
     island_round: bool = False
+    # no group formed for this worker in time (Moshpit groups left it out): it averaged
+    # nothing and goes on with its local update
+    skipped: bool = False
 
 
 def lr_at(step: int, base_lr: float, warmup: int, total: int, min_ratio: float = 0.1) -> float:
@@ -296,6 +299,12 @@ class SyncAlgorithm(ABC):
         self.inner_steps_done = 0
         self.outer_step = 0
         self.last_round: RoundInfo | None = None
+        #: rounds in which no group formed for this worker in time (see RoundInfo.skipped)
+        self.skipped_rounds = 0
+        #: of those, the ones since this replica last committed: a schedule that counts rounds
+        #: (a time-budgeted run) counts them too, or a left-out replica would run rounds past
+        #: the run's end with nobody left to group with
+        self.rounds_skipped_since_commit = 0
         self.last_exchange: ExchangeResult | None = None
         # where rounds spend their time, cumulative: waiting for the quorum (which absorbs
         # stragglers), moving bytes, and the rest (encode, decode, validate, apply) on this
@@ -344,6 +353,11 @@ class SyncAlgorithm(ABC):
     def finished(self) -> bool:
         """Whether the run's budget (``steps``) is spent; never, without one."""
         return self.cfg.steps is not None and self.inner_steps_done >= self.cfg.steps
+
+    def last_round_due(self) -> bool:
+        """Whether the round about to run is the run's last (its budget is spent once the round
+        is done): a backend of groups smaller than the swarm forms it with every peer."""
+        return self.finished()
 
     def join(self) -> StepOutcome | None:
         """A newcomer's first round, before any inner step: heal from live peers now rather
@@ -427,6 +441,7 @@ class SyncAlgorithm(ABC):
             world_size=info.world_size if info else 1,
             comm_seconds=seconds,
             rejected=len(result.rejected) if result else 0,
+            skipped=bool(info and info.skipped),
         )
 
     def replica_state(self) -> TensorState:
@@ -487,11 +502,21 @@ class SyncAlgorithm(ABC):
             self._round_gap = start - self._round_ended
         network_before = self.collective.stats.comm_seconds
         info, committed = None, False
+        # the run's last round: a backend of small groups forms it with every live peer
+        self.collective.final_round = self.last_round_due()
         for attempt in range(self.cfg.round_retries + 1):
             asked = time.perf_counter()
             info = self.collective.begin_round()
             self.quorum_seconds += time.perf_counter() - asked
             self.last_round = info
+            if info.skipped:  # no group for this worker this round: nothing to average
+                self.collective.commit()  # closes the round; it commits nothing
+                self.last_exchange = None
+                self.skipped_rounds += 1
+                self.rounds_skipped_since_commit += 1
+                log.warning("round %d: no group formed for this worker in time; it skips "
+                            "averaging and goes on with its local update", info.round_id)
+                break
             tensors = build(info)
             result = self.exchange.average(
                 tensors, 0.0 if info.healed else weight, info.round_id
@@ -500,6 +525,7 @@ class SyncAlgorithm(ABC):
             if self.collective.commit():
                 apply(result, info)
                 self.outer_step = info.round_id + 1
+                self.rounds_skipped_since_commit = 0
                 committed = True
                 break
             log.warning("round %d not committed (attempt %d)", info.round_id, attempt + 1)

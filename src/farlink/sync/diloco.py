@@ -135,7 +135,17 @@ class DiLoCo(SyncAlgorithm):
         return outcome.synced if self.timed else super().at_boundary(outcome)
 
     def finished(self) -> bool:
-        return self.outer_step >= self.total_rounds if self.timed else super().finished()
+        return self.rounds_counted() >= self.total_rounds if self.timed else super().finished()
+
+    def rounds_counted(self) -> int:
+        """Rounds of a time-budgeted run behind this replica: committed ones, and those it
+        skipped since (no group took it); its next group heals it to the committed count."""
+        return self.outer_step + self.rounds_skipped_since_commit
+
+    def last_round_due(self) -> bool:
+        # a time-budgeted run counts rounds: the last is due when one is left
+        return (self.rounds_counted() + 1 >= self.total_rounds if self.timed
+                else super().last_round_due())
 
     def current_lr(self) -> float:
         if not self.timed or not self.lr_schedule:
@@ -202,6 +212,7 @@ class DiLoCo(SyncAlgorithm):
         self.outer_step = int(state["counter.outer_step"])
         self.inner_steps_done = int(state["schedule.inner_steps"])
         self.tokens_since_sync = 0
+        self.rounds_skipped_since_commit = 0  # the sender's count includes the skipped rounds
 
     def state_dict(self) -> TensorState:
         state = super().state_dict()

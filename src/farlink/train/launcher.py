@@ -155,6 +155,7 @@ def summarize(cfg: RunConfig) -> dict:
                 "comm_s": end["comm_s"],
                 **{k: end.get(k, 0.0) for k in ("eval_s", "checkpoint_s", "setup_s")},
                 "failed_rounds": end.get("failed_rounds", 0),
+                "skipped_rounds": end.get("skipped_rounds", 0),
                 "pace_overruns": end.get("pace_overruns", 0),
                 **{k: end[k] for k in ("intra_bytes", "inter_bytes") if k in end},
             }
@@ -311,6 +312,16 @@ def check_data(cfg: RunConfig, data) -> None:
         raise ConfigError(f"model: {exc}") from None
 
 
+def _report_skipped_rounds(per_worker: dict[str, dict], group_size: int | None) -> None:
+    """Say which workers sat rounds out because no group took them (Moshpit groups of
+    ``group_size`` leave a peer out whenever the live peers do not divide into them)."""
+    for worker, figures in sorted(per_worker.items()):
+        if figures.get("skipped_rounds"):
+            console.print(f"{worker} skipped averaging in {figures['skipped_rounds']} round(s): "
+                          f"no group of {group_size} took it in time; it went on with its local "
+                          "update, and its next group brought it up to date")
+
+
 def log_tail(path: Path, lines: int = 15) -> list[str]:
     """The last ``lines`` lines of a worker's log (where its traceback ends)."""
     try:
@@ -460,6 +471,7 @@ def launch(cfg: RunConfig, show_progress: bool = True,
                       f"{cfg.run_dir}; each worker's final model is in {cfg.run_dir / 'final'}[/]")
     if problem is not None:
         console.print(f"[red]error: {problem}[/]")
+    _report_skipped_rounds(summary["per_worker"], cfg.group_size)
     if not summary["final_replicas"]["consistent"] and not interrupted:
         console.print("[yellow]workers ended on different states (a straggler that missed the "
                       "last round commits its own); the run's result is the state most hold, "

@@ -395,6 +395,7 @@ class Worker:
                 self.metrics.write("sync", committed=outcome.committed,
                                    fingerprint=self.fingerprint() if outcome.committed else None,
                                    world_size=outcome.world_size, healed=sync.healed,
+                                   **({"skipped": True} if outcome.skipped else {}),
                                    round_s=round(outcome.comm_seconds, 4),
                                    rejected=outcome.rejected, **fields)
             elif step % cfg.log_every == 0 or (outcome.synced and not outcome.committed):
@@ -424,6 +425,7 @@ class Worker:
                            setup_s=round(self.setup_s, 4),
                            wall_s=round(self.wall(), 3),
                            failed_rounds=sync.failed_rounds,
+                           skipped_rounds=sync.skipped_rounds,
                            pace_overruns=self.pace_overruns, outer_step=sync.outer_step,
                            widest_group=self.widest_group,
                            fingerprint=fingerprint, model_sha256=model_sha256,

@@ -1,0 +1,106 @@
+"""Moshpit groups that the swarm does not divide into: 3 hivemind peers in groups of 2, through
+``farlink train`` on loopback. One peer is always left out of a round; it skips that round's
+averaging instead of waiting out the quorum timeout, and the run's last round is one group of
+all three, so the run ends on one model."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from safetensors.torch import load_file
+
+from farlink.config import load_config
+from farlink.train.audit import audit_run
+from farlink.train.launcher import launch
+from farlink.train.metrics import read_metrics
+
+
+# sites of 2 ranks (rank 0 matchmakes for the site; every rank skips with it) take 6 processes;
+# a time-budgeted run counts rounds, so a left-out peer must count the round it skipped
+@pytest.mark.parametrize("shape", [
+    {},
+    pytest.param({"ranks_per_worker": 2}, marks=pytest.mark.slow, id="sites"),
+    pytest.param({"round_seconds": 1.0}, marks=pytest.mark.slow, id="timed"),
+])
+def test_three_peers_in_groups_of_two_end_on_one_model(tmp_path: Path, cache_dir: Path,
+                                                      shape: dict) -> None:
+    # a short quorum timeout: a peer that waited for a group that cannot form would fail fast
+    cfg = load_config(None, {
+        **shape, "backend": "hivemind", "workers": 3, "group_size": 2, "min_replicas": 2,
+        "vocab_size": 512, "seq_len": 64, "batch_size": 4, "eval_batches": 2,
+        "steps": 20, "inner_steps": 10, "warmup_steps": 2, "quorum_timeout": 20,
+        "run_dir": tmp_path / "run", "cache_dir": cache_dir})
+    result = launch(cfg, show_progress=False)
+    assert result.returncodes == [0, 0, 0]
+
+    syncs = {w: [r for r in read_metrics(cfg.run_dir / "metrics" / f"{w}.jsonl")
+                 if r["kind"] == "sync"] for w in ("w0", "w1", "w2")}
+    skipped = [r for records in syncs.values() for r in records if r.get("skipped")]
+    assert skipped, "3 peers in groups of 2: some peer must have been left out of a round"
+    assert all(not r["committed"] and r["world_size"] == 1 for r in skipped)
+    assert sum(w["skipped_rounds"] for w in result.summary["per_worker"].values()) == len(skipped)
+    # the last round is one group of everyone, committed by each
+    for records in syncs.values():
+        assert records[-1]["committed"] and records[-1]["world_size"] == 3
+
+    audit = audit_run(cfg.run_dir)  # every committed round: one state, none missing
+    assert audit["consistent"] and audit["outer_steps"] == 2, audit
+    ended = result.summary["final_replicas"]
+    assert ended["consistent"] and ended["holders"] == ["w0", "w1", "w2"]
+    models = [load_file(str(p)) for p in sorted((cfg.run_dir / "final").glob("w*.safetensors"))]
+    assert len(models) == 3
+    for other in models[1:]:
+        assert all((other[name] == models[0][name]).all() for name in models[0])
+
+
+def test_the_left_out_peer_skips_after_its_window_and_the_last_round_takes_everyone() -> None:
+    """On the collectives themselves (real daemons): the peer groups of 2 leave out stops
+    looking after ``skip_after``, far short of ``round_timeout``; the pair moves on to the
+    last round at once, and its group waits for the third (longer than a matchmaking window)
+    instead of starting as a pair, heals it and commits with it."""
+    import time
+
+    import torch
+    from test_hivemind_early_matchmaking import FAST, in_threads
+
+    from farlink.comm.hivemind_backend import HivemindCollective
+
+    options = {**FAST, "round_timeout": 60.0}
+    first = HivemindCollective("odd", target_group_size=2, skip_after=3.0, final_group_size=3,
+                               **options)
+    peers = {"a": first}
+    peers.update({name: HivemindCollective("odd", first.maddrs, target_group_size=2,
+                                           skip_after=3.0, final_group_size=3, **options)
+                  for name in "bc"})
+    states = {name: {"x": torch.full((8,), float(i))} for i, name in enumerate(peers)}
+    for name, peer in peers.items():
+        peer.register_state(lambda n=name: {k: v.clone() for k, v in states[n].items()},
+                            lambda s, n=name: states[n].update(s))
+    try:
+        def round_of(name: str, peer: HivemindCollective) -> tuple:
+            started = time.monotonic()
+            info = peer.begin_round()
+            x = [states[name]["x"]]
+            peer.all_reduce_sum(x)
+            return info, peer.commit(), time.monotonic() - started
+
+        first_round = in_threads(round_of, peers)
+        left_out = [n for n, (info, _, _) in first_round.items() if info.skipped]
+        assert len(left_out) == 1, first_round
+        info, committed, seconds = first_round[left_out[0]]
+        assert not committed and info.world_size == 1 and 3.0 <= seconds < 10
+        assert peers[left_out[0]].skipped_rounds == 1
+        assert all(c and i.world_size == 2 for n, (i, c, _) in first_round.items()
+                   if n not in left_out)
+
+        for peer in peers.values():
+            peer.final_round = True
+        last = in_threads(round_of, peers)
+        assert all(info.world_size == 3 and info.round_id == 1 and committed
+                   for info, committed, _ in last.values()), last
+        assert [n for n, (info, _, _) in last.items() if info.healed] == left_out
+        assert len({tuple(s["x"].tolist()) for s in states.values()}) == 1
+    finally:
+        for peer in peers.values():
+            peer.close()
