@@ -59,8 +59,6 @@ JOIN_QUORUM_TIMEOUT = 3600.0
 SITE_RANKS = "site_ranks"  # a site's checkpoint meta: how many ranks wrote it
 BYTES_SENT = "counter.bytes_sent"  # a site's checkpoint: this rank's bytes (each sends its shard)
 
-
-
 #: how long past its boundary a peer in Moshpit groups looks for a group before it skips the
 #: round's averaging: two of hivemind's matchmaking windows (3 s each by default)
 MOSHPIT_SKIP_AFTER = 6.0
