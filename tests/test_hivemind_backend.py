@@ -27,6 +27,9 @@ TIMEOUTS = dict(
     state_timeout=20.0,
     state_chunk_bytes=64,  # the 64-float state spans several chunks, fetched from several peers
 )
+# a healthy swarm's scenarios never wait a timeout out; long ones keep a peer that a loaded
+# machine delays by seconds from giving up on a vote that the others then count
+HEALTHY = dict(allreduce_timeout=30.0, gather_timeout=30.0, commit_timeout=30.0)
 N1, N2, STATE_N = 1000, 37, 64
 
 
@@ -49,7 +52,7 @@ def _peer(k: int, initial_peers: list[str], q, stop, plan: dict) -> None:
         initial_peers,
         client_mode=plan.get("client", False),
         min_group_size=plan["min_group"],
-        **TIMEOUTS,
+        **{**TIMEOUTS, **plan.get("timeouts", {})},
     )
     state = {"w": torch.full((STATE_N,), float(plan.get("state_value", 0.0)))}
     coll.register_state(lambda: {"w": state["w"].clone()}, lambda s: state.update(w=s["w"].clone()))
@@ -192,7 +195,7 @@ def committed_by_round(swarm: Swarm, ks) -> dict[int, list[dict]]:
 
 @pytest.mark.slow
 def test_three_peers_sum_gather_and_bytes(swarm: Swarm) -> None:
-    plan = dict(run="a", rounds=3, min_group=3)
+    plan = dict(run="a", rounds=3, min_group=3, timeouts=HEALTHY)
     for k in range(3):
         swarm.start(k, plan)
     swarm.wait(lambda: swarm.done == {0, 1, 2}, 150, "3 peers x 3 rounds")
@@ -215,7 +218,7 @@ def test_three_peers_sum_gather_and_bytes(swarm: Swarm) -> None:
 @pytest.mark.slow
 def test_client_mode_peer_takes_part(swarm: Swarm) -> None:
     for k in range(3):
-        swarm.start(k, dict(run="d", rounds=2, min_group=3, client=(k == 2)))
+        swarm.start(k, dict(run="d", rounds=2, min_group=3, client=(k == 2), timeouts=HEALTHY))
     swarm.wait(lambda: swarm.done == {0, 1, 2}, 150, "2 servers + 1 client x 2 rounds")
     by_round = committed_by_round(swarm, range(3))
     assert sorted(by_round) == [0, 1]

@@ -110,11 +110,18 @@ def site_run(tmp_path: Path, cache_dir: Path, name: str, **overrides):  # noqa: 
     return cfg, launch(cfg, show_progress=False)
 
 
-def test_train_with_two_ranks_per_worker_matches_one_rank(tmp_path, cache_dir):
+@pytest.fixture(scope="module")
+def one_rank_sites(tmp_path_factory, cache_dir):  # noqa: ANN001, ANN201
+    """The reference both sharding variants are compared with: the same run, one rank per site
+    (trained once per module)."""
+    return site_run(tmp_path_factory.mktemp("one-rank"), cache_dir, "k1")
+
+
+def test_train_with_two_ranks_per_worker_matches_one_rank(tmp_path, cache_dir, one_rank_sites):
     from safetensors.torch import load_file
 
     cfg2, sites = site_run(tmp_path, cache_dir, "k2", ranks_per_worker=2)
-    cfg1, plain = site_run(tmp_path, cache_dir, "k1")
+    cfg1, plain = one_rank_sites
     assert sites.returncodes == [0, 0] and plain.returncodes == [0, 0]
     s2, s1 = sites.summary, plain.summary
     assert s2["final_replicas"]["consistent"] and s2["widest_group"] == 2
@@ -138,9 +145,9 @@ def test_train_with_two_ranks_per_worker_matches_one_rank(tmp_path, cache_dir):
     assert all(whole[k].shape == sharded[k].shape for k in whole)
 
 
-def test_ddp_inside_sites_matches_one_rank(tmp_path, cache_dir):
+def test_ddp_inside_sites_matches_one_rank(tmp_path, cache_dir, one_rank_sites):
     cfg, ddp = site_run(tmp_path, cache_dir, "ddp", ranks_per_worker=2, sharding="ddp")
-    _, plain = site_run(tmp_path, cache_dir, "k1")
+    cfg1, plain = one_rank_sites
     assert ddp.returncodes == [0, 0] and plain.returncodes == [0, 0]
     s2, s1 = ddp.summary, plain.summary
     assert s2["final_replicas"]["consistent"] and s2["widest_group"] == 2
@@ -153,7 +160,7 @@ def test_ddp_inside_sites_matches_one_rank(tmp_path, cache_dir):
     # every rank ends holding the whole replica: rank 1's slice reached rank 0's export
     from safetensors.torch import load_file
 
-    whole, mine = load_file(str(tmp_path / "k1" / "model.safetensors")), \
+    whole, mine = load_file(str(cfg1.run_dir / "model.safetensors")), \
         load_file(str(cfg.run_dir / "model.safetensors"))
     assert max((whole[k] - mine[k]).abs().max().item() for k in whole) < 1e-3
 
