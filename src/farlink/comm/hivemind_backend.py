@@ -199,6 +199,12 @@ class _Group:
         return [list(e[rank][1]) for e in self.endpoints]
 
 
+#: a push that fails (a stream reset on a loaded machine, a groupmate that has not yet taken
+#: this peer's membership proof) is tried again after PUSH_PAUSE x its attempt number before the
+#: groupmate counts as dead for the round: one passing failure must not cost a whole round
+PUSH_TRIES, PUSH_PAUSE = 3, 0.5
+
+
 class _Mailbox:
     """Payloads received for a collective, keyed by (collective key, sender rank)."""
 
@@ -886,17 +892,26 @@ class HivemindCollective(Collective):
                 group.dead.add(rank)  # never send to a groupmate that has not proven membership
                 self._mailbox.changed.set()
                 return 0
-            try:
-                await asyncio.wait_for(
-                    self._request(group.peers[rank], "put", {"key": key, "rank": group.me}, [data]),
-                    timeout=max(0.1, deadline - time.monotonic()),
-                )
-                return len(data)
-            except Exception as exc:  # noqa: BLE001 - unreachable groupmate
-                log.info("push to rank %d failed: %r", rank, exc)
-                group.dead.add(rank)
-                self._mailbox.changed.set()
-                return 0
+            for attempt in range(1, PUSH_TRIES + 1):
+                try:
+                    header, _ = await asyncio.wait_for(
+                        self._request(group.peers[rank], "put", {"key": key, "rank": group.me},
+                                      [data]),
+                        timeout=max(0.1, deadline - time.monotonic()),
+                    )
+                    if "error" in header:
+                        raise CommError(f"refused: {header['error']}")
+                    return len(data)
+                except Exception as exc:  # noqa: BLE001 - unreachable groupmate
+                    pause = PUSH_PAUSE * attempt
+                    if attempt == PUSH_TRIES or deadline - time.monotonic() <= pause:
+                        log.info("push to rank %d failed: %r", rank, exc)
+                        break
+                    log.info("push to rank %d failed (%r); trying again", rank, exc)
+                    await asyncio.sleep(pause)
+            group.dead.add(rank)
+            self._mailbox.changed.set()
+            return 0
 
         pushes = asyncio.gather(*(push(r) for r in targets))
         if not group.client[group.me]:

@@ -522,7 +522,9 @@ class SyncAlgorithm(ABC):
                 tensors, 0.0 if info.healed else weight, info.round_id
             )
             self.last_exchange = result
-            if self.collective.commit():
+            ok = self.collective.commit()
+            self.exchange.settle(result, info.round_id, ok)
+            if ok:
                 apply(result, info)
                 self.outer_step = info.round_id + 1
                 self.rounds_skipped_since_commit = 0

@@ -8,6 +8,7 @@ This is the only place where an algorithm's update leaves the worker. Two paths:
   signed, all-gathered as real bytes, and each received message is verified, decoded and checked
   before a (possibly Byzantine-robust) aggregator combines them. A message that fails any check is
   dropped with its reason logged (and recorded in the ledger); the round goes on without it.
+  Accepted updates are credited in the ledger once their round commits (:meth:`Exchange.settle`).
 
 An algorithm whose update *is* a codec's output (DeMo's DCT top-k, SparseLoCo's sparse 2-bit
 values) hands over :class:`Encoded` entries: their bytes are sent as they are, so what peers
@@ -69,6 +70,7 @@ class ExchangeResult:
     total_weight: float
     accepted: list[str] = field(default_factory=list)
     rejected: dict[str, str] = field(default_factory=dict)
+    tokens: dict[str, float] = field(default_factory=dict)  # what each accepted peer claimed
 
 
 class Exchange:
@@ -153,6 +155,9 @@ class Exchange:
         claimed: dict[str, float] = {}
         result = ExchangeResult({}, 0.0)
         for index, raw in enumerate(received):
+            if not raw:  # nothing arrived from this member: the collective failed the round
+                log.info("no update from member %d in round %d", index, round_id)
+                continue
             peer = f"rank{index}"
             try:
                 signer, body = self.authenticator.open(raw)
@@ -173,8 +178,7 @@ class Exchange:
             self._reject(result, peer, round_id, claimed[peer], UpdateRejected(reason, "norm"))
         for peer in decoded:
             result.accepted.append(peer)
-            if self.ledger is not None:
-                self.ledger.record_accepted(peer, round_id, claimed[peer])
+            result.tokens[peer] = claimed[peer]
         if not decoded:
             return result
         peers = list(decoded)
@@ -207,6 +211,15 @@ class Exchange:
             out[n] = combined[offset : offset + ref.numel()].reshape(ref.shape)
             offset += ref.numel()
         return out
+
+    def settle(self, result: ExchangeResult | None, round_id: int, committed: bool) -> None:
+        """Credit the accepted updates of a round in the ledger once the round committed: only
+        then did they reach the model. A round that failed and is retried credits nothing, so a
+        peer's accepted tokens are counted once per round, not once per attempt. (Rejections are
+        recorded when they happen: the peer sent what it sent whatever the round's outcome.)"""
+        if committed and result is not None and self.ledger is not None:
+            for peer in result.accepted:
+                self.ledger.record_accepted(peer, round_id, result.tokens[peer])
 
     def _reject(self, result: ExchangeResult, peer: str, round_id: int, tokens: float,
                 exc: Exception) -> None:

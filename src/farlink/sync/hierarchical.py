@@ -260,6 +260,7 @@ class HierarchicalDiLoCo(DiLoCo):
                     staged.island = [g.clone() for g in staged.handoff["global"]]
                     staged.tokens = 0.0
             ok = self.collective.commit()
+            self.exchange.settle(staged.result, info.round_id, ok)
             self.intra_bytes += self.collective.stats.bytes_sent - before
             if ok:
                 self._apply(staged)
@@ -361,7 +362,9 @@ class HierarchicalDiLoCo(DiLoCo):
                 self._global_info = info
                 tensors = self.pseudo_gradient(island_params, start=params)
                 result = exchange.average(tensors, 0.0 if info.healed else weight, info.round_id)
-                if collective.commit():
+                ok = collective.commit()
+                exchange.settle(result, info.round_id, ok)
+                if ok:
                     self.outer_update(result, params, opt)
                     outcome = (True, info.world_size, info.round_id + 1)
                     break
