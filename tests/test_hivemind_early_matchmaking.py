@@ -184,3 +184,32 @@ def test_client_mode_members_that_look_earlier_than_the_leader_join_it_at_once()
     finally:
         for coll in members.values():
             coll.close()
+
+
+def test_a_group_is_full_with_the_live_swarm_not_with_the_runs_room() -> None:
+    """A volunteer swarm has room for ``--workers`` peers but fewer live ones: a group is full,
+    and starts at once, when every live peer (``swarm_size``) is in it. Without the count the
+    same two peers wait out the whole matchmaking window for two that do not exist."""
+    options = {**FAST, "matchmaking_time": 4.0}
+    first = HivemindCollective("room", target_group_size=4, min_group_size=2, **options)
+    members = {"a": first, "b": HivemindCollective("room", first.maddrs, target_group_size=4,
+                                                   min_group_size=2, **options)}
+
+    def timed_round(name: str, coll: HivemindCollective) -> tuple:
+        start = time.monotonic()
+        info, _, ok = one_round(name, coll)
+        return info, time.monotonic() - start, ok
+
+    try:
+        waited_for_room = in_threads(timed_round, members)
+        for coll in members.values():
+            coll.swarm_size = lambda: 2
+        live = in_threads(timed_round, members)
+    finally:
+        for coll in members.values():
+            coll.close()
+    for name in members:
+        (info, room_s, ok), (live_info, live_s, live_ok) = waited_for_room[name], live[name]
+        assert ok and live_ok and info.world_size == live_info.world_size == 2
+        assert room_s >= 3.5, f"{name}: {room_s:.2f} s; a group of 2 of 4 waits the window"
+        assert live_s < 2.0, f"{name} waited {live_s:.2f} s for a group of the whole live swarm"

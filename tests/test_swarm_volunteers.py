@@ -212,12 +212,17 @@ def test_shard_claims_in_a_real_dht_are_distinct_full_and_freed_when_a_volunteer
         with ThreadPoolExecutor(2) as pool:  # two volunteers claim at the same moment
             taken = list(pool.map(lambda c: c.acquire(), claims[:2]))
         assert sorted(taken) == [0, 1], taken
+        # each holder counts the live volunteers (the swarm's size) by its next refresh
+        wait_for(lambda: claims[0].live == claims[1].live == 2, "both holders counting 2", 10)
         with pytest.raises(SwarmFull, match="room for 2"):
             claims[2].acquire()
         claims[0].release()  # the first volunteer leaves: its claim is no longer refreshed
         time.sleep(9.0)
+        # its claim expired: the one holder left counts itself at its next refresh
+        wait_for(lambda: claims[1].live == 1, "the holder left counting 1", 10)
         assert claims[2].acquire() == taken[0]  # and its shard is picked up
         assert claims[1].shard == taken[1]
+        assert claims[2].live == 2
     finally:
         for claim in locals().get("claims", []):
             claim.release()

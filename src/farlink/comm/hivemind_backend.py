@@ -297,6 +297,12 @@ class HivemindCollective(Collective):
         if skip_after is not None and skip_after <= 0:
             raise ValueError("skip_after must be positive (or None: wait round_timeout)")
         self.skip_after, self.final_group_size = skip_after, final_group_size
+        #: how many peers the swarm has now, when the run's size is only its room (a volunteer
+        #: swarm: ``--workers`` shards, fewer live volunteers). A group is full, and starts at
+        #: once, at that many members instead of waiting out the matchmaking window (or, in the
+        #: last round, the deadline) for peers that do not exist. Called on the event loop:
+        #: it must not block (a volunteer's shard claim keeps the count up to date).
+        self.swarm_size: Callable[[], int] | None = None
         #: the last search ran out of its window without a group (see ``skip_after``)
         self.skipped_rounds = 0
         if state_chunk_bytes < 1:
@@ -555,6 +561,8 @@ class HivemindCollective(Collective):
         and a group as large as ``final_group_size`` (the swarm): every live peer ends on one
         model whatever the usual group size."""
         size = self.final_group_size if final else self.target_group_size
+        if self.swarm_size is not None and size is not None:
+            size = max(self.min_group_size, min(size, self.swarm_size()))
         keys = self._matchmaking.group_key_manager
         keys.group_bits = "1" if final else ""
         # the key manager draws each member a bucket among target_group_size once a group forms

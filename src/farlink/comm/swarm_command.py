@@ -287,6 +287,8 @@ def register(app: typer.Typer, bench_app: typer.Typer) -> None:
         except SwarmFull as exc:
             collective.close()
             raise _fail(str(exc)) from None
+        # a round is full with every live volunteer, not with --workers (the run's room)
+        collective.swarm_size = lambda: claim.live
         state_path.write_text(json.dumps({"digest": run_digest, "shard": shard,
                                           "peer_id": str(collective.peer_id),
                                           "join_round": claim.join_round}, indent=1))

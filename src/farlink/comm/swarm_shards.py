@@ -17,7 +17,9 @@ A volunteer has no index, so it derives one from who it is and when it comes:
 4. **Keep it.** The claim expires :data:`CLAIM_TTL` seconds after it was last stored and its
    holder re-stores it every third of that. A volunteer that leaves (or is killed) stops
    refreshing, and its shard is free for the next newcomer; a volunteer restarted within the TTL
-   finds its own claim and keeps its shard and data position.
+   finds its own claim and keeps its shard and data position. Each refresh also reads the
+   claims back: how many volunteers hold a shard (:attr:`ShardClaim.live`) is the swarm's size,
+   which the volunteer's rounds wait for instead of ``workers`` (the run's room).
 5. **Its data position outlives the claim.** After every committed round the holder stores where
    its sampler stands in the shard (epoch and position, as of that round) under the shard's
    number in a second key, kept :data:`POSITION_TTL` seconds. A newcomer that takes the shard
@@ -85,6 +87,9 @@ class ShardClaim:
         self.shard: int | None = None
         self.since = 0.0
         self.join_round = 0
+        #: live volunteers, this one included, as of the last read of the claims (at the claim,
+        #: then every refresh): the swarm's size now, which ``--workers`` (its room) is not
+        self.live = 1
         self._position: dict | None = None  # the last committed position, not yet stored
         self._stop = threading.Event()
         self._wake = threading.Event()  # store now: a new position, or leaving
@@ -136,6 +141,7 @@ class ShardClaim:
             claims = self.claims()
             claims[self.peer_id] = (self.shard, self.since, 0)
             if owners(claims).get(self.shard) == self.peer_id:
+                self.live = len(set(owners(claims).values()))
                 self._thread = threading.Thread(target=self._refresh, daemon=True,
                                                 name="shard-claim")
                 self._thread.start()
@@ -192,6 +198,8 @@ class ShardClaim:
                 if self._stop.is_set():
                     return
                 self._store()
+                held = set(owners(self.claims()).values()) | {self.peer_id}
+                self.live = len(held)
             except Exception as exc:  # noqa: BLE001 - the DHT going down ends the run anyway
                 log.warning("refreshing the shard claim failed: %r", exc)
                 if self._stop.is_set():
