@@ -105,3 +105,31 @@ def test_audit_tells_a_redone_round_from_a_divergent_one(tmp_path: Path) -> None
     assert not audit["consistent"]
     assert audit["repeated_steps"] == {"w0": [2]} and audit["divergent_steps"] == {2: ["b", "x"]}
     assert audit["redone_steps"] == {}
+
+
+def test_audit_accepts_moshpit_groups_apart_but_not_one_group_apart(tmp_path: Path) -> None:
+    """Groups smaller than the swarm commit one round with different states (each record
+    names its group); within one group, or in the last round, two states are a divergence."""
+    metrics = tmp_path / "metrics"
+    metrics.mkdir()
+
+    def grouped(worker: str, step: int, fingerprint: str, group: str) -> str:
+        return json.dumps({**json.loads(_sync(worker, step, fingerprint)), "group": group})
+
+    def write(last: dict[str, str], w1_first: str = "a") -> None:
+        (metrics / "w0.jsonl").write_text("\n".join(
+            [grouped("w0", 1, "a", "g1"), _sync("w0", 2, last["w0"])]))
+        (metrics / "w1.jsonl").write_text("\n".join(
+            [grouped("w1", 1, w1_first, "g1"), _sync("w1", 2, last["w1"])]))
+        (metrics / "w2.jsonl").write_text("\n".join(
+            [grouped("w2", 1, "b", "g2"), _sync("w2", 2, last["w2"])]))
+
+    write({"w0": "c", "w1": "c", "w2": "c"})
+    audit = audit_run(tmp_path)
+    assert audit["consistent"] and audit["group_steps"] == {1: ["a", "b"]}, audit
+    write({"w0": "c", "w1": "c", "w2": "c"}, w1_first="x")  # one group, two states
+    audit = audit_run(tmp_path)
+    assert not audit["consistent"] and audit["divergent_steps"] == {1: ["a", "b", "x"]}
+    write({"w0": "c", "w1": "c", "w2": "d"})  # the last round did not join the groups
+    audit = audit_run(tmp_path)
+    assert not audit["consistent"] and audit["divergent_steps"] == {2: ["c", "d"]}

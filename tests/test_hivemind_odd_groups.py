@@ -17,39 +17,48 @@ from farlink.train.metrics import read_metrics
 
 
 # sites of 2 ranks (rank 0 matchmakes for the site; every rank skips with it) take 6 processes;
-# a time-budgeted run counts rounds, so a left-out peer must count the round it skipped
+# a time-budgeted run counts rounds, so a left-out peer must count the round it skipped; 5
+# peers form two groups a round, which commit one round number with different states, and the
+# last round (one group of all five) must join them
 @pytest.mark.parametrize("shape", [
     {},
     pytest.param({"ranks_per_worker": 2}, marks=pytest.mark.slow, id="sites"),
     pytest.param({"round_seconds": 1.0}, marks=pytest.mark.slow, id="timed"),
+    pytest.param({"workers": 5}, marks=pytest.mark.slow, id="two-groups"),
 ])
-def test_three_peers_in_groups_of_two_end_on_one_model(tmp_path: Path, cache_dir: Path,
-                                                      shape: dict) -> None:
+def test_peers_in_groups_of_two_end_on_one_model(tmp_path: Path, cache_dir: Path,
+                                                 shape: dict) -> None:
+    workers = [f"w{i}" for i in range(shape.get("workers", 3))]
     # a short quorum timeout: a peer that waited for a group that cannot form would fail fast
     cfg = load_config(None, {
-        **shape, "backend": "hivemind", "workers": 3, "group_size": 2, "min_replicas": 2,
+        "workers": 3, **shape, "backend": "hivemind", "group_size": 2, "min_replicas": 2,
         "vocab_size": 512, "seq_len": 64, "batch_size": 4, "eval_batches": 2,
         "steps": 20, "inner_steps": 10, "warmup_steps": 2, "quorum_timeout": 20,
         "run_dir": tmp_path / "run", "cache_dir": cache_dir})
     result = launch(cfg, show_progress=False)
-    assert result.returncodes == [0, 0, 0]
+    assert result.returncodes == [0] * len(workers)
 
     syncs = {w: [r for r in read_metrics(cfg.run_dir / "metrics" / f"{w}.jsonl")
-                 if r["kind"] == "sync"] for w in ("w0", "w1", "w2")}
+                 if r["kind"] == "sync"] for w in workers}
     skipped = [r for records in syncs.values() for r in records if r.get("skipped")]
-    assert skipped, "3 peers in groups of 2: some peer must have been left out of a round"
     assert all(not r["committed"] and r["world_size"] == 1 for r in skipped)
     assert sum(w["skipped_rounds"] for w in result.summary["per_worker"].values()) == len(skipped)
+    if len(workers) == 3:
+        assert skipped, "3 peers in groups of 2: some peer must have been left out of a round"
+    else:  # two groups in some round committed one round number with different states
+        states = {(r["outer_step"], r["fingerprint"]) for records in syncs.values()
+                  for r in records if r["committed"] and r["world_size"] == 2}
+        assert len({s for s, _ in states}) < len(states), states
     # the last round is one group of everyone, committed by each
     for records in syncs.values():
-        assert records[-1]["committed"] and records[-1]["world_size"] == 3
+        assert records[-1]["committed"] and records[-1]["world_size"] == len(workers)
 
     audit = audit_run(cfg.run_dir)  # every committed round: one state, none missing
     assert audit["consistent"] and audit["outer_steps"] == 2, audit
     ended = result.summary["final_replicas"]
-    assert ended["consistent"] and ended["holders"] == ["w0", "w1", "w2"]
+    assert ended["consistent"] and ended["holders"] == workers
     models = [load_file(str(p)) for p in sorted((cfg.run_dir / "final").glob("w*.safetensors"))]
-    assert len(models) == 3
+    assert len(models) == len(workers)
     for other in models[1:]:
         assert all((other[name] == models[0][name]).all() for name in models[0])
 
@@ -104,3 +113,17 @@ def test_the_left_out_peer_skips_after_its_window_and_the_last_round_takes_every
     finally:
         for peer in peers.values():
             peer.close()
+
+
+@pytest.mark.parametrize("algorithm", ["streaming_diloco", "demo", "sparseloco", "ddp"])
+def test_groups_smaller_than_the_swarm_are_refused_where_states_would_never_join(
+        tmp_path: Path, algorithm: str) -> None:
+    """Only the DiLoCo family averages its committed state within a group; another algorithm's
+    groups would commit one round apart and stay apart, so --group-size is refused up front."""
+    from farlink.config import ConfigError
+
+    with pytest.raises((ConfigError, ValueError), match="group_size .* runs local_sgd/diloco"):
+        load_config(None, {"backend": "hivemind", "workers": 3, "group_size": 2,
+                           "algorithm": algorithm, "run_dir": tmp_path / "run"})
+    assert load_config(None, {"backend": "hivemind", "workers": 3, "group_size": 2,
+                              "algorithm": "local_sgd", "run_dir": tmp_path / "run"}).group_size == 2

@@ -237,6 +237,12 @@ class RunConfig(*algorithm_options()):
             timed = [n for n in ALGORITHMS if algorithm_class(n).capabilities.time_budget]
             raise ValueError(f"round_seconds (time-budgeted rounds) applies to "
                              f"{'/'.join(timed)}, not {self.algorithm}")
+        if self.group_size is not None and not caps.partial_groups:
+            mixing = [n for n in ALGORITHMS if algorithm_class(n).capabilities.partial_groups]
+            raise ValueError(
+                f"group_size (Moshpit groups smaller than the swarm) runs {'/'.join(mixing)}: "
+                f"{self.algorithm}'s groups would commit the same round with different states "
+                "and never join them again. Drop --group-size (every round one group of all)")
         if self.backend not in caps.backends:
             raise ValueError(f"{self.algorithm} runs on the {' or '.join(caps.backends)} "
                              f"backend, not {self.backend}")

@@ -39,6 +39,7 @@ unless you ask (``lr_schedule=True`` uses warmup + cosine over ``steps``; ``grad
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 from pathlib import Path
@@ -380,6 +381,17 @@ class Optimizer:
         return bool(last is not None and last.healed)
 
     @property
+    def round_group(self) -> str | None:
+        """Who the last round's members were (a short hash of their ids), when a round's group
+        may be smaller than the swarm (Moshpit groups): two groups then commit one round number
+        with different states, and the run's audit tells them apart by this. None otherwise:
+        there every round has one group, and two states for one round are a divergence."""
+        last = self.algorithm.last_round
+        if last is None or not last.peers or not self.collective.partial_groups:
+            return None
+        return hashlib.sha256("|".join(sorted(last.peers)).encode()).hexdigest()[:12]
+
+    @property
     def addresses(self) -> list[str]:
         """Where other replicas join this one: on hivemind its multiaddrs (pass them to the
         next replica as ``lighthouse=``, a comma list); empty on torchft (the Lighthouse is the
@@ -575,8 +587,7 @@ class Optimizer:
         published step is whole."""
         import torch.distributed as dist
 
-        from farlink.train.checkpoint import (load_newest_intact, load_rank_part,
-                                              read_verified_meta)
+        from farlink.train.checkpoint import load_newest_intact, load_rank_part, read_verified_meta
 
         restored = load_newest_intact(directory, rank=0) if self.site.rank == 0 else None
         name = [restored.path.name if restored and restored.path else None]

@@ -94,6 +94,10 @@ class Collective(ABC):
     #: groups are smaller than the swarm (hivemind's Moshpit groups) forms that round with every
     #: live peer, so the run ends on one model
     final_round: bool = False
+    #: a round's group may be smaller than the swarm (hivemind's Moshpit groups): members of
+    #: different groups then hold different states at one round number, and an algorithm that
+    #: runs in such groups averages its committed state within each group
+    partial_groups: bool = False
 
     def __init__(self) -> None:
         self.stats = CommStats()

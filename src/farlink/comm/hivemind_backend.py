@@ -409,8 +409,14 @@ class HivemindCollective(Collective):
         due = get_dht_time() + max(0.0, float(in_seconds))
         self._deadline = due + self.round_timeout
         self._round_asked = None
-        self._search_final = False
+        # the run's last round (``final_round``, set by the training side) is looked for as
+        # such: under its own key, with every live peer
+        self._search_final = self.final_round and self.final_group_size is not None
         self._search = asyncio.run_coroutine_threadsafe(self._find_group(due), self._loop)
+
+    @property
+    def partial_groups(self) -> bool:  # type: ignore[override]
+        return self.final_group_size is not None  # Moshpit groups (--group-size)
 
     def begin_round(self) -> RoundInfo:
         start = time.perf_counter()
@@ -453,8 +459,9 @@ class HivemindCollective(Collective):
             log.info("early matchmaking failed (%r); looking again", search.exception())
             search = None
         final = self.final_round and self.final_group_size is not None
-        if search is not None and final and not self._search_final:
-            # an early search for a round of the usual size: the last round forms with everyone
+        if search is not None and final != self._search_final:
+            # an early search of the other kind: the last round forms with everyone, under a
+            # key of its own, and the usual rounds in groups of their size
             self._call(self._cancel_search(search), timeout=self.request_timeout + 10)
             search = None
         if search is None:

@@ -98,6 +98,10 @@ class HivemindSiteCollective(Collective):
         self.peer.final_round = last  # rank 0's peer matchmakes it with every live site
 
     @property
+    def partial_groups(self) -> bool:  # type: ignore[override]
+        return self.peer.partial_groups
+
+    @property
     def last_failure(self) -> CommError | None:
         return self.peer.last_failure
 

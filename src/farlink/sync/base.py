@@ -78,6 +78,8 @@ class Capabilities:
     #                        its state that matches its shard (elementwise, or per-shard chunks)
     stage_averaging: bool = False  # its outer step (``outer_optimizer_of``) can join the peers
     #                                of one pipeline stage (farlink train --pipeline-stages)
+    partial_groups: bool = False  # it averages its committed state in groups smaller than the
+    #                               swarm (hivemind --group-size, :meth:`mix_group_states`)
 
 
 @dataclass
@@ -359,6 +361,12 @@ class SyncAlgorithm(ABC):
         is done): a backend of groups smaller than the swarm forms it with every peer."""
         return self.finished()
 
+    def next_round_is_last(self) -> bool:
+        """Whether the round after the one just done will be the run's last (see
+        :meth:`last_round_due`), for a collective that looks for its group ahead of time."""
+        return (self.cfg.steps is not None
+                and self.inner_steps_done + self.cfg.inner_steps >= self.cfg.steps)
+
     def join(self) -> StepOutcome | None:
         """A newcomer's first round, before any inner step: heal from live peers now rather
         than after H wasted steps. Algorithms without a cheap zero-weight round return None
@@ -381,6 +389,11 @@ class SyncAlgorithm(ABC):
     def fingerprint(self) -> str:
         """Hash of the committed state: equal on every replica after a committed round."""
         return state_digest(self.shared_state()).hex()[:16]
+
+    def mix_group_states(self, info: RoundInfo) -> None:
+        """Groups smaller than the swarm: make this round's members hold one committed state
+        before the update lands (see :class:`~farlink.sync.diloco.DiLoCo`). Algorithms without
+        :attr:`Capabilities.partial_groups` never run in such groups."""
 
     def export_state(self) -> TensorState:
         """Committed state for a healing peer, sealed with its SHA-256 (checked on arrival)."""
@@ -518,6 +531,7 @@ class SyncAlgorithm(ABC):
                             "averaging and goes on with its local update", info.round_id)
                 break
             tensors = build(info)
+            self.mix_group_states(info)
             result = self.exchange.average(
                 tensors, 0.0 if info.healed else weight, info.round_id
             )
@@ -538,6 +552,9 @@ class SyncAlgorithm(ABC):
         self.network_seconds += self.collective.stats.comm_seconds - network_before
         if self._round_gap is not None and not self.finished():
             # the next round is due about as far off as this one was from the last: the
-            # collective may form its group meanwhile (hivemind's matchmaking)
+            # collective may form its group meanwhile (hivemind's matchmaking), as the run's
+            # last round if it is (formed with every live peer, under a key of its own: a
+            # search of the usual kind would pair a peer with one that then leaves for it)
+            self.collective.final_round = self.next_round_is_last()
             self.collective.expect_round(self._round_gap)
         return committed, seconds, info

@@ -5,6 +5,12 @@ every outer step, all workers that logged it logged the same fingerprint (no div
 update applied twice: a double application would give a different state for the same step
 number), and the committed outer steps seen by the run form one contiguous sequence (none lost).
 
+In groups smaller than the swarm (hivemind ``--group-size``, Moshpit), two groups commit one
+outer step with different states by design, and each record names its group: there a step
+diverges only when members of one group logged different states, and the run's last step, one
+group of the whole swarm, must have one state. Steps that several groups committed apart are
+reported as ``group_steps``.
+
 A worker may log the same outer step twice without anything being wrong: when its checkpoint of a
 committed round could not be written (a full disk, a kill between the log line and the save), it
 resumes from the round before and computes that round again. Deterministic training redoes it bit
@@ -22,6 +28,7 @@ from farlink.train.metrics import read_metrics
 
 def audit_run(run_dir: Path) -> dict:
     fingerprints: dict[int, set[str]] = defaultdict(set)
+    by_group: dict[tuple[int, str | None], set[str]] = defaultdict(set)
     per_worker_steps: dict[str, dict[int, list[str]]] = defaultdict(lambda: defaultdict(list))
     evals, restarts = [], 0
     for path in sorted((run_dir / "metrics").glob("w*.jsonl")):
@@ -29,6 +36,7 @@ def audit_run(run_dir: Path) -> dict:
         for r in read_metrics(path):
             if r["kind"] == "sync" and r.get("committed"):
                 fingerprints[r["outer_step"]].add(r["fingerprint"])
+                by_group[(r["outer_step"], r.get("group"))].add(r["fingerprint"])
                 per_worker_steps[path.stem][r["outer_step"]].append(r["fingerprint"])
             elif r["kind"] == "start":
                 starts += 1
@@ -36,7 +44,11 @@ def audit_run(run_dir: Path) -> dict:
                 evals.append(r)
         restarts += max(0, starts - 1)
     steps = sorted(fingerprints)
-    divergent = {s: sorted(f) for s, f in fingerprints.items() if len(f) > 1}
+    apart = {s for (s, _), f in by_group.items() if len(f) > 1}  # one group, several states
+    if steps and len(fingerprints[steps[-1]]) > 1:
+        apart.add(steps[-1])  # the run ends on one model whatever its groups
+    divergent = {s: sorted(fingerprints[s]) for s in sorted(apart)}
+    group_steps = {s: sorted(f) for s, f in fingerprints.items() if len(f) > 1 and s not in apart}
     missing = sorted(set(range(1, steps[-1] + 1)) - set(steps)) if steps else []
     twice = {w: {s: f for s, f in logged.items() if len(f) > 1}
              for w, logged in per_worker_steps.items()}
@@ -49,6 +61,7 @@ def audit_run(run_dir: Path) -> dict:
     return {
         "outer_steps": steps[-1] if steps else 0,
         "divergent_steps": divergent,
+        "group_steps": group_steps,
         "missing_steps": missing,
         "repeated_steps": repeated,
         "redone_steps": redone,

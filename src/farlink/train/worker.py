@@ -396,6 +396,7 @@ class Worker:
                                    fingerprint=self.fingerprint() if outcome.committed else None,
                                    world_size=outcome.world_size, healed=sync.healed,
                                    **({"skipped": True} if outcome.skipped else {}),
+                                   **({"group": group} if (group := sync.round_group) else {}),
                                    round_s=round(outcome.comm_seconds, 4),
                                    rejected=outcome.rejected, **fields)
             elif step % cfg.log_every == 0 or (outcome.synced and not outcome.committed):
