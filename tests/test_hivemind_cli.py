@@ -45,6 +45,21 @@ def test_join_with_bad_address_says_how_to_fix() -> None:
     assert "not a valid multiaddress" in err and "farlink swarm start" in err
 
 
+def test_volunteers_of_several_ranks_are_refused_with_what_to_do(tmp_path) -> None:
+    """A volunteer is one process: a run of several ranks per worker cannot be served, and
+    ``swarm join`` under torchrun would make each rank a volunteer of its own."""
+    import os
+
+    start = swarm("start", "--ranks-per-worker", "2", "--run-dir", str(tmp_path / "boot"))
+    _, err = start.communicate(timeout=60)
+    assert start.returncode == 2 and "one process each" in err and "Drop it" in err, err
+    assert not (tmp_path / "boot").exists()
+    join = swarm("join", "--initial-peers", "/ip4/127.0.0.1/tcp/4000",
+                 env={**os.environ, "WORLD_SIZE": "2"})
+    _, err = join.communicate(timeout=60)
+    assert join.returncode == 2 and "without torchrun" in err, err
+
+
 def test_start_on_every_interface_prints_a_command_for_other_machines(tmp_path, cache_dir) -> None:
     """``--host 0.0.0.0``: the printed join command names an address other machines can dial
     (not loopback, when the machine has another) and has the volunteer listen on every

@@ -28,6 +28,7 @@ and says so (:func:`farlink.comm.hivemind_net.nat_in_between`).
 from __future__ import annotations
 
 import json
+import os
 import time
 from pathlib import Path
 from typing import Annotated, Any
@@ -97,6 +98,11 @@ def register(app: typer.Typer, bench_app: typer.Typer) -> None:
             if cfg.hf_model_dir is not None:
                 raise ConfigError("a swarm serves preset models only (--model "
                                   f"{cfg.model} is a directory on this machine); pick a preset")
+            if cfg.ranks_per_worker > 1:
+                raise ConfigError(
+                    f"a swarm's volunteers are one process each; ranks_per_worker="
+                    f"{cfg.ranks_per_worker} is for sites that `farlink train` / `farlink join` "
+                    "start with torchrun (on the torchft or hivemind backend). Drop it")
             cfg, link = plan_run_dir(cfg)
             check_launch(cfg)
             data = prepare_data(cfg.corpus, cfg.vocab_size, cfg.cache_dir,
@@ -195,6 +201,10 @@ def register(app: typer.Typer, bench_app: typer.Typer) -> None:
     ) -> None:
         """Join a swarm as a volunteer and train the run on a shard of its own until the run
         ends or Ctrl-C."""
+        if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+            raise _fail("a volunteer is one process: start `farlink swarm join` without "
+                        "torchrun (this process is one of WORLD_SIZE="
+                        f"{os.environ['WORLD_SIZE']}); one volunteer per machine or GPU")
         from farlink.comm.errors import CommError, MembershipRefused
         from farlink.comm.swarm_definition import (
             DefinitionError, data_fingerprint, digest_of, fetch_definition, parse_definition,
