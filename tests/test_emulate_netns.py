@@ -59,6 +59,7 @@ def test_measured_link_matches_profile(profile: LinkProfile) -> None:
     assert host_state() == before
 
 
+@pytest.mark.slow  # per-link shaping; the measured-link test covers the emulator by default
 def test_heterogeneous_links() -> None:
     """A home-like worker (20 up / 80 down, 60 ms) and a cross-region one (50, 40 ms): the path
     delay is the mean, the rate the sender's upload or the receiver's download, whichever is

@@ -141,6 +141,7 @@ def test_frame_bytes_are_header_plus_codec_payloads(spec: str) -> None:
         assert bool((error <= bound * 1.01 + 1e-8).all())
 
 
+@pytest.mark.slow  # pipeline training through the CLI runs by default
 def test_compressed_activations_cut_bytes_by_the_codec_ratio_and_keep_gradients_close() -> None:
     """Activations wide enough that frame headers are a few percent of the fp32 payload."""
     wide = GPTConfig(vocab_size=97, n_layer=2, n_head=2, d_model=128, d_ff=128, seq_len=32)

@@ -295,6 +295,7 @@ def test_idle_flood_does_not_lock_a_member_out(service, tmp_path: Path):
     wait_for(lambda: service.connections == 2)
 
 
+@pytest.mark.slow  # the same bounded log as the failed-tunnel flood, which runs by default
 def test_flood_of_refusals_keeps_the_log_small(service, tmp_path: Path):
     log_path = tmp_path / "gate.log"
     with Gate(SharedSecretAuth("s", "gate"), ("127.0.0.1", service.port), log_path=log_path,

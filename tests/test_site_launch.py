@@ -94,6 +94,7 @@ def test_two_torchrun_sites_train_one_model_from_torchft_variables(tmp_path, cac
         assert (run / "final" / f"w{index}.safetensors").is_file()
 
 
+@pytest.mark.slow  # the torchrun sites above run by default; this adds keys and trimming
 def test_sites_signing_with_their_own_ed25519_keys_and_trimming(tmp_path, cache_dir):
     """Each site signs with its own key (every rank of a site with the site's key); every rank
     checks the other site's signature on its shard and aggregates with a trimmed mean."""
