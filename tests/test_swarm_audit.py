@@ -28,7 +28,8 @@ def volunteer(root: Path, name: str, shard: int, join_round: int, rounds: list[i
               joined_at: int = 1, healed: tuple[int, ...] = (), extra_steps: int = 0,
               end_round: int | None = None, end_fingerprint: str | None = None,
               took_over: int | None = None,
-              fingerprints: dict[int, str] | None = None) -> Path:
+              fingerprints: dict[int, str] | None = None,
+              groups: dict[int, str] | None = None) -> Path:
     """Write one volunteer's run dir: swarm.json and its worker's metrics."""
     run_dir = root / name
     run_dir.mkdir(parents=True)
@@ -46,7 +47,8 @@ def volunteer(root: Path, name: str, shard: int, join_round: int, rounds: list[i
             tokens += 128
             log.write("step", step=0, tokens=tokens)
         log.write("sync", committed=True, healed=r in healed, outer_step=r, tokens=tokens,
-                  fingerprint=fingerprints.get(r, fp(r)), world_size=3)
+                  fingerprint=fingerprints.get(r, fp(r)), world_size=3,
+                  **({"group": groups[r]} if groups and r in groups else {}))
     for _ in range(extra_steps):
         tokens += 128
         log.write("step", step=0, tokens=tokens)
@@ -109,6 +111,20 @@ def test_two_states_under_one_round_number_lose_that_rounds_committed_tokens(
     assert audit["divergent_rounds"] == {4: sorted([fp(4), "other"])}
     assert audit["lost_committed_tokens"] == 3 * TOKENS_PER_ROUND  # a, b and c committed round 4
     assert not audit["consistent"] and not audit["same_final_state"]
+
+
+def test_moshpit_groups_apart_in_a_round_lose_nothing_but_one_group_apart_does(
+        tmp_path: Path) -> None:
+    """Groups smaller than the swarm commit one round with a state each (every record names
+    its group); two states within one group still lose that round's tokens."""
+    apart = audit_swarm(swarm(tmp_path / "apart", a={"groups": {4: "g1"}},
+                              b={"groups": {4: "g1"}},
+                              c={"groups": {4: "g2"}, "fingerprints": {4: "other"}}))
+    assert apart["divergent_rounds"] == {} and apart["lost_committed_tokens"] == 0
+    assert apart["consistent"] and apart["same_final_state"]
+    one = audit_swarm(swarm(tmp_path / "one", a={"groups": {4: "g1"}}, b={"groups": {4: "g1"}},
+                            c={"groups": {4: "g1"}, "fingerprints": {4: "other"}}))
+    assert one["divergent_rounds"] == {4: sorted([fp(4), "other"])} and not one["consistent"]
 
 
 def test_a_survivor_on_another_state_or_behind_is_caught(tmp_path: Path) -> None:
