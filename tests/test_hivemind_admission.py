@@ -125,3 +125,40 @@ def test_members_train_and_non_members_are_refused(tmp_path) -> None:
             boot.communicate(timeout=30)
         except subprocess.TimeoutExpired:
             boot.kill()
+
+
+def test_a_member_restarted_with_its_identity_is_proven_again_by_those_that_knew_it(
+        tmp_path) -> None:
+    """b proved membership to a long ago and caches it; a restarts with the same identity and
+    an empty cache. a leads the next round (it looks first), so b never handshakes: it trusts
+    its cache and sends its join request. a must ask b for the proof itself, not refuse it for
+    good (a swarm of two then waited out its quorum timeout)."""
+    from test_hivemind_early_matchmaking import in_threads
+
+    options = {**FAST, "round_timeout": 20.0}
+    identity = str(tmp_path / "a.key")
+
+    def peer(name: str, peers: list[str], **extra) -> HivemindCollective:
+        return HivemindCollective("restarted", peers, admission=SharedSecretAuth("s", name),
+                                  **options, **extra)
+
+    def one_round(name: str, coll: HivemindCollective) -> tuple:
+        if name == "b":
+            time.sleep(2.0)  # a is looking already: it leads, b asks to join it
+        info = coll.begin_round()
+        x = [torch.ones(8)]
+        coll.all_reduce_sum(x)
+        return info.world_size, coll.commit()
+
+    a = peer("a", [], identity_path=identity)
+    b = peer("b", a.maddrs)
+    try:
+        assert in_threads(one_round, {"a": a, "b": b}) == {"a": (2, True), "b": (2, True)}
+        a.close()
+        a = peer("a", b.maddrs, identity_path=identity)  # same peer id, nothing cached
+        a.load_committed_step(1)  # resumed from its checkpoint of round 1
+        results = in_threads(one_round, {"a": a, "b": b}, timeout=60)
+        assert results == {"a": (2, True), "b": (2, True)}, results
+    finally:
+        a.close()
+        b.close()

@@ -160,6 +160,10 @@ def _field(message: dict, key: str) -> bytes:
     return value
 
 
+#: how often a peer that contacts this one unproven is asked for the handshake, at most
+PROVE_EVERY = 5.0
+
+
 class Admission:
     """Who may talk to this peer: libp2p peer ids that proved membership (cached for the run).
 
@@ -175,17 +179,49 @@ class Admission:
         self.refusals: collections.deque[tuple[str, str]] = collections.deque(maxlen=1000)
         self._refused_at: dict[PeerID, tuple[float, str]] = {}
         self._locks: dict[PeerID, asyncio.Lock] = {}
+        self._asked_at: dict[PeerID, float] = {}  # when this peer last asked for a proof
+        self._tasks: set[asyncio.Task] = set()
         self._log = _RateLimitedLog()
 
     async def add_handler(self) -> None:
         await self.p2p.add_binary_stream_handler(self.handler, self._handle)
 
     def admitted(self, peer: PeerID, what: str) -> bool:
-        """True for a proven member; otherwise the refusal is logged and False returned."""
+        """True for a proven member; otherwise the refusal is logged, the handshake is started
+        from this side (:meth:`_prove_later`) and False returned."""
         if peer in self.members or peer == self.p2p.peer_id:
             return True
-        self._refuse(peer, f"{what} from a peer that has not proven membership")
+        reason = f"{what} from a peer that has not proven membership"
+        self.refusals.append((str(peer), reason))
+        self._log.warning(str(peer), "refused peer %s: %s", peer, reason)
+        self._prove_later(peer)
         return False
+
+    def _prove_later(self, peer: PeerID) -> None:
+        """Run the handshake with a peer that contacted this one unproven. A member that
+        restarted (same identity, empty cache) is contacted by peers whose caches say it proved
+        membership long ago, so they never prove themselves to it again: it refused their join
+        requests and pushes for good, and a swarm of two waited out its quorum timeout. So the
+        refusing side asks for the proof itself, at most once per ``PROVE_EVERY`` seconds per
+        peer; a peer that fails the handshake is refused for ``backoff`` as before. An unproven
+        contact alone never starts that backoff: it is no evidence of a wrong secret."""
+        now = time.monotonic()
+        if now - self._asked_at.get(peer, -PROVE_EVERY) < PROVE_EVERY:
+            return
+        self._asked_at[peer] = now
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            return  # not on the peer's event loop: the next contact there asks
+
+        async def prove() -> None:
+            try:
+                await self.ensure(peer)
+            except Exception as exc:  # noqa: BLE001 - a non-member, or one we cannot dial
+                log.info("handshake asked of %s failed: %r", peer, exc)
+
+        self._tasks.add(task := loop.create_task(prove()))
+        task.add_done_callback(self._tasks.discard)
 
     def _refuse(self, peer: PeerID, reason: str) -> None:
         self.refusals.append((str(peer), reason))
