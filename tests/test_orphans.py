@@ -73,3 +73,41 @@ def test_sigkilled_launcher_leaves_no_process_and_resume_finishes(tmp_path: Path
         assert resume and resume[-1]["inner_steps"] >= BASE["inner_steps"], records[-3:]
         assert records[-1]["kind"] == "end" and records[-1]["finished"]
         assert (run_dir / "final" / f"{w}.safetensors").exists()
+
+
+def test_a_sigkilled_volunteer_leaves_no_process(tmp_path: Path, cache_dir: Path) -> None:
+    """``farlink swarm join`` killed with SIGKILL: its DHT process (forked, with its p2pd) must
+    not outlive it. An orphaned DHT also held the volunteer's output pipes open, so whoever
+    waited for the volunteer's output waited forever."""
+    from swarm_output import read_multiaddress
+
+    env = {**os.environ, "FARLINK_SECRET": "s"}
+    (tmp_path / "run.toml").write_text('[train]\nvocab_size = 512\nauth = "secret"\n')
+    boot = subprocess.Popen([sys.executable, "-m", "farlink.cli", "swarm", "start", "--config",
+                             str(tmp_path / "run.toml"), "--run-dir", str(tmp_path / "boot"),
+                             "--cache-dir", str(cache_dir)], stdout=subprocess.PIPE,
+                            stderr=subprocess.DEVNULL, text=True, env=env)
+    try:
+        address = read_multiaddress(boot, timeout=300)
+        volunteer = subprocess.Popen(
+            [sys.executable, "-m", "farlink.cli", "swarm", "join", "--initial-peers", address,
+             "--auth", "secret", "--run-dir", str(tmp_path / "v"), "--cache-dir",
+             str(cache_dir)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
+        deadline = time.monotonic() + 300
+        while not (tmp_path / "v" / "swarm.json").is_file():  # it claimed a shard: all started
+            assert volunteer.poll() is None and time.monotonic() < deadline
+            time.sleep(0.5)
+        below = descendants(volunteer.pid)
+        assert any("p2pd" in command_line(pid) for pid in below), [command_line(p) for p in below]
+        volunteer.kill()
+        volunteer.wait(30)
+        deadline = time.monotonic() + GONE_WITHIN_S
+        while any(alive(pid) for pid in below) and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert not [command_line(pid) for pid in below if alive(pid)]
+    finally:
+        boot.send_signal(signal.SIGINT)
+        try:
+            boot.communicate(timeout=30)
+        except subprocess.TimeoutExpired:
+            boot.kill()

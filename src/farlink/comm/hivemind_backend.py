@@ -335,7 +335,11 @@ class HivemindCollective(Collective):
         opts = dht_options(host_maddrs, announce_maddrs, client_mode, public, identity_path)
         if admission is not None:  # hivemind's own hook: every DHT RPC signed and checked
             opts["authorizer"] = RunAuthorizer(admission)
-        self.dht = start_dht(list(initial_peers), startup_timeout=startup_timeout, **opts)
+        # the DHT process (forked, with its p2pd) ends with this one, even one killed with
+        # SIGKILL, when the main thread forks it (the kernel ties a child to its forking thread)
+        tied = threading.current_thread() is threading.main_thread()
+        self.dht = start_dht(list(initial_peers), startup_timeout=startup_timeout, tied=tied,
+                             **opts)
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(
             target=self._loop.run_forever, daemon=True, name="hivemind-comm"
