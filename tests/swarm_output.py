@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+import signal
 import subprocess
 import time
 
@@ -20,3 +21,14 @@ def read_multiaddress(proc: subprocess.Popen, host: str = "127.0.0.1",
         if proc.poll() is not None:
             break
     raise AssertionError(f"no multiaddress on {host}; stderr: {proc.stderr.read()}")
+
+
+def stop(proc: subprocess.Popen | None) -> None:
+    """Ctrl-C a swarm peer and wait for it; SIGKILL it if it has not stopped within 30 s."""
+    if proc is not None and proc.poll() is None:
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.communicate(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.communicate()

@@ -79,7 +79,7 @@ def test_a_sigkilled_volunteer_leaves_no_process(tmp_path: Path, cache_dir: Path
     """``farlink swarm join`` killed with SIGKILL: its DHT process (forked, with its p2pd) must
     not outlive it. An orphaned DHT also held the volunteer's output pipes open, so whoever
     waited for the volunteer's output waited forever."""
-    from swarm_output import read_multiaddress
+    from swarm_output import read_multiaddress, stop
 
     env = {**os.environ, "FARLINK_SECRET": "s"}
     (tmp_path / "run.toml").write_text('[train]\nvocab_size = 512\nauth = "secret"\n')
@@ -106,8 +106,4 @@ def test_a_sigkilled_volunteer_leaves_no_process(tmp_path: Path, cache_dir: Path
             time.sleep(0.5)
         assert not [command_line(pid) for pid in below if alive(pid)]
     finally:
-        boot.send_signal(signal.SIGINT)
-        try:
-            boot.communicate(timeout=30)
-        except subprocess.TimeoutExpired:
-            boot.kill()
+        stop(boot)

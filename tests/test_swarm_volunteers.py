@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from swarm_output import stop
 
 from farlink.comm.swarm_definition import digest_of, make_definition
 from farlink.comm.swarm_shards import owners, preference
@@ -65,16 +66,6 @@ def wait_for(predicate, what: str, timeout: float = 300) -> None:
     while not predicate():
         assert time.monotonic() < deadline, f"timed out waiting for {what}"
         time.sleep(1.0)
-
-
-def stop(proc: subprocess.Popen | None) -> None:
-    if proc is not None and proc.poll() is None:
-        proc.send_signal(signal.SIGINT)
-        try:
-            proc.communicate(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.communicate()
 
 
 @pytest.mark.slow  # a bootstrap peer, two training volunteers, a restart: minutes on 2 cores
