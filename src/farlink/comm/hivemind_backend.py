@@ -30,6 +30,9 @@ shares the p2p daemon of a ``hivemind.DHT`` (which runs in its own process). Per
 * ``all_gather_bytes`` pushes the payload (signed by the exchange above, which verifies what
   arrives) to every member that accepts connections; client-mode members fetch the full list
   from one of them, which streams each payload on as soon as it has it, not after the last one.
+  A payload of a few MB travels as up to ``STREAM_PARTS`` slices on parallel streams (a new
+  stream's flow-control window opens a round trip at a time; on a home link's 100-300 ms that
+  holds one stream far below the link's rate for its first megabytes).
 * ``commit`` is an all-gather of one-byte votes. A member that failed anything (timeout, dead
   peer, bad state hash) votes no, and a member that is gone does not vote, so **a peer failing
   mid-round makes the round's ``commit()`` return False for the survivors**; their next
@@ -203,6 +206,31 @@ class _Group:
 #: this peer's membership proof) is tried again after PUSH_PAUSE x its attempt number before the
 #: groupmate counts as dead for the round: one passing failure must not cost a whole round
 PUSH_TRIES, PUSH_PAUSE = 3, 0.5
+#: a round's data goes over this many libp2p streams per payload, each carrying a slice: a new
+#: yamux stream starts with a 256 KiB receive window that grows a round trip at a time, so one
+#: stream of a few MB over a 100-300 ms path spends its first round trips far below the link's
+#: rate; parallel streams start with that many windows. Slices are at least STREAM_PART_MIN.
+STREAM_PARTS, STREAM_PART_MIN = 4, 256 * 1024
+
+
+def stream_parts(size: int, kind: str) -> int:
+    """How many streams carry a payload of ``size`` bytes: round data of a few MB goes over
+    several, votes and anything under 2 x STREAM_PART_MIN over one."""
+    return max(1, min(STREAM_PARTS, size // STREAM_PART_MIN)) if kind == "data" else 1
+
+
+def slice_in(header: dict) -> tuple[int, int]:
+    """``(part, parts)`` of a put or fetch; a peer asking for more streams than any sender
+    uses, or a slice outside them, is refused (it would only pile up memory here)."""
+    part, parts = int(header.get("part", 0)), int(header.get("parts", 1))
+    if not (1 <= parts <= STREAM_PARTS and 0 <= part < parts):
+        raise ValueError(f"slice {part} of {parts}: at most {STREAM_PARTS} slices")
+    return part, parts
+
+
+def slice_of(data: bytes, part: int, parts: int) -> bytes:
+    """Slice ``part`` of ``data`` cut into ``parts`` contiguous slices (some may be empty)."""
+    return data[len(data) * part // parts: len(data) * (part + 1) // parts]
 
 
 class _Mailbox:
@@ -905,32 +933,41 @@ class HivemindCollective(Collective):
         self._mailbox.put(key, group.me, data)
         others = {r for r in range(group.size) if r != group.me}
         targets = [r for r in group.servers() if r != group.me]
+        count = stream_parts(len(data), kind)
+        parts = [slice_of(data, i, count) for i in range(count)]
 
         async def push(rank: int) -> int:
             if self.admission is not None and group.peers[rank] not in self.admission.members:
                 group.dead.add(rank)  # never send to a groupmate that has not proven membership
                 self._mailbox.changed.set()
                 return 0
+            delivered = await asyncio.gather(*(push_part(rank, i, body)
+                                               for i, body in enumerate(parts)))
+            if all(delivered):
+                return len(data)
+            group.dead.add(rank)
+            self._mailbox.changed.set()
+            return 0
+
+        async def push_part(rank: int, part: int, body: bytes) -> bool:
+            header = {"key": key, "rank": group.me, "part": part, "parts": len(parts)}
             for attempt in range(1, PUSH_TRIES + 1):
                 try:
-                    header, _ = await asyncio.wait_for(
-                        self._request(group.peers[rank], "put", {"key": key, "rank": group.me},
-                                      [data]),
+                    answer, _ = await asyncio.wait_for(
+                        self._request(group.peers[rank], "put", header, [body]),
                         timeout=max(0.1, deadline - time.monotonic()),
                     )
-                    if "error" in header:
-                        raise CommError(f"refused: {header['error']}")
-                    return len(data)
+                    if "error" in answer:
+                        raise CommError(f"refused: {answer['error']}")
+                    return True
                 except Exception as exc:  # noqa: BLE001 - unreachable groupmate
                     pause = PUSH_PAUSE * attempt
                     if attempt == PUSH_TRIES or deadline - time.monotonic() <= pause:
                         log.info("push to rank %d failed: %r", rank, exc)
-                        break
+                        return False
                     log.info("push to rank %d failed (%r); trying again", rank, exc)
                     await asyncio.sleep(pause)
-            group.dead.add(rank)
-            self._mailbox.changed.set()
-            return 0
+            return False
 
         pushes = asyncio.gather(*(push(r) for r in targets))
         if not group.client[group.me]:
@@ -944,14 +981,24 @@ class HivemindCollective(Collective):
             got = {}
             if self.admission is not None and group.peers[server] not in self.admission.members:
                 return got, sum(await pushes)
+            # as many streams as our own payload takes: the others' are about its size
             request = {"key": key, "rank": group.me, "ranks": sorted(others),
-                       "timeout": timeout, "kind": kind}
+                       "timeout": timeout, "kind": kind, "parts": count}
+            pieces: dict[int, dict[int, bytes]] = {}
+            fetches = [self._fetch(group.peers[server], {**request, "part": i}, pieces)
+                       for i in range(count)]
             try:
-                await asyncio.wait_for(self._fetch(group.peers[server], request, got),
-                                       timeout=max(0.1, deadline - time.monotonic() + 5))
+                failures = [r for r in await asyncio.wait_for(
+                    asyncio.gather(*fetches, return_exceptions=True),
+                    timeout=max(0.1, deadline - time.monotonic() + 5),
+                ) if isinstance(r, BaseException)]
+                if failures:
+                    log.info("fetch from rank %d failed: %r", server, failures[0])
             except Exception as exc:  # noqa: BLE001
                 log.info("fetch from rank %d failed: %r", server, exc)
-                got = {}
+            # a payload counts once every slice of it is here
+            got = {rank: b"".join(p[i] for i in range(count))
+                   for rank, p in pieces.items() if len(p) == count}
         sent = sum(await pushes)
         return got, sent
 
@@ -961,9 +1008,11 @@ class HivemindCollective(Collective):
         servers = group.servers()
         return servers[client_rank % len(servers)]
 
-    async def _fetch(self, peer: PeerID, request: dict, got: dict[int, bytes]) -> None:
-        """A client-mode member's fetch: the server streams one message per payload as each
-        arrives there, then ``{"done": True}``; ``got`` fills as they come."""
+    async def _fetch(self, peer: PeerID, request: dict,
+                     got: dict[int, dict[int, bytes]]) -> None:
+        """One stream of a client-mode member's fetch: the server streams slice
+        ``request["part"]`` of each payload as it arrives there, then ``{"done": True}``;
+        ``got[rank][part]`` fills as they come."""
         _, reader, writer = await self._p2p.call_binary_stream_handler(
             peer, f"{self.prefix}.fetch"
         )
@@ -973,7 +1022,7 @@ class HivemindCollective(Collective):
                 header, bodies = await recv_message(reader)
                 if header.get("done"):
                     return
-                got[int(header["rank"])] = bodies[0]
+                got.setdefault(int(header["rank"]), {})[int(request["part"])] = bodies[0]
         finally:
             writer.close()
 
@@ -998,7 +1047,15 @@ class HivemindCollective(Collective):
             return
         try:
             header, bodies = await recv_message(reader)
-            self._mailbox.put(bytes(header["key"]), int(header["rank"]), bodies[0])
+            key, rank = bytes(header["key"]), int(header["rank"])
+            part, parts = slice_in(header)
+            if parts == 1:
+                self._mailbox.put(key, rank, bodies[0])
+            else:  # a slice: the payload is whole when every slice is here
+                pieces = self._mailbox.slots.setdefault(key + b"/part/" + str(rank).encode(), {})
+                pieces[part] = bodies[0]
+                if len(pieces) == parts:
+                    self._mailbox.put(key, rank, b"".join(pieces[i] for i in range(parts)))
             await send_message(writer, {"ok": True}, [])
         except Exception as exc:  # noqa: BLE001 - a broken stream from one peer
             log.info("bad put: %r", exc)
@@ -1014,19 +1071,27 @@ class HivemindCollective(Collective):
         try:
             header, _ = await recv_message(reader)
             ranks = {int(r) for r in header["ranks"]}
+            key = bytes(header["key"])
+            part, parts = slice_in(header)
             deadline = time.monotonic() + min(float(header["timeout"]), 600.0)
             group = self._group
             sent = 0
             async for rank, payload in self._mailbox.arrivals(
-                bytes(header["key"]), ranks, deadline, group.dead if group else None
+                key, ranks, deadline, group.dead if group else None
             ):
-                sent += await send_message(writer, {"rank": rank}, [payload])
+                sent += await send_message(writer, {"rank": rank},
+                                           [slice_of(payload, part, parts)])
             await send_message(writer, {"done": True}, [])
             if header.get("kind") == "data":
                 self.stats.bytes_sent += sent
             else:
                 self.control_bytes_sent += sent
-            self._mailbox.put(bytes(header["key"]) + b"/served", int(header["rank"]), b"")
+            # the member is served when every one of its streams is
+            streams = self._mailbox.slots.setdefault(
+                key + b"/fetched/" + str(int(header["rank"])).encode(), {})
+            streams[part] = b""
+            if len(streams) == parts:
+                self._mailbox.put(key + b"/served", int(header["rank"]), b"")
         except Exception as exc:  # noqa: BLE001
             log.info("bad fetch: %r", exc)
         finally:
@@ -1131,9 +1196,24 @@ class HivemindCollective(Collective):
                 self._call(self._p2p.shutdown(), timeout=10)
         except Exception as exc:  # noqa: BLE001 - best effort on the way out
             log.debug("p2p replica shutdown: %r", exc)
+        try:
+            self._call(self._cancel_pending(), timeout=10)
+        except Exception as exc:  # noqa: BLE001 - best effort on the way out
+            log.debug("cancelling what was still running: %r", exc)
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(timeout=10)
         self.dht.shutdown()
+
+    @staticmethod
+    async def _cancel_pending() -> None:
+        """Cancel what still runs on the loop (a groupmate's fetch waiting out its deadline,
+        hivemind's own waits) and let it unwind: a loop stopped under pending tasks prints
+        "Task was destroyed but it is pending!" for each at exit."""
+        tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+        for task in tasks:
+            task.cancel()
+        if tasks:
+            await asyncio.wait(tasks, timeout=5)
 
     def __enter__(self) -> HivemindCollective:
         return self
