@@ -6,16 +6,16 @@ one state."""
 
 from __future__ import annotations
 
-import signal
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from swarm_output import stop
 
 from farlink.emulate.capabilities import detect_capabilities
-from farlink.links import scaled
 from farlink.emulate.topology import Topology
+from farlink.links import scaled
 from farlink.train.metrics import read_metrics
 
 CAPS = detect_capabilities()
@@ -56,11 +56,7 @@ def test_volunteers_train_across_namespaces_with_a_client_mode_peer(tmp_path: Pa
                 for i in (1, 2)]
             outs = [v.communicate(timeout=600) for v in volunteers]
         finally:
-            boot.send_signal(signal.SIGINT)
-            try:
-                boot.communicate(timeout=30)
-            except subprocess.TimeoutExpired:
-                boot.kill()
+            stop(boot)
             for v in volunteers:
                 if v.poll() is None:
                     v.kill()
