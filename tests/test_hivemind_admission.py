@@ -8,7 +8,6 @@ from __future__ import annotations
 import asyncio
 import os
 import re
-import signal
 import subprocess
 import sys
 import threading
@@ -18,6 +17,7 @@ import pytest
 import torch
 from hivemind.proto import averaging_pb2
 from hivemind.utils.multiaddr import Multiaddr
+from swarm_output import stop
 
 from farlink.comm.errors import MembershipRefused
 from farlink.comm.hivemind_backend import HivemindCollective, _Servicer
@@ -120,11 +120,7 @@ def test_members_train_and_non_members_are_refused(tmp_path) -> None:
         for coll in (a, b, mallory):
             if coll is not None:
                 coll.close()
-        boot.send_signal(signal.SIGINT)
-        try:
-            boot.communicate(timeout=30)
-        except subprocess.TimeoutExpired:
-            boot.kill()
+        stop(boot)
 
 
 def test_a_member_restarted_with_its_identity_is_proven_again_by_those_that_knew_it(
