@@ -27,10 +27,12 @@ import logging
 import secrets
 import struct
 import time
+from collections.abc import Callable
 from typing import Any
 
 import msgpack
 from hivemind.p2p import P2P, PeerID
+from hivemind.proto import averaging_pb2
 from hivemind.utils.auth import AuthorizerBase
 from hivemind.utils.timed_storage import TimedStorage, get_dht_time
 
@@ -59,6 +61,9 @@ class _RateLimitedLog:
         if now - self._last.get(key, -1e9) >= self.period:
             self._last[key] = now
             log.warning(msg, *args)
+
+
+_excluded_log = _RateLimitedLog()
 
 
 class RunAuthorizer(AuthorizerBase):
@@ -296,13 +301,26 @@ class Admission:
 class AdmittingMatchmaking(ClientAwareMatchmaking):
     """Matchmaking (:class:`ClientAwareMatchmaking`) that proves a would-be leader (and itself to
     it) before joining: a follower never sends its join request, or later its data, to a
-    non-member."""
+    non-member. A peer that ``excluded`` says this member excludes for now (it kept making
+    rounds fail: :mod:`farlink.robust.strikes`) is neither joined nor let join."""
 
-    def __init__(self, *args: Any, admission: Admission | None = None, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, admission: Admission | None = None,
+                 excluded: Callable[[PeerID], bool] | None = None, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.admission = admission
+        self.excluded = excluded
+
+    def _check_reasons_to_reject(self, request: Any, context: Any) -> Any:
+        if self.excluded is not None and self.excluded(context.remote_id):
+            _excluded_log.warning(str(context.remote_id), "refused a join request from %s: "
+                                  "this peer excludes it for now (it kept making rounds fail)",
+                                  context.remote_id)
+            return averaging_pb2.MessageFromLeader(code=averaging_pb2.PROTOCOL_VIOLATION)
+        return super()._check_reasons_to_reject(request, context)
 
     async def _request_join_group(self, leader: PeerID) -> Any:
+        if self.excluded is not None and self.excluded(leader):
+            return None  # an excluded leader's group is not this peer's
         if self.admission is not None:
             try:
                 await self.admission.ensure(leader)

@@ -103,6 +103,14 @@ from farlink.comm.hivemind_wire import (
     unpack_state,
 )
 from farlink.robust.auth import Authenticator
+from farlink.robust.heal import (
+    first_non_finite,
+    implausible,
+    parse_announcement,
+    plan_heal,
+    state_fingerprint,
+)
+from farlink.robust.strikes import Strikes
 
 log = logging.getLogger(__name__)
 
@@ -157,6 +165,8 @@ class _Group:
     committed: list[int]
     me: int
     round_id: int
+    #: the fingerprint of its committed state each member announced (None: unknown)
+    fingerprints: list[str | None] = field(default_factory=list)
     seq: int = 0
     ok: bool = True
     dead: set[int] = field(default_factory=set)
@@ -195,6 +205,10 @@ class _Group:
             committed=list(self.committed),
             me=self.me,
             round_id=self.round_id,
+            # members announce their rank 0's fingerprint: rank r of a site checks its shard's
+            # state for finiteness only
+            fingerprints=list(self.fingerprints) if rank == 0 else [None] * self.size,
+            ok=self.ok,
         )
 
     def site_rank_addresses(self, rank: int) -> list[list[str]]:
@@ -307,6 +321,8 @@ class HivemindCollective(Collective):
         identity_path: str | None = None,
         public: bool = False,
         startup_timeout: float = 30.0,
+        exclude_after: int = 3,
+        exclude_seconds: float = 600.0,
     ) -> None:
         super().__init__()
         if min_group_size < 1:
@@ -340,6 +356,14 @@ class HivemindCollective(Collective):
         self.admission_auth = admission
         self.admission: Admission | None = None
         self.round_id = 0  # rounds this worker has committed (or adopted by healing)
+        #: peers that made ``exclude_after`` consecutive rounds fail are left out of this
+        #: peer's groups for ``exclude_seconds`` (:mod:`farlink.robust.strikes`)
+        self.strikes = Strikes(exclude_after, exclude_seconds)
+        self._blamed: set[str] = set()  # peers that failed this round for us (a refused heal)
+        # what plausibility of a heal is judged by (farlink.robust.heal.implausible)
+        self._last_commit_at: float | None = None
+        self._shortest_round: float | None = None
+        self._fingerprint: tuple[int, str | None] | None = None  # (round, fingerprint) announced
         self.control_bytes_sent = 0
         self.state_bytes_sent = 0
         self.last_failure: CommError | None = None  # why the last round did not commit
@@ -411,6 +435,7 @@ class HivemindCollective(Collective):
             request_timeout=self.request_timeout,
             client_mode=self.client_mode,
             admission=self.admission,
+            excluded=lambda peer: self.strikes.excluded(str(peer)),
         )
         if not self.client_mode:  # client-mode peers accept no incoming streams
             if self.admission is not None:
@@ -438,6 +463,7 @@ class HivemindCollective(Collective):
         way). Ignored inside a round, or while an earlier search still runs."""
         if self._closed or self._group is not None or self._search is not None:
             return
+        self._announced_fingerprint()
         due = get_dht_time() + max(0.0, float(in_seconds))
         self._deadline = due + self.round_timeout
         self._round_asked = None
@@ -498,6 +524,7 @@ class HivemindCollective(Collective):
             search = None
         if search is None:
             self._search_final = final
+            self._announced_fingerprint()
             search = asyncio.run_coroutine_threadsafe(self._find_group(now), self._loop)
         wait = self._deadline - get_dht_time() + 30
         may_skip = self.skip_after is not None and not final
@@ -574,8 +601,9 @@ class HivemindCollective(Collective):
                 allow_retries=True,
                 weight=1.0,
                 data_for_gather=msgpack.packb(
-                    [self.round_id, int(self.client_mode), self.bandwidth,
-                     *([self.site_endpoints] if self.site_endpoints else [])]),
+                    [self.round_id, int(self.client_mode), self.bandwidth, self.site_endpoints,
+                     self._fingerprint[1] if self._fingerprint
+                     and self._fingerprint[0] == self.round_id else None]),
             )
             step.attach(MPFuture(), MPFuture())  # hivemind's averager does this; no trigger here
             step.allow_allreduce()
@@ -628,53 +656,125 @@ class HivemindCollective(Collective):
             for key in [k for k in store if not k.startswith(group_id)]:
                 del store[key]
 
+    def _announced_fingerprint(self) -> None:
+        """Compute, once per committed round and in the caller's thread (it hashes the whole
+        state), the fingerprint this peer announces with its round in matchmaking: healing
+        members check what they download against it (:mod:`farlink.robust.heal`)."""
+        if self._get_state is None or (self._fingerprint and self._fingerprint[0] == self.round_id):
+            return
+        self._fingerprint = (self.round_id, state_fingerprint(self._get_state()))
+
     def _make_group(self, info) -> _Group:
-        metas = [msgpack.unpackb(g) for g in info.gathered]
-        committed = [int(m[0]) for m in metas]
-        return _Group(
+        """The group from what its members announced. A member whose metadata is malformed
+        is named, excluded from this peer's next groups, and fails this round for everyone:
+        every member reads the same announcements, so every member fails it alike."""
+        peers = list(info.peer_ids)
+        announced, malformed = [], {}
+        for peer, raw in zip(peers, info.gathered):
+            try:
+                try:
+                    meta = msgpack.unpackb(raw)
+                except Exception as exc:  # noqa: BLE001 - any garbage a peer may send
+                    raise ValueError(f"not msgpack ({exc.__class__.__name__})") from exc
+                announced.append(parse_announcement(meta))
+            except ValueError as exc:
+                malformed[str(peer)] = str(exc)
+                announced.append(None)
+        held = [-1 if a is None else a.round_id for a in announced]
+        group = _Group(
             group_id=bytes(info.group_id),
-            peers=list(info.peer_ids),
-            client=[bool(m[1]) for m in metas],
-            bandwidth=[float(m[2]) for m in metas],
-            committed=committed,
-            me=list(info.peer_ids).index(self.peer_id),
-            round_id=max(committed),
-            endpoints=[m[3] if len(m) > 3 else [] for m in metas],
+            peers=peers,
+            client=[True if a is None else a.client for a in announced],
+            bandwidth=[1.0 if a is None else a.bandwidth for a in announced],
+            committed=held,
+            me=peers.index(self.peer_id),
+            round_id=plan_heal(held, [None] * len(held), []).round_id,
+            endpoints=[[] if a is None else a.endpoints for a in announced],
+            fingerprints=[None if a is None else a.fingerprint for a in announced],
         )
+        excluded = [str(p) for p in peers if p != self.peer_id and self.strikes.excluded(str(p))]
+        if malformed:
+            for peer in malformed:
+                if peer != str(self.peer_id):
+                    self.strikes.exclude(peer)
+            self._fail(CommError(
+                f"round {group.round_id}: malformed matchmaking metadata from "
+                + "; ".join(f"peer {p}: {why}" for p, why in malformed.items())
+                + f". The round fails for the whole group; this peer leaves "
+                f"{'them' if len(malformed) > 1 else 'it'} out of its groups for "
+                f"{self.strikes.seconds:.0f} s."), group)
+        elif excluded:  # another member's leader let in a peer this one excludes
+            self._fail(CommError(
+                f"round {group.round_id}: the group holds {', '.join(excluded)}, which this peer "
+                "excludes for now (it kept making rounds fail); this peer sits the round out "
+                "and looks for a group without it next round."), group)
+        return group
 
     def _heal(self, group: _Group) -> bool:
-        """Bring members that are behind up to the group's round; True if this worker healed."""
-        behind = [r for r in range(group.size) if group.committed[r] < group.round_id]
-        if not behind:
+        """Bring members that are not at the group's round (behind, or ahead of it) to it;
+        True if this worker healed. Every member reads the same plan from the same
+        announcements (:func:`farlink.robust.heal.plan_heal`); a member that heals checks the
+        state against the fingerprint its sources announced, for finiteness, and that the jump
+        is plausible, and otherwise refuses it and fails the round, naming the source."""
+        plan = plan_heal(group.committed, group.fingerprints, group.servers())
+        if not plan.behind:
             return False
-        sources = [r for r in group.servers() if group.committed[r] == group.round_id]
+        sources = plan.sources
         key = group.group_id + b"/state"
         if group.me in sources and self._get_state is not None:
             blob, digest = pack_state(self._get_state())
             self._call(self._publish_snapshot(key, blob, digest, group.round_id), timeout=10)
-        if group.me not in behind:
+        if group.me not in plan.behind:
             return False
+        mine = group.committed[group.me]
         if not sources or self._set_state is None:
             return self._fail(
                 CommError(
-                    f"this worker is at round {group.committed[group.me]} but the group is at "
+                    f"this worker is at round {mine} but the group is at "
                     f"{group.round_id} and no up-to-date member can serve state (all client-mode, "
                     "or no state registered). Fix: register_state on every worker and keep at "
                     "least one peer that accepts connections."
                 )
             )
-        # newcomers start at different sources, and each spreads its chunks over all of them
-        first = behind.index(group.me) % len(sources)
-        peers = [group.peers[r] for r in sources[first:] + sources[:first]]
-        try:
-            blob, digest = self._call(self._download_state(key, peers),
-                                      timeout=self.state_timeout + 5)
-            state = unpack_state(blob, digest)
-        except Exception as exc:  # noqa: BLE001 - download, hash or peer errors fail the round
+        if self._last_commit_at is not None:
+            why = implausible(group.round_id, mine, time.monotonic() - self._last_commit_at,
+                              self._shortest_round)
+            if why is not None:
+                named = [str(group.peers[r]) for r in sources]
+                self._blamed.update(named)
+                return self._fail(CommError(
+                    f"refused to heal from {', '.join(named)}, which announced round "
+                    f"{group.round_id}: {why}. This peer keeps its state and fails the round; a "
+                    "peer that keeps announcing such rounds is excluded from its groups."))
+        # the sources that share the most-announced state; newcomers start at different ones,
+        # and each spreads its chunks over all of them
+        expected = plan.expected[sources[0]]
+        sources = [r for r in sources if plan.expected[r] == expected]
+        first = plan.behind.index(group.me) % len(sources)
+        order = sources[first:] + sources[:first]
+        failures = []
+        for attempt in range(min(len(order), 3)):  # a refused source: the next one leads
+            peers = [group.peers[r] for r in order[attempt:] + order[:attempt]]
+            try:
+                blob, digest = self._call(self._download_state(key, peers),
+                                          timeout=self.state_timeout + 5)
+                state = unpack_state(blob, digest)
+            except Exception as exc:  # noqa: BLE001 - download, hash or peer errors
+                failures.append(f"{peers[0]}: {exc!r}")
+                continue
+            refused = self._refusal(state, expected)
+            if refused is None:
+                break
+            self._blamed.add(str(peers[0]))
+            failures.append(f"{peers[0]} (announced round {group.round_id}): {refused}")
+            log.warning("round %d: refused the state served by %s (announced round %d): %s; "
+                        "trying another source", group.round_id, peers[0], group.round_id, refused)
+        else:
             return self._fail(
                 RoundTimeout(
-                    f"could not load state from peers {', '.join(map(str, peers))}: {exc!r}. "
-                    "Fix: the round is retried; raise state_timeout if the state is large."
+                    f"could not load a state this peer accepts for round {group.round_id}: "
+                    + "; ".join(failures) + ". This peer keeps its own state; the round is "
+                    "retried (raise state_timeout if the state is large)."
                 )
             )
         self._set_state(state)
@@ -686,7 +786,20 @@ class HivemindCollective(Collective):
             digest[:12],
         )
         self.round_id = group.round_id
+        self._fingerprint = None  # announced afresh from the adopted state
+        self._last_commit_at = time.monotonic()
         return True
+
+    @staticmethod
+    def _refusal(state: dict[str, torch.Tensor], expected: str | None) -> str | None:
+        """Why a downloaded state must not be adopted, or None."""
+        if expected is not None and state_fingerprint(state) != expected:
+            return (f"its fingerprint {state_fingerprint(state)} is not the {expected} its "
+                    "sources announced")
+        bad = first_non_finite(state)
+        if bad is not None:
+            return f"tensor {bad!r} holds NaN or Inf"
+        return None
 
     def connect_to(self, peers: list[PeerID], addresses: list[list[str]],
                    group_id: bytes) -> None:
@@ -716,9 +829,10 @@ class HivemindCollective(Collective):
         site failed): it votes no."""
         self._fail(error)
 
-    def _fail(self, error: CommError) -> bool:
-        if self._group is not None:
-            self._group.ok = False
+    def _fail(self, error: CommError, group: _Group | None = None) -> bool:
+        group = group or self._group
+        if group is not None:
+            group.ok = False
         self.last_failure = error
         log.warning("%s", error)
         return False
@@ -1151,13 +1265,29 @@ class HivemindCollective(Collective):
             timeout=self.commit_timeout + 10,
         )
         self.control_bytes_sent += sent
-        votes = [got.get(r) for r in range(group.size) if r != group.me]
-        passed = group.ok and all(v == VOTE_YES for v in votes)
+        others = [r for r in range(group.size) if r != group.me]
+        no = [str(group.peers[r]) for r in others if got.get(r) not in (None, VOTE_YES)]
+        absent = [str(group.peers[r]) for r in others if got.get(r) is None]
+        passed = group.ok and not no and not absent
+        # a member that got through the round holds the no-voters and the silent ones (and
+        # any source whose state it refused) to account; one that failed itself cannot tell
+        # whose fault the others' no was
+        failed = set(self._blamed) | (set(no) | set(absent) if group.ok else set())
+        fine = {str(group.peers[r]) for r in others if got.get(r) == VOTE_YES} - failed
+        for peer in self.strikes.round_done(sorted(failed), fine):
+            log.warning("excluding peer %s from this peer's groups for %.0f s: it made %d "
+                        "consecutive rounds fail (voted no, did not vote, or served a refused "
+                        "state); its join requests are refused until then", peer,
+                        self.strikes.seconds, self.strikes.after)
         if group.ok and not passed:
-            absent = [r for r in range(group.size) if r != group.me and got.get(r) is None]
             self.last_failure = RoundTimeout(
-                f"round {group.round_id} not committed: ranks {absent} did not vote (left "
-                "or timed out) or some member voted no. The next round forms without them."
+                f"round {group.round_id} not committed: "
+                + "; ".join(part for part in (
+                    f"voted no: {', '.join(no)}" if no else "",
+                    f"did not vote (left or timed out): {', '.join(absent)}" if absent else "",
+                ) if part)
+                + f". A peer that makes {self.strikes.after} consecutive rounds fail is left out "
+                f"of this peer's groups for {self.strikes.seconds:.0f} s."
             )
         return passed
 
@@ -1167,7 +1297,13 @@ class HivemindCollective(Collective):
         if committed:
             self.round_id = group.round_id + 1
             self.last_failure = None
+            now = time.monotonic()
+            if self._last_commit_at is not None and now > self._last_commit_at:
+                gap = now - self._last_commit_at
+                self._shortest_round = min(self._shortest_round or gap, gap)
+            self._last_commit_at = now
         self._group = None
+        self._blamed.clear()
 
     @property
     def quorum_timeout(self) -> float:
@@ -1180,6 +1316,7 @@ class HivemindCollective(Collective):
 
     def load_committed_step(self, step: int) -> None:
         self.round_id = step
+        self._last_commit_at = time.monotonic() if step > 0 else None
 
     def close(self) -> None:
         if self._closed:
