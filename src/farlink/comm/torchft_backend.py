@@ -16,6 +16,18 @@ With ``admission`` (a run with ``--auth``) the worker reaches the Lighthouse's g
 :class:`~farlink.robust.gate.Tunnel` that proves membership first (a refused peer fails at
 construction with :class:`~farlink.robust.gate.GateRefused`), and serves its healing state only
 through a gate of its own (:mod:`farlink.comm.torchft_admission`).
+
+Healing is checked, not obeyed: torchft's Lighthouse heals every replica below the highest step any
+participant reports from that replica, and a step is self-reported. So the state torchft fetches
+is only stashed; once the quorum stands, the participants all-gather what each held before it
+(its committed step and the fingerprint of its committed state) and each applies the policy of
+:mod:`farlink.robust.heal` to the same announcements: it adopts the fetched state only if the
+group's round (the step most participants hold) is the step torchft healed it to, the state hashes
+to the fingerprint the most participants at that step announced, holds no NaN/Inf, and the jump is
+plausible. Otherwise it keeps its own state and step and names the replica(s) that claimed the
+step; a replica left behind that way fails the round (torchft fails it for every participant),
+while replicas at the group's round go on among themselves (an update sent for another round is
+rejected by the exchange).
 """
 
 from __future__ import annotations
@@ -25,11 +37,14 @@ import socket
 import time
 from datetime import timedelta
 
+import msgpack
 import torch
 
 from farlink.comm.base import Collective, RoundInfo, ring_allgather_bytes, ring_allreduce_bytes
+from farlink.comm.errors import CommError
 from farlink.robust.auth import Authenticator
 from farlink.robust.gate import GateRefused, answers_as_gate
+from farlink.robust.heal import first_non_finite, implausible, plan_heal, state_fingerprint
 
 log = logging.getLogger(__name__)
 
@@ -114,6 +129,12 @@ class TorchftCollective(Collective):
         self.attempt_timeout = quorum_attempt_timeout(join_timeout)
         self.round_timeout = round_timeout
         self._healed = False
+        self._stash: dict | None = None  # a state torchft fetched, until it is checked
+        self._fingerprint: tuple[int, str] | None = None  # (step, fingerprint) of our state
+        self._last_commit_at: float | None = None  # for plausibility (farlink.robust.heal)
+        self._shortest_round: float | None = None
+        #: why the last fetched state was refused (None: nothing refused)
+        self.last_refusal: str | None = None
         self._get_state = self._set_state = None
         self._bytes_per_second: float | None = None  # measured on earlier rounds
         self._round_bytes = 0
@@ -159,10 +180,10 @@ class TorchftCollective(Collective):
         return self._get_state()
 
     def _load_state(self, state: dict) -> None:
+        """torchft hands over the state it fetched: kept aside until ``_check_heal`` accepts it."""
         if self._set_state is None:
             raise RuntimeError("no state registered with the collective")
-        self._set_state(state)
-        self._healed = True
+        self._stash = state
 
     # --- rounds --------------------------------------------------------------------------------
     def begin_round(self) -> RoundInfo:
@@ -170,7 +191,13 @@ class TorchftCollective(Collective):
         self._healed = False
         self._round_bytes = 0
         self._round_start = time.perf_counter()
+        step, batches = self.manager.current_step(), self.manager.batches_committed()
+        if self._get_state is not None and (self._fingerprint is None
+                                            or self._fingerprint[0] != step):
+            self._fingerprint = (step, state_fingerprint(self._get_state()))
+        self._stash = None
         self._start_quorum()
+        self._check_heal(step, batches)
         rank = self.manager.participating_rank()
         return RoundInfo(
             round_id=self.manager.current_step(),
@@ -178,6 +205,71 @@ class TorchftCollective(Collective):
             world_size=max(1, self.manager.num_participants()),
             healed=self._healed,
         )
+
+    def _check_heal(self, step: int, batches: int) -> None:
+        """Adopt what torchft fetched only if the participants' announcements back it (see the
+        module docstring); otherwise keep this replica's state and step, and name the source."""
+        mine = [step, self._fingerprint[1] if self._fingerprint else None, self.replica_id]
+        gathered = self._gather_quiet(msgpack.packb(mine))
+        announced = []
+        for raw in gathered:
+            try:
+                a = msgpack.unpackb(raw)
+                announced.append((int(a[0]), a[1] if isinstance(a[1], str) else None, str(a[2])))
+            except Exception:  # noqa: BLE001 - a malformed announcement holds no round
+                announced.append((-1, None, "?"))
+        plan = plan_heal([a[0] for a in announced], [a[1] for a in announced],
+                         list(range(len(announced))))
+        stash, self._stash = self._stash, None
+        if stash is None:
+            if step > plan.round_id > 0:
+                log.warning("this replica's step %d is ahead of the step %d most participants "
+                            "hold; they will reject its updates as another round's. Fix: restart "
+                            "it from the run's latest checkpoint", step, plan.round_id)
+            return
+        target = self.manager.current_step()
+        claimed = [a[2] for a in announced if a[0] == target]
+        expected = plan.expected.get(plan.sources[0]) if plan.sources else None
+        why = None
+        if self.manager.errored() is not None:
+            why = "the participants' announcements could not be gathered"
+        elif target != plan.round_id:
+            why = (f"torchft healed to step {target}, but the step most participants hold is "
+                   f"{plan.round_id}")
+        elif expected is not None and state_fingerprint(stash) != expected:
+            why = (f"its fingerprint {state_fingerprint(stash)} is not the {expected} the "
+                   f"participants at step {target} announced")
+        elif first_non_finite(stash) is not None:
+            why = f"tensor {first_non_finite(stash)!r} holds NaN or Inf"
+        elif self._last_commit_at is not None:
+            why = implausible(target, step, time.monotonic() - self._last_commit_at,
+                              self._shortest_round)
+        if why is None:
+            self._set_state(stash)
+            self._healed = True
+            self._fingerprint = None
+            self._last_commit_at = time.monotonic()
+            return
+        self._refuse(step, batches, why, announced, target, claimed)
+
+    def _refuse(self, step: int, batches: int, why: str, announced: list, target: int,
+                claimed: list[str] | None = None) -> None:
+        """Keep this replica's state and step; fail the round if that leaves it off the group's
+        round (behind it, or ahead of it)."""
+        self.manager.load_state_dict({"step": step, "batches_committed": batches})
+        group_round = plan_heal([a[0] for a in announced], [None] * len(announced), []).round_id
+        claimed = claimed or [a[2] for a in announced if a[0] == target]
+        self.last_refusal = (
+            f"refused the state torchft fetched from the replica(s) announcing step {target} "
+            f"({', '.join(claimed) or 'unknown'}): {why}. This replica keeps its state at step "
+            f"{step}")
+        if step != group_round:
+            self.manager.report_error(CommError(
+                f"{self.last_refusal}; it is not at the group's step {group_round}, so the round "
+                "fails. Fix: stop the replica that claims a step it does not hold."))
+            log.warning("%s; the round fails", self.last_refusal)
+        else:
+            log.warning("%s and goes on with the replicas at that step", self.last_refusal)
 
     def _start_quorum(self) -> None:
         """Ask for a quorum; ride out a Lighthouse restart by retrying.
@@ -231,6 +323,7 @@ class TorchftCollective(Collective):
     def load_committed_step(self, step: int) -> None:
         """Restore torchft's step counter on resume so peers do not heal from each other."""
         self.manager.load_state_dict({"step": step, "batches_committed": step})
+        self._last_commit_at = time.monotonic() if step > 0 else None
 
     def all_reduce_sum(self, tensors: list[torch.Tensor]) -> None:
         from torch.distributed import ReduceOp
@@ -245,6 +338,17 @@ class TorchftCollective(Collective):
             self._round_bytes += sent
             self.stats.collectives += 1
         self.stats.comm_seconds += time.perf_counter() - start
+
+    def _gather_quiet(self, payload: bytes) -> list[bytes]:
+        """``all_gather_bytes`` outside the round's byte and collective counts (the healing
+        check's announcements are a few dozen bytes of control traffic)."""
+        bytes_sent, collectives = self.stats.bytes_sent, self.stats.collectives
+        round_bytes, seconds = self._round_bytes, self.stats.comm_seconds
+        try:
+            return self.all_gather_bytes(payload)
+        finally:
+            self.stats.bytes_sent, self.stats.collectives = bytes_sent, collectives
+            self._round_bytes, self.stats.comm_seconds = round_bytes, seconds
 
     def _all_gather(self, tensor: torch.Tensor) -> list[torch.Tensor]:
         from torch.distributed.distributed_c10d import AllgatherOptions
@@ -284,6 +388,12 @@ class TorchftCollective(Collective):
 
     def commit(self) -> bool:
         ok = self.manager.should_commit()
+        if ok:
+            now = time.monotonic()
+            if self._last_commit_at is not None and now > self._last_commit_at:
+                gap = now - self._last_commit_at
+                self._shortest_round = min(self._shortest_round or gap, gap)
+            self._last_commit_at = now
         elapsed = time.perf_counter() - self._round_start
         if ok and self._round_bytes > 0 and elapsed > 0:
             rate = self._round_bytes / elapsed

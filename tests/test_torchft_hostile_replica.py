@@ -1,0 +1,99 @@
+"""A hostile torchft replica built from farlink's own collective, with an in-process Lighthouse and
+replicas as threads: it reports step 10000 (torchft's Lighthouse heals everyone below the highest
+step from that replica) and serves other weights or NaN. Honest replicas refuse the state, keep
+their own and their step, name the replica, and stay finite and equal."""
+
+from __future__ import annotations
+
+import math
+import threading
+
+import torch
+from torchft._torchft import LighthouseServer
+
+from farlink.comm.torchft_backend import TorchftCollective
+
+torch.set_num_threads(1)
+
+
+class InflatedStep(TorchftCollective):
+    """Reports step 10000 to the Lighthouse (a resumed count nobody can check)."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.load_committed_step(10000)
+
+
+def replicas(lighthouse: LighthouseServer, names: dict[str, type], values: dict[str, float],
+             step: int) -> tuple[dict, dict]:
+    members, states = {}, {}
+    for name, cls in names.items():
+        coll = cls(name, lighthouse.address(), min_replicas=len(names), round_timeout=20,
+                   quorum_timeout=60, join_timeout=5)
+        if cls is TorchftCollective and step:
+            coll.load_committed_step(step)
+        state = {"w": torch.full((16,), values[name])}
+        coll.register_state(lambda s=state: {"w": s["w"].clone()},
+                            lambda new, s=state: s.update(w=new["w"].clone()))
+        members[name], states[name] = coll, state
+    return members, states
+
+
+def one_round_each(members: dict) -> dict:
+    results, errors = {}, []
+
+    def run(name: str, coll: TorchftCollective) -> None:
+        try:
+            info = coll.begin_round()
+            gathered = coll.all_gather_bytes(name.encode())
+            results[name] = (info, gathered, coll.commit())
+        except BaseException as exc:  # noqa: BLE001 - re-raised in the test's thread
+            errors.append(exc)
+
+    threads = [threading.Thread(target=run, args=item) for item in members.items()]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    if errors:
+        raise errors[0]
+    assert set(results) == set(members), results
+    return results
+
+
+def test_honest_replicas_refuse_a_replica_reporting_step_10000() -> None:
+    lighthouse = LighthouseServer(bind="127.0.0.1:0", min_replicas=4, join_timeout_ms=5000)
+    members, states = replicas(
+        lighthouse, {"h0": TorchftCollective, "h1": TorchftCollective, "h2": TorchftCollective,
+                     "x": InflatedStep}, {"h0": 1.0, "h1": 1.0, "h2": 1.0, "x": -777.0}, step=5)
+    try:
+        results = one_round_each(members)
+        for name in ("h0", "h1", "h2"):
+            info, gathered, ok = results[name]
+            assert info.world_size == 4 and info.round_id == 5 and not info.healed, results
+            assert ok and members[name].manager.current_step() == 6
+            assert torch.equal(states[name]["w"], torch.full((16,), 1.0)), name
+            refusal = members[name].last_refusal
+            assert refusal is not None and "x" in refusal and "10000" in refusal, refusal
+    finally:
+        for coll in members.values():
+            coll.close()
+        lighthouse.shutdown()
+
+
+def test_a_newcomer_refuses_nan_weights_served_at_step_10000() -> None:
+    lighthouse = LighthouseServer(bind="127.0.0.1:0", min_replicas=2, join_timeout_ms=5000)
+    members, states = replicas(lighthouse, {"n": TorchftCollective, "x": InflatedStep},
+                               {"n": 0.5, "x": math.nan}, step=0)
+    try:
+        results = one_round_each(members)
+        info, _, ok = results["n"]
+        assert not ok and not info.healed
+        assert torch.equal(states["n"]["w"], torch.full((16,), 0.5))
+        assert members["n"].manager.current_step() == 0
+        refusal = members["n"].last_refusal
+        assert refusal is not None and "NaN" in refusal and "(x)" in refusal, refusal
+    finally:
+        for coll in members.values():
+            coll.close()
+        lighthouse.shutdown()
