@@ -660,7 +660,8 @@ class HivemindCollective(Collective):
         """Compute, once per committed round and in the caller's thread (it hashes the whole
         state), the fingerprint this peer announces with its round in matchmaking: healing
         members check what they download against it (:mod:`farlink.robust.heal`)."""
-        if self._get_state is None or (self._fingerprint and self._fingerprint[0] == self.round_id):
+        if self._get_state is None or (self._fingerprint
+                                       and self._fingerprint[0] == self.round_id):
             return
         self._fingerprint = (self.round_id, state_fingerprint(self._get_state()))
 

@@ -236,6 +236,8 @@ class TorchftCollective(Collective):
         elif target != plan.round_id:
             why = (f"torchft healed to step {target}, but the step most participants hold is "
                    f"{plan.round_id}")
+        elif not all(isinstance(v, torch.Tensor) for v in stash.values()):
+            why = "it is not a state of tensors"
         elif expected is not None and state_fingerprint(stash) != expected:
             why = (f"its fingerprint {state_fingerprint(stash)} is not the {expected} the "
                    f"participants at step {target} announced")
