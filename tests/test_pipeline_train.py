@@ -128,7 +128,7 @@ def test_farlink_train_pipeline_stages_learns_checkpoints_each_peer_and_resumes(
     flags = ["--pipeline-stages", "2", "--workers", "4", "--steps", "8", "--inner-steps", "4",
              "--vocab-size", "512", "--seq-len", "32", "--batch-size", "4",
              "--pipeline-micro-batches", "2", "--eval-batches", "2", "--warmup-steps", "2",
-             "--lr", "1e-2", "--log-every", "1"]
+             "--lr", "1e-2", "--log-every", "1", "--stage-peer-timeout", "60"]
     first = _train(run_dir, cache_dir, *flags, "--stop-at-step", "4")
     assert first.returncode == 0, first.stderr[-2000:]
     assert "continue with `farlink train --resume" in " ".join(first.stderr.split())
