@@ -88,7 +88,7 @@ def test_diloco_within_a_stage_is_nesterov_sgd_on_the_pseudo_gradient() -> None:
 # -- a stage peer's own checkpoint -------------------------------------------------------------
 def test_stage_peer_checkpoint_restores_weights_and_adam_moments(tmp_path: Path) -> None:
     config = GPTConfig(vocab_size=64, seq_len=16, n_layer=2, n_head=2, d_model=32, d_ff=64)
-    worker = StageWorker(build_stage(config, 0, 0, 2))
+    worker = StageWorker(build_stage(config, 0, 0, 2), checkpoint_dir=tmp_path)
     tokens = torch.randint(0, 64, (2, 16))
 
     def train_once(w: StageWorker, mb: str) -> None:
@@ -97,20 +97,20 @@ def test_stage_peer_checkpoint_restores_weights_and_adam_moments(tmp_path: Path)
         w.handle(wire.Message("step", {"lr": 1e-2}))
 
     train_once(worker, "1")
-    worker.handle(wire.Message("save", {"root": str(tmp_path), "step": 1}))
+    worker.handle(wire.Message("save", {"step": 1}))
     _, meta = load_checkpoint(checkpoint_path(tmp_path, 1))  # digests verified
     assert (meta["stage"], meta["stages"], meta["steps"]) == (0, 2, 1)
 
-    fresh = StageWorker(build_stage(config, 0, 0, 2))
-    fresh.handle(wire.Message("restore", {"root": str(tmp_path), "step": 1}))
+    fresh = StageWorker(build_stage(config, 0, 0, 2), checkpoint_dir=tmp_path)
+    fresh.handle(wire.Message("restore", {"step": 1}))
     train_once(worker, "2")
     train_once(fresh, "2")  # the same step from the restored state: the same weights
     for name, p in worker.params.items():
         assert torch.equal(p, fresh.params[name]), name
 
-    other_stage = StageWorker(build_stage(config, 0, 1, 2))
+    other_stage = StageWorker(build_stage(config, 0, 1, 2), checkpoint_dir=tmp_path)
     with pytest.raises(ValueError, match="holds stage 0 of 2, not stage 1 of 2"):
-        other_stage.handle(wire.Message("restore", {"root": str(tmp_path), "step": 1}))
+        other_stage.handle(wire.Message("restore", {"step": 1}))
 
 
 # -- end to end --------------------------------------------------------------------------------
@@ -128,7 +128,7 @@ def test_farlink_train_pipeline_stages_learns_checkpoints_each_peer_and_resumes(
     flags = ["--pipeline-stages", "2", "--workers", "4", "--steps", "8", "--inner-steps", "4",
              "--vocab-size", "512", "--seq-len", "32", "--batch-size", "4",
              "--pipeline-micro-batches", "2", "--eval-batches", "2", "--warmup-steps", "2",
-             "--lr", "1e-2", "--log-every", "1"]
+             "--lr", "1e-2", "--log-every", "1", "--stage-peer-timeout", "60"]
     first = _train(run_dir, cache_dir, *flags, "--stop-at-step", "4")
     assert first.returncode == 0, first.stderr[-2000:]
     assert "continue with `farlink train --resume" in " ".join(first.stderr.split())

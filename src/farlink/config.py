@@ -147,6 +147,10 @@ class RunConfig(*algorithm_options()):
     activation_codec: str = Field(
         "fp32", description="codec of the activations and their gradients between pipeline "
         "stages: fp32, fp16, int8, int4, topk:F")
+    stage_peer_timeout: float = Field(
+        120.0, gt=0, le=86400, allow_inf_nan=False, description="seconds a pipeline trainer "
+        "waits for a stage peer's answer before that peer counts as failed and its stage's "
+        "other peers take its work")
 
     # bookkeeping
     run_dir: Path = Field(LATEST_RUN, description="metrics, checkpoints, final model (default: "

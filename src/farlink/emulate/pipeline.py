@@ -21,6 +21,7 @@ from pathlib import Path
 from farlink.emulate.errors import EmulationError
 from farlink.emulate.topology import Topology
 from farlink.model import GPTConfig
+from farlink.parallel.stage_auth import TOKEN_ENV, driver_token
 from farlink.parallel.stage_server import config_json
 
 
@@ -38,7 +39,8 @@ def start_stage_peers(topo: Topology, config: GPTConfig, stages: int, peers_per_
             argv = [sys.executable, "-m", "farlink.parallel.stage_server", "--stage", str(s),
                     "--stages", str(stages), "--config", config_json(config), "--seed",
                     str(seed), "--lr", str(lr), "--host", topo.address(index)]
-            processes.append((s, index, topo.spawn(index, argv, stdout=subprocess.PIPE,
+            processes.append((s, index, topo.spawn(index, argv, {TOKEN_ENV: driver_token()},
+                                                   stdout=subprocess.PIPE,
                                                    stderr=subprocess.PIPE, text=True)))
     addresses: list[list[str]] = [[] for _ in range(stages)]
     deadline = time.monotonic() + ready_timeout

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from farlink.model import GPTConfig
+from farlink.parallel.stage_auth import TOKEN_ENV, driver_token
 from farlink.parallel.stage_server import config_json
 
 
@@ -32,10 +33,13 @@ def start_stage_peer(config: GPTConfig, stage: int, stages: int, seed: int = 0,
                      host: str = "127.0.0.1", ready_timeout: float = 120.0,
                      weight_decay: float = 0.1, threads: int = 1,
                      log_path: Path | None = None,
-                     env: dict[str, str] | None = None) -> StagePeer:
+                     env: dict[str, str] | None = None, token: str | None = None,
+                     checkpoint_dir: Path | None = None) -> StagePeer:
     """Start ``python -m farlink.parallel.stage_server`` and wait for its READY line; with
     ``log_path``, its stderr (warnings, a traceback) goes there instead of a pipe nobody reads
-    once it runs."""
+    once it runs. The peer serves only the holder of ``token`` (default: this process's
+    :func:`~farlink.parallel.stage_auth.driver_token`, which trainers built here use too), and
+    keeps its checkpoints under ``checkpoint_dir``."""
     cmd = [sys.executable, "-m", "farlink.parallel.stage_server", "--stage", str(stage),
            "--stages", str(stages), "--config", config_json(config), "--seed", str(seed),
            "--lr", str(lr), "--slowdown", str(slowdown), "--host", host,
@@ -45,12 +49,15 @@ def start_stage_peer(config: GPTConfig, stage: int, stages: int, seed: int = 0,
         cmd += ["--link-mbit", str(link_mbit)]
     if memory_cap_mb is not None:
         cmd += ["--memory-cap-mb", str(memory_cap_mb)]
+    if checkpoint_dir is not None:
+        cmd += ["--checkpoint-dir", str(checkpoint_dir)]
     stderr = subprocess.PIPE
     if log_path is not None:
         log_path.parent.mkdir(parents=True, exist_ok=True)
         stderr = open(log_path, "ab")
     process = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=stderr,
-                               env={**os.environ, **(env or {})}, text=True)
+                               env={**os.environ, **(env or {}),
+                                    TOKEN_ENV: token or driver_token()}, text=True)
     if log_path is not None:
         stderr.close()  # the child holds its own copy
     deadline = time.monotonic() + ready_timeout

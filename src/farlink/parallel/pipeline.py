@@ -21,11 +21,19 @@ between averages, and every ``average_every`` steps the trainer averages their p
 
 Activations and their gradients go through a codec (``activation_codec``, ``gradient_codec``:
 ``fp32``, ``int8``, ``int4``, ``topk:F``...): the bytes reported are the exact frames sent.
+
+Every answer is checked before it is used (:mod:`farlink.parallel.answers`): a corrupt frame,
+a wrong-shaped tensor or a NaN/inf activation, gradient or loss is refused, its peer named and
+taken out (as a peer that failed), and the work goes to another peer of the stage; a stage
+with no peer left stops the run with every refusal's reason. A peer that answers nothing for
+``timeout`` seconds counts as failed the same way.
 """
 
 from __future__ import annotations
 
 import itertools
+import logging
+import math
 import socket
 import threading
 import time
@@ -34,15 +42,26 @@ from dataclasses import dataclass, field
 
 import torch
 
+from farlink.codecs import CodecError
 from farlink.comm.base import LinkModel
-from farlink.parallel import wire
+from farlink.robust.auth import Authenticator
+from farlink.parallel import stage_auth, wire
+from farlink.parallel.answers import Shape, answer_problem, usable_states
 from farlink.parallel.stages import model_parameter_name
 from farlink.parallel.swarm_router import ThroughputRouter
 from farlink.sync.base import lr_at
 
 
+log = logging.getLogger(__name__)
+
+
 class PeerFailure(ConnectionError):
     """A stage peer could not be reached or vanished mid-request."""
+
+
+class BadAnswer(PeerFailure):
+    """A stage peer's answer was refused (a corrupt frame, a wrong shape, NaN/inf): routed
+    around as a failure, its peer taken out."""
 
 
 class StageError(RuntimeError):
@@ -59,6 +78,7 @@ class StepReport:
     failed_peers: list[str]
     lost_stage_gradients: int  # micro-batch gradients that died with a peer before its step
     bytes: dict[str, int] = field(default_factory=dict)  # frame bytes this step, by kind
+    refused: dict[str, str] = field(default_factory=dict)  # peer -> why its answer was refused
 
 
 def _addr(peer: str) -> tuple[str, int]:
@@ -75,7 +95,8 @@ class PipelineTrainer:
                  average_every: int = 0, links: dict[str, LinkModel] | None = None,
                  timeout: float = 120.0, total_steps: int | None = None,
                  pipelines: list[list[str]] | None = None,
-                 path_links: dict[tuple[str, str], LinkModel] | None = None) -> None:
+                 path_links: dict[tuple[str, str], LinkModel] | None = None,
+                 auth: Authenticator | None = None, width: int | None = None) -> None:
         if len(stages) < 2:
             raise ValueError("a pipeline needs at least 2 stages")
         if micro_batches < 1:
@@ -95,7 +116,13 @@ class PipelineTrainer:
         if pipelines is not None and any(len(p) != self.n_stages for p in pipelines):
             raise ValueError(f"every fixed pipeline needs one peer per stage ({self.n_stages})")
         self.links = links or {}
+        if not (isinstance(timeout, (int, float)) and math.isfinite(timeout) and timeout > 0):
+            raise ValueError(f"timeout must be a finite number of seconds > 0, got {timeout!r}")
         self.timeout = timeout
+        # the driver's credential every stage peer checks (default: this process's token, the
+        # one start_stage_peer hands the peers it starts)
+        self.auth = auth or stage_auth.driver_auth()
+        self.width = width  # the model's d_model: the last dimension of every activation
         self.steps = 0
         self.bytes: dict[str, int] = {}
         self._served: dict[str, int] = {}  # backward passes per peer in the current step
@@ -130,6 +157,9 @@ class PipelineTrainer:
         except OSError as exc:  # refused, reset, closed mid-message, timed out
             sock.close()
             raise PeerFailure(f"stage peer {peer}: {exc}") from exc
+        except CodecError as exc:
+            sock.close()
+            raise BadAnswer(f"stage peer {peer}: {exc}") from None
         except BaseException:
             sock.close()
             raise
@@ -138,6 +168,17 @@ class PipelineTrainer:
         self._count(reply_kind or kind, reply.nbytes)
         if reply.op == "error":
             raise StageError(f"stage peer {peer}: {reply.meta.get('error')}")
+        if reply.op != "ok":
+            raise BadAnswer(f"stage peer {peer}: an answer {reply.op!r}, neither ok nor error")
+        return reply
+
+    @staticmethod
+    def _check(peer: str, reply: wire.Message, expected: dict[str, Shape | None],
+               loss: bool = False) -> wire.Message:
+        """``reply`` when its tensors (and loss) are usable; else BadAnswer naming ``peer``."""
+        problem = answer_problem(reply.tensors, expected, reply.meta, loss)
+        if problem is not None:
+            raise BadAnswer(f"stage peer {peer} answered {problem}")
         return reply
 
     def _connection(self, peer: str) -> socket.socket:
@@ -149,18 +190,33 @@ class PipelineTrainer:
             idle = self._idle.get(peer)
             if idle:
                 return idle.pop()
+        return self._open(peer)
+
+    def _open(self, peer: str) -> socket.socket:
+        """A new connection to ``peer`` on which this driver has proven its credential."""
         try:
-            return socket.create_connection(_addr(peer), timeout=self.timeout)
+            sock = socket.create_connection(_addr(peer), timeout=self.timeout)
         except OSError as exc:
             raise PeerFailure(f"stage peer {peer}: {exc}") from exc
+        try:
+            stage_auth.prove(sock, self.auth, peer, min(self.timeout, 30.0))
+        except OSError as exc:
+            sock.close()
+            raise PeerFailure(f"stage peer {peer}: {exc}") from exc
+        except stage_auth.StageAuthError as exc:
+            sock.close()
+            raise StageError(str(exc)) from None
+        return sock
 
     # -- one micro-batch ----------------------------------------------------------------------
     def _timed(self, stage: int, message: wire.Message, kind: str, reply_kind: str,
                codecs: dict[str, str] | None, reply_codecs: dict[str, str] | None,
-               stats: dict, source: str | None = None,
-               wired: int | None = None) -> tuple[str, wire.Message]:
+               stats: dict, source: str | None = None, wired: int | None = None,
+               expected: dict[str, Shape | None] | None = None,
+               loss: bool = False) -> tuple[str, wire.Message]:
         """Send to the best live peer of ``stage`` (with fixed pipelines, pipeline ``wired``'s
-        peer while it lives), re-routing until one answers."""
+        peer while it lives), re-routing until one gives a usable answer (``expected``: the
+        tensors it must hold, of these shapes, finite; ``loss``: and a finite loss)."""
         while True:
             peer = self._fixed_peer(stage, wired)
             if peer is not None:
@@ -169,11 +225,11 @@ class PipelineTrainer:
                 peer = self.router.choose(stage)
             started = time.perf_counter()
             try:
-                reply = self.call(peer, wire.Message(message.op, dict(message.meta),
-                                                     message.tensors), kind, codecs, reply_codecs,
-                                  reply_kind, source)
-            except PeerFailure:
-                self._peer_failed(peer, stats)
+                reply = self._check(peer, self.call(
+                    peer, wire.Message(message.op, dict(message.meta), message.tensors), kind,
+                    codecs, reply_codecs, reply_kind, source), expected or {}, loss)
+            except PeerFailure as exc:
+                self._peer_failed(peer, stats, exc)
                 continue
             self.router.finished(peer, time.perf_counter() - started)
             return peer, reply
@@ -184,12 +240,18 @@ class PipelineTrainer:
         peer = self.pipelines[wired % len(self.pipelines)][stage]
         return peer if peer in self.router.live(stage) else None
 
-    def _peer_failed(self, peer: str, stats: dict) -> None:
-        self.router.failed(peer)
+    def _peer_failed(self, peer: str, stats: dict, exc: PeerFailure | None = None) -> None:
+        """Take ``peer`` out; a refused answer is named with its reason (log and report)."""
+        self.router.failed(peer, str(exc) if exc is not None else None)
         with self._lock:
             stats["reroutes"] += 1
             if peer not in stats["failed"]:
                 stats["failed"].append(peer)
+            if isinstance(exc, BadAnswer):
+                stats.setdefault("refused", {})[peer] = str(exc)
+        if isinstance(exc, BadAnswer):
+            log.warning("%s: its answer is dropped, it is taken out, and its stage's other "
+                        "peers take its work", exc)
 
     def _micro_batch(self, tokens: torch.Tensor, targets: torch.Tensor, scale: float,
                      stats: dict, index: int = 0) -> float:
@@ -204,14 +266,16 @@ class PipelineTrainer:
             peer, reply = self._timed(s, message, "tokens" if s == 0 else "activations",
                                       "activations", act if s else None,
                                       {"y": self.activation_codec}, stats,
-                                      peers[-1] if peers else None, index)
+                                      peers[-1] if peers else None, index,
+                                      {"y": self._activation_shape(tokens)})
             inputs.append(reply.tensors["y"])
             peers.append(peer)
             keys.append(key)
         message = wire.Message("loss", {"scale": scale},
                                {"x": inputs[last], "targets": targets.to(torch.int32)})
         peer, reply = self._timed(last, message, "activations", "gradients", act,
-                                  {"dx": self.gradient_codec}, stats, peers[-1], index)
+                                  {"dx": self.gradient_codec}, stats, peers[-1], index,
+                                  {"dx": tuple(inputs[last].shape)}, loss=True)
         self._served_by(peer)
         loss, dy = reply.meta["loss"], reply.tensors["dx"]
         source = peer
@@ -232,17 +296,24 @@ class PipelineTrainer:
                 reply = self.call(peer, wire.Message("backward", {"mb": key}, {"dy": dy}),
                                   "gradients", {"dy": self.gradient_codec}, reply_codecs,
                                   source=source)
+                self._check(peer, reply, {"dx": tuple(x.shape)} if s else {})
                 self.router.finished(peer, time.perf_counter() - started)
                 self._served_by(peer)
                 return reply.tensors.get("dx"), peer
-            except PeerFailure:
-                self._peer_failed(peer, stats)
+            except PeerFailure as exc:
+                self._peer_failed(peer, stats, exc)
             # the graph died with the peer: redo this stage's forward on another peer of it
             key = f"{self.steps}:{next(self._keys)}"
             message = wire.Message("forward", {"mb": key}, {"x": x})
             peer, _ = self._timed(s, message, "tokens" if s == 0 else "activations",
                                   "activations", {"x": self.activation_codec} if s else None,
-                                  {"y": self.activation_codec}, stats, upstream)
+                                  {"y": self.activation_codec}, stats, upstream,
+                                  expected={"y": self._activation_shape(x)})
+
+    def _activation_shape(self, x: torch.Tensor) -> Shape:
+        """What a stage's output must be for input ``x``: [batch, time, width], the width
+        every stage shares (``width`` when known, else any)."""
+        return (x.shape[0], x.shape[1], self.width)
 
     def _served_by(self, peer: str) -> None:
         with self._lock:
@@ -262,8 +333,11 @@ class PipelineTrainer:
         ``micro_batches`` along the batch."""
         started = time.perf_counter()
         before = dict(self.bytes)
-        stats: dict = {"reroutes": 0, "failed": []}
+        stats: dict = {"reroutes": 0, "failed": [], "refused": {}}
         losses = self.forward_backward(tokens, targets, stats)
+        if not all(math.isfinite(loss) for loss in losses):  # every answer is checked: a bug
+            raise StageError(f"step {self.steps + 1}: a non-finite loss {losses}; nothing is "
+                             "stepped")
         lost = self._apply(len(losses), stats)
         self.steps += 1
         if self.average_every and self.steps % self.average_every == 0:
@@ -271,7 +345,7 @@ class PipelineTrainer:
         delta = {k: v - before.get(k, 0) for k, v in self.bytes.items()}
         return StepReport(self.steps, sum(losses) / len(losses), tokens.numel(),
                           time.perf_counter() - started, stats["reroutes"], stats["failed"],
-                          lost, delta)
+                          lost, delta, dict(stats["refused"]))
 
     def forward_backward(self, tokens: torch.Tensor, targets: torch.Tensor,
                          stats: dict | None = None) -> list[float]:
@@ -298,9 +372,10 @@ class PipelineTrainer:
 
         def tied_grad(peer: str) -> torch.Tensor | None:
             try:
-                return self.call(peer, wire.Message("tied_grad"), "tied").tensors["g"]
-            except PeerFailure:
-                self._peer_failed(peer, stats)
+                reply = self.call(peer, wire.Message("tied_grad"), "tied")
+                return self._check(peer, reply, {"g": None}).tensors["g"]
+            except PeerFailure as exc:
+                self._peer_failed(peer, stats, exc)
                 return None
 
         tied: dict[int, torch.Tensor] = {}
@@ -330,8 +405,8 @@ class PipelineTrainer:
             try:
                 self.call(peer, wire.Message("step", meta, tensors),
                           "tied" if tensors else "control")
-            except PeerFailure:
-                self._peer_failed(peer, stats)
+            except PeerFailure as exc:
+                self._peer_failed(peer, stats, exc)
 
         everyone = [(s, p) for s in range(self.n_stages) for p in self.router.live(s)]
         with ThreadPoolExecutor(len(everyone)) as pool:
@@ -354,25 +429,32 @@ class PipelineTrainer:
         return partner if shared == 1 and self._served.get(partner) else None
 
     def average_stages(self) -> None:
-        """Local SGD within each stage: every live peer of a stage takes their mean weights."""
+        """Local SGD within each stage: every live peer of a stage takes the mean weights of
+        its members whose weights are finite and of the stage's shapes (the others are named
+        in the log and take the mean too)."""
         for s in range(self.n_stages):
             peers = self.router.live(s)
             if len(peers) < 2:
                 continue
-            states = []
+            fetched = {}
             for peer in peers:
                 try:
-                    states.append(self.call(peer, wire.Message("state"), "averaging").tensors)
-                except PeerFailure:
-                    self.router.failed(peer)
+                    fetched[peer] = self.call(peer, wire.Message("state"), "averaging").tensors
+                except PeerFailure as exc:
+                    self.router.failed(peer, str(exc))
+            kept, left_out = usable_states(fetched)
+            for peer, why in left_out.items():
+                log.warning("stage %d average leaves out stage peer %s: %s; it takes the "
+                            "others' mean", s, peer, why)
+            states = list(kept.values())
             if not states:
                 continue
             mean = {n: torch.stack([st[n] for st in states]).mean(0) for n in states[0]}
             for peer in self.router.live(s):
                 try:
                     self.call(peer, wire.Message("load", {}, mean), "averaging")
-                except PeerFailure:
-                    self.router.failed(peer)
+                except PeerFailure as exc:
+                    self.router.failed(peer, str(exc))
 
     def evaluate(self, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> float:
         """Mean per-token held-out loss through the stages (forward only, training codecs)."""
@@ -384,11 +466,12 @@ class PipelineTrainer:
             for s in range(last):
                 _, reply = self._timed(s, wire.Message("evaluate", {}, {"x": x}), "evaluation",
                                        "evaluation", {"x": self.activation_codec} if s else None,
-                                       {"y": self.activation_codec}, stats)
+                                       {"y": self.activation_codec}, stats,
+                                       expected={"y": self._activation_shape(tokens)})
                 x = reply.tensors["y"]
             message = wire.Message("evaluate", {}, {"x": x, "targets": targets.to(torch.int32)})
             _, reply = self._timed(last, message, "evaluation", "evaluation",
-                                   {"x": self.activation_codec}, None, stats)
+                                   {"x": self.activation_codec}, None, stats, loss=True)
             total += reply.meta["loss"] * targets.numel()
             count += targets.numel()
         return total / count
@@ -425,8 +508,8 @@ class PipelineTrainer:
         for s in range(self.n_stages):
             for peer in self.router.live(s):
                 try:
-                    with socket.create_connection(_addr(peer), timeout=5) as sock:
+                    with self._open(peer) as sock:
                         wire.send(sock, wire.Message("shutdown"))
-                except OSError:
+                except (PeerFailure, StageError, OSError):
                     pass
 

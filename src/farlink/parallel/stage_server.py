@@ -11,6 +11,11 @@ computes while its links move the previous micro-batch.
 Run as ``python -m farlink.parallel.stage_server --stage I --stages S --model tiny ...``; it
 prints ``READY <port>`` once it accepts connections. SIGKILL at any time loses only this peer's
 uncommitted work: the trainer re-routes its micro-batches to another peer of the stage.
+
+A stage peer serves only its run's driver (:mod:`farlink.parallel.stage_auth`): every
+connection proves the driver's per-run token (``FARLINK_STAGE_TOKEN``) before any request is
+read, and checkpoints go only under the peer's own ``--checkpoint-dir``, never a directory a
+request names.
 """
 
 from __future__ import annotations
@@ -29,9 +34,12 @@ from pathlib import Path
 
 import torch
 
+from farlink.codecs import CodecError
 from farlink.comm.base import LinkModel
 from farlink.model import GPTConfig
-from farlink.parallel import wire
+from farlink.parallel import stage_auth, wire
+from farlink.robust.auth import Authenticator
+from farlink.robust.gate import LogLimiter
 from farlink.parallel.stages import PipelineStage, build_stage
 
 #: work an optimizer step costs per parameter: weights, gradients and AdamW's two moments (fp32)
@@ -47,8 +55,9 @@ class StageWorker:
     """The stage's state and its operations; transport-free so it can be tested in-process."""
 
     def __init__(self, stage: PipelineStage, lr: float = 3e-3, weight_decay: float = 0.1,
-                 slowdown: float = 1.0) -> None:
+                 slowdown: float = 1.0, checkpoint_dir: Path | None = None) -> None:
         self.stage = stage
+        self.checkpoint_dir = checkpoint_dir  # the only place this peer writes checkpoints
         self.params = dict(stage.named_parameters())
         self.optimizer = torch.optim.AdamW(self.params.values(), lr=lr, betas=(0.9, 0.95),
                                            weight_decay=weight_decay)
@@ -156,9 +165,17 @@ class StageWorker:
                 self.params[name].copy_(value)
         return wire.Message("ok")
 
+    def _checkpoints(self) -> Path:
+        """This peer's own checkpoint directory, fixed when it started: a request never names
+        where the peer writes or reads."""
+        if self.checkpoint_dir is None:
+            raise ValueError(f"stage {self.stage.stage} peer was started without "
+                             "--checkpoint-dir, so it keeps no checkpoints")
+        return self.checkpoint_dir
+
     def op_save(self, request: wire.Message) -> wire.Message:
-        """Checkpoint this peer's own state (its weights and AdamW moments) under the
-        directory the trainer names, atomically and with digests, as every farlink checkpoint
+        """Checkpoint this peer's own state (its weights and AdamW moments) under its own
+        checkpoint directory, atomically and with digests, as every farlink checkpoint
         (:mod:`farlink.train.checkpoint`): the peer writes its own files, so its state never
         crosses a link to be saved."""
         from farlink.sync.base import optimizer_state
@@ -168,17 +185,17 @@ class StageWorker:
         tensors.update(optimizer_state(self.optimizer, "inner"))
         meta = {"stage": self.stage.stage, "stages": self.stage.stages, "steps": self.steps,
                 **request.meta.get("meta", {})}
-        path = save_checkpoint(Path(request.meta["root"]), int(request.meta["step"]), tensors,
-                               meta)
+        path = save_checkpoint(self._checkpoints(), int(request.meta["step"]), tensors, meta)
         return wire.Message("ok", {"path": str(path)})
 
     def op_restore(self, request: wire.Message) -> wire.Message:
-        """Load this peer's checkpoint of step ``step`` under ``root`` (every digest checked:
-        a corrupt one is an error naming it, and the trainer decides what replaces it)."""
+        """Load this peer's checkpoint of step ``step`` from its own checkpoint directory (every
+        digest checked: a corrupt one is an error naming it, and the trainer decides what
+        replaces it)."""
         from farlink.sync.base import load_optimizer_state
         from farlink.train.checkpoint import checkpoint_path, load_checkpoint
 
-        path = checkpoint_path(Path(request.meta["root"]), int(request.meta["step"]))
+        path = checkpoint_path(self._checkpoints(), int(request.meta["step"]))
         tensors, meta = load_checkpoint(path)
         if (meta.get("stage"), meta.get("stages")) != (self.stage.stage, self.stage.stages):
             raise ValueError(f"{path} holds stage {meta.get('stage')} of {meta.get('stages')}, "
@@ -199,23 +216,49 @@ _PRIORITY = {"loss": 0, "backward": 0, "forward": 1, "evaluate": 1}
 
 
 class StageServer:
-    """TCP front of a :class:`StageWorker`: one thread per connection, one compute thread."""
+    """TCP front of a :class:`StageWorker`: one thread per connection, one compute thread.
+
+    Every connection proves ``auth``'s credential first (:func:`stage_auth.admit`); control
+    operations come only from a peer id in ``drivers``. ``on_shutdown`` runs on the driver's
+    ``shutdown`` (a process exits; an in-process server stops)."""
 
     def __init__(self, worker: StageWorker, host: str = "127.0.0.1", port: int = 0,
-                 link: LinkModel | None = None) -> None:
+                 link: LinkModel | None = None, *, auth: Authenticator,
+                 drivers: frozenset[str] = frozenset({stage_auth.DRIVER}),
+                 on_shutdown=None) -> None:
         self.worker, self.link = worker, link
+        self.auth, self.drivers = auth, drivers
+        self.on_shutdown = on_shutdown or (lambda: os._exit(0))
         self.listener = socket.create_server((host, port))
+        self.listener.settimeout(0.5)  # accept polls the stop flag
         self.port = self.listener.getsockname()[1]
         self.work: queue.PriorityQueue = queue.PriorityQueue()
         self._order = itertools.count()
         self.stopped = threading.Event()
+        self.refusals: list[tuple[str, str]] = []  # (address, why), the last 100
+        self._log_limit = LogLimiter()
 
     def serve_forever(self) -> None:
         threading.Thread(target=self._compute, daemon=True).start()
         while not self.stopped.is_set():
-            conn, _ = self.listener.accept()
-            self.worker.connections += 1
+            try:
+                conn, _ = self.listener.accept()
+            except TimeoutError:
+                continue
             threading.Thread(target=self._connection, args=(conn,), daemon=True).start()
+        self.listener.close()
+
+    def stop(self) -> None:
+        self.stopped.set()
+
+    def _refuse(self, where: str, why: str) -> None:
+        """Keep and log (rate-limited) a refusal: who, and that nothing of theirs ran."""
+        self.refusals = [*self.refusals[-99:], (where, why)]
+        write, skipped = self._log_limit.admit("refused")
+        if write:
+            more = f" ({skipped} more refusals left out)" if skipped else ""
+            print(f"stage {self.worker.stage.stage} peer refused {where}: {why}; nothing it "
+                  f"sent was run{more}", file=sys.stderr, flush=True)
 
     def _compute(self) -> None:
         while True:
@@ -229,17 +272,37 @@ class StageServer:
     def _connection(self, conn: socket.socket) -> None:
         with conn:
             try:
-                while True:
-                    request = wire.recv(conn)
+                host, port = conn.getpeername()[:2]
+                where = f"{host}:{port}"
+                peer_id, why = stage_auth.admit(conn, self.auth)
+                if peer_id is None:
+                    self._refuse(where, why)
+                    return
+                self.worker.connections += 1
+                while not self.stopped.is_set():
+                    try:
+                        request = wire.recv(conn)
+                    except CodecError as exc:
+                        self._refuse(f"{peer_id} at {where}", f"{exc}; connection closed")
+                        return
+                    why = stage_auth.may_send(request.op, peer_id, self.drivers)
+                    if why is not None:
+                        self._refuse(f"{peer_id} at {where}", why)
+                        wire.send(conn, wire.Message("error", {"error": f"refused: {why}"}))
+                        continue
                     if request.op == "shutdown":
-                        os._exit(0)
+                        self.on_shutdown()
+                        return
                     done: list = [threading.Event()]
                     self.work.put((_PRIORITY.get(request.op, 2), next(self._order), request, done))
                     done[0].wait()
-                    codecs = request.meta.get("reply_codecs")
-                    wire.send(conn, done[1], codecs, self.link)
+                    self._reply(conn, done[1], request.meta.get("reply_codecs"))
             except (ConnectionError, OSError):
                 return
+
+    def _reply(self, conn: socket.socket, message: wire.Message,
+               codecs: dict[str, str] | None) -> None:
+        wire.send(conn, message, codecs, self.link)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -258,6 +321,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--memory-cap-mb", type=float, default=None,
                    help="refuse to serve a stage whose training state exceeds this")
     p.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
+    p.add_argument("--checkpoint-dir", type=Path, default=None,
+                   help="where this peer keeps its checkpoints (requests never name one)")
     return p.parse_args(argv)
 
 
@@ -265,6 +330,10 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     from farlink import lifeline
 
+    try:
+        auth = stage_auth.auth_from_env()
+    except ValueError as exc:
+        sys.exit(str(exc))
     lifeline.watch_parent(grace=0.0)  # started by farlink train: end with it
     torch.set_num_threads(args.threads)
     config = GPTConfig(**json.loads(args.config))
@@ -276,8 +345,8 @@ def main(argv: list[str] | None = None) -> None:
     link = None
     if args.link_mbit is not None or args.link_ms:
         link = LinkModel.of(args.link_mbit, args.link_ms)
-    server = StageServer(StageWorker(stage, args.lr, args.weight_decay, args.slowdown),
-                         args.host, args.port, link)
+    worker = StageWorker(stage, args.lr, args.weight_decay, args.slowdown, args.checkpoint_dir)
+    server = StageServer(worker, args.host, args.port, link, auth=auth)
     print(f"READY {server.port}", flush=True)
     server.serve_forever()
 

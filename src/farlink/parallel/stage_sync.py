@@ -15,13 +15,20 @@ its traffic count: 2 x the stage's weights per peer and round). The peers of a s
 to each other, so this needs no Collective backend (torchft's quorum or hivemind's DHT) inside
 the stage; the price is that the trainer's link carries every stage's weights each round,
 which is what DiLoCo makes rare (once per ``inner_steps`` steps).
+
+A member whose weights hold NaN/inf, or other names or shapes than θ, is left out of the mean
+(:func:`~farlink.parallel.answers.usable_states`; named in ``left_out`` and the log) and takes
+the new θ like the others: one broken peer cannot carry NaN into every peer of its stage.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 
 import torch
+
+from farlink.parallel.answers import usable_states
 
 from farlink.sync.base import OuterOptimizerFactory, load_optimizer_state, optimizer_state
 
@@ -31,6 +38,8 @@ Peers = Callable[[int], list[str]]
 Fetch = Callable[[str], dict[str, torch.Tensor] | None]
 Store = Callable[[str, dict[str, torch.Tensor]], None]
 
+log = logging.getLogger(__name__)
+
 
 class StageOuterSync:
     """θ and the outer optimizer of every stage; :meth:`sync` is one outer round."""
@@ -39,6 +48,7 @@ class StageOuterSync:
                  fetch: Fetch, store: Store) -> None:
         self.peers, self.fetch, self.store = peers, fetch, store
         self.rounds = 0
+        self.left_out: list[tuple[int, str, str]] = []  # the last round's (stage, peer, why)
         # every peer of a stage starts from the run's seed, so any live one holds θ_0
         self.globals: list[dict[str, torch.Tensor]] = [
             {n: t.detach().clone() for n, t in fetch(peers(s)[0]).items()}
@@ -48,11 +58,22 @@ class StageOuterSync:
     def sync(self) -> None:
         """One outer round in every stage: Δ = θ - mean over the stage's live peers, the outer
         step on θ, θ to every live peer of the stage. A stage whose peers all died before the
-        round keeps its θ (the trainer has already stopped: it cannot run without them)."""
+        round keeps its θ (the trainer has already stopped: it cannot run without them), as
+        does one whose every member is left out (non-finite or misshapen weights): those take
+        θ back."""
+        self.left_out = []
         for stage, (theta, optimizer) in enumerate(zip(self.globals, self.optimizers)):
-            states = [state for peer in self.peers(stage)
-                      if (state := self.fetch(peer)) is not None]
+            fetched = {peer: state for peer in self.peers(stage)
+                       if (state := self.fetch(peer)) is not None}
+            kept, left_out = usable_states(fetched, theta)
+            for peer, why in left_out.items():
+                self.left_out.append((stage, peer, why))
+                log.warning("stage %d outer step leaves out stage peer %s: %s; it continues "
+                            "from the stage's new weights", stage, peer, why)
+            states = list(kept.values())
             if not states:
+                for peer in left_out:
+                    self.store(peer, theta)
                 continue
             for name, param in theta.items():
                 mean = torch.stack([state[name] for state in states]).mean(0)

@@ -25,6 +25,7 @@ class PeerLoad:
     in_flight: int = 0
     served: int = 0
     alive: bool = True
+    why: str | None = None  # why it was taken out, when it was
 
 
 class ThroughputRouter:
@@ -54,8 +55,9 @@ class ThroughputRouter:
         with self._lock:
             live = [p for p in self.stages[stage] if self.load[p].alive]
             if not live:
+                why = "; ".join(f"{p}: {self.load[p].why or 'failed'}" for p in self.stages[stage])
                 raise StageUnavailable(f"stage {stage} has no live peer left; start a peer for "
-                                       f"it (its peers were {', '.join(self.stages[stage])})")
+                                       f"it (its peers were taken out: {why})")
             peer = min(live, key=lambda p: ((self.load[p].in_flight + 1)
                                             * (self.load[p].seconds or 0.0),
                                             self.load[p].in_flight))  # ties: the less busy
@@ -76,11 +78,13 @@ class ThroughputRouter:
             a = self.smoothing
             load.seconds = seconds if load.seconds is None else (1 - a) * load.seconds + a * seconds
 
-    def failed(self, peer: str) -> None:
+    def failed(self, peer: str, why: str | None = None) -> None:
+        """``peer`` is out (``why``: what it did, named when its stage runs out of peers)."""
         with self._lock:
             load = self.load[peer]
             load.in_flight = max(0, load.in_flight - 1)
             load.alive = False
+            load.why = why
 
     def throughput(self, stage: int) -> float:
         """Micro-batches per second the live peers of ``stage`` serve together (inf when a

@@ -31,7 +31,7 @@ from farlink.config import RunConfig
 from farlink.data import PreparedData, ShardSampler, heldout_batches
 from farlink.data.eval import perplexity
 from farlink.model import GPT, preset_config
-from farlink.parallel import wire
+from farlink.parallel import stage_auth, wire
 from farlink.parallel.peers import StagePeer, start_stage_peer, stop_pipeline
 from farlink.parallel.pipeline import PeerFailure, PipelineTrainer, StageError
 from farlink.parallel.stage_sync import StageOuterSync
@@ -70,6 +70,9 @@ class PipelineRun:
         self.saved_step = -1  # the step of the newest checkpoint
         self.tokens = 0
         self.evals: list[dict] = []
+        # the per-run token only this launcher and the stage peers it starts hold: nobody
+        # else on the machine can drive them (docs/trust.md)
+        self.token = stage_auth.new_token()
 
     # -- peers --------------------------------------------------------------------------------
     def start(self) -> None:
@@ -85,7 +88,8 @@ class PipelineRun:
                 weight_decay=cfg.weight_decay, slowdown=cfg.slowdown_of(s * self.replicas + p),
                 host=cfg.host, threads=cfg.threads,
                 log_path=cfg.run_dir / "logs" / f"{peer_name(s, p)}.log",
-                env=lifeline.child_env())
+                env=lifeline.child_env(), token=self.token,
+                checkpoint_dir=self.checkpoints / peer_name(s, p))
 
         with ThreadPoolExecutor(self.stages * self.replicas) as pool:
             futures = [[pool.submit(start_one, s, p) for p in range(self.replicas)]
@@ -102,7 +106,8 @@ class PipelineRun:
         self.trainer = PipelineTrainer(
             addresses, micro_batches=self.replicas * cfg.pipeline_micro_batches,
             activation_codec=cfg.activation_codec, lr=cfg.lr, warmup_steps=cfg.warmup_steps,
-            total_steps=cfg.steps,
+            total_steps=cfg.steps, auth=stage_auth.driver_auth(self.token),
+            timeout=cfg.stage_peer_timeout, width=self.config.d_model,
             pipelines=[[addresses[s][p] for s in range(self.stages)]
                        for p in range(self.replicas)])
         self.outer = StageOuterSync(self.stages,
@@ -147,9 +152,8 @@ class PipelineRun:
                 if peer.address not in self.trainer.router.live(s):
                     continue
                 try:
-                    self.trainer.call(peer.address, wire.Message(
-                        "save", {"root": str(self.checkpoints / peer_name(s, p)),
-                                 "step": self.step}), "control")
+                    self.trainer.call(peer.address, wire.Message("save", {"step": self.step}),
+                                      "control")
                 except PeerFailure:
                     self.trainer.router.failed(peer.address)
         meta = {"step": self.step, "tokens": self.tokens,
@@ -191,8 +195,8 @@ class PipelineRun:
             for p, peer in enumerate(row):
                 root = self.checkpoints / peer_name(s, p)
                 try:
-                    self.trainer.call(peer.address, wire.Message(
-                        "restore", {"root": str(root), "step": self.step}), "control")
+                    self.trainer.call(peer.address, wire.Message("restore", {"step": self.step}),
+                                      "control")
                 except StageError as exc:
                     self.metrics.write("checkpoint_rejected", path=str(root), reason=str(exc))
                     console.print(f"[yellow]{peer_name(s, p)}: {exc}; it continues from stage "
@@ -213,23 +217,35 @@ class PipelineRun:
         return record
 
     def train_step(self) -> float:
+        from farlink.train.launcher import console
+
         tokens, targets = self.next_batch()
         report = self.trainer.step(tokens, targets)
         self.step += 1
         self.tokens += report.tokens
+        refused = {self.names.get(p, p): why for p, why in report.refused.items()}
+        for name, why in refused.items():
+            console.print(f"[yellow]step {self.step}: {name} refused ({why}); it is out and "
+                          "its stage's other peers took its work[/]")
         if self.step % self.cfg.log_every == 0 or report.reroutes:
             self.metrics.write("step", step=self.step, loss=report.loss, tokens=self.tokens,
                                seconds=round(report.seconds, 4), reroutes=report.reroutes,
                                failed_peers=[self.names.get(p, p) for p in report.failed_peers],
-                               bytes=report.bytes)
+                               refused=refused, bytes=report.bytes)
         return report.loss
 
     def outer_round(self, final: bool) -> None:
         """The stages' outer step, then (on their cadence) evaluation and checkpoint."""
+        from farlink.train.launcher import console
+
         started = time.perf_counter()
         self.outer.sync()
         rounds = self.outer.rounds
-        self.metrics.write("sync", step=self.step, outer_step=rounds,
+        left_out = {self.names.get(p, p): why for _, p, why in self.outer.left_out}
+        for name, why in left_out.items():
+            console.print(f"[yellow]outer step {rounds}: {name} left out of its stage's "
+                          f"average ({why}); it continues from the stage's new weights[/]")
+        self.metrics.write("sync", step=self.step, outer_step=rounds, left_out=left_out,
                            seconds=round(time.perf_counter() - started, 3),
                            live_peers=[len(self.trainer.router.live(s))
                                        for s in range(self.stages)])
