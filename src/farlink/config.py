@@ -167,11 +167,12 @@ class RunConfig(*algorithm_options()):
         "one is moved aside to DIR.old-<time>, never deleted")
     log_every: int = Field(10, ge=1, description="inner steps between metric lines")
 
-    @field_validator("*")
+    @field_validator("*", mode="before")
     @classmethod
     def _finite(cls, value: Any, info: ValidationInfo) -> Any:
         """Every float option is a finite number: ``inf`` passes a ``gt=0`` bound, is saved
-        as ``null`` and then fails every worker that reads the run's config back."""
+        as ``null`` and then fails every worker that reads the run's config back. Checked
+        before the bounds, so that the message names the flag whatever the bound."""
         if isinstance(value, float) and not math.isfinite(value):
             flag = "--" + (info.field_name or "").replace("_", "-")
             raise ValueError(f"{value} is not a finite number; give {flag} a finite value")
