@@ -185,6 +185,10 @@ def register_model_commands(app: typer.Typer) -> None:
         except (FileNotFoundError, FileExistsError) as exc:
             typer.secho(f"error: {exc}", fg="red", err=True)
             raise typer.Exit(2) from None
+        except OSError as exc:  # a read-only or full disk: nothing was published at --hf
+            typer.secho(f"error: cannot export to {hf}: {exc.strerror or exc}; nothing was "
+                        "written there", fg="red", err=True)
+            raise typer.Exit(1) from None
         typer.echo(f"wrote {out}")
 
     @app.command("generate")
