@@ -136,6 +136,11 @@ def test_a_read_only_run_dir_is_refused_naming_it(tmp_path: Path) -> None:
         assert code == 2
         assert_one_line_error(out, str(mine), "read-only", "--run-dir")
         assert snapshot(mine) == before
+    code, out = farlink_read_only(mine, "join", "--lighthouse", "http://127.0.0.1:9",
+                                  "--index", "0", "--run-dir", str(mine / "run"))
+    assert code == 2
+    assert_one_line_error(out, str(mine), "read-only")
+    assert snapshot(mine) == before
 
     # a saved run: --resume, and --overwrite (which moves it aside in the read-only parent)
     run = mine / "run"
