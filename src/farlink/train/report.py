@@ -51,7 +51,7 @@ def report(run_dir: Path, plot: bool = True) -> dict:
 def worker_rows(run_dir: Path, ended: dict[str, dict]) -> dict[str, dict]:
     """One row per worker that wrote any metrics, by name. ``ended`` holds the figures of the
     workers that wrote an ``end`` record (:func:`summarize`); a worker without one (killed,
-    crashed) is shown too, from its last record with a step count, as "did not finish": after a
+    crashed) is shown too, from its last record with a token count, as "did not finish": after a
     crash the workers that trained are the ones worth seeing."""
     rows = {}
     for path in sorted((run_dir / "metrics").glob("w*.jsonl")):
