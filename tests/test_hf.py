@@ -115,9 +115,65 @@ def test_export_of_a_trained_run_loads_with_auto_classes(gpt_run: Path, tmp_path
         delta = (ours(ids)[0] - hf_model(input_ids=ids).logits).abs().max().item()
     assert delta <= 1e-5
     assert hf_tokenizer.eos_token == "<|endoftext|>"
-    # nothing the user owns is overwritten
+    # nothing the user owns is overwritten, and the message says what to do
     again = cli("export", str(gpt_run), "--hf", str(out))
     assert again.exit_code == 2 and "not an empty directory" in again.output
+    assert "holds an exported model" in again.output and "--hf NEW_DIR" in again.output
+
+
+KILLED_EXPORT = """
+import os, signal, sys
+import transformers
+from farlink.train.export import export_hf
+
+def killed(self, *args, **kwargs):  # the model's files are written, the tokenizer's are not
+    os.kill(os.getpid(), signal.SIGKILL)
+
+transformers.PreTrainedTokenizerFast.save_pretrained = killed
+export_hf(sys.argv[1], sys.argv[2])
+"""
+
+
+def test_an_interrupted_export_leaves_nothing_half_written(
+        gpt_run: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """SIGKILL after the first files, then Ctrl-C: the target is absent each time (never a
+    config without weights or tokenizer), the rerun completes and loads, and the killed
+    export's temporary directory is gone after it."""
+    out = tmp_path / "export"
+    killed = subprocess.run([sys.executable, "-c", KILLED_EXPORT, str(gpt_run), str(out)],
+                            capture_output=True, text=True, timeout=300)
+    assert killed.returncode == -9, killed.stderr[-3000:]
+    assert not out.exists(), sorted(p.name for p in out.iterdir())
+    [left] = tmp_path.iterdir()
+    assert left.name.startswith(".export.tmp-")  # the killed export's; the next removes it
+
+    done = cli("export", str(gpt_run), "--hf", str(out))
+    assert done.exit_code == 0, done.output
+    assert [p.name for p in tmp_path.iterdir()] == ["export"]
+    assert isinstance(AutoModelForCausalLM.from_pretrained(str(out)), LlamaForCausalLM)
+    assert AutoTokenizer.from_pretrained(str(out)).eos_token == "<|endoftext|>"
+
+    import transformers
+
+    def interrupted(self, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202
+        raise KeyboardInterrupt("Ctrl-C")
+
+    monkeypatch.setattr(transformers.PreTrainedTokenizerFast, "save_pretrained", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        export_hf(gpt_run, tmp_path / "second")
+    assert [p.name for p in tmp_path.iterdir()] == ["export"]
+
+
+def test_export_into_a_half_written_directory_says_to_remove_it(gpt_run: Path,
+                                                                 tmp_path: Path) -> None:
+    """What an older, interrupted export left (a config without weights): refused with what
+    it is and what to do, not touched."""
+    half = tmp_path / "half"
+    half.mkdir()
+    (half / "config.json").write_text("{}")
+    done = cli("export", str(gpt_run), "--hf", str(half))
+    assert done.exit_code == 2 and "incomplete export" in done.output, done.output
+    assert "rm -r" in done.output and [p.name for p in half.iterdir()] == ["config.json"]
 
 
 def test_greedy_generation_matches_transformers_generate(gpt_run: Path, tmp_path: Path) -> None:

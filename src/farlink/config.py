@@ -15,16 +15,18 @@ A few fields belong to one invocation, not to the run (``Field(exclude=True)``):
 
 from __future__ import annotations
 
-import tomllib
+import math
 from pathlib import Path
 from collections.abc import Iterable
 from typing import Any, Literal
 
-from pydantic import ConfigDict, Field, ValidationError, ValidationInfo, model_validator
+from pydantic import (ConfigDict, Field, ValidationError, ValidationInfo, field_validator,
+                      model_validator)
 
 from farlink.links import LinkError, get_profile, profile_names
 from farlink.model.config import PRESETS
 from farlink.sync import ALGORITHMS, algorithm_class, algorithm_options
+from farlink.tomlfile import read_toml
 
 HF_MODEL_PREFIX = "hf:"
 _LINK_NAMES = ", ".join(profile_names())  # farlink/links.toml
@@ -169,6 +171,17 @@ class RunConfig(*algorithm_options()):
         "one is moved aside to DIR.old-<time>, never deleted")
     log_every: int = Field(10, ge=1, description="inner steps between metric lines")
 
+    @field_validator("*", mode="before")
+    @classmethod
+    def _finite(cls, value: Any, info: ValidationInfo) -> Any:
+        """Every float option is a finite number: ``inf`` passes a ``gt=0`` bound, is saved
+        as ``null`` and then fails every worker that reads the run's config back. Checked
+        before the bounds, so that the message names the flag whatever the bound."""
+        if isinstance(value, float) and not math.isfinite(value):
+            flag = "--" + (info.field_name or "").replace("_", "-")
+            raise ValueError(f"{value} is not a finite number; give {flag} a finite value")
+        return value
+
     @model_validator(mode="before")
     @classmethod
     def _local_swarm_averages_everyone(cls, values: Any) -> Any:
@@ -213,6 +226,7 @@ class RunConfig(*algorithm_options()):
         make_compressor(self.codec)  # raises ValueError naming the valid codecs
         make_aggregator(self.aggregator)
         make_attack(self.attack)
+        self._check_attackers()
         if 0 < self.screen_ratio <= 1:
             raise ValueError(f"screen_ratio={self.screen_ratio:g} would reject honest updates; "
                              "use a value above 1, or 0 to turn the screen off")
@@ -437,6 +451,20 @@ class RunConfig(*algorithm_options()):
             raise ValueError("islands, island_seconds and overlap_global apply to "
                              f"{', '.join(tiered)} only")
 
+    def _check_attackers(self) -> None:
+        """Attackers are indices of the run's workers; one that names no worker would leave
+        the emulated attack out and the run would look robust against an attack never made.
+        A run whose workers join elsewhere (a Lighthouse, a swarm) may use any index."""
+        indices = [a.strip() for a in self.attackers.split(",") if a.strip()]
+        if bad := [a for a in indices if not a.isdigit()]:
+            raise ValueError(f"--attackers {self.attackers}: {', '.join(bad)} is not a worker "
+                             "index; give a comma list of indices such as '0,2'")
+        launched = self.lighthouse is None and not self.initial_peers
+        if launched and (outside := [a for a in indices if int(a) >= self.workers]):
+            raise ValueError(f"--attackers {self.attackers}: {', '.join(outside)} is not one of "
+                             f"the {self.workers} workers (indices 0 to {self.workers - 1}): "
+                             f"give indices below {self.workers}, or raise --workers")
+
     def is_attacker(self, index: int) -> bool:
         return str(index) in {a.strip() for a in self.attackers.split(",") if a.strip()}
 
@@ -468,10 +496,7 @@ def load_config(path: Path | None = None, overrides: dict[str, Any] | None = Non
         path = Path(path)
         if not path.is_file():
             raise ConfigError(f"config file {path} does not exist")
-        try:
-            values.update(tomllib.loads(path.read_text()))
-        except tomllib.TOMLDecodeError as exc:
-            raise ConfigError(f"config file {path} is not valid TOML: {exc}") from exc
+        values.update(read_toml(path, ConfigError, "config file "))
         values = values.get("train", values)
         values = {k: v for k, v in values.items() if k not in set(ignore)}
     values.update({k: v for k, v in (overrides or {}).items() if v is not None})

@@ -11,11 +11,31 @@ from __future__ import annotations
 import tomllib
 from importlib import resources
 from pathlib import Path
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from pydantic import BaseModel, ValidationError
 
 Model = TypeVar("Model", bound=BaseModel)
+
+
+def read_toml(path: Path, error: type[ValueError], what: str = "") -> dict[str, Any]:
+    """The TOML file ``path`` as a dict; a file that cannot be read, is not text (a binary file
+    given by mistake) or is not TOML raises ``error`` naming ``what`` and the file, in one line."""
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except OSError as exc:
+        raise error(f"cannot read {what}{path}: {exc.strerror or exc}") from exc
+    except UnicodeDecodeError as exc:
+        raise error(f"{what}{path} is not a text file (byte {exc.start} is not UTF-8); give "
+                    "a TOML text file") from exc
+    return _parse(text, f"{what}{path}", error)
+
+
+def _parse(text: str, origin: str, error: type[ValueError]) -> dict[str, Any]:
+    try:
+        return tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
+        raise error(f"{origin} is not valid TOML: {exc}") from exc
 
 
 def load_table(model: type[Model], path: str | Path | None, package: str, resource: str,
@@ -23,19 +43,11 @@ def load_table(model: type[Model], path: str | Path | None, package: str, resour
     """``path`` (or the built-in ``package``/``resource``) validated by ``model``; any problem
     (unreadable, not TOML, an invalid entry) raises ``error`` naming the file and the fields."""
     if path is None:
-        text = resources.files(package).joinpath(resource).read_text()
         origin = f"built-in {Path(resource).name}"
+        raw = _parse(resources.files(package).joinpath(resource).read_text(), origin, error)
     else:
-        path = Path(path)
-        try:
-            text = path.read_text()
-        except OSError as exc:
-            raise error(f"cannot read {path}: {exc.strerror or exc}") from exc
         origin = str(path)
-    try:
-        raw = tomllib.loads(text)
-    except tomllib.TOMLDecodeError as exc:
-        raise error(f"{origin} is not valid TOML: {exc}") from exc
+        raw = read_toml(Path(path), error)
     try:
         return model.model_validate(raw)
     except ValidationError as exc:

@@ -112,11 +112,12 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
-def remove_stale_temps(root: Path) -> list[Path]:
+def remove_stale_temps(root: Path, pattern: str = f"*{TEMP_PREFIX}*") -> list[Path]:
     """Delete temporary files of saves whose process died mid-write (SIGKILL, power loss):
-    they are never published and would otherwise fill the disk one crash at a time."""
+    they are never published and would otherwise fill the disk one crash at a time. Only
+    names matching ``pattern`` are touched, and one whose ``-PID`` process lives is kept."""
     removed = []
-    for tmp in root.glob(f"*{TEMP_PREFIX}*") if root.is_dir() else []:
+    for tmp in root.glob(pattern) if root.is_dir() else []:
         pid = tmp.name.rsplit("-", 1)[-1]
         if pid.isdigit() and int(pid) != os.getpid() and _pid_alive(int(pid)):
             continue

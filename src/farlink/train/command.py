@@ -125,7 +125,7 @@ def register(app: typer.Typer, bench_app: typer.Typer) -> None:
         """
         from farlink.robust.auth import run_secret
         from farlink.train.index_lock import check_joinable
-        from farlink.train.rundir import check_resume
+        from farlink.train.rundir import check_resume, check_writable
         from farlink.train.worker import exit_process, run_worker
 
         cfg = _config_from(values)
@@ -133,6 +133,7 @@ def register(app: typer.Typer, bench_app: typer.Typer) -> None:
             typer.secho("error: --lighthouse ADDR is required to join", fg="red", err=True)
             raise typer.Exit(2)
         try:
+            check_writable(cfg.run_dir)
             if os.environ.get("RANK", "0") == "0":  # a site's rank 0 speaks for it (its lock)
                 check_joinable(cfg.run_dir, index, cfg.resume)
             run_secret(cfg)  # a missing or exposed secret fails here, not in the first round
@@ -185,6 +186,10 @@ def register_model_commands(app: typer.Typer) -> None:
         except (FileNotFoundError, FileExistsError) as exc:
             typer.secho(f"error: {exc}", fg="red", err=True)
             raise typer.Exit(2) from None
+        except OSError as exc:  # a read-only or full disk: nothing was published at --hf
+            typer.secho(f"error: cannot export to {hf}: {exc.strerror or exc}; nothing was "
+                        "written there", fg="red", err=True)
+            raise typer.Exit(1) from None
         typer.echo(f"wrote {out}")
 
     @app.command("generate")

@@ -11,6 +11,7 @@ from rich.table import Table
 from farlink.config import load_stored_config
 from farlink.train.audit import audit_run
 from farlink.train.launcher import summarize
+from farlink.train.metrics import read_metrics
 
 
 def report(run_dir: Path, plot: bool = True) -> dict:
@@ -25,13 +26,15 @@ def report(run_dir: Path, plot: bool = True) -> dict:
         return report_pipeline(run_dir, cfg.algorithm, plot)
     summary = summarize(cfg)
     audit = audit_run(run_dir)
+    workers = worker_rows(run_dir, summary["per_worker"])
     table = Table(title=f"{run_dir}: {cfg.algorithm} ({cfg.codec}), {cfg.workers} workers")
-    for column in ("worker", "tokens", "bytes sent", "bytes/token", "utilization", "wall s"):
+    for column in ("worker", "tokens", "bytes sent", "bytes/token", "utilization", "wall s",
+                   "status"):
         table.add_column(column)
-    for name, w in summary["per_worker"].items():
+    for name, w in workers.items():
         table.add_row(name, f"{w['tokens']:,}", f"{w['bytes_sent']:,}",
                       f"{w['bytes_per_token']:.1f}", f"{w['compute_utilization']:.1%}",
-                      f"{w['wall_s']:.1f}")
+                      f"{w['wall_s']:.1f}", w["status"])
     console = Console()
     console.print(table)
     console.print(f"held-out loss {summary['final_heldout_loss']} (ppl "
@@ -42,7 +45,34 @@ def report(run_dir: Path, plot: bool = True) -> dict:
                       f"{audit['redone_steps']}")
     if plot and summary["evals"]:
         _plot(console, run_dir, cfg.algorithm, summary["evals"], "tokens (evaluating worker)")
-    return {"summary": summary, "audit": audit}
+    return {"summary": summary, "audit": audit, "workers": workers}
+
+
+def worker_rows(run_dir: Path, ended: dict[str, dict]) -> dict[str, dict]:
+    """One row per worker that wrote any metrics, by name. ``ended`` holds the figures of the
+    workers that wrote an ``end`` record (:func:`summarize`); a worker without one (killed,
+    crashed) is shown too, from its last record with a token count, as "did not finish": after a
+    crash the workers that trained are the ones worth seeing."""
+    rows = {}
+    for path in sorted((run_dir / "metrics").glob("w*.jsonl")):
+        name, records = path.stem, read_metrics(path)
+        if name in ended:
+            end = [r for r in records if r["kind"] == "end"][-1]
+            status = "finished" if end.get("finished", True) else \
+                f"stopped at step {end.get('inner_steps', '?')}"
+            rows[name] = {**ended[name], "status": status}
+            continue
+        if not records:
+            continue
+        last = next((r for r in reversed(records) if "tokens" in r), {})
+        tokens, sent = last.get("tokens", 0), last.get("bytes_sent", 0)
+        wall = last.get("wall_s", 0.0)
+        rows[name] = {"tokens": tokens, "bytes_sent": sent,
+                      "bytes_per_token": sent / max(tokens, 1),
+                      "compute_utilization": last.get("compute_s", 0.0) / max(wall, 1e-9),
+                      "wall_s": wall, "step": last.get("step", 0),
+                      "status": f"did not finish (last step {last.get('step', 0)})"}
+    return rows
 
 
 def report_pipeline(run_dir: Path, algorithm: str, plot: bool = True) -> dict:

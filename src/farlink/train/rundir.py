@@ -91,7 +91,30 @@ def plan_run_dir(cfg: RunConfig) -> tuple[RunConfig, Path | None]:
             f"{run_dir} already holds a run; nothing was changed. Continue it with --resume, "
             f"start a new one elsewhere with --run-dir NEW_DIR, or pass --overwrite to move it "
             f"aside (to {run_dir}.old-<time>) and start afresh here")
+    check_writable(run_dir)
+    if cfg.overwrite and not cfg.resume and holds_run(run_dir):
+        check_writable(run_dir.parent)  # where the old run is moved aside
     return cfg, link
+
+
+def check_writable(path: Path) -> None:
+    """Refuse a run dir this process cannot write (a read-only mount, another user's
+    directory): the launcher and every worker write config, logs, metrics and checkpoints
+    there, and would each fail with a traceback. A path not made yet needs its nearest
+    existing parent writable."""
+    where = path
+    while not where.exists() and where.parent != where:
+        where = where.parent
+    if where.exists() and not where.is_dir():
+        raise RunDirError(f"{where} is a file, so {path} cannot be a run dir; nothing was "
+                          "changed. Give --run-dir a directory")
+    if os.access(where, os.W_OK | os.X_OK):
+        return
+    readonly = bool(os.statvfs(where).f_flag & os.ST_RDONLY)
+    why = "is on a read-only file system" if readonly else "is not writable by this user"
+    raise RunDirError(f"{where} {why}, so the run cannot write to {path}; nothing was changed. "
+                      "Give --run-dir a directory you can write to" +
+                      ("" if readonly else f", or make {where} writable (chmod u+w)"))
 
 
 def check_resume(cfg: RunConfig) -> None:

@@ -1,0 +1,204 @@
+"""Everyday mistakes and faults meet a one-line answer, not a traceback, and nothing is lost.
+
+A binary file given as a config, a float option that is not finite, attackers that name no
+worker, a run dir the process cannot write, and ``farlink report`` after the workers were
+killed. Each runs the real CLI as a user does, with tiny settings.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from farlink.config import ConfigError, RunConfig, load_config
+from farlink.train.launcher import write_run_config
+from farlink.train.metrics import read_metrics
+
+from test_run_safety import TINY, farlink, snapshot, tiny_flags
+
+BINARY = bytes(range(128, 256)) * 4  # no UTF-8 text starts with a continuation byte
+
+
+def assert_one_line_error(out: str, *names: str) -> None:
+    """``out`` is an ``error:`` line naming ``names``, without a traceback."""
+    assert "Traceback" not in out and "─" not in out, out  # rich draws a traceback in a box
+    assert out.startswith("error: ") and all(n in out for n in names), out
+
+
+# --- a binary config file ------------------------------------------------------------------
+
+def test_a_binary_config_file_is_one_line_naming_it(tmp_path: Path) -> None:
+    given = tmp_path / "config.toml"
+    given.write_bytes(BINARY)
+    code, out = farlink("train", "-c", str(given), "--run-dir", str(tmp_path / "run"))
+    assert code == 2
+    assert_one_line_error(out, str(given), "not a text file", "TOML")
+    assert not (tmp_path / "run").exists()
+
+    # the saved config.toml that --resume reads, damaged: named, and nothing else touched
+    run = tmp_path / "saved"
+    write_run_config(load_config(None, {**TINY, "run_dir": run}))
+    (run / "config.toml").write_bytes(BINARY)
+    before = snapshot(run)
+    code, out = farlink("train", "--resume", "--run-dir", str(run))
+    assert code == 2
+    assert_one_line_error(out, str(run / "config.toml"), "not a text file")
+    assert snapshot(run) == before
+
+    # the planner's own tables go through the same reader
+    code, out = farlink("plan", "--model", "tiny", "--workers", "2", "--links-file", str(given))
+    assert code != 0
+    assert_one_line_error(out, str(given), "not a text file")
+
+
+# --- floats that are not finite ------------------------------------------------------------
+
+FLOAT_FIELDS = [name for name, field in RunConfig.model_fields.items()
+                if "float" in str(field.annotation)]
+
+
+def test_every_float_option_refuses_inf_and_nan_naming_its_flag() -> None:
+    assert len(FLOAT_FIELDS) >= 10 and "outer_lr" in FLOAT_FIELDS  # algorithms' options too
+    for name in FLOAT_FIELDS:
+        flag = "--" + name.replace("_", "-")
+        for value in (math.inf, -math.inf, math.nan):
+            with pytest.raises(ConfigError, match=f"{name}: .*{flag} a finite value"):
+                load_config(None, {name: value})
+
+
+def test_outer_lr_inf_is_refused_before_the_run_dir_is_taken(tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    code, out = farlink("train", *tiny_flags(), "--outer-lr", "inf", "--run-dir", str(run))
+    assert code == 2
+    assert_one_line_error(out, "--outer-lr", "finite")
+    assert not run.exists()
+    given = tmp_path / "inf.toml"  # TOML has inf too
+    given.write_text("[train]\nround_timeout = inf\n")
+    code, out = farlink("train", "-c", str(given), "--run-dir", str(run))
+    assert code == 2 and "--round-timeout" in out and not run.exists(), out
+
+
+# --- attackers that name no worker ---------------------------------------------------------
+
+def test_attackers_outside_the_launched_workers_are_refused(tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    code, out = farlink("train", *tiny_flags(workers=4, steps=4), "--attack", "sign_flip",
+                        "--attackers", "9", "--run-dir", str(run))
+    assert code == 2
+    assert_one_line_error(out, "--attackers 9", "0 to 3")
+    assert not run.exists()
+    with pytest.raises(ConfigError, match="not a worker index"):
+        load_config(None, {"attackers": "one"})
+    assert load_config(None, {"workers": 4, "attackers": "0, 3"}).is_attacker(3)
+    # a joiner may take any index: the run it joins decides what exists
+    assert load_config(None, {"workers": 4, "attackers": "9",
+                              "lighthouse": "127.0.0.1:1"}).is_attacker(9)
+
+
+# --- a run dir this process cannot write ---------------------------------------------------
+
+def _can_mount_read_only() -> bool:
+    if shutil.which("unshare") is None:
+        return False
+    probe = subprocess.run(["unshare", "-m", "sh", "-c", "mount --bind -o ro / /"],
+                           capture_output=True)
+    return probe.returncode == 0
+
+
+def farlink_read_only(read_only: Path, *args: str) -> tuple[int, str]:
+    """The CLI in a mount namespace of its own where ``read_only`` is a read-only mount (as
+    for root a chmod does not stop writes); the namespace ends with the process."""
+    script = 'mount --bind -o ro "$0" "$0" && exec "$@"'
+    proc = subprocess.run(["unshare", "-m", "sh", "-c", script, str(read_only), sys.executable,
+                           "-m", "farlink.cli", *args], env={**os.environ, "COLUMNS": "200"},
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                          timeout=120)
+    return proc.returncode, proc.stdout
+
+
+@pytest.mark.skipif(not _can_mount_read_only(), reason="needs unshare and mount (root)")
+def test_a_read_only_run_dir_is_refused_naming_it(tmp_path: Path) -> None:
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "notes.txt").write_text("the user's own notes")
+    before = snapshot(mine)
+    # a new run dir inside it, and the read-only dir itself
+    for run in (mine / "run", mine):
+        code, out = farlink_read_only(mine, "train", *tiny_flags(), "--run-dir", str(run))
+        assert code == 2
+        assert_one_line_error(out, str(mine), "read-only", "--run-dir")
+        assert snapshot(mine) == before
+    code, out = farlink_read_only(mine, "join", "--lighthouse", "http://127.0.0.1:9",
+                                  "--index", "0", "--run-dir", str(mine / "run"))
+    assert code == 2
+    assert_one_line_error(out, str(mine), "read-only")
+    assert snapshot(mine) == before
+
+    # a saved run: --resume, and --overwrite (which moves it aside in the read-only parent)
+    run = mine / "run"
+    write_run_config(load_config(None, {**TINY, "run_dir": run}))
+    before = snapshot(mine)
+    code, out = farlink_read_only(run, "train", *tiny_flags(), "--resume", "--run-dir", str(run))
+    assert code == 2
+    assert_one_line_error(out, str(run), "read-only")
+    code, out = farlink_read_only(mine, "train", *tiny_flags(), "--overwrite", "--run-dir",
+                                  str(run))
+    assert code == 2
+    assert_one_line_error(out, str(mine), "read-only")
+    assert snapshot(mine) == before
+
+
+# --- farlink report after a crash ----------------------------------------------------------
+
+def _records(run: Path, worker: str, kind: str) -> list[dict]:
+    return [r for r in read_metrics(run / "metrics" / f"{worker}.jsonl") if r["kind"] == kind]
+
+
+def test_report_after_a_crash_lists_every_worker_that_trained(tmp_path: Path,
+                                                              cache_dir: Path) -> None:
+    """Both workers are SIGKILLed mid-run (no end record): the report still lists each, as
+    "did not finish", with the step and tokens of its last record."""
+    run = tmp_path / "run"
+    launcher = subprocess.Popen(
+        [sys.executable, "-m", "farlink.cli", "train",
+         *tiny_flags(steps=2000, log_every=1, checkpoint_every=1000), "--run-dir", str(run),
+         "--cache-dir", str(cache_dir)],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 240
+        while not all((run / "metrics" / f"w{i}.jsonl").is_file()
+                      and len(_records(run, f"w{i}", "step")) >= 3 for i in range(2)):
+            assert launcher.poll() is None, f"the run ended early ({launcher.returncode})"
+            assert time.monotonic() < deadline, "the workers never trained"
+            time.sleep(0.3)
+        for i in range(2):
+            os.kill(_records(run, f"w{i}", "start")[-1]["pid"], signal.SIGKILL)
+        launcher.wait(timeout=120)
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+            launcher.wait()
+    assert not _records(run, "w0", "end") and not _records(run, "w1", "end")
+
+    code, out = farlink("report", str(run))
+    assert code == 0, out
+    lasts = {name: [r for r in read_metrics(run / "metrics" / f"{name}.jsonl")
+                    if "tokens" in r][-1] for name in ("w0", "w1")}
+    for name, last in lasts.items():
+        row = next((line for line in out.splitlines() if f" {name} " in line), "")
+        assert f"{last['tokens']:,}" in row and "did not finish" in row, out
+        assert f"did not finish (last step {last['step']})" in out, out
+    from farlink.train.report import report
+
+    rows = report(run, plot=False)["workers"]
+    assert sorted(rows) == ["w0", "w1"]
+    for name, row in rows.items():
+        assert row["tokens"] == lasts[name]["tokens"] > 0 and row["step"] == lasts[name]["step"]
