@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING
 import torch
 
 if TYPE_CHECKING:
+    from farlink.comm.errors import CommError
     from farlink.links import LinkProfile
 
 
@@ -136,6 +137,12 @@ class Collective(ABC):
     @abstractmethod
     def commit(self) -> bool:
         """True when every participant finished the round's collectives without error."""
+
+    @abstractmethod
+    def fail_round(self, error: CommError) -> None:
+        """Fail the current round for a reason found above the transport (the exchange saw
+        members receive different updates): ``commit`` then returns False on every
+        participant, so nobody applies the round."""
 
     @abstractmethod
     def close(self) -> None:
