@@ -133,3 +133,52 @@ def test_an_aggregate_that_overflows_is_dropped_not_applied() -> None:
     for result, ok in results:
         assert result.tensors == {} and result.total_weight == 0
         assert result.rejected["aggregate"].startswith("nonfinite")
+
+
+def test_one_signing_key_in_two_slots_is_dropped_in_both(tmp_path) -> None:
+    """Members 2 and 3 sign with one ed25519 key (a key copied to a second machine, or a
+    member replaying another's signed update as its own): which slot is its own cannot be
+    told, so both are dropped and the key is named; the other members' updates count."""
+    from farlink.robust.keys import generate_keypair
+
+    members = tmp_path / "members"
+    for name in ("a", "b", "c"):
+        generate_keypair(members / f"{name}.key")
+    keys = ["a", "b", "c", "c"]
+    ledgers = [ContributionLedger() for _ in range(MEMBERS)]
+
+    def member(rank: int, collective):  # noqa: ANN001, ANN202
+        auth = make_authenticator("ed25519", key_file=members / f"{keys[rank]}.key",
+                                  allowed_keys=members)
+        ex = Exchange(collective, make_compressor("none"), sender=auth.peer_id,
+                      authenticator=auth, ledger=ledgers[rank])
+        info = collective.begin_round()
+        update = torch.tensor([0.0, 1.0]) if keys[rank] == "c" else torch.tensor([1.0, 0.0])
+        result = ex.average({"u": update}, HONEST_TOKENS, info.round_id)
+        ex.settle(result, info.round_id, collective.commit())
+        return result, auth.peer_id
+
+    results = InProcessGroup(MEMBERS).run(member)
+    shared = results[3][1]
+    for (result, _), ledger in zip(results, ledgers):
+        assert shared not in result.accepted and len(result.accepted) == 2
+        assert result.rejected[shared].startswith("duplicate") and "[2, 3]" in \
+            result.rejected[shared]
+        torch.testing.assert_close(result.tensors["u"], torch.tensor([1.0, 0.0]))
+        assert ledger.get(shared).rejections == {"duplicate": 2}
+
+
+def test_a_failed_round_commits_on_no_in_process_member() -> None:
+    """The contract the exchange relies on to stop a split round: one member's
+    ``fail_round`` makes ``commit`` False on every member, and the next round commits."""
+    from farlink.comm.errors import CommError
+
+    def member(rank: int, collective):  # noqa: ANN001, ANN202
+        collective.begin_round()
+        if rank == 1:
+            collective.fail_round(CommError("member 1 saw a split"))
+        first = collective.commit()
+        collective.begin_round()
+        return first, collective.commit(), collective.committed_rounds
+
+    assert InProcessGroup(3).run(member) == [(False, True, 1)] * 3

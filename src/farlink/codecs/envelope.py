@@ -117,6 +117,17 @@ def _weight(value: object) -> float:
     return weight
 
 
+def sender_of(message: bytes) -> str | None:
+    """Who a message says it is from, read as leniently as possible: only to name the sender
+    of a message refused for something else (an invalid weight), never to trust it."""
+    try:
+        (hlen,) = struct.unpack_from("<I", message, 4)
+        sender = json.loads(message[8 : 8 + min(hlen, _MAX_HEADER)]).get("sender")
+    except Exception:  # noqa: BLE001 - a message too broken to name anyone
+        return None
+    return sender if isinstance(sender, str) and message[:4] == MAGIC else None
+
+
 def unpack(message: bytes) -> Envelope:
     if len(message) < 8 or message[:4] != MAGIC:
         raise CodecError("not a farlink update (bad magic)")

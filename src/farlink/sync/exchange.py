@@ -179,6 +179,7 @@ class Exchange:
             peer = f"rank{index}"
             try:
                 signer, body = self.authenticator.open(raw)
+                peer = signer or envelope.sender_of(body) or peer  # to name it if refused
                 env = envelope.unpack(body)
                 if signer is not None and signer != env.sender:
                     raise UpdateRejected(
