@@ -141,8 +141,10 @@ class Collective(ABC):
     @abstractmethod
     def fail_round(self, error: CommError) -> None:
         """Fail the current round for a reason found above the transport (the exchange saw
-        members receive different updates): ``commit`` then returns False on every
-        participant, so nobody applies the round."""
+        members receive different updates): ``commit`` then returns False here. Where commit
+        is a group decision (hivemind's vote, in-process) it is False on every participant;
+        torchft decides per replica, and there the exchange's check reaches the same verdict
+        on every replica (each compares the same digests), so each fails its own round."""
 
     @abstractmethod
     def close(self) -> None:
