@@ -31,7 +31,8 @@ def _auth(rank: int):  # noqa: ANN202
     return make_authenticator("secret", secret="s3cret", peer_id=f"w{rank}")
 
 
-def _round(claim: float, aggregator: str = "mean", update=None, max_weight=None):  # noqa: ANN001, ANN202
+def _round(claim: float, aggregator: str = "mean", update=None,  # noqa: ANN001, ANN202
+           max_weight: float | None = None):
     ledgers = [ContributionLedger() for _ in range(MEMBERS)]
 
     def member(rank: int, collective):  # noqa: ANN001, ANN202

@@ -107,7 +107,7 @@ def _round(members: dict, hostile_update: torch.Tensor, hostile_weight: float = 
     return in_threads(one, members, timeout=120)
 
 
-def test_an_invalid_token_claim_is_refused_and_the_round_stays_finite(group) -> None:  # noqa: ANN001
+def test_an_invalid_token_claim_is_refused_and_the_round_stays_finite(group: dict) -> None:
     results = _round(group, HONEST, hostile_weight=1e39)
     for name in ("w0", "w1"):
         info, result, ok, ledger = results[name]
@@ -118,7 +118,7 @@ def test_an_invalid_token_claim_is_refused_and_the_round_stays_finite(group) -> 
         assert ledger.get("bad").updates_rejected == 1 and ledger.get("bad").tokens_accepted == 0
 
 
-def test_a_member_cannot_fill_other_members_slots(group, caplog) -> None:  # noqa: ANN001
+def test_a_member_cannot_fill_other_members_slots(group: dict, caplog) -> None:  # noqa: ANN001
     names = {coll.peer_id: name for name, coll in group.items()}
     bad = group["bad"]
     round_id = bad.round_id
@@ -145,7 +145,7 @@ def test_a_member_cannot_fill_other_members_slots(group, caplog) -> None:  # noq
     assert refusals and all(str(bad.peer_id) in m and "slot" in m for m in refusals), refusals
 
 
-def test_a_member_that_sends_different_updates_is_named_and_nothing_commits(group) -> None:  # noqa: ANN001
+def test_a_member_that_sends_different_updates_is_named_and_nothing_commits(group: dict) -> None:
     names = {coll.peer_id: name for name, coll in group.items()}
     bad = group["bad"]
     round_id = bad.round_id
