@@ -27,8 +27,9 @@ INNER, TOKENS = 3, 16
 
 
 class WithholdsFirstUpdate:
-    """A real collective whose member sends nothing in its first all-gather and fails that
-    round (what a site's rank 0 does when another of its ranks failed)."""
+    """A real collective whose member sends nothing in its first round's all-gathers (its
+    update, then its report of what it received) and fails that round (what a site's rank 0
+    does when another of its ranks failed)."""
 
     def __init__(self, inner) -> None:
         self.inner, self.withheld = inner, False
@@ -36,9 +37,12 @@ class WithholdsFirstUpdate:
     def all_gather_bytes(self, payload: bytes) -> list[bytes]:
         if self.withheld:
             return self.inner.all_gather_bytes(payload)
-        self.withheld = True
         self.inner.fail_round(CommError("withheld this member's update"))
         return [b""] * self.inner._current().size
+
+    def commit(self) -> bool:
+        self.withheld = True  # the round that withheld is over
+        return self.inner.commit()
 
     def __getattr__(self, name: str):
         return getattr(self.inner, name)

@@ -110,6 +110,7 @@ def test_ddp_averages_gradients_and_replicas_stay_identical() -> None:
 
 def test_bytes_sent_matches_ring_formula_for_dense_and_gathered_paths() -> None:
     from farlink.codecs import envelope
+    from farlink.robust.equivocation import SLOT_DIGEST
 
     def member(rank: int, collective):  # noqa: ANN001, ANN202
         algo = make_algo("diloco", collective)
@@ -127,8 +128,9 @@ def test_bytes_sent_matches_ring_formula_for_dense_and_gathered_paths() -> None:
     for dense, gathered, message_len in run_members(3, member):
         # 2 params + 1 weight, fp32, ring all-reduce over 3 peers: 2*(3-1)/3 * 12 bytes.
         assert dense == (2 * 2 * 12) // 3
-        # ring all-gather: each peer forwards (n-1) messages of its own size
-        assert gathered == 2 * message_len
+        # ring all-gather: each peer forwards (n-1) messages of its own size, then (n-1)
+        # reports of what it received (one SLOT_DIGEST per member, compared for equivocation)
+        assert gathered == 2 * message_len + 2 * 3 * SLOT_DIGEST
 
 
 def test_time_budgeted_round_ends_at_the_step_boundary_nearest_its_deadline() -> None:

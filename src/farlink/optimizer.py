@@ -148,12 +148,21 @@ def build_collective(cfg: RunConfig, replica_id: str, lighthouse: str, site=None
     raise ValueError(f"unknown backend {cfg.backend!r}")
 
 
-def build_exchange(cfg: RunConfig, collective: Collective, sender: str, index: int, ledger=None):
-    """Codec, aggregator, authentication, screen and (emulated) attack of one replica."""
+def build_exchange(cfg: RunConfig, collective: Collective, sender: str, index: int, ledger=None,
+                   claims: str = "run"):
+    """Codec, aggregator, authentication, screen and (emulated) attack of one replica.
+
+    ``claims``: how a peer's claimed token count is bounded (:mod:`farlink.robust.weights`).
+    ``"run"``: the config says how many tokens a round holds (its batch, sequence length,
+    grad_accum and inner steps, as ``farlink train`` runs them), and no claim counts for more
+    than 1.5 x the round's median; ``"relative"``: only the median bound (a model and batches
+    of the caller's own, whose token counts the config does not know); ``"none"``: neither
+    (island leaders, whose islands differ in size). The envelope's float32 bound always holds."""
     from farlink.codecs import make_compressor
     from farlink.robust.aggregators import make_aggregator
     from farlink.robust.attacks import make_attack
     from farlink.robust.auth import make_authenticator, run_secret
+    from farlink.robust.weights import CLAIM_FACTOR, round_token_bound
     from farlink.sync.exchange import Exchange
 
     auth = make_authenticator(cfg.auth, secret=run_secret(cfg), key_file=cfg.key_file,
@@ -168,6 +177,10 @@ def build_exchange(cfg: RunConfig, collective: Collective, sender: str, index: i
         ledger=ledger,
         tamper=tamper,
         screen_ratio=cfg.screen_ratio or None,
+        max_weight=round_token_bound(cfg.tokens_per_step, cfg.inner_steps,
+                                     getattr(cfg, "round_seconds", None))
+        if claims == "run" else None,
+        claim_factor=None if claims == "none" else CLAIM_FACTOR,
     )
 
 
@@ -220,6 +233,7 @@ class Optimizer:
         global_collective: Collective | None = None,
         **options: Any,
     ) -> None:
+        config_given = config is not None  # farlink train's whole config: its batches are ours
         if config is not None and options:
             raise TypeError("give either config=RunConfig(...) or its fields as keywords, not both")
         cls = algorithm_class((config.algorithm if config is not None
@@ -301,7 +315,8 @@ class Optimizer:
         from farlink.robust.ledger import ContributionLedger
 
         self.ledger = ContributionLedger()  # whose updates were accepted, rejected, and why
-        self.exchange = build_exchange(cfg, self.collective, self.replica_id, index, self.ledger)
+        self.exchange = build_exchange(cfg, self.collective, self.replica_id, index, self.ledger,
+                                       claims="run" if config_given else "relative")
         extra = {}
         if self.whole_replica_site:
             extra["part_of"] = self.site.part_of
@@ -309,7 +324,7 @@ class Optimizer:
             extra["agree"] = self.site.agree_any
         if self.tiers is not None and self.tiers.upper is not None:
             extra["global_exchange"] = build_exchange(cfg, self.tiers.upper, self.replica_id,
-                                                      index, self.ledger)
+                                                      index, self.ledger, claims="none")
         self.algorithm: SyncAlgorithm = cls(
             model, algo_options, self.collective, self.exchange,
             inner_optimizer=inner_optimizer, outer_optimizer=outer_optimizer,

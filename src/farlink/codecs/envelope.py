@@ -24,6 +24,14 @@ _MAX_INT = (1 << 63) - 1
 _MAX_DIMS = 16
 _MAX_NUMEL = 1 << 40  # a trillion elements: far above any real tensor, far below int64 overflow
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+#: the largest token count a header may claim: weights are combined in float32, where anything
+#: above this is ``inf`` (and an aggregate weighted by ``inf`` is NaN)
+MAX_WEIGHT = float(torch.finfo(torch.float32).max)
+
+
+class InvalidWeight(CodecError):
+    """A header's token count (the update's weight) is negative, not finite or beyond float32's
+    range: no honest peer sends one, and weighting by it would poison the aggregate."""
 
 
 @dataclass
@@ -95,6 +103,31 @@ def _entry(e: object, seen: dict[str, bytes]) -> tuple[str, int, tuple[int, ...]
     return name, _int(e.get("nbytes"), f"nbytes of {name!r}"), dims, _DTYPES[dtype]
 
 
+def _weight(value: object) -> float:
+    """The claimed token count: a JSON number in ``[0, MAX_WEIGHT]``."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise InvalidWeight(f"weight {value!r:.40} is not a number")
+    try:
+        weight = float(value)
+    except OverflowError as exc:
+        raise InvalidWeight("weight is too large for a float") from exc
+    if not (0.0 <= weight <= MAX_WEIGHT):  # also refuses NaN and inf
+        raise InvalidWeight(f"weight {weight} is not a token count in [0, {MAX_WEIGHT:.3g}] "
+                            "(negative, not finite, or beyond float32's range)")
+    return weight
+
+
+def sender_of(message: bytes) -> str | None:
+    """Who a message says it is from, read as leniently as possible: only to name the sender
+    of a message refused for something else (an invalid weight), never to trust it."""
+    try:
+        (hlen,) = struct.unpack_from("<I", message, 4)
+        sender = json.loads(message[8 : 8 + min(hlen, _MAX_HEADER)]).get("sender")
+    except Exception:  # noqa: BLE001 - a message too broken to name anyone
+        return None
+    return sender if isinstance(sender, str) and message[:4] == MAGIC else None
+
+
 def unpack(message: bytes) -> Envelope:
     if len(message) < 8 or message[:4] != MAGIC:
         raise CodecError("not a farlink update (bad magic)")
@@ -111,15 +144,7 @@ def unpack(message: bytes) -> Envelope:
     if not isinstance(sender, str):
         raise CodecError("corrupt header: sender is not a string")
     round_id = _int(header.get("round"), "round")
-    weight = header.get("weight")
-    if isinstance(weight, bool) or not isinstance(weight, (int, float)):
-        raise CodecError(f"invalid weight {weight!r:.40}")
-    try:
-        weight = float(weight)
-    except OverflowError as exc:
-        raise CodecError("invalid weight (too large)") from exc
-    if not (weight >= 0.0) or weight == float("inf"):
-        raise CodecError(f"invalid weight {weight}")
+    weight = _weight(header.get("weight"))
     if not isinstance(entries, list):
         raise CodecError("corrupt header: tensors is not a list")
     if not isinstance(meta, dict):

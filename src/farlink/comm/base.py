@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING
 import torch
 
 if TYPE_CHECKING:
+    from farlink.comm.errors import CommError
     from farlink.links import LinkProfile
 
 
@@ -136,6 +137,14 @@ class Collective(ABC):
     @abstractmethod
     def commit(self) -> bool:
         """True when every participant finished the round's collectives without error."""
+
+    @abstractmethod
+    def fail_round(self, error: CommError) -> None:
+        """Fail the current round for a reason found above the transport (the exchange saw
+        members receive different updates): ``commit`` then returns False here. Where commit
+        is a group decision (hivemind's vote, in-process) it is False on every participant;
+        torchft decides per replica, and there the exchange's check reaches the same verdict
+        on every replica (each compares the same digests), so each fails its own round."""
 
     @abstractmethod
     def close(self) -> None:

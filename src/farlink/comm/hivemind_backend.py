@@ -252,6 +252,9 @@ class _Mailbox:
 
     def __init__(self) -> None:
         self.slots: dict[bytes, dict[int, bytes]] = {}
+        #: payloads that arrived before this peer entered their group, by key and sender (its
+        #: rank is known once the group is): key -> sender -> (the rank it claimed, payload)
+        self.early: dict[bytes, dict[PeerID, tuple[int | None, bytes]]] = {}
         self.changed = asyncio.Event()
 
     def put(self, key: bytes, rank: int, data: bytes) -> None:
@@ -289,6 +292,7 @@ class _Mailbox:
 
     def clear(self) -> None:
         self.slots.clear()
+        self.early.clear()
 
 
 class HivemindCollective(Collective):
@@ -1045,6 +1049,7 @@ class HivemindCollective(Collective):
     ) -> tuple[dict[int, bytes], int]:
         """Everyone's ``data`` for ``key``: push to servers; clients fetch from one server."""
         deadline = time.monotonic() + timeout
+        self._adopt_early(group)
         self._mailbox.put(key, group.me, data)
         others = {r for r in range(group.size) if r != group.me}
         targets = [r for r in group.servers() if r != group.me]
@@ -1162,20 +1167,62 @@ class HivemindCollective(Collective):
             return
         try:
             header, bodies = await recv_message(reader)
-            key, rank = bytes(header["key"]), int(header["rank"])
+            key, sender = bytes(header["key"]), _info.peer_id
+            claimed = int(header["rank"]) if "rank" in header else None
             part, parts = slice_in(header)
+            error = None
             if parts == 1:
-                self._mailbox.put(key, rank, bodies[0])
+                error = self._deliver(key, sender, claimed, bodies[0])
             else:  # a slice: the payload is whole when every slice is here
-                pieces = self._mailbox.slots.setdefault(key + b"/part/" + str(rank).encode(), {})
-                pieces[part] = bodies[0]
-                if len(pieces) == parts:
-                    self._mailbox.put(key, rank, b"".join(pieces[i] for i in range(parts)))
-            await send_message(writer, {"ok": True}, [])
+                pieces = self._mailbox.slots.setdefault(key + b"/part/" + sender.to_bytes(), {})
+                if pieces.setdefault(part, bodies[0]) != bodies[0]:
+                    error = f"a second, different slice {part} from {sender}"
+                elif len(pieces) == parts:
+                    error = self._deliver(key, sender, claimed,
+                                          b"".join(pieces[i] for i in range(parts)))
+            if error is not None:
+                log.warning("refused a payload: %s; it is ignored and the slot keeps what its "
+                            "owner sends", error)
+            await send_message(writer, {"error": error} if error else {"ok": True}, [])
         except Exception as exc:  # noqa: BLE001 - a broken stream from one peer
             log.info("bad put: %r", exc)
         finally:
             writer.close()
+
+    def _deliver(self, key: bytes, sender: PeerID, claimed: int | None,
+                 data: bytes) -> str | None:
+        """File ``data`` under the slot of its authenticated ``sender`` (never the rank it
+        claims); None, or why it was refused. Before this peer knows the key's group, it
+        waits in :attr:`_Mailbox.early` and is filed when the group is known."""
+        group = self._group
+        if group is None or not key.startswith(group.group_id):
+            self._mailbox.early.setdefault(key, {}).setdefault(sender, (claimed, data))
+            return None
+        return self._file(group, key, sender, claimed, data)
+
+    def _file(self, group: _Group, key: bytes, sender: PeerID, claimed: int | None,
+              data: bytes) -> str | None:
+        if sender not in group.peers:
+            return f"{sender} is not a member of round {group.round_id}'s group"
+        rank = group.peers.index(sender)
+        if claimed is not None and claimed != rank:
+            return (f"{sender} (member {rank}) pushed a payload for member {claimed}'s slot "
+                    f"in round {group.round_id}")
+        held = self._mailbox.slots.get(key, {}).get(rank)
+        if held is not None and held != data:  # the same bytes again: a retried push
+            return (f"{sender} (member {rank}) sent a second, different payload for its slot "
+                    f"in round {group.round_id}")
+        self._mailbox.put(key, rank, data)
+        return None
+
+    def _adopt_early(self, group: _Group) -> None:
+        """File the payloads of ``group`` that arrived before this peer entered it."""
+        for key in [k for k in self._mailbox.early if k.startswith(group.group_id)]:
+            for sender, (claimed, data) in self._mailbox.early.pop(key).items():
+                error = self._file(group, key, sender, claimed, data)
+                if error is not None:
+                    log.warning("refused a payload: %s; it is ignored and the slot keeps what "
+                                "its owner sends", error)
 
     async def _handle_fetch(
         self, _info, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
@@ -1190,6 +1237,13 @@ class HivemindCollective(Collective):
             part, parts = slice_in(header)
             deadline = time.monotonic() + min(float(header["timeout"]), 600.0)
             group = self._group
+            if group is not None and key.startswith(group.group_id):
+                self._adopt_early(group)
+                if _info.peer_id not in group.peers:
+                    log.warning("refused a fetch by %s: not a member of round %d's group",
+                                _info.peer_id, group.round_id)
+                    await send_message(writer, {"error": "not a member of this group"}, [])
+                    return
             sent = 0
             async for rank, payload in self._mailbox.arrivals(
                 key, ranks, deadline, group.dead if group else None
@@ -1201,12 +1255,21 @@ class HivemindCollective(Collective):
                 self.stats.bytes_sent += sent
             else:
                 self.control_bytes_sent += sent
-            # the member is served when every one of its streams is
+            # the member is served when every one of its streams is: it is the member its
+            # authenticated peer id is in the group, whatever rank it says it is
+            group = self._group
+            if group is None or not key.startswith(group.group_id) \
+                    or _info.peer_id not in group.peers:
+                return
+            requester = group.peers.index(_info.peer_id)
+            if int(header["rank"]) != requester:
+                log.warning("%s (member %d) fetched as member %s in round %d; counted as "
+                            "itself", _info.peer_id, requester, header["rank"], group.round_id)
             streams = self._mailbox.slots.setdefault(
-                key + b"/fetched/" + str(int(header["rank"])).encode(), {})
+                key + b"/fetched/" + str(requester).encode(), {})
             streams[part] = b""
             if len(streams) == parts:
-                self._mailbox.put(key + b"/served", int(header["rank"]), b"")
+                self._mailbox.put(key + b"/served", requester, b"")
         except Exception as exc:  # noqa: BLE001
             log.info("bad fetch: %r", exc)
         finally:

@@ -162,6 +162,10 @@ class HivemindSiteCollective(Collective):
     def all_gather_bytes(self, payload: bytes) -> list[bytes]:
         return self.peer.all_gather_bytes(payload)
 
+    def fail_round(self, error: CommError) -> None:
+        """This rank's part of the round failed: its peer votes no through the site's commit."""
+        self.peer.fail_round(error)
+
     def commit(self) -> bool:
         start = time.perf_counter()
         site_ok = self._all_ranks(self.peer.current_ok())

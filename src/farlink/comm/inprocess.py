@@ -83,6 +83,7 @@ class InProcessCollective(Collective):
         self.group, self.rank = group, rank
         self.committed_rounds = 0
         self._get_state = self._set_state = None
+        self.failure: Exception | None = None  # why this member failed the current round
 
     def begin_round(self) -> RoundInfo:
         steps = self.group.exchange(self.rank, self.committed_rounds)
@@ -121,8 +122,15 @@ class InProcessCollective(Collective):
         self._delay(sent, n - 1)
         return list(values)
 
+    def fail_round(self, error: Exception) -> None:
+        self.failure = error
+
     def commit(self) -> bool:
-        self.group.barrier.wait()
+        """Every member's verdict on the round: it commits only where none failed it."""
+        failures = self.group.exchange(self.rank, self.failure)
+        self.failure = None
+        if any(f is not None for f in failures):
+            return False
         self.committed_rounds += 1
         return True
 

@@ -388,6 +388,11 @@ class TorchftCollective(Collective):
             return [payload]
         return [bytes(t[:size].numpy().tobytes()) for t, size in zip(gathered, sizes)]
 
+    def fail_round(self, error: Exception) -> None:
+        """torchft's own way: a reported error makes ``should_commit`` False on every replica."""
+        log.warning("%s", error)
+        self.manager.report_error(error)
+
     def commit(self) -> bool:
         ok = self.manager.should_commit()
         if ok:

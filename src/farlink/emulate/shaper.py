@@ -137,6 +137,9 @@ class ShapedCollective(Collective):
     def commit(self) -> bool:
         return self.inner.commit()
 
+    def fail_round(self, error) -> None:  # noqa: ANN001 - a CommError
+        self.inner.fail_round(error)
+
     def close(self) -> None:
         self.inner.close()
 

@@ -29,7 +29,8 @@ cheaper in memory and lets a peer that is an outlier in one tensor still count i
   neighbours are closest.
 
 Robust rules cap each weight at ``WEIGHT_CAP`` x the median weight, so a peer cannot buy
-influence by claiming more tokens than its peers.
+influence by claiming more tokens than its peers. (The exchange has bounded every claim before,
+at 1.5 x the round's median for every rule: :mod:`farlink.robust.weights`.)
 """
 
 from __future__ import annotations

@@ -25,7 +25,8 @@ class PeerRecord:
     """One peer's totals."""
 
     tokens_claimed: float = 0.0  # over all updates it sent, accepted or not
-    tokens_accepted: float = 0.0  # only in accepted updates: what reached the model
+    tokens_accepted: float = 0.0  # only in accepted updates: what reached the model (bounded)
+    claims_capped: int = 0  # accepted updates whose claimed token count was bounded
     updates_accepted: int = 0
     updates_rejected: int = 0
     rejections: dict[str, int] = field(default_factory=dict)  # reason kind -> count
@@ -58,11 +59,15 @@ class ContributionLedger:
         rec.tokens_claimed += tokens
         return rec
 
-    def record_accepted(self, peer: str, round_id: int, tokens: float) -> None:
+    def record_accepted(self, peer: str, round_id: int, tokens: float,
+                        claimed: float | None = None, capped: bool = False) -> None:
+        """``tokens`` is what the update weighed (the bounded count, credited as accepted);
+        ``claimed`` what the peer said it trained on, when that was more (``capped``)."""
         with self._lock:
-            rec = self._touch(peer, round_id, tokens)
+            rec = self._touch(peer, round_id, tokens if claimed is None else claimed)
             rec.updates_accepted += 1
             rec.tokens_accepted += tokens
+            rec.claims_capped += bool(capped)
 
     def record_rejected(self, peer: str, round_id: int, tokens: float, reason: str) -> None:
         """``reason`` is counted by its kind (text before the first colon, e.g. ``norm``)."""
@@ -131,6 +136,8 @@ class ContributionLedger:
                 table.add_column(col, justify="left" if col in ("peer", "reasons") else "right")
             for peer, r in rows:
                 reasons = ", ".join(f"{k} x{n}" for k, n in sorted(r.rejections.items()))
+                if r.claims_capped:  # accepted, at a bounded weight
+                    reasons = ", ".join(filter(None, [reasons, f"claim capped x{r.claims_capped}"]))
                 table.add_row(peer, str(r.rounds), f"{r.tokens_claimed:,.0f}",
                               f"{r.tokens_accepted:,.0f}", str(r.updates_accepted),
                               str(r.updates_rejected), reasons or "-")

@@ -104,6 +104,12 @@ class DiLoCo(SyncAlgorithm):
         opt = self.outer_opt if opt is None else opt
         if result.total_weight <= 0:
             return
+        bad = [n for n in self.names if not torch.isfinite(result.tensors[n]).all()]
+        if bad:  # the exchange drops such a round; a result from elsewhere may not have
+            log.warning("outer step skipped: the round's averaged update of %s is not finite "
+                        "(nonfinite aggregate); the global parameters stay as they were",
+                        ", ".join(bad[:3]))
+            return
         for n, g in zip(self.names, params):
             g.grad = result.tensors[n].to(g.dtype)
         opt.step()
@@ -231,8 +237,17 @@ class DiLoCo(SyncAlgorithm):
             log.warning("round %d: a groupmate's committed state did not arrive whole; the "
                         "round's states are not averaged", info.round_id)
             return  # a member sent nothing: the collective fails the round
-        mean = torch.stack([torch.frombuffer(bytearray(p), dtype=torch.float32)
-                            for p in payloads]).mean(dim=0)
+        states = [torch.frombuffer(bytearray(p), dtype=torch.float32) for p in payloads]
+        finite = [i for i, st in enumerate(states) if torch.isfinite(st).all()]
+        if len(finite) < len(states):  # a member's NaN/Inf state must not reach the others
+            left_out = [info.peers[i] if i < len(info.peers) else f"member {i}"
+                        for i in range(len(states)) if i not in finite]
+            log.warning("round %d: the committed state of %s is not finite; it is left out "
+                        "of the group's average%s", info.round_id, ", ".join(left_out),
+                        "" if finite else " (no member's is finite: nothing is averaged)")
+            if not finite:
+                return
+        mean = torch.stack([states[i] for i in finite]).mean(dim=0)
         offset = 0
         for k in names:
             n = state[k].numel()

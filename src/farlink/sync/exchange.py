@@ -17,6 +17,13 @@ tensor would not give back the same bytes). Such an algorithm may also set :attr
 to average the accepted payloads its own way (DeMo averages each DCT coefficient over the peers
 that sent it); Byzantine-robust rules still see the decoded dense updates.
 
+Around the update itself the gathered path checks the seams a member controls: each claimed token
+count is bounded (:mod:`farlink.robust.weights`; the ledger credits the bounded count), one
+identity (signing key or sender name) found in two slots is dropped in both, members compare a
+digest of every slot they received so a member that sends different updates to different
+receivers fails the round everywhere and is named (:mod:`farlink.robust.equivocation`), and an
+aggregate that is not finite is never handed to the algorithm.
+
 Robust rules aggregate each peer's whole update, flattened into one vector (Krum picks one peer,
 centered clipping bounds the whole update's norm); ``NAME+per_tensor`` applies them tensor by
 tensor instead (see :mod:`farlink.robust.aggregators`).
@@ -32,9 +39,12 @@ import torch
 
 from farlink.codecs import CodecError, Compressor, envelope
 from farlink.comm.base import Collective
+from farlink.comm.errors import CommError
 from farlink.robust.aggregators import Aggregator, PerTensor, weighted_mean
 from farlink.robust.auth import Authenticator, AuthError
+from farlink.robust.equivocation import differing_slots, slot_digests
 from farlink.robust.validate import UpdateRejected, check_update, screen_norms
+from farlink.robust.weights import CLAIM_FACTOR, bound_claims
 
 log = logging.getLogger(__name__)
 
@@ -70,7 +80,9 @@ class ExchangeResult:
     total_weight: float
     accepted: list[str] = field(default_factory=list)
     rejected: dict[str, str] = field(default_factory=dict)
-    tokens: dict[str, float] = field(default_factory=dict)  # what each accepted peer claimed
+    tokens: dict[str, float] = field(default_factory=dict)  # each accepted peer's bounded weight
+    claimed: dict[str, float] = field(default_factory=dict)  # what each accepted peer claimed
+    capped: dict[str, str] = field(default_factory=dict)  # peer -> why its claim was bounded
 
 
 class Exchange:
@@ -85,6 +97,8 @@ class Exchange:
         ledger=None,
         tamper=None,
         screen_ratio: float | None = None,
+        max_weight: float | None = None,
+        claim_factor: float | None = CLAIM_FACTOR,
     ) -> None:
         self.collective = collective
         self.compressor = compressor
@@ -95,6 +109,9 @@ class Exchange:
         self.ledger = ledger
         self.tamper = tamper
         self.screen_ratio = screen_ratio  # reject updates with norm > ratio x the round's median
+        # bounds on a claimed token count (see farlink.robust.weights): the tokens one peer can
+        # process in a round, and the factor over the round's median claim
+        self.max_weight, self.claim_factor = max_weight, claim_factor
         self.combine: Combine | None = None  # set by an algorithm that averages payloads itself
 
     @property
@@ -150,10 +167,11 @@ class Exchange:
             {n: torch.float32 for n in tensors},
         )
         received = self.collective.all_gather_bytes(self.authenticator.sign(message))
-        decoded: dict[str, dict[str, torch.Tensor]] = {}
-        raw_payloads: dict[str, dict[str, bytes]] = {}
-        claimed: dict[str, float] = {}
         result = ExchangeResult({}, 0.0)
+        if self._equivocation(received, round_id, result):
+            return result
+        opened: dict[int, tuple[str, envelope.Envelope]] = {}
+        slots: dict[str, list[int]] = {}  # identity -> the slots it was found in
         for index, raw in enumerate(received):
             if not raw:  # nothing arrived from this member: the collective failed the round
                 log.info("no update from member %d in round %d", index, round_id)
@@ -161,32 +179,56 @@ class Exchange:
             peer = f"rank{index}"
             try:
                 signer, body = self.authenticator.open(raw)
+                peer = signer or envelope.sender_of(body) or peer  # to name it if refused
                 env = envelope.unpack(body)
                 if signer is not None and signer != env.sender:
                     raise UpdateRejected(
                         f"signed by {signer} but claims to be {env.sender}", "impersonation")
                 peer = signer or env.sender
-                if peer in decoded:
-                    raise UpdateRejected(f"second update from {peer} in one round", "duplicate")
-                claimed[peer] = env.weight
-                decoded[peer] = self._decode(env, tensors, round_id)
-                raw_payloads[peer] = env.payloads
+                opened[index] = (peer, env)
+                slots.setdefault(peer, []).append(index)
             except (CodecError, AuthError, UpdateRejected) as exc:
-                self._reject(result, peer, round_id, claimed.get(peer, 0.0), exc)
+                self._reject(result, peer, round_id, 0.0, exc)
+        decoded: dict[str, dict[str, torch.Tensor]] = {}
+        raw_payloads: dict[str, dict[str, bytes]] = {}
+        claimed: dict[str, float] = {}
+        for index, (peer, env) in opened.items():
+            if len(slots[peer]) > 1:  # a copy in another member's slot: which is its own?
+                self._reject(result, peer, round_id, env.weight, UpdateRejected(
+                    f"{peer} found in slots {slots[peer]} of round {round_id}; one member "
+                    "sent another's update as its own, so all of them are dropped",
+                    "duplicate"))
+                continue
+            try:
+                decoded[peer] = self._decode(env, tensors, round_id)
+                claimed[peer] = env.weight
+                raw_payloads[peer] = env.payloads
+            except (CodecError, UpdateRejected) as exc:
+                self._reject(result, peer, round_id, env.weight, exc)
         for peer, reason in screen_norms(decoded, self.screen_ratio).items():
             del decoded[peer]
             self._reject(result, peer, round_id, claimed[peer], UpdateRejected(reason, "norm"))
-        for peer in decoded:
-            result.accepted.append(peer)
-            result.tokens[peer] = claimed[peer]
         if not decoded:
             return result
         peers = list(decoded)
+        bounded, capped = bound_claims({p: claimed[p] for p in peers}, self.max_weight,
+                                       self.claim_factor)
+        for peer in peers:
+            result.accepted.append(peer)
+            result.tokens[peer], result.claimed[peer] = bounded[peer], claimed[peer]
+            if peer in capped:
+                result.capped[peer] = capped[peer]
+                log.warning("round %d: %s %s; it counts as %.4g tokens", round_id, peer,
+                            capped[peer], bounded[peer])
         device = dense_of(next(iter(tensors.values()))).device if tensors else None
-        w = torch.tensor([claimed[p] for p in peers], dtype=torch.float32, device=device)
-        result.total_weight = float(w.sum())
+        # weights relative to the largest (in float64 first): a rule only uses their ratios,
+        # and their sum in float32 could overflow
+        result.total_weight = sum(bounded[p] for p in peers)
+        top = max(bounded[p] for p in peers)
+        w = torch.tensor([bounded[p] / top if top > 0 else 0.0 for p in peers],
+                         dtype=torch.float32, device=device)
         if self.combine is not None and self.aggregator is weighted_mean:
-            senders = [p for p in peers if claimed[p] > 0]  # a zero-weight peer only receives
+            senders = [p for p in peers if bounded[p] > 0]  # a zero-weight peer only receives
             result.tensors = {
                 n: self.combine(n, [raw_payloads[p][n] for p in senders], dense_of(t).shape)
                 for n, t in tensors.items()
@@ -194,7 +236,47 @@ class Exchange:
                                for n, t in tensors.items()}
         else:
             result.tensors = self._aggregate(peers, decoded, w, list(tensors))
+        bad = [n for n, t in result.tensors.items() if not torch.isfinite(t).all()]
+        if bad:  # finite updates can still overflow float32 when combined
+            log.warning("round %d dropped: the aggregate of %s is not finite (from %s); the "
+                        "outer step is skipped on every member", round_id, ", ".join(bad[:3]),
+                        ", ".join(peers))
+            return ExchangeResult({}, 0.0, rejected={
+                **result.rejected, "aggregate": f"nonfinite: aggregate of {', '.join(bad[:3])}"})
         return result
+
+    def _equivocation(self, received: list[bytes], round_id: int,
+                      result: ExchangeResult) -> bool:
+        """Compare with the groupmates a digest of every slot received; on a difference fail
+        the round on this member (the collective then commits it nowhere), name the owner of
+        each differing slot, and return True."""
+        if len(received) < 2:
+            return False
+        reports = self.collective.all_gather_bytes(slot_digests(received))
+        differing = differing_slots(reports, len(received))
+        if not differing:
+            return False
+        named = []
+        for slot, dissent in differing.items():
+            peer = self._identity(received[slot], slot)
+            named.append(peer)
+            self._reject(result, peer, round_id, 0.0, UpdateRejected(
+                f"member {slot} ({peer}) sent different updates to different members in round "
+                f"{round_id} (members {dissent} received other bytes than the rest)",
+                "equivocation"))
+        self.collective.fail_round(CommError(
+            f"round {round_id} not committed: {', '.join(named)} sent different updates to "
+            "different members (equivocation), so replicas would diverge; the round is "
+            "discarded everywhere and retried"))
+        return True
+
+    def _identity(self, raw: bytes, slot: int) -> str:
+        """Who the update in ``slot`` says it is from (its signer or sender), for naming it."""
+        try:
+            signer, body = self.authenticator.open(raw)
+            return signer or envelope.unpack(body).sender
+        except (CodecError, AuthError):
+            return f"rank{slot}"
 
     def _aggregate(self, peers: list[str], decoded: dict[str, dict[str, torch.Tensor]],
                    w: torch.Tensor, names: list[str]) -> dict[str, torch.Tensor]:
@@ -219,7 +301,9 @@ class Exchange:
         recorded when they happen: the peer sent what it sent whatever the round's outcome.)"""
         if committed and result is not None and self.ledger is not None:
             for peer in result.accepted:
-                self.ledger.record_accepted(peer, round_id, result.tokens[peer])
+                self.ledger.record_accepted(peer, round_id, result.tokens[peer],
+                                            claimed=result.claimed.get(peer),
+                                            capped=peer in result.capped)
 
     def _reject(self, result: ExchangeResult, peer: str, round_id: int, tokens: float,
                 exc: Exception) -> None:

@@ -13,6 +13,10 @@ newest one that verifies. Two checkpoints are kept: the fallback costs at most o
 worker's own progress, which a live peer's state replaces at its next quorum (peers heal a replica
 that is behind), so no committed round is lost while one peer holds it.
 
+A state holding NaN or Inf is never written (:class:`NonFiniteState`, naming the tensors; the
+last good checkpoint stays the newest), and one found on load (written before this check) is
+refused with the file and what to do: resuming from it would only train NaN again.
+
 A full disk stops a save with :class:`DiskFull`, naming the directory, after removing what the
 save had written so far; the previous checkpoint stays the newest.
 
@@ -57,6 +61,20 @@ EXIT_DISK_FULL = 28  # a worker's exit status after DiskFull (ENOSPC's number)
 
 class CheckpointError(RuntimeError):
     """A checkpoint that is missing or unreadable."""
+
+
+class NonFiniteState(CheckpointError):
+    """Model or optimizer state holding NaN or Inf: never written, never resumed from."""
+
+
+def nonfinite_tensors(tensors: dict[str, torch.Tensor]) -> list[str]:
+    """Names of the floating-point tensors that hold a NaN or an Inf."""
+    return [k for k, v in tensors.items()
+            if v.is_floating_point() and not bool(torch.isfinite(v).all())]
+
+
+def _listed(names: list[str]) -> str:
+    return ", ".join(names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
 
 
 class CheckpointCorrupt(CheckpointError):
@@ -134,8 +152,18 @@ def checkpoint_path(root: Path, step: int) -> Path:
 def save_checkpoint(
     root: Path, step: int, tensors: dict[str, torch.Tensor], meta: dict, keep: int = 2
 ) -> Path:
-    """Write, sync and publish checkpoint ``step``; its meta gains the digests of its files."""
+    """Write, sync and publish checkpoint ``step``; its meta gains the digests of its files.
+    A state holding NaN/Inf raises :class:`NonFiniteState` and writes nothing."""
     final = checkpoint_path(root, step)
+    bad = nonfinite_tensors(tensors)
+    if bad:
+        kept = latest_checkpoint(root)
+        raise NonFiniteState(
+            f"not writing checkpoint {final}: {_listed(bad)} hold NaN or Inf (the model or "
+            "optimizer state is poisoned); "
+            + (f"{kept} stays the newest checkpoint" if kept else "no checkpoint is kept yet")
+            + ". Fix: find what made it diverge (learning rate, a bad peer named in the log), "
+            "then resume from the last good checkpoint")
     tmp = root / f"{TEMP_PREFIX}{step:07d}-{os.getpid()}"
     try:
         root.mkdir(parents=True, exist_ok=True)
@@ -214,6 +242,12 @@ def load_checkpoint(path: Path, rank: int = 0) -> tuple[dict[str, torch.Tensor],
         tensors = load_tensors(blob)
     except Exception as exc:  # safetensors raises its own error type for a malformed file
         raise CheckpointCorrupt(f"cannot read checkpoint {path}: {exc}") from exc
+    bad = nonfinite_tensors(tensors)
+    if bad:
+        raise NonFiniteState(
+            f"checkpoint {path / TENSORS} holds NaN or Inf in {_listed(bad)}; resuming from "
+            f"it would train NaN. Fix: move {path} out of {path.parent} to resume from the "
+            "checkpoint before it, or start the run again without --resume")
     return tensors, meta
 
 
