@@ -26,8 +26,9 @@ hivemind's ``vote``) and, for the wire-level attacks, hivemind's one request sen
 - ``equivocation`` (hivemind): sends its honest update to every second other member (in rank
   order) and a validly signed update x -10 to the rest;
 - ``bad_metadata`` (hivemind): announces a malformed matchmaking field (bandwidth ``"fast"``);
-- ``always_no``: votes no on every round (hivemind's vote; on torchft it reports an error to its
-  Manager every round, which makes ``should_commit`` false everywhere).
+- ``always_no`` (hivemind): votes no on every round.
+
+On torchft the hivemind-only attacks have no surface (:data:`NOT_ON_TORCHFT` says why for each).
 """
 
 from __future__ import annotations
@@ -57,6 +58,8 @@ NOT_ON_TORCHFT = {
                     "member cannot send different bytes to different receivers",
     "bad_metadata": "torchft has no matchmaking metadata: the Lighthouse's quorum carries only "
                     "fields its own client fills in",
+    "always_no": "torchft's should_commit is agreed among the ranks of one replica group only: "
+                 "a member that votes no fails its own round, not the others'",
 }
 
 
@@ -134,8 +137,7 @@ def hostile_exchange(base: type) -> type:
     for a hostile member; see :func:`arm`."""
 
     class HostileExchange(base):
-        """Mixed into the worker's :class:`~farlink.sync.exchange.Exchange`: inflates the claimed
-        tokens, and keeps what the collective needs to forge or equivocate (the last dense update
+        """Inflates the claimed tokens (weight_inflation), and keeps what the collective needs to forge or equivocate (the last dense update
         and its weight, and a codec of its own so the honest codec's residuals stay untouched)."""
 
         hostile: ProtocolAttack
@@ -147,11 +149,12 @@ def hostile_exchange(base: type) -> type:
 
             if self.hostile.name == "weight_inflation":
                 weight = self.hostile.tokens
-            self._hostile_last = ({n: dense_of(t).detach().float().cpu() for n, t in tensors.items()},
-                                  weight)
+            update = {n: dense_of(t).detach().float().cpu() for n, t in tensors.items()}
+            self._hostile_last = (update, weight)
             return super().average(tensors, weight, round_id)
 
-        def forged(self, round_id: int, sender: str, factor: float = FORGED_FACTOR) -> bytes | None:
+        def forged(self, round_id: int, sender: str,
+                   factor: float = FORGED_FACTOR) -> bytes | None:
             """A validly signed envelope of ``factor`` x the last update, claiming ``sender``."""
             from farlink.codecs import envelope
 
@@ -172,7 +175,7 @@ def hostile_collective(base: type) -> type:
     member; see :func:`arm`."""
 
     class HostileCollective(base):
-        """Mixed into the worker's collective (torchft or hivemind): see the module docstring."""
+        """Announces, serves, sends and votes as the module docstring says."""
 
         hostile: ProtocolAttack
         hostile_exchange = None  # the member's armed Exchange
@@ -181,7 +184,7 @@ def hostile_collective(base: type) -> type:
         _equivocal: bytes | None = None  # this gather's update for odd receivers
         _forging = False  # inside all_gather_bytes with slot_forging
 
-        # --- announcements -------------------------------------------------------------------------
+        # --- announcements ---------------------------------------------------------------------
         def _inflate(self) -> None:
             if self.hostile.name != "round_inflation" or self._inflated:
                 return
@@ -205,7 +208,7 @@ def hostile_collective(base: type) -> type:
                 get_state = poisoned(get_state, self.hostile.nan)
             super().register_state(get_state, set_state)
 
-        # --- what it sends -------------------------------------------------------------------------
+        # --- what it sends ---------------------------------------------------------------------
         def all_gather_bytes(self, payload: bytes) -> list[bytes]:
             name, exchange = self.hostile.name, self.hostile_exchange
             if name == "equivocation" and exchange is not None:
@@ -216,12 +219,14 @@ def hostile_collective(base: type) -> type:
             finally:
                 self._equivocal, self._forging = None, False
 
-        async def _request(self, peer, handler: str, header: dict, bodies: list[bytes]):  # noqa: ANN001, ANN201
+        async def _request(self, peer, handler: str, header: dict,  # noqa: ANN001, ANN201
+                           bodies: list[bytes]):
             """hivemind's one sender of requests: a put of this member's own update is rewritten
             for odd receivers (equivocation), or flanked by forged puts into the other members'
             slots of that receiver's mailbox (slot forging)."""
             group = getattr(self, "_group", None)
-            ours = (handler == "put" and group is not None and int(header.get("rank", -1)) == group.me)
+            ours = (handler == "put" and group is not None
+                    and int(header.get("rank", -1)) == group.me)
             if not ours or not (self._equivocal or self._forging):
                 return await super()._request(peer, handler, header, bodies)
             receiver = list(group.peers).index(peer)
@@ -255,14 +260,12 @@ def hostile_collective(base: type) -> type:
                 if isinstance(outcome, BaseException):
                     log.info("%s: a forged put failed: %r", HOSTILE_TAG, outcome)
 
-        # --- votes ---------------------------------------------------------------------------------
+        # --- votes -----------------------------------------------------------------------------
         def vote(self, ok: bool) -> bool:
             return super().vote(False if self.hostile.name == "always_no" else ok)
 
         def commit(self) -> bool:
-            self._inflated = False
-            if self.hostile.name == "always_no" and getattr(self, "manager", None) is not None:
-                self.manager.report_error(RuntimeError(f"{HOSTILE_TAG} votes no"))
+            self._inflated = False  # the next round is announced ahead again
             return super().commit()
 
     return HostileCollective
@@ -281,7 +284,8 @@ def innermost(collective):  # noqa: ANN001, ANN201
     return collective
 
 
-def arm(spec: str, collective, exchange, codec: str, name: str = "") -> ProtocolAttack:  # noqa: ANN001
+def arm(spec: str, collective, exchange, codec: str,  # noqa: ANN001
+        name: str = "") -> ProtocolAttack:
     """Turn one worker's real ``collective`` and ``exchange`` into a hostile member's.
 
     Call before the algorithm registers its state with the collective (a poisoned state is
