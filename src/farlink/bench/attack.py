@@ -93,10 +93,11 @@ def verdict(row: dict) -> str:
 
 
 def run_protocol(out: Path, attacks: list[str], backends: list[str], workers: int, bad: int,
-                 steps: int, inner_steps: int, rule: str, reuse: bool = False) -> dict:
+                 steps: int, inner_steps: int, rule: str, reuse: bool = False,
+                 **settings) -> dict:
     """Clean run and one run per protocol attack on each backend (``bad`` of ``workers`` are
     the hostile member), each judged by :func:`verdict`; ``attack_protocol.json`` and
-    ``attack_protocol.png`` in ``out``."""
+    ``attack_protocol.png`` in ``out``. ``settings``: further run settings (a cache dir)."""
     from farlink.robust import hostile
 
     rows: list[dict] = []
@@ -105,7 +106,7 @@ def run_protocol(out: Path, attacks: list[str], backends: list[str], workers: in
         base = {"workers": workers, "steps": steps, "inner_steps": inner_steps, "codec": "int8",
                 "auth": "secret", "secret": "bench", "aggregator": rule, "backend": backend,
                 "eval_batches": 4, "round_timeout": 20.0, "quorum_timeout": 60.0,
-                "join_timeout": 5.0}
+                "join_timeout": 5.0, "warmup_steps": steps // 4, **settings}
         clean = protocol_row(run_variant(f"{backend}-clean", base, out, reuse=reuse), out,
                              f"{backend}-clean", "none", backend, rule, attackers=[])
         clean["verdict"] = "clean"
