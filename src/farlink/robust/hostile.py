@@ -20,9 +20,10 @@ hivemind's ``vote``) and, for the wire-level attacks, hivemind's one request sen
   the Lighthouse) and, asked for its state by a peer that heals, serves weights replaced by
   random values (``:nan``: by NaN);
 - ``weight_inflation[:X]``: claims X tokens in its envelope (default 1e30; 1e39 overflows float32);
-- ``slot_forging`` (hivemind): with each push of its update, puts forged envelopes (its update x
-  -10, signed with what it holds: the run secret under invented sender names, or its own ed25519
-  key) into the slots of the other members in every receiver's mailbox;
+- ``slot_forging`` (hivemind): around each push of its update, puts forged envelopes (its update
+  x -10, signed with what it holds: the run secret under invented sender names, or its own
+  ed25519 key) into the slots of the other members in every receiver's mailbox, again and again
+  until the others' updates have arrived;
 - ``equivocation`` (hivemind): sends its honest update to every second other member (in rank
   order) and a validly signed update x -10 to the rest;
 - ``bad_metadata`` (hivemind): announces a malformed matchmaking field (bandwidth ``"fast"``);
@@ -35,6 +36,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from dataclasses import dataclass
 
 import torch
@@ -201,7 +203,27 @@ def hostile_collective(base: type) -> type:
             self._inflate()
             info = super().begin_round()
             self._round_id = info.round_id
+            if self.hostile.name == "slot_forging" and not info.skipped:
+                self._forge_early()
             return info
+
+        def _forge_early(self) -> None:
+            """Forge into the round's first all-gather as soon as the group is known, from the
+            last round's update, while the honest members still compute theirs (hivemind names
+            a round's first all-gather ``<group id>/g1``)."""
+            group, exchange = getattr(self, "_group", None), self.hostile_exchange
+            if group is None or not hasattr(self, "_mailbox") or exchange is None:
+                return
+            key = group.group_id + b"/g" + str(group.seq + 1).encode()
+
+            async def forge() -> None:
+                await asyncio.gather(*(self._forge_slots(group.peers[t], t, key)
+                                       for t in group.servers() if t != group.me))
+
+            try:
+                self._call(forge(), timeout=self.gather_timeout)
+            except Exception as exc:  # noqa: BLE001 - the round goes on with the later forgeries
+                log.info("%s: early forging failed: %r", HOSTILE_TAG, exc)
 
         def register_state(self, get_state, set_state) -> None:  # noqa: ANN001
             if self.hostile.name == "round_inflation":
@@ -239,12 +261,22 @@ def hostile_collective(base: type) -> type:
                                               [slice_of(self._equivocal, part, parts)])
             if not self._forging or int(header.get("part", 0)) != 0:
                 return await super()._request(peer, handler, header, bodies)
-            await self._forge_slots(peer, receiver, header)
+            key = bytes(header["key"])
+            await self._forge_slots(peer, receiver, key)
             answer = await super()._request(peer, handler, header, bodies)
-            await self._forge_slots(peer, receiver, header)  # again: the slot keeps the last put
+            # a receiver's slot keeps the last put until it reads it: forge again until every
+            # other member's update reached this one (theirs reached the receiver about then)
+            others = set(range(group.size)) - {group.me}
+            deadline = time.monotonic() + self.gather_timeout
+            while time.monotonic() < deadline and not others <= set(
+                    self._mailbox.slots.get(key, {})):
+                await self._forge_slots(peer, receiver, key)
+                await asyncio.sleep(0.05)
+            await self._forge_slots(peer, receiver, key)
             return answer
 
-        async def _forge_slots(self, peer, receiver: int, header: dict) -> None:  # noqa: ANN001
+        async def _forge_slots(self, peer, receiver: int, key: bytes) -> None:  # noqa: ANN001
+            """Put a forged envelope into every other member's slot of ``key`` at ``receiver``."""
             exchange, group = self.hostile_exchange, self._group
             ed25519 = exchange.authenticator.name == "ed25519"
             puts = []
@@ -254,7 +286,7 @@ def hostile_collective(base: type) -> type:
                 sender = exchange.sender if ed25519 else f"forged-rank{rank}"
                 body = exchange.forged(self._round_id, sender)
                 if body is not None:
-                    forged = {**header, "rank": rank, "part": 0, "parts": 1}
+                    forged = {"key": key, "rank": rank, "part": 0, "parts": 1}
                     puts.append(super()._request(peer, "put", forged, [body]))
             for outcome in await asyncio.gather(*puts, return_exceptions=True):
                 if isinstance(outcome, BaseException):
