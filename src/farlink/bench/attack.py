@@ -145,29 +145,62 @@ def protocol_row(run: dict, out: Path, label: str, attack: str, backend: str, ru
     run_dir = out / "runs" / label
     bad = {f"w{i}" for i in attackers}
     honest = [f"w{i}" for i in range(run["workers"]) if f"w{i}" not in bad]
-    ends, losses = {}, {}
+    ends = {}
     for name in honest:
         records = read_metrics(run_dir / "metrics" / f"{name}.jsonl")
         done = [r for r in records if r["kind"] == "end" and r.get("fingerprint")]
         if done:
             ends[name] = (done[-1].get("outer_step"), done[-1]["fingerprint"])
-        evals = [r["loss"] for r in records if r["kind"] == "eval"]
-        if evals:
-            losses[name] = evals[-1]
     codes = list(run["returncodes"])
     honest_codes = [codes[int(n[1:])] for n in honest if int(n[1:]) < len(codes)]
-    worst = max(losses.values()) if len(losses) == len(honest) else None
+    losses, digests = final_losses(run_dir, honest)
+    worst = max(losses.values()) if losses and len(losses) == len(honest) else None
     return {
         "label": label, "attack": attack, "backend": backend, "rule": rule,
         "attackers": sorted(bad), "returncodes": codes,
         "honest_ok": all(c == 0 for c in honest_codes) and len(ends) == len(honest),
-        "heldout_loss": worst,  # the worst honest worker's last held-out loss
-        "consistent": len(set(ends.values())) == 1 and len(ends) == len(honest),
+        "heldout_loss": worst,  # the worst honest worker's final model's held-out loss
+        "honest_losses": losses,
+        # one committed state (end fingerprints) and one final model among the honest workers
+        "consistent": (len(set(ends.values())) == 1 and len(ends) == len(honest)
+                       and len(set(digests.values())) == 1 and len(digests) == len(honest)),
         "final_states": ends,
         "nonfinite_files": nonfinite_files(run_dir, bad),
         "attacker_named": named_where(run_dir, bad, honest) if bad else [],
         "evals": run["evals"],
     }
+
+
+def final_losses(run_dir: Path, workers: list[str]) -> tuple[dict[str, float], dict[str, str]]:
+    """Held-out loss and a digest of each of ``workers``' final models (``final/wI.safetensors``),
+    on the run's own held-out batches: every honest worker is judged, not only those that
+    happened to evaluate (a round's rank 0). A worker without a final model is left out."""
+    import json
+
+    from farlink.sync.base import state_digest
+
+    from safetensors.torch import load_model
+
+    from farlink.config import RunConfig
+    from farlink.data import evaluate, heldout_batches, prepare_data
+    from farlink.model.build import MODEL_FILE, model_from_description
+
+    finals = {w: run_dir / "final" / f"{w}.safetensors" for w in workers}
+    finals = {w: p for w, p in finals.items() if p.is_file()}
+    if not finals:
+        return {}, {}
+    cfg = RunConfig.model_validate_json((run_dir / "config.json").read_text())
+    data = prepare_data(cfg.corpus, cfg.vocab_size, cfg.cache_dir,
+                        tokenizer=cfg.given_tokenizer)
+    batches = heldout_batches(data.heldout, cfg.seq_len, cfg.batch_size, cfg.eval_batches)
+    description = json.loads((run_dir / MODEL_FILE).read_text())
+    losses, digests = {}, {}
+    for worker, path in finals.items():
+        model = model_from_description(description)
+        load_model(model, str(path))
+        losses[worker] = evaluate(model.eval(), batches)
+        digests[worker] = state_digest(model.state_dict()).hex()[:16]
+    return losses, digests
 
 
 def nonfinite_files(run_dir: Path, skip: set[str]) -> list[str]:

@@ -299,7 +299,8 @@ def register(app: typer.Typer, bench_app: typer.Typer) -> None:
         protocol_attacks: list[str] | None = typer.Option(
             None, help="--protocol: attacks (default: every one of farlink.robust.hostile)"),
         backend: str = typer.Option("torchft,hivemind", help="--protocol: comma list"),
-        rule: str = typer.Option("median", help="--protocol: the aggregation rule"),
+        rule: str = typer.Option("mean", help="--protocol: the aggregation rule (mean shows "
+                                 "what an inflated weight or a forged update does)"),
         workers: int = typer.Option(3, help="--protocol: workers per run (the last attacks)"),
     ) -> None:
         """Loss for clean, attacked + plain mean, and attacked + each robust rule; with
