@@ -76,7 +76,8 @@ def run_members(backend: str, attack: str, timeout: float = 150.0, **options) ->
     return _members(backend, attack, timeout, options)
 
 
-def _members_to(queue, backend: str, attack: str, timeout: float, options: dict) -> None:  # noqa: ANN001
+def _members_to(queue, backend: str, attack: str, timeout: float,  # noqa: ANN001
+                options: dict) -> None:
     torch.set_num_threads(1)
     queue.put(_members(backend, attack, timeout, options))
 

@@ -114,8 +114,9 @@ class RunConfig(*algorithm_options()):
         "(0 turns the screen off)")
     attack: str = Field("none", description="emulated attack of the --attackers: sign_flip, "
                         "scale:100, noise:STD, nan, free_rider[:stale]; or a hostile member's "
-                        "protocol attack: round_inflation[:nan], weight_inflation[:X], slot_forging, equivocation, "
-                        "bad_metadata, always_no (farlink.robust.hostile)")
+                        "protocol attack: round_inflation[:nan], weight_inflation[:X], "
+                        "slot_forging, equivocation, bad_metadata, always_no "
+                        "(farlink.robust.hostile)")
     attackers: str = Field("", description="comma list of worker indices that attack (emulation)")
     threads: int = Field(1, ge=1, description="torch threads per worker")
     device: str = Field(

@@ -151,8 +151,8 @@ def build_collective(cfg: RunConfig, replica_id: str, lighthouse: str, site=None
 def build_exchange(cfg: RunConfig, collective: Collective, sender: str, index: int, ledger=None):
     """Codec, aggregator, authentication, screen and (emulated) attack of one replica."""
     from farlink.codecs import make_compressor
-    from farlink.robust.aggregators import make_aggregator
     from farlink.robust import hostile
+    from farlink.robust.aggregators import make_aggregator
     from farlink.robust.attacks import make_attack
     from farlink.robust.auth import make_authenticator, run_secret
     from farlink.sync.exchange import Exchange

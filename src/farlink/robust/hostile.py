@@ -139,8 +139,9 @@ def hostile_exchange(base: type) -> type:
     for a hostile member; see :func:`arm`."""
 
     class HostileExchange(base):
-        """Inflates the claimed tokens (weight_inflation), and keeps what the collective needs to forge or equivocate (the last dense update
-        and its weight, and a codec of its own so the honest codec's residuals stay untouched)."""
+        """Inflates the claimed tokens (weight_inflation), and keeps what the collective needs
+        to forge or equivocate: the last dense update and its weight, and a codec of its own
+        (``hostile_codec``) so the honest codec's residuals stay untouched."""
 
         hostile: ProtocolAttack
         hostile_codec = None
