@@ -265,8 +265,8 @@ def named_where(run_dir: Path, attackers: set[str], honest: list[str]) -> list[s
 
 
 def plot_verdicts(path: Path, rows: list[dict]) -> Path:
-    """Bars of honest held-out loss vs clean per attack, one group per backend, each bar
-    labelled with its verdict (non-finite or missing losses drawn at the top, hatched)."""
+    """Bars of honest held-out loss vs clean per attack (symlog), one per backend, each
+    labelled with its verdict (a missing or non-finite loss is drawn at the top, hatched)."""
     from farlink.bench.report import pyplot, save_figure
 
     plt = pyplot()
@@ -276,7 +276,7 @@ def plot_verdicts(path: Path, rows: list[dict]) -> Path:
     width = 0.8 / max(1, len(backends))
     finite = [r["loss_vs_clean"] for r in rows
               if r.get("loss_vs_clean") is not None and math.isfinite(r["loss_vs_clean"])]
-    top = max([0.1, *finite]) * 1.15
+    top = max([0.1, *finite]) * 2  # where a missing (crashed, NaN) loss is drawn
     colors = {"refused": "tab:green", "bounded": "tab:blue", "FAILED": "tab:red",
               "n/a": "lightgray"}
     for b, backend in enumerate(backends):
@@ -291,12 +291,13 @@ def plot_verdicts(path: Path, rows: list[dict]) -> Path:
             x = i + (b - (len(backends) - 1) / 2) * width
             ax.bar(x, height, width * 0.9, color=colors.get(row["verdict"], "gray"),
                    hatch="//" if missing and row["verdict"] != "n/a" else None)
-            ax.text(x, max(height, 0) + top * 0.01, f"{backend}\n{row['verdict']}",
+            ax.text(x, max(height, 0), f"{backend}\n{row['verdict']}",
                     ha="center", va="bottom", fontsize=6, rotation=90)
     ax.axhline(BOUND, color="black", linestyle="--", linewidth=0.8, label=f"bound ({BOUND:.0%})")
     ax.set_xticks(range(len(attacks)), attacks, rotation=30, ha="right", fontsize=8)
     ax.set_ylabel("honest held-out loss vs clean (fraction)")
-    ax.set_ylim(min(0.0, *finite, 0.0) * 1.15 - 0.01, top * 1.35)
+    ax.set_yscale("symlog", linthresh=BOUND)  # a 5% gap and a 100x one on one axis
+    ax.set_ylim(min(0.0, *finite) * 1.5 - 0.01, top * 8)
     ax.set_title("protocol attacks: green refused, blue bounded, red FAILED, gray n/a")
     ax.legend(fontsize=7)
     return save_figure(fig, path)
