@@ -11,7 +11,7 @@ import torch
 from safetensors.torch import save_file
 
 from farlink.bench.attack import (BOUND, attacker_names, named_where, nonfinite_files,
-                                  run_protocol, verdict)
+                                  plot_verdicts, run_protocol, verdict)
 from farlink.robust.hostile import HOSTILE_TAG
 
 SOUND = {"honest_ok": True, "consistent": True, "nonfinite_files": [], "heldout_loss": 6.6}
@@ -32,6 +32,14 @@ SOUND = {"honest_ok": True, "consistent": True, "nonfinite_files": [], "heldout_
 ])
 def test_verdicts(row: dict, expected: str) -> None:
     assert verdict(row) == expected
+
+
+def test_the_plot_draws_rows_without_any_finite_loss(tmp_path: Path) -> None:
+    rows = [{"attack": "none", "backend": "torchft", "verdict": "clean"},
+            {"attack": "round_inflation:nan", "backend": "torchft", "verdict": "FAILED",
+             "loss_vs_clean": None},
+            {"attack": "slot_forging", "backend": "torchft", "verdict": "n/a"}]
+    assert plot_verdicts(tmp_path / "p.png", rows).stat().st_size > 0
 
 
 def test_a_run_dir_tells_nonfinite_files_and_where_the_attacker_was_named(tmp_path: Path) -> None:

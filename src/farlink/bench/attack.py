@@ -297,7 +297,7 @@ def plot_verdicts(path: Path, rows: list[dict]) -> Path:
     ax.set_xticks(range(len(attacks)), attacks, rotation=30, ha="right", fontsize=8)
     ax.set_ylabel("honest held-out loss vs clean (fraction)")
     ax.set_yscale("symlog", linthresh=BOUND)  # a 5% gap and a 100x one on one axis
-    ax.set_ylim(min(0.0, *finite) * 1.5 - 0.01, top * 8)
+    ax.set_ylim(min([0.0, *finite]) * 1.5 - 0.01, top * 8)
     ax.set_title("protocol attacks: green refused, blue bounded, red FAILED, gray n/a")
     ax.legend(fontsize=7)
     return save_figure(fig, path)
