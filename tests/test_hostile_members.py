@@ -1,6 +1,7 @@
 """Hostile members (:mod:`farlink.robust.hostile`) against real backends.
 
-Three replicas under ``farlink.Optimizer`` (DiLoCo, ``--auth secret``) as threads: on hivemind,
+Three replicas under ``farlink.Optimizer`` (DiLoCo, ``--auth secret``, or ``ed25519`` keys where
+said) as threads: on hivemind,
 three real peers with their own p2p daemons on loopback; on torchft, three Managers against an
 in-process Lighthouse (``torchft.coordination.LighthouseServer``) with Gloo. Worker 2 is the
 hostile member, armed by the library exactly as ``farlink train --attack NAME --attackers 2``
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import math
 import threading
+from pathlib import Path
 
 import pytest
 import torch
@@ -36,10 +38,13 @@ def train(name: str, collective, attack: str, options: dict) -> dict:
         torch.manual_seed(0)  # every replica starts from the same model, as a run does
         model = nn.Linear(4, 1)
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    options = dict(options)
+    keys = options.pop("keys", None)  # a directory of members' ed25519 keys, or the secret
+    auth = ({"auth": "secret", "secret": "s3cret"} if keys is None else
+            {"auth": "ed25519", "key_file": keys / f"{name}.key", "allowed_keys": keys})
     sync = farlink.Optimizer(model, opt, collective=collective, index=rank, algorithm="diloco",
-                             inner_steps=INNER, auth="secret", secret="s3cret",
-                             steps=INNER * ROUNDS, attack=attack, attackers=str(ATTACKER),
-                             **options)
+                             inner_steps=INNER, steps=INNER * ROUNDS, attack=attack,
+                             attackers=str(ATTACKER), **auth, **options)
     gen = torch.Generator().manual_seed(rank)
     healed, committed = [], []
     for _ in range(INNER * ROUNDS):
@@ -189,6 +194,23 @@ def test_forged_slots_credit_no_invented_peer() -> None:
     for m in members:
         credited = {p for p, rec in m["ledger"].items() if rec["updates_accepted"]}
         assert credited <= real, f"the ledger credits peers that do not exist: {credited - real}"
+
+
+@DEFENCE
+def test_forged_slots_signed_with_the_members_own_key_drop_no_honest_update(
+        tmp_path: Path) -> None:
+    from farlink.robust.keys import generate_keypair, key_id, load_private_key
+
+    for i in range(MEMBERS):
+        generate_keypair(tmp_path / f"w{i}.key")
+    honest_ids = {key_id(load_private_key(tmp_path / f"w{i}.key").public_key())
+                  for i in range(MEMBERS) if i != ATTACKER}
+    members = assert_consistent_and_finite(
+        run_members("hivemind", "slot_forging", aggregator="median", keys=tmp_path))
+    for m in members:
+        accepted = {p: m["ledger"].get(p, {}).get("updates_accepted", 0) for p in honest_ids}
+        assert set(accepted.values()) == {ROUNDS}, (
+            f"honest updates lost to forged copies: accepted {accepted} of {ROUNDS} rounds each")
 
 
 @DEFENCE
