@@ -4,8 +4,9 @@ Three replicas under ``farlink.Optimizer`` (DiLoCo, ``--auth secret``, or ``ed25
 said) as threads: on hivemind, three real peers with their own p2p daemons on loopback; on
 torchft, three Managers against an in-process Lighthouse
 (``torchft.coordination.LighthouseServer``) with Gloo. Worker 2 is the hostile member, armed by
-the library exactly as ``farlink train --attack NAME --attackers 2`` arms it. Each test states the SAFE outcome (honest replicas not taken over, finite, consistent,
-making progress); the ones marked xfail show the harm the attack does on today's code.
+the library exactly as ``farlink train --attack NAME --attackers 2`` arms it. Each test states
+the SAFE outcome (honest replicas not taken over, finite, consistent, making progress); the ones
+marked xfail show the harm the attack does on today's code.
 """
 
 from __future__ import annotations
