@@ -115,7 +115,10 @@ class RunConfig(*algorithm_options()):
         10.0, ge=0, description="reject an update whose norm exceeds this x the round's median "
         "(0 turns the screen off)")
     attack: str = Field("none", description="emulated attack of the --attackers: sign_flip, "
-                        "scale:100, noise:STD, nan, free_rider[:stale]")
+                        "scale:100, noise:STD, nan, free_rider[:stale]; or a hostile member's "
+                        "protocol attack: round_inflation[:nan], weight_inflation[:X], "
+                        "slot_forging, equivocation, bad_metadata, always_no "
+                        "(farlink.robust.hostile)")
     attackers: str = Field("", description="comma list of worker indices that attack (emulation)")
     threads: int = Field(1, ge=1, description="torch threads per worker")
     device: str = Field(
@@ -220,12 +223,17 @@ class RunConfig(*algorithm_options()):
         algorithm = algorithm_class(self.algorithm)
         caps = algorithm.capabilities
         from farlink.codecs import make_compressor
+        from farlink.robust import hostile
         from farlink.robust.aggregators import make_aggregator
         from farlink.robust.attacks import make_attack
 
         make_compressor(self.codec)  # raises ValueError naming the valid codecs
         make_aggregator(self.aggregator)
-        make_attack(self.attack)
+        if hostile.parse(self.attack) is None:  # a protocol attack (a hostile member) or not
+            make_attack(self.attack)
+        elif (why := hostile.not_applicable(self.attack, self.backend)) is not None:
+            raise ValueError(f"attack {self.attack!r} does not apply to the {self.backend} "
+                             f"backend: {why}")
         self._check_attackers()
         if 0 < self.screen_ratio <= 1:
             raise ValueError(f"screen_ratio={self.screen_ratio:g} would reject honest updates; "

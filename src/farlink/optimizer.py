@@ -159,6 +159,7 @@ def build_exchange(cfg: RunConfig, collective: Collective, sender: str, index: i
     of the caller's own, whose token counts the config does not know); ``"none"``: neither
     (island leaders, whose islands differ in size). The envelope's float32 bound always holds."""
     from farlink.codecs import make_compressor
+    from farlink.robust import hostile
     from farlink.robust.aggregators import make_aggregator
     from farlink.robust.attacks import make_attack
     from farlink.robust.auth import make_authenticator, run_secret
@@ -167,8 +168,10 @@ def build_exchange(cfg: RunConfig, collective: Collective, sender: str, index: i
 
     auth = make_authenticator(cfg.auth, secret=run_secret(cfg), key_file=cfg.key_file,
                               allowed_keys=cfg.allowed_keys, peer_id=sender)
-    tamper = make_attack(cfg.attack, seed=index) if cfg.is_attacker(index) else None
-    return Exchange(
+    protocol = hostile.parse(cfg.attack) is not None  # a hostile member, not a bad update
+    tamper = (make_attack(cfg.attack, seed=index)
+              if cfg.is_attacker(index) and not protocol else None)
+    exchange = Exchange(
         collective,
         make_compressor(cfg.codec),
         sender=auth.peer_id if auth.name == "ed25519" else sender,
@@ -182,6 +185,9 @@ def build_exchange(cfg: RunConfig, collective: Collective, sender: str, index: i
         if claims == "run" else None,
         claim_factor=None if claims == "none" else CLAIM_FACTOR,
     )
+    if protocol and cfg.is_attacker(index):
+        hostile.arm(cfg.attack, collective, exchange, cfg.codec, name=sender)
+    return exchange
 
 
 class Optimizer:

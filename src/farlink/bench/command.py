@@ -290,15 +290,37 @@ def register(app: typer.Typer, bench_app: typer.Typer) -> None:
         setups: list[str] = typer.Option(["4:1", "8:2"], help="WORKERS:MALICIOUS"),
         rules: list[str] = typer.Option(["mean", "median", "trimmed_mean", "centered_clip",
                                          "norm_bounded"], help="aggregation rules"),
-        steps: int = typer.Option(200, help="inner steps per worker"),
-        inner_steps: int = typer.Option(20, help="H"),
+        steps: int | None = typer.Option(None, help="inner steps per worker (default 200; "
+                                         "--protocol: 12)"),
+        inner_steps: int | None = typer.Option(None, help="H (default 20; --protocol: 3)"),
         reuse: bool = typer.Option(False, help="read back finished runs of the same config"),
+        protocol: bool = typer.Option(False, help="run the hostile-member matrix instead: "
+                                      "protocol attacks on each --backend, with a verdict each"),
+        protocol_attacks: list[str] | None = typer.Option(
+            None, help="--protocol: attacks (default: every one of farlink.robust.hostile)"),
+        backend: str = typer.Option("torchft,hivemind", help="--protocol: comma list"),
+        rule: str = typer.Option("mean", help="--protocol: the aggregation rule (mean shows "
+                                 "what an inflated weight or a forged update does)"),
+        workers: int = typer.Option(3, help="--protocol: workers per run (the last attacks)"),
     ) -> None:
-        """Loss for clean, attacked + plain mean, and attacked + each robust rule."""
+        """Loss for clean, attacked + plain mean, and attacked + each robust rule; with
+        --protocol, a hostile member's protocol attacks on each backend, each refused, bounded
+        or FAILED."""
+        if protocol:
+            from farlink.bench.attack import PROTOCOL_ATTACKS, run_protocol
+
+            backends = [b.strip() for b in backend.split(",") if b.strip()]
+            result = run_protocol(out, protocol_attacks or PROTOCOL_ATTACKS, backends, workers,
+                                  1, steps or 12, inner_steps or 3, rule, reuse)
+            print_rows(result["rows"], ["attack", "backend", "heldout_loss", "loss_vs_clean",
+                                        "consistent", "nonfinite_files", "attacker_named",
+                                        "returncodes", "verdict"],
+                       "farlink bench attack --protocol")
+            return
         from farlink.bench.attack import run
 
         parsed = [tuple(int(x) for x in s.split(":")) for s in setups]
-        result = run(out, attacks, parsed, steps, inner_steps, rules, reuse)
+        result = run(out, attacks, parsed, steps or 200, inner_steps or 20, rules, reuse)
         print_rows(result["rows"], ["label", "final_heldout_loss", "loss_vs_clean"],
                    "farlink bench attack")
 
