@@ -20,13 +20,19 @@ through a gate of its own (:mod:`farlink.comm.torchft_admission`).
 Healing is checked, not obeyed: torchft's Lighthouse heals every replica below the highest step any
 participant reports from that replica, and a step is self-reported. So the state torchft fetches
 is only stashed; once the quorum stands, the participants all-gather what each held before it
-(its committed step and the fingerprint of its committed state) and each applies the policy of
+(its committed step, the fingerprint of its committed state, its checkpoint address, and the step
+and fingerprint of what torchft fetched for it) and each applies the policy of
 :mod:`farlink.robust.heal` to the same announcements: it adopts the fetched state only if the
 group's round (the step most participants hold) is the step torchft healed it to, the state hashes
 to the fingerprint the most participants at that step announced, holds no NaN/Inf, and the jump is
 plausible. Otherwise it keeps its own state and step and names the replica(s) that claimed the
-step; a replica left behind that way fails the round (torchft fails it for every participant),
-while replicas at the group's round go on among themselves (an update sent for another round is
+step. A replica behind the group's round that torchft did not bring the group's state (it healed
+it from a replica claiming a higher step) catches up by a second route that every participant
+plans alike (:func:`~farlink.robust.heal.plan_catch_up`): up to three participants at the group's
+round with the most-shared fingerprint offer their state on their checkpoint server (the same
+transport, gated with ``--auth``), and it fetches and checks one the same way; only if none
+passes is it left behind, and it fails the round (torchft fails it for every participant), while
+replicas at the group's round go on among themselves (an update sent for another round is
 rejected by the exchange).
 """
 
