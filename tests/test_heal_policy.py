@@ -15,6 +15,7 @@ from farlink.robust.heal import (
     implausible,
     max_rounds_ahead,
     parse_announcement,
+    plan_catch_up,
     plan_heal,
     state_fingerprint,
 )
@@ -43,6 +44,32 @@ def test_sources_sharing_the_most_common_fingerprint_come_first() -> None:
     assert 0 not in plan.behind
     # client-mode members serve nothing
     assert plan_heal([5, 5, 0], ["a" * 16] * 2 + [None], servers=[1, 2]).sources == [1]
+
+
+def test_members_behind_fetch_the_majority_state_when_the_first_route_brought_another() -> None:
+    # three honest members at 5, a member claiming 10000, a newcomer and one that missed a round;
+    # torchft brought the two behind the claimer's state
+    rounds = [5, 10000, 5, 0, 4, 5]
+    prints = ["a" * 16, "x" * 16, "a" * 16, None, "b" * 16, "a" * 16]
+    fetched = [None, None, None, (10000, "x" * 16), (10000, "x" * 16), None]
+    plan = plan_catch_up(rounds, prints, fetched)
+    assert plan is not None and plan.round_id == 5 and plan.fingerprint == "a" * 16
+    assert plan.receivers == [3, 4] and plan.sources == [0, 2, 5]
+    assert plan_catch_up(rounds, prints, fetched, limit=2).sources == [0, 2]
+    # one member at 5 announcing other weights is never a source
+    assert plan_catch_up([5, 5, 5, 0], ["c" * 16, "a" * 16, "a" * 16, None],
+                         [None] * 3 + [(5, "c" * 16)]).sources == [1, 2]
+
+
+def test_nobody_catches_up_when_the_first_route_brought_the_group_state() -> None:
+    prints = ["a" * 16, "a" * 16, None]
+    assert plan_catch_up([5, 5, 0], prints, [None, None, (5, "a" * 16)]) is None
+    assert plan_catch_up([5, 5, 5], ["a" * 16] * 3, [None] * 3) is None
+    assert plan_catch_up([0, 0], [None, None], [None, None]) is None
+    # a claimer alone with a newcomer holds the group's round: nothing else to fetch
+    assert plan_catch_up([10000, 0], ["x" * 16, None], [None, (10000, "x" * 16)]) is None
+    # a member ahead of the group's round is no receiver, a malformed announcement (-1) neither
+    assert plan_catch_up([5, 5, 9, -1], ["a" * 16] * 3 + [None], [None] * 4) is None
 
 
 def test_plausibility_bounds_a_jump_by_the_time_since_the_last_commit() -> None:

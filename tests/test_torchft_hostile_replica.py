@@ -8,10 +8,14 @@ from __future__ import annotations
 import math
 import threading
 
+import pytest
 import torch
 from torchft._torchft import LighthouseServer
 
 from farlink.comm.torchft_backend import TorchftCollective
+from farlink.robust.auth import SharedSecretAuth
+from farlink.robust.gate import Gate
+from farlink.robust.heal import state_fingerprint
 
 torch.set_num_threads(1)
 
@@ -25,12 +29,17 @@ class InflatedStep(TorchftCollective):
 
 
 def replicas(lighthouse: LighthouseServer, names: dict[str, type], values: dict[str, float],
-             step: int) -> tuple[dict, dict]:
+             step: int, newcomers: frozenset[str] = frozenset(),
+             secret: str | None = None, address: str | None = None) -> tuple[dict, dict]:
+    """Replicas named ``names`` holding ``w = values[name]``; honest ones at ``step`` except the
+    ``newcomers``, which have committed nothing; with ``secret``, members of a run with --auth
+    reaching the Lighthouse at ``address`` (its gate)."""
     members, states = {}, {}
     for name, cls in names.items():
-        coll = cls(name, lighthouse.address(), min_replicas=len(names), round_timeout=20,
-                   quorum_timeout=60, join_timeout=5)
-        if cls is TorchftCollective and step:
+        admission = SharedSecretAuth(secret, name) if secret else None
+        coll = cls(name, address or lighthouse.address(), min_replicas=len(names),
+                   round_timeout=20, quorum_timeout=60, join_timeout=5, admission=admission)
+        if cls is TorchftCollective and step and name not in newcomers:
             coll.load_committed_step(step)
         state = {"w": torch.full((16,), values[name])}
         coll.register_state(lambda s=state: {"w": s["w"].clone()},
@@ -96,4 +105,49 @@ def test_a_newcomer_refuses_nan_weights_served_at_step_10000() -> None:
     finally:
         for coll in members.values():
             coll.close()
+        lighthouse.shutdown()
+
+
+@pytest.mark.parametrize("auth", [False, True], ids=["open", "auth"])
+def test_a_newcomer_heals_from_the_honest_majority_while_a_replica_reports_step_10000(
+        auth: bool) -> None:
+    """torchft heals everyone below the top step from the replica reporting it; the newcomer
+    refuses that state and fetches the honest majority's instead (through the source's gate in a
+    run with --auth), so the round commits for all."""
+    lighthouse = LighthouseServer(bind="127.0.0.1:0", min_replicas=5, join_timeout_ms=5000)
+    gate = None
+    if auth:
+        port = int(lighthouse.address().rsplit(":", 1)[1])
+        gate = Gate(SharedSecretAuth("run-secret", "lighthouse"), ("127.0.0.1", port),
+                    name="Lighthouse").start()
+    honest = ("h0", "h1", "h2")
+    members, states = replicas(
+        lighthouse, {**dict.fromkeys(honest, TorchftCollective), "x": InflatedStep,
+                     "n": TorchftCollective},
+        {"h0": 1.0, "h1": 1.0, "h2": 1.0, "x": -777.0, "n": 0.5}, step=5,
+        newcomers=frozenset({"n"}), secret="run-secret" if auth else None,
+        address=gate.url if gate else None)
+    try:
+        results = one_round_each(members)
+        majority = {state_fingerprint(states[name]) for name in honest}
+        assert len(majority) == 1
+        info, gathered, ok = results["n"]
+        assert info.healed and info.round_id == 5 and info.world_size == 5, results
+        assert ok and members["n"].manager.current_step() == 6
+        assert state_fingerprint(states["n"]) in majority
+        refusal = members["n"].last_refusal
+        assert refusal is not None and "(x)" in refusal and "10000" in refusal, refusal
+        for name in honest:
+            info, gathered, ok = results[name]
+            assert ok and not info.healed and members[name].manager.current_step() == 6, name
+            assert sorted(gathered) == sorted(n.encode() for n in members), gathered
+            assert "x" in (members[name].last_refusal or ""), name
+        if auth:  # the newcomer fetched the honest state through an honest source's gate
+            admitted = [who for name in honest for who in members[name]._transport._gate.admitted]
+            assert "n" in admitted and set(admitted) == {"n"}, admitted
+    finally:
+        for coll in members.values():
+            coll.close()
+        if gate is not None:
+            gate.close()
         lighthouse.shutdown()

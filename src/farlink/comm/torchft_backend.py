@@ -20,13 +20,19 @@ through a gate of its own (:mod:`farlink.comm.torchft_admission`).
 Healing is checked, not obeyed: torchft's Lighthouse heals every replica below the highest step any
 participant reports from that replica, and a step is self-reported. So the state torchft fetches
 is only stashed; once the quorum stands, the participants all-gather what each held before it
-(its committed step and the fingerprint of its committed state) and each applies the policy of
+(its committed step, the fingerprint of its committed state, its checkpoint address, and the step
+and fingerprint of what torchft fetched for it) and each applies the policy of
 :mod:`farlink.robust.heal` to the same announcements: it adopts the fetched state only if the
 group's round (the step most participants hold) is the step torchft healed it to, the state hashes
 to the fingerprint the most participants at that step announced, holds no NaN/Inf, and the jump is
 plausible. Otherwise it keeps its own state and step and names the replica(s) that claimed the
-step; a replica left behind that way fails the round (torchft fails it for every participant),
-while replicas at the group's round go on among themselves (an update sent for another round is
+step. A replica behind the group's round that torchft did not bring the group's state (it healed
+it from a replica claiming a higher step) catches up by a second route that every participant
+plans alike (:func:`~farlink.robust.heal.plan_catch_up`): up to three participants at the group's
+round with the most-shared fingerprint offer their state on their checkpoint server (the same
+transport, gated with ``--auth``), and it fetches and checks one the same way; only if none
+passes is it left behind, and it fails the round (torchft fails it for every participant), while
+replicas at the group's round go on among themselves (an update sent for another round is
 rejected by the exchange).
 """
 
@@ -44,11 +50,40 @@ from farlink.comm.base import Collective, RoundInfo, ring_allgather_bytes, ring_
 from farlink.comm.errors import CommError
 from farlink.robust.auth import Authenticator
 from farlink.robust.gate import GateRefused, answers_as_gate
-from farlink.robust.heal import first_non_finite, implausible, plan_heal, state_fingerprint
+from farlink.robust.heal import (
+    CatchUp,
+    first_non_finite,
+    implausible,
+    plan_catch_up,
+    plan_heal,
+    state_fingerprint,
+)
 
 log = logging.getLogger(__name__)
 
 _TIMEOUT_SAFETY = 4.0
+
+
+def _is_tensor_state(state: object) -> bool:
+    return isinstance(state, dict) and all(isinstance(v, torch.Tensor) for v in state.values())
+
+
+def _parse_announcement(raw: bytes) -> tuple:
+    """(pre-quorum step, fingerprint, replica id, checkpoint address, (step, fingerprint) of the
+    state torchft fetched or None) from a participant's announcement; a malformed one holds no
+    round (-1) and offers nothing."""
+    try:
+        a = msgpack.unpackb(raw)
+        fetched = a[4]
+        if not (isinstance(fetched, list) and len(fetched) == 2 and isinstance(fetched[0], int)
+                and isinstance(fetched[1], str)):
+            fetched = None
+        address = a[3] if isinstance(a[3], str) and a[3].startswith(("http://", "https://")) \
+            else None
+        return (int(a[0]), a[1] if isinstance(a[1], str) else None, str(a[2])[:80], address,
+                tuple(fetched) if fetched else None)
+    except Exception:  # noqa: BLE001 - a malformed announcement holds no round
+        return (-1, None, "?", None, None)
 
 
 class QuorumUnavailable(RuntimeError):
@@ -128,6 +163,7 @@ class TorchftCollective(Collective):
         self.min_replicas = min_replicas
         self.attempt_timeout = quorum_attempt_timeout(join_timeout)
         self.round_timeout = round_timeout
+        self._transport = transport  # torchft's checkpoint transport, also for catching up
         self._healed = False
         self._stash: dict | None = None  # a state torchft fetched, until it is checked
         self._fingerprint: tuple[int, str] | None = None  # (step, fingerprint) of our state
@@ -209,25 +245,30 @@ class TorchftCollective(Collective):
     def _check_heal(self, step: int, batches: int) -> None:
         """Adopt what torchft fetched only if the participants' announcements back it (see the
         module docstring); otherwise keep this replica's state and step, and name the source."""
-        mine = [step, self._fingerprint[1] if self._fingerprint else None, self.replica_id]
+        stash, self._stash = self._stash, None
+        target = self.manager.current_step()
+        fetched = None
+        if stash is not None and _is_tensor_state(stash):
+            fetched = [target, state_fingerprint(stash)]
+        mine = [step, self._fingerprint[1] if self._fingerprint else None, self.replica_id,
+                self._transport.metadata(), fetched]
         gathered = self._gather_quiet(msgpack.packb(mine))
-        announced = []
-        for raw in gathered:
-            try:
-                a = msgpack.unpackb(raw)
-                announced.append((int(a[0]), a[1] if isinstance(a[1], str) else None, str(a[2])))
-            except Exception:  # noqa: BLE001 - a malformed announcement holds no round
-                announced.append((-1, None, "?"))
+        announced = [_parse_announcement(raw) for raw in gathered]
         plan = plan_heal([a[0] for a in announced], [a[1] for a in announced],
                          list(range(len(announced))))
-        stash, self._stash = self._stash, None
+        catch_up = None
+        if self.manager.errored() is None and len(announced) == self.manager.num_participants():
+            catch_up = plan_catch_up([a[0] for a in announced], [a[1] for a in announced],
+                                     [a[4] for a in announced])
+        me = self.manager.participating_rank()
+        if catch_up is not None and me in catch_up.sources:
+            self._serve_catch_up(catch_up)
         if stash is None:
             if step > plan.round_id > 0:
                 log.warning("this replica's step %d is ahead of the step %d most participants "
                             "hold; they will reject its updates as another round's. Fix: restart "
                             "it from the run's latest checkpoint", step, plan.round_id)
             return
-        target = self.manager.current_step()
         claimed = [a[2] for a in announced if a[0] == target]
         expected = plan.expected.get(plan.sources[0]) if plan.sources else None
         why = None
@@ -236,35 +277,96 @@ class TorchftCollective(Collective):
         elif target != plan.round_id:
             why = (f"torchft healed to step {target}, but the step most participants hold is "
                    f"{plan.round_id}")
-        elif not all(isinstance(v, torch.Tensor) for v in stash.values()):
-            why = "it is not a state of tensors"
-        elif expected is not None and state_fingerprint(stash) != expected:
-            why = (f"its fingerprint {state_fingerprint(stash)} is not the {expected} the "
-                   f"participants at step {target} announced")
-        elif first_non_finite(stash) is not None:
-            why = f"tensor {first_non_finite(stash)!r} holds NaN or Inf"
-        elif self._last_commit_at is not None:
-            why = implausible(target, step, time.monotonic() - self._last_commit_at,
-                              self._shortest_round)
+        else:
+            why = self._unfit(stash, target, expected, step)
         if why is None:
-            self._set_state(stash)
-            self._healed = True
-            self._fingerprint = None
-            self._last_commit_at = time.monotonic()
+            self._adopt(stash, target, batches)
             return
-        self._refuse(step, batches, why, announced, target, claimed)
+        if catch_up is None or me not in catch_up.receivers:
+            catch_up = None
+        self._refuse(step, batches, why, announced, target, claimed, catch_up)
+
+    def _unfit(self, state: object, target: int, expected: str | None, step: int) -> str | None:
+        """Why a fetched state must not be adopted at step ``target`` (None: it may be): not a
+        state of tensors, not the fingerprint its sources announced, NaN/Inf, or an implausible
+        jump from this replica's ``step``."""
+        if not _is_tensor_state(state):
+            return "it is not a state of tensors"
+        fingerprint = state_fingerprint(state)
+        if expected is not None and fingerprint != expected:
+            return (f"its fingerprint {fingerprint} is not the {expected} the participants at "
+                    f"step {target} announced")
+        if (name := first_non_finite(state)) is not None:
+            return f"tensor {name!r} holds NaN or Inf"
+        if self._last_commit_at is not None:
+            return implausible(target, step, time.monotonic() - self._last_commit_at,
+                               self._shortest_round)
+        return None
+
+    def _adopt(self, state: dict, step: int, batches: int) -> None:
+        self._set_state(state)
+        self.manager.load_state_dict({"step": step, "batches_committed": batches})
+        self._healed = True
+        self._fingerprint = None
+        self._last_commit_at = time.monotonic()
+
+    def _serve_catch_up(self, catch_up: CatchUp) -> None:
+        """Offer this replica's state (it holds the group's step and fingerprint) to the replicas
+        that must catch up, on the checkpoint server torchft heals through (gated with --auth);
+        it stops serving at ``commit`` (torchft's ``should_commit`` disallows the checkpoint)."""
+        try:
+            self._transport.send_checkpoint(catch_up.receivers, catch_up.round_id, self._state(),
+                                            timedelta(seconds=self.round_timeout))
+        except Exception as exc:  # noqa: BLE001 - the receivers try the other sources
+            log.warning("could not offer this replica's state at step %d to the replicas "
+                        "catching up (%s); they fetch it from the other sources",
+                        catch_up.round_id, exc)
+
+    def _catch_up(self, catch_up: CatchUp, announced: list, step: int,
+                  batches: int) -> tuple[str | None, str | None]:
+        """Fetch the group's state from the participants holding it, through this replica's own
+        checkpoint transport (so through the sources' gates with --auth), and adopt the first copy
+        that passes the checks torchft's heal gets. Returns (source adopted, None) or (None, why
+        every source failed)."""
+        timeout = timedelta(seconds=self.round_timeout)
+        failures = []
+        for src in catch_up.sources:
+            name, address = announced[src][2], announced[src][3]
+            if address is None:
+                failures.append(f"{name} announced no checkpoint address")
+                continue
+            try:
+                state = self._transport.recv_checkpoint(src, address, catch_up.round_id, timeout)
+            except Exception as exc:  # noqa: BLE001 - the next source may serve it
+                failures.append(f"{name} did not serve it ({exc})")
+                continue
+            why = self._unfit(state, catch_up.round_id, catch_up.fingerprint, step)
+            if why is None:
+                self._adopt(state, catch_up.round_id, batches)
+                return name, None
+            failures.append(f"{name} served a state that is refused: {why}")
+        return None, "; ".join(failures) or "no participant holds it"
 
     def _refuse(self, step: int, batches: int, why: str, announced: list, target: int,
-                claimed: list[str] | None = None) -> None:
-        """Keep this replica's state and step; fail the round if that leaves it off the group's
-        round (behind it, or ahead of it)."""
+                claimed: list[str] | None = None, catch_up: CatchUp | None = None) -> None:
+        """Keep this replica's state and step, or, with ``catch_up``, take the group's state
+        from the participants holding it; fail the round if that leaves this replica off the
+        group's round (behind it, or ahead of it)."""
         self.manager.load_state_dict({"step": step, "batches_committed": batches})
         group_round = plan_heal([a[0] for a in announced], [None] * len(announced), []).round_id
         claimed = claimed or [a[2] for a in announced if a[0] == target]
         self.last_refusal = (
             f"refused the state torchft fetched from the replica(s) announcing step {target} "
-            f"({', '.join(claimed) or 'unknown'}): {why}. This replica keeps its state at step "
-            f"{step}")
+            f"({', '.join(claimed) or 'unknown'}): {why}")
+        if catch_up is not None:
+            source, failed = self._catch_up(catch_up, announced, step, batches)
+            if source is not None:
+                log.warning("%s; healed instead from replica %s, which holds the group's step %d "
+                            "with the state most participants there announced", self.last_refusal,
+                            source, catch_up.round_id)
+                return
+            self.last_refusal += f"; fetching the group's step {group_round} failed too: {failed}"
+        self.last_refusal += f". This replica keeps its state at step {step}"
         if step != group_round:
             self.manager.report_error(CommError(
                 f"{self.last_refusal}; it is not at the group's step {group_round}, so the round "

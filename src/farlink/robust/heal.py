@@ -145,3 +145,38 @@ def parse_announcement(raw: object) -> Announcement:
         raise ValueError(f"state fingerprint {fingerprint!r:.40} is not {FINGERPRINT_HEX} hex "
                          "digits")
     return Announcement(round_id, bool(client), float(bandwidth), list(endpoints), fingerprint)
+
+
+@dataclass(frozen=True)
+class CatchUp:
+    """Members that must fetch the group's state by a second route, and from whom."""
+
+    round_id: int
+    fingerprint: str
+    receivers: list[int]
+    sources: list[int]
+
+
+def plan_catch_up(rounds: Sequence[int], fingerprints: Sequence[str | None],
+                  fetched: Sequence[tuple[int, str] | None], limit: int = 3) -> CatchUp | None:
+    """Who fetches the group's state again when the first route brought another (torchft heals
+    every replica below the highest *claimed* step from the replica claiming it, so one member
+    claiming step 10000 would otherwise keep every member that is behind from ever healing).
+
+    ``fetched[r]``: the (round, fingerprint) of the state member ``r`` received by the first
+    route, or None. The receivers are the members behind the group's round (:func:`plan_heal`)
+    that did not receive the group's round with its most-shared fingerprint; the sources are the
+    first ``limit`` members at that round announcing that fingerprint (several, so a source that
+    serves other bytes than it announced costs a retry, not the heal). None when nobody needs it.
+    """
+    plan = plan_heal(rounds, fingerprints, range(len(rounds)))
+    expected = plan.expected[plan.sources[0]] if plan.sources else None
+    if plan.round_id <= 0 or expected is None:
+        return None
+    wanted = (plan.round_id, expected)
+    receivers = [r for r, held in enumerate(rounds)
+                 if 0 <= held < plan.round_id and fetched[r] != wanted]
+    if not receivers:
+        return None
+    sources = [r for r in plan.sources if fingerprints[r] == expected][:limit]
+    return CatchUp(plan.round_id, expected, receivers, sources)
