@@ -62,6 +62,19 @@ def preference(peer_id: str, join_round: int, num_shards: int,
     return order
 
 
+def group_bounds(least: int, size: int | None, live: int) -> tuple[int, int | None]:
+    """The smallest and the full group of a round in a swarm of ``live`` volunteers, for a run
+    that asks for groups of ``least`` to ``size`` peers. A swarm's ``--workers`` is its room,
+    not its size: with fewer live volunteers than ``least`` a group of all of them is the most
+    there can be, so the first volunteers train (one alone, two together) instead of waiting
+    for peers that do not exist, and the groups grow as others claim shards."""
+    live = max(1, int(live))
+    least = min(least, live)
+    if size is not None:
+        size = max(least, min(size, live))
+    return least, size
+
+
 def owners(claims: dict[str, tuple[int, float, int]]) -> dict[int, str]:
     """shard -> the peer holding it: the oldest claim wins, ties go to the smaller peer id."""
     best: dict[int, tuple[float, str]] = {}
