@@ -80,3 +80,11 @@ def test_wait_future_ends_on_the_stop_flag_and_says_what_it_waits_for(caplog) ->
     assert interrupt.wait_future(future, 1.0, lambda: "x", log) == 7
     with pytest.raises(TimeoutError, match="no a thing within 0 s"):
         interrupt.wait_future(concurrent.futures.Future(), 0.3, lambda: "a thing", log, poll=0.1)
+    # a future that fails with a TimeoutError of its own (torchft's quorum attempt) is that
+    # failure at once, not a slice to wait again until the whole timeout has passed
+    failed: concurrent.futures.Future = concurrent.futures.Future()
+    failed.set_exception(TimeoutError("attempt expired"))
+    start = time.monotonic()
+    with pytest.raises(TimeoutError, match="attempt expired"):
+        interrupt.wait_future(failed, 5.0, lambda: "x", log, poll=0.1)
+    assert time.monotonic() - start < 1.0

@@ -74,4 +74,5 @@ def wait_future(future, timeout: float, waiting_for, log, poll: float = 0.5,
         try:
             return future.result(timeout=min(poll, left))
         except TimeoutError:
-            continue
+            if future.done():  # it failed with a TimeoutError of its own (or just finished)
+                return future.result()
