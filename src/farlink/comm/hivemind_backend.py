@@ -84,6 +84,7 @@ from hivemind.proto import averaging_pb2
 from hivemind.utils import MPFuture, get_dht_time
 from hivemind.utils.asyncio import achain, anext, as_aiter, azip, cancel_and_wait
 
+from farlink import interrupt
 from farlink.comm.base import Collective, RoundInfo
 from farlink.comm.errors import CommError, RoundTimeout
 from farlink.comm.hivemind_admission import Admission, AdmittingMatchmaking, RunAuthorizer
@@ -93,6 +94,7 @@ from farlink.comm.hivemind_allreduce import (
     shard_fractions,
 )
 from farlink.comm.hivemind_net import dht_options, start_dht, tcp_maddr
+from farlink.comm.swarm_shards import group_bounds
 from farlink.comm.hivemind_wire import (
     STATE_CHUNK_BYTES,
     chunk_digests,
@@ -532,8 +534,13 @@ class HivemindCollective(Collective):
             search = asyncio.run_coroutine_threadsafe(self._find_group(now), self._loop)
         wait = self._deadline - get_dht_time() + 30
         may_skip = self.skip_after is not None and not final
-        try:
-            group_info = search.result(timeout=self.skip_after if may_skip else wait)
+        try:  # polls the stop flag: a volunteer waiting for peers leaves on Ctrl-C / SIGTERM
+            group_info = interrupt.wait_future(search, self.skip_after if may_skip else wait,
+                                               self._awaited_group, log)
+        except KeyboardInterrupt:
+            log.warning("interrupted while waiting for %s; leaving", self._awaited_group())
+            self._call(self._cancel_search(search), timeout=self.request_timeout + 10)
+            raise
         except TimeoutError:
             if not may_skip:
                 search.cancel()
@@ -543,6 +550,12 @@ class HivemindCollective(Collective):
                 return None  # no group within the window: this round is skipped
             group_info = search.result()  # formed while it was being cancelled: take part
         return self._make_group(group_info)
+
+    def _awaited_group(self) -> str:
+        """What ``find_group`` waits for, for its log lines."""
+        swarm = "" if self.swarm_size is None else f", {self.swarm_size()} live in the swarm"
+        return (f"a group of >= {self._matchmaking.min_group_size} peers for run "
+                f"{self.run_id!r} (round {self.round_id}{swarm})")
 
     def enter_group(self, group: _Group) -> RoundInfo:
         """Make ``group`` this round's: prove membership to its members (with --auth), bring
@@ -632,8 +645,10 @@ class HivemindCollective(Collective):
         and a group as large as ``final_group_size`` (the swarm): every live peer ends on one
         model whatever the usual group size."""
         size = self.final_group_size if final else self.target_group_size
-        if self.swarm_size is not None and size is not None:
-            size = max(self.min_group_size, min(size, self.swarm_size()))
+        least = self.min_group_size
+        if self.swarm_size is not None:  # a volunteer swarm: its groups follow its live size
+            least, size = group_bounds(least, size, self.swarm_size())
+        self._matchmaking.min_group_size = least
         keys = self._matchmaking.group_key_manager
         keys.group_bits = "1" if final else ""
         # the key manager draws each member a bucket among target_group_size once a group forms

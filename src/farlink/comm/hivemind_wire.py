@@ -31,9 +31,41 @@ async def send_message(writer: asyncio.StreamWriter, header: dict, bodies: list[
     return sent
 
 
-async def recv_message(reader: asyncio.StreamReader) -> tuple[dict, list[bytes]]:
-    header = msgpack.unpackb(await P2P.receive_raw_data(reader))
-    bodies = [await P2P.receive_raw_data(reader) for _ in range(int(header.get("n", 0)))]
+#: a message header is a small msgpack map (round, rank, digests, a slice's place)
+MAX_HEADER_BYTES = 64 << 10
+#: bodies of one message: a payload's slices or one state chunk (a handful)
+MAX_BODIES = 64
+#: the largest body a member may send when its handler names no tighter limit
+MAX_BODY_BYTES = 1 << 30
+
+
+class FrameRefused(ValueError):
+    """A frame or message larger than the receiver allows: refused before it is read."""
+
+
+async def recv_frame(reader: asyncio.StreamReader, limit: int) -> bytes:
+    """One length-prefixed frame, refused unread when its prefix announces more than ``limit``
+    bytes: ``P2P.receive_raw_data`` would buffer whatever length a peer announces, so a peer
+    (a stranger, before any membership check) could grow this process by gigabytes."""
+    prefix = await reader.readexactly(P2P.HEADER_LEN)
+    size = int.from_bytes(prefix, P2P.BYTEORDER)
+    if size > limit:
+        raise FrameRefused(f"a frame of {size} bytes (this stream takes at most {limit})")
+    return await reader.readexactly(size)
+
+
+async def recv_message(reader: asyncio.StreamReader, max_body: int = MAX_BODY_BYTES,
+                       max_bodies: int = MAX_BODIES, max_header: int = MAX_HEADER_BYTES
+                       ) -> tuple[dict, list[bytes]]:
+    """A header map and its bodies, each frame bounded before it is read (see
+    :func:`recv_frame`), and at most ``max_bodies`` bodies; :class:`FrameRefused` otherwise."""
+    header = msgpack.unpackb(await recv_frame(reader, max_header))
+    if not isinstance(header, dict):
+        raise FrameRefused("a message header that is not a map")
+    n = header.get("n", 0)
+    if not isinstance(n, int) or not 0 <= n <= max_bodies:
+        raise FrameRefused(f"a message of {n!r} bodies (this stream takes at most {max_bodies})")
+    bodies = [await recv_frame(reader, max_body) for _ in range(n)]
     return header, bodies
 
 

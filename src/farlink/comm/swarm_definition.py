@@ -43,6 +43,7 @@ log = logging.getLogger(__name__)
 PROTOCOL = "farlink_swarm"  # the bootstrap peer's handler names: PROTOCOL.admit, .definition
 DEFINITION_HANDLER = f"{PROTOCOL}.definition"
 FORMAT = 1
+REQUEST_BYTES = 4096  # a definition request is one small map
 
 # RunConfig fields that name things on the machine that started the run: a volunteer has its own
 MACHINE_FIELDS = frozenset({"run_dir", "cache_dir", "key_file", "allowed_keys", "initial_peers",
@@ -133,10 +134,13 @@ class DefinitionServer:
 
     async def _handle(self, info: Any, reader: asyncio.StreamReader,
                       writer: asyncio.StreamWriter) -> None:
-        from farlink.comm.hivemind_wire import recv_message, send_message
+        from farlink.comm.hivemind_wire import FrameRefused, recv_message, send_message
 
         try:
-            await asyncio.wait_for(recv_message(reader), 30.0)
+            # a request is a few KB at most, read before membership is known: a longer one
+            # is refused unread, so nobody's request can grow this peer's memory
+            await asyncio.wait_for(recv_message(reader, max_body=0, max_bodies=0,
+                                                max_header=REQUEST_BYTES), 30.0)
             if self.admission is not None and not self.admission.admitted(
                     info.peer_id, "definition request"):
                 self.refused += 1
@@ -147,6 +151,10 @@ class DefinitionServer:
             await send_message(writer, {"sha256": self.digest, "seen_from": str(info.addr)},
                                [self.blob])
             self.served += 1
+        except FrameRefused as exc:
+            self.refused += 1
+            log.warning("refused a definition request from %s: %s; its stream is closed",
+                        info.peer_id, exc)
         except Exception as exc:  # noqa: BLE001 - one broken stream from one peer
             log.info("definition request from %s failed: %r", info.peer_id, exc)
         finally:

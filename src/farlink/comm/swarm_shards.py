@@ -4,8 +4,10 @@ The run's train tokens are cut into ``workers`` contiguous shards, as for ``farl
 (:func:`farlink.data.sampler.shard_bounds`); ``workers`` is the room the run has for volunteers.
 A volunteer has no index, so it derives one from who it is and when it comes:
 
-1. **Join round.** Every live claim carries the committed round of its holder; the largest is
-   the round the newcomer joins (0 in a new swarm).
+1. **Join round.** Every live claim carries the committed round of its holder; their lower
+   median is the round the newcomer joins (0 in a new swarm), so one claim cannot move it.
+   A claim is its writer's word, so a claim outside the run's shards, with a lease longer than
+   :data:`CLAIM_TTL`, dated in the future or malformed is ignored (:func:`claim_problem`).
 2. **Preference order.** The shard its own run dir trained before (a restart), then every shard
    starting at ``SHA-256(peer id | join round) mod workers`` and going round. The peer id is the
    volunteer's libp2p identity, kept in its run dir, so a restart is the same volunteer.
@@ -62,6 +64,52 @@ def preference(peer_id: str, join_round: int, num_shards: int,
     return order
 
 
+def group_bounds(least: int, size: int | None, live: int) -> tuple[int, int | None]:
+    """The smallest and the full group of a round in a swarm of ``live`` volunteers, for a run
+    that asks for groups of ``least`` to ``size`` peers. A swarm's ``--workers`` is its room,
+    not its size: with fewer live volunteers than ``least`` a group of all of them is the most
+    there can be, so the first volunteers train (one alone, two together) instead of waiting
+    for peers that do not exist, and the groups grow as others claim shards."""
+    live = max(1, int(live))
+    least = min(least, live)
+    if size is not None:
+        size = max(least, min(size, live))
+    return least, size
+
+
+CLOCK_SLACK = 10.0  # how far peers' DHT clocks may differ
+
+
+def claim_problem(entry: Any, expiration: float, now: float, num_shards: int,
+                  ttl: float = CLAIM_TTL) -> str | None:
+    """Why a claim read from the DHT cannot be honest, or None. A claim is what its writer
+    says about itself, so everything in it is bounded: a shard of this run, a lease no longer
+    than :data:`CLAIM_TTL` (a year-long claim would hold a shard for a peer long gone), a
+    ``since`` not in the future, a round that is a count."""
+    try:
+        shard, since, round_id = entry
+        shard, since, round_id = int(shard), float(since), int(round_id)
+    except (TypeError, ValueError, OverflowError):
+        return "a malformed claim"
+    if not 0 <= shard < num_shards:
+        return f"shard {shard}, which this run of {num_shards} shards does not have"
+    if expiration > now + ttl + CLOCK_SLACK:
+        return (f"a lease of {expiration - now:.0f} s, beyond the {ttl:.0f} s a claim lasts "
+                "unless renewed")
+    if not since <= now + CLOCK_SLACK:
+        return f"a claim dated {since - now:.0f} s in the future"
+    if round_id < 0:
+        return f"round {round_id}"
+    return None
+
+
+def join_round(rounds: list[int]) -> int:
+    """The round a newcomer joins at: the lower median of the live claims' rounds, so one
+    volunteer announcing round 1e9 moves it no more than one announcing its true round."""
+    ordered = sorted(rounds)
+    return ordered[(len(ordered) - 1) // 2] if ordered else 0
+
+
 def owners(claims: dict[str, tuple[int, float, int]]) -> dict[int, str]:
     """shard -> the peer holding it: the oldest claim wins, ties go to the smaller peer id."""
     best: dict[int, tuple[float, str]] = {}
@@ -94,19 +142,27 @@ class ShardClaim:
         self._stop = threading.Event()
         self._wake = threading.Event()  # store now: a new position, or leaving
         self._thread: threading.Thread | None = None
+        self._ignored: set = set()  # (peer, why) already logged
 
     def claims(self) -> dict[str, tuple[int, float, int]]:
         """Live claims: peer id -> (shard, since, committed round)."""
+        from hivemind.utils import get_dht_time
+
         found = self.dht.get(self.key, latest=True)
         out: dict[str, tuple[int, float, int]] = {}
         if found is None or not isinstance(found.value, dict):
             return out
+        now = get_dht_time()
         for peer, entry in found.value.items():
-            try:
-                shard, since, round_id = entry.value
-                out[str(peer)] = (int(shard), float(since), int(round_id))
-            except (TypeError, ValueError):
-                log.info("malformed shard claim from %s ignored", peer)
+            problem = claim_problem(entry.value, entry.expiration_time, now, self.num_shards,
+                                    self.ttl)
+            if problem is not None:
+                if (peer, problem) not in self._ignored:
+                    self._ignored.add((peer, problem))
+                    log.warning("shard claim of %s ignored: %s", peer, problem)
+                continue
+            shard, since, round_id = entry.value
+            out[str(peer)] = (int(shard), float(since), int(round_id))
         return out
 
     def _store(self) -> None:
@@ -122,7 +178,7 @@ class ShardClaim:
 
         claims = self.claims()
         mine = claims.get(self.peer_id)
-        self.join_round = max((c[2] for c in claims.values()), default=0)
+        self.join_round = join_round([c[2] for c in claims.values()])
         if mine is not None:  # restarted within the TTL: our claim is still there
             previous, self.since = mine[0], mine[1]
         else:

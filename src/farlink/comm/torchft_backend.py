@@ -38,8 +38,10 @@ rejected by the exchange).
 
 from __future__ import annotations
 
+import concurrent.futures
 import logging
 import socket
+import threading
 import time
 from datetime import timedelta
 
@@ -88,6 +90,38 @@ def _parse_announcement(raw: bytes) -> tuple:
 
 class QuorumUnavailable(RuntimeError):
     """The Lighthouse gave no quorum in time (down, unreachable, or too few peers)."""
+
+
+class DaemonExecutor:
+    """Stands in for the torchft Manager's one-thread executor, which runs each quorum attempt:
+    the same ``submit``, but on a daemon thread. A ``concurrent.futures`` thread is joined at
+    interpreter exit, so a worker leaving on Ctrl-C / SIGTERM while an attempt is blocked in
+    torchft (on a Lighthouse that is gone: up to ``attempt_timeout``, which ``shutdown`` does not
+    cut short) would stay up until the attempt timed out. The abandoned attempt only talks to
+    the Lighthouse and fills memory; checkpoints are written from snapshots taken on the
+    training thread and landed before the collective closes."""
+
+    def __init__(self) -> None:
+        self._thread: threading.Thread | None = None
+
+    def submit(self, fn, /, *args, **kwargs) -> concurrent.futures.Future:
+        future: concurrent.futures.Future = concurrent.futures.Future()
+
+        def run() -> None:
+            if not future.set_running_or_notify_cancel():
+                return
+            try:
+                future.set_result(fn(*args, **kwargs))
+            except BaseException as exc:  # noqa: BLE001 - handed to whoever waits
+                future.set_exception(exc)
+
+        self._thread = threading.Thread(target=run, daemon=True, name="torchft-quorum")
+        self._thread.start()
+        return future
+
+    def shutdown(self, wait: bool = True, **_: object) -> None:
+        if wait and self._thread is not None:
+            self._thread.join()
 
 
 def quorum_attempt_timeout(join_timeout: float) -> float:
@@ -386,15 +420,43 @@ class TorchftCollective(Collective):
         made (an attempt sent while it was down may hang on past the deadline). torchft keeps the failed quorum future and re-raises it on every
         later call, so it is dropped before retrying; the Manager's own client reconnects.
         """
+        from farlink import interrupt
+
+        if not isinstance(self.manager._executor, DaemonExecutor):  # before its first attempt
+            self.manager._executor = DaemonExecutor()
         deadline = None
         delay = 0.5
         last_chance = False
+        waiting_for = lambda: (  # noqa: E731 - what the log lines and the interruption name
+            f"a quorum of >= {self.min_replicas} replicas from the Lighthouse at "
+            f"{self.lighthouse_addr}")
         while True:
+            # torchft blocks in ``start_quorum`` until the attempt ends (up to attempt_timeout)
+            # and a stop request only sets a flag, so the attempt runs in a daemon thread and
+            # this one waits in slices, leaving on Ctrl-C / SIGTERM and saying what it waits for
+            attempt: concurrent.futures.Future = concurrent.futures.Future()
+            device = (torch.accelerator.current_device_index()
+                      if torch.accelerator.is_available() else -1)
+
+            def run(attempt=attempt) -> None:
+                try:
+                    if device >= 0:  # torchft takes its device from the calling thread
+                        torch.accelerator.set_device_index(device)
+                    self.manager.start_quorum(
+                        allow_heal=True, timeout=timedelta(seconds=self.attempt_timeout)
+                    )
+                    attempt.set_result(None)
+                except BaseException as exc:  # noqa: BLE001 - handed to the waiting thread
+                    attempt.set_exception(exc)
+
+            threading.Thread(target=run, daemon=True, name="farlink-quorum").start()
             try:
-                self.manager.start_quorum(
-                    allow_heal=True, timeout=timedelta(seconds=self.attempt_timeout)
-                )
+                interrupt.wait_future(attempt, float("inf"), waiting_for, log,
+                                      every=interrupt.WAIT_LOG_EVERY)
                 return
+            except KeyboardInterrupt:
+                log.warning("interrupted while waiting for %s; leaving", waiting_for())
+                raise
             except Exception as exc:
                 self.manager._quorum_future = None
                 if self._tunnel is not None and isinstance(self._tunnel.failure, GateRefused):
@@ -408,8 +470,11 @@ class TorchftCollective(Collective):
                         raise QuorumUnavailable(self._no_quorum_message(exc)) from exc
                     last_chance = True
                     continue
-                log.warning("quorum failed (%s); retrying in %.1fs", exc, delay)
-                time.sleep(min(delay, deadline - now))
+                log.warning("quorum failed (%s); retrying in %.1fs, waiting for %s", exc, delay,
+                            waiting_for())
+                if interrupt.STOP.wait(min(delay, deadline - now)):
+                    log.warning("interrupted while waiting for %s; leaving", waiting_for())
+                    raise KeyboardInterrupt(f"interrupted while waiting for {waiting_for()}")
                 delay = min(delay * 2, 5.0)
 
     def _no_quorum_message(self, exc: Exception) -> str:

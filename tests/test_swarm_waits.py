@@ -1,0 +1,90 @@
+"""Waits that a person can end: a peer waiting for a group that never forms leaves within a
+second or so of Ctrl-C or SIGTERM, says it was interrupted and what it waited for, and says
+what it waits for while the wait lasts."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+from farlink import interrupt
+
+# a lone peer of a run whose rounds need two: it waits up to round_timeout (10 min) for a group
+LONELY_PEER = """
+import sys
+from farlink import interrupt
+from farlink.comm.hivemind_backend import HivemindCollective
+
+interrupt.install(raise_now=False)  # as a training worker: the handler only sets the flag
+coll = HivemindCollective("lonely", [], min_group_size=2, matchmaking_time=1.0,
+                          request_timeout=0.5, round_timeout=600.0)
+print("waiting", flush=True)
+try:
+    coll.begin_round()
+    print("formed a group", flush=True)
+except KeyboardInterrupt as exc:
+    print(f"stopped: {exc}", flush=True)
+    sys.exit(130)
+finally:
+    coll.close()
+"""
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+def test_a_peer_waiting_for_a_group_leaves_promptly_on_a_stop_request(sig) -> None:
+    proc = subprocess.Popen([sys.executable, "-c", LONELY_PEER], stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    try:
+        for line in proc.stdout:  # hivemind logs on the same stream
+            if line.strip() == "waiting":
+                break
+        time.sleep(3.0)  # well inside its first matchmaking
+        sent = time.monotonic()
+        proc.send_signal(sig)
+        out, _ = proc.communicate(timeout=30)
+        took = time.monotonic() - sent
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert "stopped: interrupted while waiting for a group of >= 2 peers for run 'lonely'" \
+        in out, out
+    assert proc.returncode == 130, out
+    assert took < 10.0, f"took {took:.1f} s to leave after {sig.name}"
+
+
+def test_wait_future_ends_on_the_stop_flag_and_says_what_it_waits_for(caplog) -> None:
+    future: concurrent.futures.Future = concurrent.futures.Future()
+    log = logging.getLogger("test.wait")
+    threading.Timer(1.0, interrupt.STOP.set).start()
+    start = time.monotonic()
+    try:
+        with caplog.at_level(logging.WARNING, "test.wait"), \
+                pytest.raises(KeyboardInterrupt, match="interrupted while waiting for a thing"):
+            interrupt.wait_future(future, 60.0, lambda: "a thing", log, poll=0.1, every=0.3)
+    finally:
+        interrupt.STOP.clear()
+    assert time.monotonic() - start < 2.0
+    said = [r.getMessage() for r in caplog.records]
+    assert said and all(m.startswith("waiting for a thing (") for m in said), said
+    # without a stop request: the result, or TimeoutError naming what was awaited
+    future.set_result(7)
+    assert interrupt.wait_future(future, 1.0, lambda: "x", log) == 7
+    with pytest.raises(TimeoutError, match="no a thing within 0 s"):
+        interrupt.wait_future(concurrent.futures.Future(), 0.3, lambda: "a thing", log, poll=0.1)
+    # a future that fails with a TimeoutError of its own (torchft's quorum attempt) is that
+    # failure at once, not a slice to wait again until the whole timeout has passed
+    failed: concurrent.futures.Future = concurrent.futures.Future()
+    failed.set_exception(TimeoutError("attempt expired"))
+    start = time.monotonic()
+    with pytest.raises(TimeoutError, match="attempt expired"):
+        interrupt.wait_future(failed, 5.0, lambda: "x", log, poll=0.1)
+    assert time.monotonic() - start < 1.0
