@@ -26,8 +26,18 @@ def test_the_group_round_is_the_most_announced_not_the_highest() -> None:
     assert group_round([7, 7, 7, 10000]) == 7
     assert group_round([7, 8]) == 8  # a tie: the higher (a member left out of a round is 1 behind)
     assert group_round([3, 3, 9, 9, 9]) == 9
-    assert group_round([0, 0, 5]) == 5  # newcomers hold nothing anyone adopts
     assert group_round([0, 0]) == 0
+
+
+def test_founders_at_round_0_outvote_a_far_claim_and_newcomers_do_not_count() -> None:
+    founders = ["a" * 16, "a" * 16]  # the run's initial state, announced
+    # the start of a run: two founders and a member claiming round 10000
+    assert group_round([0, 0, 10000], [*founders, "f" * 16]) == 0
+    # newcomers in their join round announce no fingerprint: they never roll a veteran back
+    assert group_round([0, 0, 5], [None, None, "b" * 16]) == 5
+    assert plan_heal([0, 0, 5], [None, None, "b" * 16], servers=[0, 1, 2]).behind == [0, 1]
+    # a lone founder and a far claim tie: the higher wins (nothing tells them apart)
+    assert group_round([0, 10000], ["a" * 16, "f" * 16]) == 10000
 
 
 def test_a_member_ahead_of_the_group_heals_to_it_and_is_no_source() -> None:

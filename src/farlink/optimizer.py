@@ -361,7 +361,11 @@ class Optimizer:
         live peers (waiting for the members' next round, however long theirs are)."""
         usual = self.collective.quorum_timeout
         self.collective.quorum_timeout = max(usual, JOIN_QUORUM_TIMEOUT)
-        outcome = self.algorithm.join()
+        self.collective.joining = True  # its round 0 holds nothing the group should keep
+        try:
+            outcome = self.algorithm.join()
+        finally:
+            self.collective.joining = False
         if self.whole_replica_site:  # each rank healed its own slice
             self.site.share_parts(self.trainable)
         if outcome is not None and outcome.committed:

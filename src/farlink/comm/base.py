@@ -99,6 +99,11 @@ class Collective(ABC):
     #: different groups then hold different states at one round number, and an algorithm that
     #: runs in such groups averages its committed state within each group
     partial_groups: bool = False
+    #: set by the training side for a newcomer's first round (``Optimizer.join``): it holds no
+    #: state of the run's worth keeping, so it announces no fingerprint and its round 0 does not
+    #: count toward the group's round (:func:`farlink.robust.heal.group_round`); the founders of a
+    #: run at round 0 do count, so a member claiming a far round cannot outvote them
+    joining: bool = False
 
     def __init__(self) -> None:
         self.stats = CommStats()

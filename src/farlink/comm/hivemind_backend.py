@@ -619,7 +619,7 @@ class HivemindCollective(Collective):
                 weight=1.0,
                 data_for_gather=msgpack.packb(
                     [self.round_id, int(self.client_mode), self.bandwidth, self.site_endpoints,
-                     self._fingerprint[1] if self._fingerprint
+                     self._fingerprint[1] if self._fingerprint and not self.joining
                      and self._fingerprint[0] == self.round_id else None]),
             )
             step.attach(MPFuture(), MPFuture())  # hivemind's averager does this; no trigger here
@@ -701,6 +701,7 @@ class HivemindCollective(Collective):
                 malformed[str(peer)] = str(exc)
                 announced.append(None)
         held = [-1 if a is None else a.round_id for a in announced]
+        fingerprints = [None if a is None else a.fingerprint for a in announced]
         group = _Group(
             group_id=bytes(info.group_id),
             peers=peers,
@@ -708,9 +709,9 @@ class HivemindCollective(Collective):
             bandwidth=[1.0 if a is None else a.bandwidth for a in announced],
             committed=held,
             me=peers.index(self.peer_id),
-            round_id=plan_heal(held, [None] * len(held), []).round_id,
+            round_id=plan_heal(held, fingerprints, []).round_id,
             endpoints=[[] if a is None else a.endpoints for a in announced],
-            fingerprints=[None if a is None else a.fingerprint for a in announced],
+            fingerprints=fingerprints,
         )
         excluded = [str(p) for p in peers if p != self.peer_id and self.strikes.excluded(str(p))]
         if malformed:

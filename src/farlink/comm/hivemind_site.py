@@ -90,6 +90,14 @@ class HivemindSiteCollective(Collective):
         self.peer.quorum_timeout = seconds
 
     @property
+    def joining(self) -> bool:  # type: ignore[override]
+        return self.peer.joining
+
+    @joining.setter
+    def joining(self, joining: bool) -> None:
+        self.peer.joining = joining
+
+    @property
     def final_round(self) -> bool:  # type: ignore[override]
         return self.peer.final_round
 

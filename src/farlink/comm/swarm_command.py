@@ -309,7 +309,11 @@ def register(app: typer.Typer, bench_app: typer.Typer) -> None:
                    f"{'resuming its checkpoints' if resume else 'new'}; run dir {run_dir}; "
                    "Ctrl-C leaves (committed rounds are kept)")
         try:
-            code = run_worker(cfg, shard, cfg.initial_peers, joining=True, collective=collective,
+            # a founder of a swarm still at round 0 holds the run's initial state like the
+            # other founders, and counts as such (farlink.robust.heal.group_round); a volunteer
+            # joining a swarm that has made progress first heals, holding nothing to keep
+            code = run_worker(cfg, shard, cfg.initial_peers,
+                              joining=resume or claim.join_round > 0, collective=collective,
                               shard_claim=claim)
         finally:
             claim.release()

@@ -284,7 +284,8 @@ class TorchftCollective(Collective):
         fetched = None
         if stash is not None and _is_tensor_state(stash):
             fetched = [target, state_fingerprint(stash)]
-        mine = [step, self._fingerprint[1] if self._fingerprint else None, self.replica_id,
+        mine = [step, self._fingerprint[1] if self._fingerprint and not self.joining else None,
+                self.replica_id,
                 self._transport.metadata(), fetched]
         gathered = self._gather_quiet(msgpack.packb(mine))
         announced = [_parse_announcement(raw) for raw in gathered]
@@ -387,7 +388,8 @@ class TorchftCollective(Collective):
         from the participants holding it; fail the round if that leaves this replica off the
         group's round (behind it, or ahead of it)."""
         self.manager.load_state_dict({"step": step, "batches_committed": batches})
-        group_round = plan_heal([a[0] for a in announced], [None] * len(announced), []).round_id
+        group_round = plan_heal([a[0] for a in announced], [a[1] for a in announced],
+                                []).round_id
         claimed = claimed or [a[2] for a in announced if a[0] == target]
         self.last_refusal = (
             f"refused the state torchft fetched from the replica(s) announcing step {target} "

@@ -107,6 +107,14 @@ class ShapedCollective(Collective):
     def quorum_timeout(self, seconds: float) -> None:
         self.inner.quorum_timeout = seconds
 
+    @property
+    def joining(self) -> bool:  # type: ignore[override]
+        return self.inner.joining
+
+    @joining.setter
+    def joining(self, joining: bool) -> None:
+        self.inner.joining = joining
+
     def load_committed_step(self, step: int) -> None:
         self.inner.load_committed_step(step)
 

@@ -55,9 +55,15 @@ def first_non_finite(state: Mapping[str, torch.Tensor]) -> str | None:
     return None
 
 
-def group_round(rounds: Sequence[int]) -> int:
-    """The round most members announced (ties: the higher); round 0 only when nobody is past it."""
-    held = [r for r in rounds if r > 0]
+def group_round(rounds: Sequence[int], fingerprints: Sequence[str | None] | None = None) -> int:
+    """The round most members announced (ties: the higher). Round 0 counts for the members that
+    announced a fingerprint (the founders of a run, holding its initial state), not for a
+    newcomer in its join round, which announces none: it has nothing to keep. So a member
+    claiming a far round is outvoted by the founders it starts with, and a veteran is not rolled
+    back by newcomers that outnumber it. Without fingerprints every round 0 counts as held."""
+    if fingerprints is None:
+        fingerprints = [""] * len(rounds)
+    held = [r for r, f in zip(rounds, fingerprints) if r > 0 or (r == 0 and f is not None)]
     if not held:
         return 0
     counts = Counter(held)
@@ -78,7 +84,7 @@ def plan_heal(rounds: Sequence[int], fingerprints: Sequence[str | None],
               servers: Sequence[int]) -> HealPlan:
     """The group's round, who heals, and from whom (see the module docstring). ``servers``: the
     members that accept connections (only they can serve state)."""
-    round_id = group_round(rounds)
+    round_id = group_round(rounds, fingerprints)
     behind = [r for r, held in enumerate(rounds) if held != round_id]
     holders = [r for r in servers if rounds[r] == round_id]
     shared = Counter(fingerprints[r] for r in range(len(rounds)) if rounds[r] == round_id)
