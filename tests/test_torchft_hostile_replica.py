@@ -151,3 +151,39 @@ def test_a_newcomer_heals_from_the_honest_majority_while_a_replica_reports_step_
         if gate is not None:
             gate.close()
         lighthouse.shutdown()
+
+
+class _RunsCode:
+    """What a hostile replica can pickle into its healing state: unpickling it runs a call."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def __reduce__(self):  # noqa: ANN204 - pickle's protocol
+        return (open, (self.path, "w"))
+
+
+def test_a_served_checkpoint_that_would_run_code_is_refused(tmp_path) -> None:  # noqa: ANN001
+    """torchft unpickles a fetched checkpoint with weights_only=False: a replica serving an
+    object whose unpickling calls a function ran that call on every peer healing from it."""
+    from datetime import timedelta
+
+    from farlink.comm.torchft_listeners import HostHTTPTransport
+
+    marker = tmp_path / "ran"
+    timeout = timedelta(seconds=10)
+    source, receiver = HostHTTPTransport("127.0.0.1", timeout), HostHTTPTransport("127.0.0.1",
+                                                                                    timeout)
+    try:
+        source.send_checkpoint([1], 3, {"user": {"w": torch.ones(2)}, "evil": _RunsCode(
+            str(marker))}, timeout)
+        with pytest.raises(Exception, match="(?i)not an allowed global|weights.only"):
+            receiver.recv_checkpoint(0, source.metadata(), 3, timeout)
+        assert not marker.exists()  # nothing the source pickled ran here
+        source.send_checkpoint([1], 4, {"user": {"w": torch.ones(2)}, "torchft": {"step": 4}},
+                               timeout)
+        state = receiver.recv_checkpoint(0, source.metadata(), 4, timeout)
+        assert torch.equal(state["user"]["w"], torch.ones(2)) and state["torchft"]["step"] == 4
+    finally:
+        source.shutdown(wait=False)
+        receiver.shutdown(wait=False)

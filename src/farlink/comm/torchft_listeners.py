@@ -128,3 +128,16 @@ class HostHTTPTransport(HTTPTransport):
 
     def address(self) -> str:
         return f"{url_of(self._bind_host, self._server.server_address[1])}/checkpoint/"
+
+    @classmethod
+    def _load_from_address(cls, address: str, timeout: timedelta) -> object:
+        """A peer's checkpoint, unpickled with ``weights_only=True``: tensors, numbers, strings
+        and containers only. torchft loads with ``weights_only=False`` (for lr schedulers'
+        state), which runs whatever code the serving peer pickled; farlink's healing state is
+        tensors and torchft's step counters, so nothing a peer serves ever runs here."""
+        import urllib.request
+
+        from torchft.checkpointing._serialization import _streaming_load
+
+        with urllib.request.urlopen(address, timeout=timeout.total_seconds()) as f:
+            return _streaming_load(f, weights_only=True)
