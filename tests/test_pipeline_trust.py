@@ -99,6 +99,9 @@ def test_stage_peer_refuses_a_wrong_token_and_a_member_that_is_not_the_driver(
                                    auth=stage_auth.driver_auth(stage_auth.new_token()))
         with pytest.raises(StageError, match=f"stage peer {address} refused this driver"):
             outsider.call(address, wire.Message("state"))
+        deadline = time.monotonic() + 5  # the verdict reaches the driver before the peer
+        while not server.refusals and time.monotonic() < deadline:  # records its refusal
+            time.sleep(0.01)
         assert server.refusals and "does not verify" in server.refusals[-1][1]
         # holds the token but proves another id: may compute, not control
         helper = PipelineTrainer([[address], [address]], auth=SharedSecretAuth(
