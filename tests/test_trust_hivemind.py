@@ -166,3 +166,5 @@ def test_a_member_that_sends_different_updates_is_named_and_nothing_commits(grou
         assert result.tensors == {}
         assert ledger.get("bad").rejections == {"equivocation": 1}
         assert "equivocation" in str(group[name].last_failure)
+        # ... and it counts toward excluding it: a member that keeps equivocating is left out
+        assert group[name].strikes.count.get(str(bad.peer_id)) == 1

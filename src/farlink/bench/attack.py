@@ -106,7 +106,9 @@ def run_protocol(out: Path, attacks: list[str], backends: list[str], workers: in
         base = {"workers": workers, "steps": steps, "inner_steps": inner_steps, "codec": "int8",
                 "auth": "secret", "secret": "bench", "aggregator": rule, "backend": backend,
                 "eval_batches": 4, "round_timeout": 20.0, "quorum_timeout": 60.0,
-                "join_timeout": 5.0, "warmup_steps": steps // 4, **settings}
+                "join_timeout": 5.0, "warmup_steps": steps // 4,
+                # the honest members can go on without the hostile one once they exclude it
+                "min_replicas": workers - bad, **settings}
         clean = protocol_row(run_variant(f"{backend}-clean", base, out, reuse=reuse), out,
                              f"{backend}-clean", "none", backend, rule, attackers=[])
         clean["verdict"] = "clean"

@@ -14,6 +14,7 @@ wire for each collective under the algorithm it really runs (ring all-reduce sen
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -144,12 +145,14 @@ class Collective(ABC):
         """True when every participant finished the round's collectives without error."""
 
     @abstractmethod
-    def fail_round(self, error: CommError) -> None:
+    def fail_round(self, error: CommError, blame: Sequence[int] = ()) -> None:
         """Fail the current round for a reason found above the transport (the exchange saw
         members receive different updates): ``commit`` then returns False here. Where commit
         is a group decision (hivemind's vote, in-process) it is False on every participant;
         torchft decides per replica, and there the exchange's check reaches the same verdict
-        on every replica (each compares the same digests), so each fails its own round."""
+        on every replica (each compares the same digests), so each fails its own round.
+        ``blame``: the members (ranks of this round) whose misbehaviour failed it; a backend
+        that excludes peers that keep failing rounds counts it against them."""
 
     @abstractmethod
     def close(self) -> None:

@@ -845,9 +845,14 @@ class HivemindCollective(Collective):
         """Whether this worker has got through the current round so far."""
         return self._current().ok
 
-    def fail_round(self, error: CommError) -> None:
+    def fail_round(self, error: CommError, blame: Sequence[int] = ()) -> None:
         """Fail the current round for a reason found outside this peer (another rank of its
-        site failed): it votes no."""
+        site failed, the exchange caught a member equivocating): it votes no, and the members
+        ``blame`` names get a strike (see :mod:`farlink.robust.strikes`)."""
+        group = self._group
+        if group is not None:
+            self._blamed.update(str(group.peers[r]) for r in blame
+                                if 0 <= r < group.size and r != group.me)
         self._fail(error)
 
     def _fail(self, error: CommError, group: _Group | None = None) -> bool:

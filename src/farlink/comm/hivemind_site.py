@@ -170,9 +170,9 @@ class HivemindSiteCollective(Collective):
     def all_gather_bytes(self, payload: bytes) -> list[bytes]:
         return self.peer.all_gather_bytes(payload)
 
-    def fail_round(self, error: CommError) -> None:
+    def fail_round(self, error: CommError, blame=()) -> None:  # noqa: ANN001 - ranks
         """This rank's part of the round failed: its peer votes no through the site's commit."""
-        self.peer.fail_round(error)
+        self.peer.fail_round(error, blame)
 
     def commit(self) -> bool:
         start = time.perf_counter()

@@ -122,7 +122,7 @@ class InProcessCollective(Collective):
         self._delay(sent, n - 1)
         return list(values)
 
-    def fail_round(self, error: Exception) -> None:
+    def fail_round(self, error: Exception, blame=()) -> None:  # noqa: ANN001 - ranks
         self.failure = error
 
     def commit(self) -> bool:

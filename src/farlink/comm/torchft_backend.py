@@ -557,7 +557,7 @@ class TorchftCollective(Collective):
             return [payload]
         return [bytes(t[:size].numpy().tobytes()) for t, size in zip(gathered, sizes)]
 
-    def fail_round(self, error: Exception) -> None:
+    def fail_round(self, error: Exception, blame=()) -> None:  # noqa: ANN001 - ranks
         """torchft's own way: a reported error makes ``should_commit`` False on every replica."""
         log.warning("%s", error)
         self.manager.report_error(error)

@@ -145,8 +145,8 @@ class ShapedCollective(Collective):
     def commit(self) -> bool:
         return self.inner.commit()
 
-    def fail_round(self, error) -> None:  # noqa: ANN001 - a CommError
-        self.inner.fail_round(error)
+    def fail_round(self, error, blame=()) -> None:  # noqa: ANN001 - a CommError, ranks
+        self.inner.fail_round(error, blame)
 
     def close(self) -> None:
         self.inner.close()

@@ -267,7 +267,7 @@ class Exchange:
         self.collective.fail_round(CommError(
             f"round {round_id} not committed: {', '.join(named)} sent different updates to "
             "different members (equivocation), so replicas would diverge; the round is "
-            "discarded everywhere and retried"))
+            "discarded everywhere and retried"), blame=sorted(differing))
         return True
 
     def _identity(self, raw: bytes, slot: int) -> str:
