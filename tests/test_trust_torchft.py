@@ -1,52 +1,55 @@
-"""``Collective.fail_round`` on torchft (a real Lighthouse, two worker processes): torchft
-decides a commit per replica, and the exchange's equivocation check fails the round on every
-replica (each compares the same digests): the round commits on neither, the next on both."""
+"""``Collective.fail_round`` on torchft (torchft's Lighthouse in-process, replicas as threads over
+real Gloo): torchft decides a commit per replica, and the exchange's equivocation check fails the
+round on every replica (each compares the same digests): the round commits on neither, the next
+on both."""
 
 from __future__ import annotations
 
-import multiprocessing as mp
+import threading
 
 import torch
+from torchft._torchft import LighthouseServer
 
-from farlink.train.lighthouse import Lighthouse
+from farlink.comm.errors import CommError
+from farlink.comm.torchft_backend import TorchftCollective
 
-
-def _peer(index: int, address: str, queue) -> None:  # noqa: ANN001
-    torch.set_num_threads(1)
-    from farlink.comm.errors import CommError
-    from farlink.comm.torchft_backend import TorchftCollective
-
-    coll = TorchftCollective(f"p{index}", address, min_replicas=2, round_timeout=20)
-    coll.register_state(lambda: {"x": torch.zeros(1)}, lambda s: None)
-    out = []
-    try:
-        for r in range(2):
-            info = coll.begin_round()
-            coll.all_gather_bytes(bytes([index]) * 8)
-            if r == 0:
-                coll.fail_round(CommError("member 0 sent different updates to different members"))
-            out.append((info.round_id, coll.commit()))
-        queue.put((index, out))
-    finally:
-        coll.close()
+torch.set_num_threads(1)
 
 
 def test_a_round_the_torchft_replicas_fail_commits_on_neither() -> None:
-    lighthouse = Lighthouse(min_replicas=2, join_timeout=10).start()
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    procs = [ctx.Process(target=_peer, args=(i, lighthouse.address, queue)) for i in range(2)]
+    lighthouse = LighthouseServer(bind="127.0.0.1:0", min_replicas=2, join_timeout_ms=10_000)
+    results: dict[int, list] = {}
+    errors: list[BaseException] = []
+
+    def peer(index: int) -> None:
+        coll = TorchftCollective(f"p{index}", lighthouse.address(), min_replicas=2,
+                                 round_timeout=20)
+        coll.register_state(lambda: {"x": torch.zeros(1)}, lambda s: None)
+        try:
+            out = []
+            for r in range(2):
+                info = coll.begin_round()
+                coll.all_gather_bytes(bytes([index]) * 8)
+                if r == 0:
+                    coll.fail_round(CommError("member 0 sent different updates to different "
+                                              "members"), blame=[0])
+                out.append((info.round_id, coll.commit()))
+            results[index] = out
+        except BaseException as exc:  # noqa: BLE001 - re-raised in the test's thread
+            errors.append(exc)
+        finally:
+            coll.close()
+
+    threads = [threading.Thread(target=peer, args=(i,)) for i in range(2)]
     try:
-        for p in procs:
-            p.start()
-        results = dict(queue.get(timeout=120) for _ in procs)
-        for p in procs:
-            p.join(timeout=30)
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
     finally:
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-        lighthouse.stop()
+        lighthouse.shutdown()
+    if errors:
+        raise errors[0]
     for index in range(2):
         (first_round, first_ok), (second_round, second_ok) = results[index]
         assert not first_ok, index  # failed: committed nowhere
