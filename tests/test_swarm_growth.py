@@ -4,6 +4,7 @@ the run is full. Real DHT peers and collectives (in this process), real shard cl
 
 from __future__ import annotations
 
+import itertools
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -32,21 +33,24 @@ def _wait_for(predicate, what: str, timeout: float = 30.0) -> None:
 
 
 @pytest.mark.slow  # six peers' DHTs and daemons, four rounds of matchmaking: about a minute
-def test_first_volunteers_train_whatever_the_shard_count_and_groups_grow() -> None:
+def test_first_volunteers_train_whatever_the_shard_count_and_groups_grow(tmp_path) -> None:
     from farlink.comm.hivemind_backend import HivemindCollective
+    from farlink.comm.hivemind_net import identity_key
     from farlink.comm.swarm_shards import ShardClaim, SwarmFull
 
     peers: list[str] = []
     volunteers: list[tuple[HivemindCollective, ShardClaim]] = []
+    arrivals = itertools.count()
 
     def arrive() -> tuple[HivemindCollective, ShardClaim]:
-        coll = HivemindCollective("growth", peers, min_group_size=SHARDS,
+        identity = str(tmp_path / f"identity{next(arrivals)}.key")  # called from threads
+        coll = HivemindCollective("growth", peers, min_group_size=SHARDS, identity_path=identity,
                                   target_group_size=SHARDS, matchmaking_time=1.5,
                                   request_timeout=0.5, round_timeout=45.0, commit_timeout=15.0)
         state = {"w": torch.zeros(8)}
         coll.register_state(lambda: dict(state), state.update)
         peers[:] = peers or coll.maddrs
-        claim = ShardClaim(coll.dht, "growth_shards", SHARDS, str(coll.peer_id),
+        claim = ShardClaim(coll.dht, "growth_shards", SHARDS, identity_key(identity),
                            progress=lambda: coll.round_id, ttl=9.0, settle=1.0)
         volunteers.append((coll, claim))
         claim.acquire()

@@ -187,19 +187,22 @@ def test_shard_preference_and_ownership() -> None:
     assert owners(claims) == {1: "p2", 0: "p0"}
 
 
-def test_shard_claims_in_a_real_dht_are_distinct_full_and_freed_when_a_volunteer_leaves() -> None:
+def test_shard_claims_in_a_real_dht_are_distinct_full_and_freed_when_a_volunteer_leaves(
+        tmp_path) -> None:
     from concurrent.futures import ThreadPoolExecutor
 
-    from farlink.comm.hivemind_net import dht_options, start_dht, tcp_maddr
+    from farlink.comm.hivemind_net import dht_options, identity_key, start_dht, tcp_maddr
     from farlink.comm.swarm_shards import ShardClaim, SwarmFull
 
-    first = start_dht([], **dht_options([tcp_maddr("127.0.0.1")]))
+    keys = [str(tmp_path / f"identity{i}.key") for i in range(3)]
+    first = start_dht([], **dht_options([tcp_maddr("127.0.0.1")], identity_path=keys[0]))
     dhts = [first]
     try:
         peers = [str(m) for m in first.get_visible_maddrs()]
-        dhts += [start_dht(peers, **dht_options([tcp_maddr("127.0.0.1")])) for _ in range(2)]
-        claims = [ShardClaim(d, "run_shards", 2, str(d.peer_id), ttl=8.0, settle=1.5)
-                  for d in dhts]
+        dhts += [start_dht(peers, **dht_options([tcp_maddr("127.0.0.1")], identity_path=key))
+                 for key in keys[1:]]
+        claims = [ShardClaim(d, "run_shards", 2, identity_key(key), ttl=8.0, settle=1.5)
+                  for d, key in zip(dhts, keys)]
         with ThreadPoolExecutor(2) as pool:  # two volunteers claim at the same moment
             taken = list(pool.map(lambda c: c.acquire(), claims[:2]))
         assert sorted(taken) == [0, 1], taken
@@ -221,14 +224,14 @@ def test_shard_claims_in_a_real_dht_are_distinct_full_and_freed_when_a_volunteer
             dht.shutdown()
 
 
-def test_a_taken_over_shard_continues_at_its_last_holders_committed_position() -> None:
+def test_a_taken_over_shard_continues_at_its_last_holders_committed_position(tmp_path) -> None:
     """Real DHTs: a volunteer trains its shard, commits a round after 7 batches and draws 2
     more, then leaves. The newcomer that claims the freed shard draws the 8th batch next: the
     7 committed batches are not trained again, the 2 uncommitted ones (lost with their holder)
     are."""
     import numpy as np
 
-    from farlink.comm.hivemind_net import dht_options, start_dht, tcp_maddr
+    from farlink.comm.hivemind_net import dht_options, identity_key, start_dht, tcp_maddr
     from farlink.comm.swarm_shards import ShardClaim
     from farlink.data import ShardSampler
 
@@ -237,12 +240,13 @@ def test_a_taken_over_shard_continues_at_its_last_holders_committed_position() -
     def sampler() -> ShardSampler:
         return ShardSampler(tokens, shard=0, num_shards=1, seq_len=16, batch_size=4, seed=3)
 
-    first = start_dht([], **dht_options([tcp_maddr("127.0.0.1")]))
+    keys = [str(tmp_path / f"identity{i}.key") for i in range(2)]
+    first = start_dht([], **dht_options([tcp_maddr("127.0.0.1")], identity_path=keys[0]))
     second = start_dht([str(m) for m in first.get_visible_maddrs()],
-                       **dht_options([tcp_maddr("127.0.0.1")]))
+                       **dht_options([tcp_maddr("127.0.0.1")], identity_path=keys[1]))
     claims: list[ShardClaim] = []
     try:
-        leaving = ShardClaim(first, "run_shards", 1, str(first.peer_id), ttl=6.0, settle=1.0)
+        leaving = ShardClaim(first, "run_shards", 1, identity_key(keys[0]), ttl=6.0, settle=1.0)
         claims.append(leaving)
         assert leaving.acquire() == 0
         assert leaving.committed_position() is None  # a new shard starts at its beginning
@@ -251,7 +255,7 @@ def test_a_taken_over_shard_continues_at_its_last_holders_committed_position() -
         leaving.record(round_id=3, sampler_state=old.state_dict())  # round 3 committed here
         lost = [old.next_batch()[0] for _ in range(2)]  # trained, never committed
         leaving.release()  # leaves; its claim expires, its position stays
-        newcomer = ShardClaim(second, "run_shards", 1, str(second.peer_id), ttl=6.0,
+        newcomer = ShardClaim(second, "run_shards", 1, identity_key(keys[1]), ttl=6.0,
                               settle=1.0)
         claims.append(newcomer)
         deadline = time.monotonic() + 30

@@ -88,13 +88,46 @@ def dht_options(
     public: bool = False,
     identity_path: str | None = None,
 ) -> dict[str, Any]:
+    """hivemind.DHT's options. Every DHT refuses records under an ``[owner:KEY]`` key or subkey
+    that KEY did not sign (hivemind's RSASignatureValidator; a volunteer's shard claim is one):
+    a peer without it would store a forgery that makes every checking reader drop all it
+    answers. With ``identity_path`` (made here if missing) the DHT signs with that libp2p
+    identity, so its ``[owner:...]`` records are tied to its peer id."""
+    from hivemind.dht.crypto import RSASignatureValidator
+
     opts: dict[str, Any] = dict(PUBLIC if public else LOCAL_ONLY)
     opts.update(host_maddrs=list(host_maddrs), client_mode=client_mode)
     if announce_maddrs:
         opts["announce_maddrs"] = list(announce_maddrs)
+    key = None
     if identity_path:
         opts["identity_path"] = identity_path
+        if not os.path.isfile(identity_path):
+            # a new identity is nobody's: skip hivemind's check for a peer already using it
+            opts["check_if_identity_free"] = False
+        key = identity_key(identity_path)
+    opts["record_validators"] = [RSASignatureValidator(key)]
     return opts
+
+
+def identity_key(identity_path: str):
+    """The RSA key of the libp2p identity at ``identity_path`` (a hivemind ``RSAPrivateKey``),
+    made as hivemind makes one when the file is missing: the key signs what this peer stores
+    under its ``[owner:...]`` marker, and its hash is the peer id."""
+    from hivemind.p2p import P2P
+    from hivemind.proto import crypto_pb2
+    from hivemind.utils.crypto import RSAPrivateKey
+
+    if not os.path.isfile(identity_path):
+        P2P.generate_identity(identity_path)
+    with open(identity_path, "rb") as f:
+        proto = crypto_pb2.PrivateKey.FromString(f.read())
+    if proto.key_type != crypto_pb2.RSA:
+        raise DaemonFailed(f"the identity {identity_path} holds no RSA key. Fix: remove it; a "
+                           "new one is made at the next start (this peer gets a new peer id)")
+    key = RSAPrivateKey.__new__(RSAPrivateKey)  # hivemind has no loader: restore as unpickling
+    key.__setstate__({"_private_key": proto.data})
+    return key
 
 
 def _tied_dht_class():

@@ -209,7 +209,8 @@ def register(app: typer.Typer, bench_app: typer.Typer) -> None:
         from farlink.comm.swarm_definition import (
             DefinitionError, data_fingerprint, digest_of, fetch_definition, parse_definition,
             run_id_of, write_definition_files)
-        from farlink.comm.hivemind_net import nat_in_between, reachability, tcp_maddr
+        from farlink.comm.hivemind_net import (identity_key, nat_in_between, reachability,
+                                               tcp_maddr)
         from farlink.comm.swarm_shards import ShardClaim, SwarmFull
         from farlink.config import ConfigError, load_config
         from farlink.data import CorpusError, prepare_data
@@ -291,7 +292,8 @@ def register(app: typer.Typer, bench_app: typer.Typer) -> None:
         previous = json.loads(state_path.read_text()).get("shard") if state_path.is_file() \
             else None
         claim = ShardClaim(collective.dht, f"{collective.prefix}_shards", cfg.workers,
-                           str(collective.peer_id), progress=lambda: collective.round_id)
+                           identity_key(str(run_dir / "identity.key")),
+                           progress=lambda: collective.round_id)
         try:
             shard = claim.acquire(previous)
         except SwarmFull as exc:

@@ -12,8 +12,11 @@ A volunteer has no index, so it derives one from who it is and when it comes:
    starting at ``SHA-256(peer id | join round) mod workers`` and going round. The peer id is the
    volunteer's libp2p identity, kept in its run dir, so a restart is the same volunteer.
 3. **Claim.** It takes the first shard in that order that no live peer holds, stores
-   ``(shard, since, round)`` under its peer id in the DHT key of the run's claims, waits for the
-   DHT to settle and reads the claims back. A shard held by several claims belongs to the oldest
+   ``(shard, since, round)`` in the DHT key of the run's claims under its peer id and the
+   ``[owner:KEY]`` marker of its identity's RSA key, waits for the DHT to settle and reads the
+   claims back. The DHT peers store a marked record only when KEY signed it, and a reader counts
+   a claim only when KEY hashes to the peer id beside it (:func:`claimant`): nobody writes a
+   claim under an invented peer id or under another volunteer's. A shard held by several claims belongs to the oldest
    claim (earliest ``since``; ties: the smaller peer id); a volunteer that lost moves on. So two
    live volunteers never train the same tokens.
 4. **Keep it.** The claim expires :data:`CLAIM_TTL` seconds after it was last stored and its
@@ -103,6 +106,50 @@ def claim_problem(entry: Any, expiration: float, now: float, num_shards: int,
     return None
 
 
+OWNER = "[owner:"  # hivemind's marker of a record only its key may write (RSASignatureValidator)
+
+
+def peer_id_of(public_key: bytes) -> str:
+    """The libp2p peer id of an RSA public key (OpenSSH form, as in an ``[owner:...]`` marker):
+    the SHA-256 multihash of its protobuf, as hivemind's ``PeerID.from_identity`` derives it."""
+    import multihash
+    from cryptography.hazmat.primitives import serialization
+    from hivemind.p2p import PeerID
+    from hivemind.proto import crypto_pb2
+
+    key = serialization.load_ssh_public_key(public_key)
+    der = key.public_bytes(encoding=serialization.Encoding.DER,
+                           format=serialization.PublicFormat.SubjectPublicKeyInfo)
+    proto = crypto_pb2.PublicKey(key_type=crypto_pb2.RSA, data=der).SerializeToString()
+    digest = multihash.encode(hashlib.sha256(proto).digest(), multihash.coerce_code("sha2-256"))
+    return PeerID(digest).to_base58()
+
+
+def claim_subkey(peer_id: str, owner: bytes) -> str:
+    """The subkey a claim is stored under: its holder's peer id and ``[owner:KEY]`` marker, so
+    every DHT peer refuses to store it unless KEY signed it (see :func:`claimant`)."""
+    return peer_id + owner.decode()
+
+
+def claimant(subkey: Any) -> tuple[str, str | None]:
+    """(the peer a claim's subkey names, why the claim is not that peer's or None). The DHT
+    has checked the ``[owner:KEY]`` signature; what is left is that KEY is the peer's own
+    identity, so nobody writes under an id they do not hold (an invented one, or another's)."""
+    name = subkey.decode(errors="replace") if isinstance(subkey, bytes) else str(subkey)
+    peer, mark, rest = name.partition(OWNER)
+    if not mark:
+        return name, "unsigned (no [owner:KEY] in its subkey): anyone could have written it"
+    if not rest.endswith("]"):
+        return peer, "a malformed [owner:KEY] marker"
+    try:
+        owner = peer_id_of(rest[:-1].encode())
+    except (ValueError, TypeError):
+        return peer, "an [owner:KEY] marker with no RSA public key"
+    if owner != peer:
+        return peer, f"signed by peer {owner}, whose key is not {peer}'s"
+    return peer, None
+
+
 def join_round(rounds: list[int]) -> int:
     """The round a newcomer joins at: the lower median of the live claims' rounds, so one
     volunteer announcing round 1e9 moves it no more than one announcing its true round."""
@@ -122,14 +169,24 @@ def owners(claims: dict[str, tuple[int, float, int]]) -> dict[int, str]:
 class ShardClaim:
     """This volunteer's claim on one shard, kept alive in the DHT until :meth:`release`.
 
-    ``dht``: the volunteer's running ``hivemind.DHT``; ``key``: the run's claims key;
-    ``progress``: this volunteer's committed round (refreshed into its claim).
+    ``dht``: the volunteer's running ``hivemind.DHT``, started with ``dht_options(...,
+    identity_path)``; ``identity``: that identity's key
+    (:func:`~farlink.comm.hivemind_net.identity_key`), which signs the claim; ``key``: the
+    run's claims key; ``progress``: this volunteer's committed round (refreshed into its claim).
     """
 
-    def __init__(self, dht: Any, key: str, num_shards: int, peer_id: str,
+    def __init__(self, dht: Any, key: str, num_shards: int, identity: Any,
                  progress: Callable[[], int] = lambda: 0, ttl: float = CLAIM_TTL,
                  settle: float = SETTLE_S) -> None:
-        self.dht, self.key, self.num_shards, self.peer_id = dht, key, num_shards, peer_id
+        from hivemind.dht.crypto import RSASignatureValidator
+
+        self.owner = RSASignatureValidator(identity).local_public_key
+        self.peer_id = peer_id_of(identity.get_public_key().to_bytes())
+        if self.peer_id != str(dht.peer_id):
+            raise ValueError(f"the claim's key is peer {self.peer_id}'s, but its DHT runs as "
+                             f"{dht.peer_id}: start the DHT with that identity_path")
+        self.subkey = claim_subkey(self.peer_id, self.owner)
+        self.dht, self.key, self.num_shards = dht, key, num_shards
         self.progress, self.ttl, self.settle = progress, ttl, settle
         self.positions_key = key + "_positions"
         self.shard: int | None = None
@@ -153,9 +210,11 @@ class ShardClaim:
         if found is None or not isinstance(found.value, dict):
             return out
         now = get_dht_time()
-        for peer, entry in found.value.items():
-            problem = claim_problem(entry.value, entry.expiration_time, now, self.num_shards,
-                                    self.ttl)
+        for subkey, entry in found.value.items():
+            peer, problem = claimant(subkey)
+            if problem is None:
+                problem = claim_problem(entry.value, entry.expiration_time, now,
+                                        self.num_shards, self.ttl)
             if problem is not None:
                 if (peer, problem) not in self._ignored:
                     self._ignored.add((peer, problem))
@@ -169,7 +228,7 @@ class ShardClaim:
         from hivemind.utils import get_dht_time
 
         value = [self.shard, self.since, int(self.progress())]
-        if not self.dht.store(self.key, value, get_dht_time() + self.ttl, subkey=self.peer_id):
+        if not self.dht.store(self.key, value, get_dht_time() + self.ttl, subkey=self.subkey):
             log.warning("could not store the shard claim in the DHT; retrying")
 
     def acquire(self, previous: int | None = None) -> int:
