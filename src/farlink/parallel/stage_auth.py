@@ -22,7 +22,8 @@ import struct
 
 from farlink.robust.auth import Authenticator, AuthError, SharedSecretAuth
 from farlink.robust.gate import (ADMITTED, CHALLENGE_TAG, MAX_CHALLENGE, MAX_PROOF, MAX_TEXT,
-                                 PROOF_TAG, REFUSED, VERDICT_TAG, ProtocolError, frame, verdict)
+                                 PROOF_TAG, REFUSED, VERDICT_TAG, ProtocolError, frame,
+                                 frame_length, verdict)
 
 TOKEN_ENV = "FARLINK_STAGE_TOKEN"
 DRIVER = "driver"  # the peer id the driver proves with its token
@@ -95,15 +96,7 @@ def _read(sock: socket.socket, n: int) -> bytes:
 
 
 def _read_frame(sock: socket.socket, tag: bytes, limit: int) -> bytes:
-    head = _read(sock, len(tag) + 2)
-    if head[:len(tag)] != tag:
-        raise ProtocolError(f"not a farlink handshake: expected {tag.decode()}, got "
-                            f"{head[:len(tag)]!r}")
-    (n,) = struct.unpack("<H", head[len(tag):])
-    if n > limit:
-        raise ProtocolError(f"{tag.decode()} frame announces {n} bytes, over the {limit}-byte "
-                            "limit")
-    return _read(sock, n)
+    return _read(sock, frame_length(_read(sock, len(tag) + 2), tag, limit))
 
 
 def admit(sock: socket.socket, auth: Authenticator,

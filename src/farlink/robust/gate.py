@@ -83,6 +83,12 @@ async def read_frame(reader: asyncio.StreamReader, tag: bytes, limit: int,
                      read_tag: bytes | None = None) -> bytes:
     """One frame; ``read_tag``: its tag was already read (by a caller that tells frames apart)."""
     head = (read_tag or b"") + await reader.readexactly(len(tag) + 2 - len(read_tag or b""))
+    return await reader.readexactly(frame_length(head, tag, limit))
+
+
+def frame_length(head: bytes, tag: bytes, limit: int) -> int:
+    """The body length a frame's head (tag + 2-byte length) announces; ProtocolError for a head
+    of another protocol or a body over ``limit``, before any of the body is read."""
     if head[: len(tag)] != tag:
         raise ProtocolError(f"not a farlink handshake: expected {tag.decode()}, got "
                             f"{head[: len(tag)]!r}")
@@ -90,7 +96,7 @@ async def read_frame(reader: asyncio.StreamReader, tag: bytes, limit: int,
     if n > limit:
         raise ProtocolError(f"{tag.decode()} frame announces {n} bytes, over the {limit}-byte "
                             "limit")
-    return await reader.readexactly(n)
+    return n
 
 
 def verdict(code: int, text: str) -> bytes:
