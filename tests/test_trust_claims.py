@@ -183,3 +183,22 @@ def test_a_failed_round_commits_on_no_in_process_member() -> None:
         return first, collective.commit(), collective.committed_rounds
 
     assert InProcessGroup(3).run(member) == [(False, True, 1)] * 3
+
+
+def test_a_time_budgeted_round_keeps_a_fast_peers_tokens_and_still_bounds_a_liar() -> None:
+    """Peers of different speeds claim different counts in a time-budgeted round (a worker 4x
+    faster than the median processes 4x its tokens): there the relative bound is 8x the median,
+    so honest heterogeneity keeps its weight; with a fixed H it is 1.5x."""
+    from farlink.comm.inprocess import InProcessGroup
+    from farlink.config import RunConfig
+    from farlink.optimizer import build_exchange
+    from farlink.robust.weights import TIMED_CLAIM_FACTOR
+
+    timed = build_exchange(RunConfig(round_seconds=2.0), InProcessGroup(1).member(0), "w0", 0)
+    fixed = build_exchange(RunConfig(), InProcessGroup(1).member(0), "w0", 0)
+    assert (timed.claim_factor, fixed.claim_factor) == (TIMED_CLAIM_FACTOR, CLAIM_FACTOR)
+    speeds = {"w0": 1000.0, "w1": 1000.0, "w2": 2000.0, "w3": 4000.0}  # bench hetero's 1:1:2:4
+    bounded, capped = bound_claims(speeds, timed.max_weight, timed.claim_factor)
+    assert bounded == speeds and not capped
+    bounded, capped = bound_claims({**speeds, "w3": 1e30}, timed.max_weight, timed.claim_factor)
+    assert bounded["w3"] == TIMED_CLAIM_FACTOR * 1000.0 and "w3" in capped

@@ -155,7 +155,8 @@ def build_exchange(cfg: RunConfig, collective: Collective, sender: str, index: i
     ``claims``: how a peer's claimed token count is bounded (:mod:`farlink.robust.weights`).
     ``"run"``: the config says how many tokens a round holds (its batch, sequence length,
     grad_accum and inner steps, as ``farlink train`` runs them), and no claim counts for more
-    than 1.5 x the round's median; ``"relative"``: only the median bound (a model and batches
+    than 1.5 x the round's median (8 x in a time-budgeted round, whose peers differ in speed);
+    ``"relative"``: only the median bound (a model and batches
     of the caller's own, whose token counts the config does not know); ``"none"``: neither
     (island leaders, whose islands differ in size). The envelope's float32 bound always holds."""
     from farlink.codecs import make_compressor
@@ -163,7 +164,7 @@ def build_exchange(cfg: RunConfig, collective: Collective, sender: str, index: i
     from farlink.robust.aggregators import make_aggregator
     from farlink.robust.attacks import make_attack
     from farlink.robust.auth import make_authenticator, run_secret
-    from farlink.robust.weights import CLAIM_FACTOR, round_token_bound
+    from farlink.robust.weights import CLAIM_FACTOR, TIMED_CLAIM_FACTOR, round_token_bound
     from farlink.sync.exchange import Exchange
 
     auth = make_authenticator(cfg.auth, secret=run_secret(cfg), key_file=cfg.key_file,
@@ -183,7 +184,8 @@ def build_exchange(cfg: RunConfig, collective: Collective, sender: str, index: i
         max_weight=round_token_bound(cfg.tokens_per_step, cfg.inner_steps,
                                      getattr(cfg, "round_seconds", None))
         if claims == "run" else None,
-        claim_factor=None if claims == "none" else CLAIM_FACTOR,
+        claim_factor=None if claims == "none" else (
+            TIMED_CLAIM_FACTOR if getattr(cfg, "round_seconds", None) else CLAIM_FACTOR),
     )
     if protocol and cfg.is_attacker(index):
         hostile.arm(cfg.attack, collective, exchange, cfg.codec, name=sender)

@@ -14,6 +14,10 @@ bounded twice before it weighs anything:
   ran much more than the median (a fast device in a time-budgeted round, a peer that carried
   tokens over failed rounds): it counts as ``CLAIM_FACTOR`` x the median.
 
+In a time-budgeted round peers of different speeds legitimately claim different counts, so the
+relative bound is ``TIMED_CLAIM_FACTOR`` (8) x the median there: a member's share of a round of
+n is at most ``8 / (n - 1 + 8)``.
+
 Zero claims (a healed or joining peer that only receives) stay zero and do not count towards
 the median. The exchange credits the bounded count in the ledger, and records that it capped.
 """
@@ -21,6 +25,10 @@ the median. The exchange credits the bounded count in the ledger, and records th
 from __future__ import annotations
 
 CLAIM_FACTOR = 1.5
+#: the relative bound of a time-budgeted round (``round_seconds``), where peers of different
+#: speeds legitimately process different token counts in one round (the fast worker of
+#: ``farlink bench hetero``'s 1:1:2:4 processes 4x the median): what one claim may weigh there
+TIMED_CLAIM_FACTOR = 8.0
 #: rounds' worth of tokens one claim may carry: a peer whose last rounds failed carries their
 #: tokens over into the next round's claim
 ROUND_SLACK = 4
