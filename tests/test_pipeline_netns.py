@@ -14,6 +14,7 @@ from farlink.data import prepare_data
 from farlink.emulate.capabilities import detect_capabilities
 from farlink.emulate.pipeline import interface_bytes, start_stage_peers
 from farlink.emulate.topology import Topology
+from farlink.parallel.stage_auth import TOKEN_ENV, driver_token
 from farlink.model import preset_config
 
 CAPS = detect_capabilities()
@@ -35,6 +36,7 @@ def test_two_stages_of_two_peers_train_over_home_links(cache_dir: Path) -> None:
         trainer = topo.spawn(TRAINER, [sys.executable, "-m", "farlink.emulate.pipeline",
                                        "--stages", json.dumps(stages), "--steps", "8",
                                        "--average-every", "4", "--cache-dir", str(cache_dir)],
+                             {TOKEN_ENV: driver_token()},  # it drives the peers started here
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         out, err = trainer.communicate(timeout=600)
         assert trainer.returncode == 0, err[-2000:]

@@ -51,11 +51,13 @@ _process_token: str | None = None
 
 
 def driver_token() -> str:
-    """This process's token, made on first use: the stage peers it starts and the trainers it
-    builds share it by default, so a process driving its own peers needs no setup."""
+    """This process's token: the one its starter handed it in ``FARLINK_STAGE_TOKEN`` (a
+    trainer started beside the stage peers it drives, e.g. in another network namespace), else
+    one made on first use. The stage peers it starts and the trainers it builds share it by
+    default, so a process driving its own peers needs no setup."""
     global _process_token
     if _process_token is None:
-        _process_token = new_token()
+        _process_token = os.environ.get(TOKEN_ENV) or new_token()
     return _process_token
 
 
