@@ -84,7 +84,10 @@ def test_volunteers_behind_nat_train_through_a_reachable_one(tmp_path: Path) -> 
     assert [r["exit_code"] for r in volunteers] == [0, 0, 0], result["rows"]
     assert result["same_state"], result["rows"]
     for row in volunteers:
-        assert row["group_sizes"] and set(row["group_sizes"]) == {3}  # all three every round
+        # the first volunteers train without waiting for the rest (a group follows the live
+        # swarm), and once all three are in, every round has all three: the groups only grow
+        sizes = row["group_sizes"]
+        assert sizes and sizes == sorted(sizes) and sizes[-1] == 3 and sizes.count(3) >= 2, row
         assert row["bytes_sent"] > 0
         natted = row["reachability"] == "client mode behind NAT"
         assert natted == (row["address"] != row["seen_at"])
