@@ -5,7 +5,6 @@ it. The sync layer hints each round from the training time between the last two.
 
 from __future__ import annotations
 
-import threading
 import time
 
 import torch
@@ -17,34 +16,13 @@ from farlink.comm.inprocess import InProcessCollective, InProcessGroup
 from farlink.config import RunConfig
 from farlink.sync import algorithm_class
 from farlink.sync.exchange import Exchange
+from member_threads import in_threads
 
 torch.set_num_threads(1)
 FAST = dict(matchmaking_time=1.5, request_timeout=1.0, allreduce_timeout=8.0, gather_timeout=8.0,
             commit_timeout=6.0, round_timeout=60.0)
 # a dead groupmate is waited for until these run out: short, so the failed round ends soon
 SHORT = {**FAST, "allreduce_timeout": 4.0, "gather_timeout": 4.0, "commit_timeout": 3.0}
-
-
-def in_threads(fn, members: dict[str, HivemindCollective], timeout: float = 90) -> dict:
-    """fn(name, collective) for every member at once; their results by name."""
-    results: dict[str, object] = {}
-    errors: list[BaseException] = []
-
-    def run(name: str, coll: HivemindCollective) -> None:
-        try:
-            results[name] = fn(name, coll)
-        except BaseException as exc:  # noqa: BLE001 - re-raised in the test's thread
-            errors.append(exc)
-
-    threads = [threading.Thread(target=run, args=item) for item in members.items()]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout)
-    if errors:
-        raise errors[0]
-    assert set(results) == set(members), f"members still running after {timeout} s"
-    return results
 
 
 def one_round(name: str, coll: HivemindCollective) -> tuple:

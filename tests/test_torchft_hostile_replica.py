@@ -6,13 +6,13 @@ their own and their step, name the replica, and stay finite and equal."""
 from __future__ import annotations
 
 import math
-import threading
 
 import pytest
 import torch
 from torchft._torchft import LighthouseServer
 
 from farlink.comm.torchft_backend import TorchftCollective
+from member_threads import in_threads
 from farlink.robust.auth import SharedSecretAuth
 from farlink.robust.gate import Gate
 from farlink.robust.heal import state_fingerprint
@@ -49,25 +49,13 @@ def replicas(lighthouse: LighthouseServer, names: dict[str, type], values: dict[
 
 
 def one_round_each(members: dict) -> dict:
-    results, errors = {}, []
+    """One round on every member at once: (its round info, what it gathered, commit)."""
+    def one_round(name: str, coll: TorchftCollective) -> tuple:
+        info = coll.begin_round()
+        gathered = coll.all_gather_bytes(name.encode())
+        return info, gathered, coll.commit()
 
-    def run(name: str, coll: TorchftCollective) -> None:
-        try:
-            info = coll.begin_round()
-            gathered = coll.all_gather_bytes(name.encode())
-            results[name] = (info, gathered, coll.commit())
-        except BaseException as exc:  # noqa: BLE001 - re-raised in the test's thread
-            errors.append(exc)
-
-    threads = [threading.Thread(target=run, args=item) for item in members.items()]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(120)
-    if errors:
-        raise errors[0]
-    assert set(results) == set(members), results
-    return results
+    return in_threads(one_round, members, timeout=120)
 
 
 def test_honest_replicas_refuse_a_replica_reporting_step_10000() -> None:
