@@ -216,12 +216,14 @@ class RunConfig(*algorithm_options()):
 
     @model_validator(mode="after")
     def _check(self) -> RunConfig:
+        """Each value on its own first, then the pairs of features that do not run together
+        (one table, :mod:`farlink.matrix`), then the sizes that must fit each other."""
         if self.algorithm not in ALGORITHMS:
             raise ValueError(
                 f"algorithm {self.algorithm!r} unknown; choose from {', '.join(ALGORITHMS)}"
             )
         algorithm = algorithm_class(self.algorithm)
-        caps = algorithm.capabilities
+        from farlink import matrix
         from farlink.codecs import make_compressor
         from farlink.robust import hostile
         from farlink.robust.aggregators import make_aggregator
@@ -231,25 +233,12 @@ class RunConfig(*algorithm_options()):
         make_aggregator(self.aggregator)
         if hostile.parse(self.attack) is None:  # a protocol attack (a hostile member) or not
             make_attack(self.attack)
-        elif (why := hostile.not_applicable(self.attack, self.backend)) is not None:
-            raise ValueError(f"attack {self.attack!r} does not apply to the {self.backend} "
-                             f"backend: {why}")
         self._check_attackers()
         if 0 < self.screen_ratio <= 1:
             raise ValueError(f"screen_ratio={self.screen_ratio:g} would reject honest updates; "
                              "use a value above 1, or 0 to turn the screen off")
         if self.auth not in ("none", "secret", "ed25519"):
             raise ValueError(f"auth {self.auth!r} unknown; choose none, secret or ed25519")
-        if self.secret and self.secret_file:
-            raise ValueError("give the run secret once: --secret or --secret-file, not both")
-        if self.resume and self.overwrite:
-            raise ValueError("--resume continues the run in run_dir, --overwrite moves it aside "
-                             "to start afresh: give one of them")
-        self._check_rounds(algorithm_class(self.algorithm))
-        if self.min_replicas > self.workers and self.lighthouse is None:
-            raise ValueError(f"min_replicas={self.min_replicas} exceeds workers={self.workers}")
-        if self.warmup_steps >= self.steps and self.steps > 1:
-            raise ValueError(f"warmup_steps={self.warmup_steps} must be below steps={self.steps}")
         if self.emulate_link is not None:
             get_profile(self.emulate_link)  # a LinkError (a ValueError) names the choices
         if self.slowdown:
@@ -259,22 +248,18 @@ class RunConfig(*algorithm_options()):
                 raise ValueError(f"slowdown {self.slowdown!r} is not a comma list of numbers")
             if any(f < 1 for f in factors):
                 raise ValueError("slowdown factors must be >= 1 (1 = full speed)")
-        if self.round_seconds is not None and not caps.time_budget:
-            timed = [n for n in ALGORITHMS if algorithm_class(n).capabilities.time_budget]
-            raise ValueError(f"round_seconds (time-budgeted rounds) applies to "
-                             f"{'/'.join(timed)}, not {self.algorithm}")
-        if self.group_size is not None and not caps.partial_groups:
-            mixing = [n for n in ALGORITHMS if algorithm_class(n).capabilities.partial_groups]
-            raise ValueError(
-                f"group_size (Moshpit groups smaller than the swarm) runs {'/'.join(mixing)}: "
-                f"{self.algorithm}'s groups would commit the same round with different states "
-                "and never join them again. Drop --group-size (every round one group of all)")
-        if self.backend not in caps.backends:
-            raise ValueError(f"{self.algorithm} runs on the {' or '.join(caps.backends)} "
-                             f"backend, not {self.backend}")
-        self._check_network(caps.islands)
-        self._check_sites(caps.sharded)
-        self._check_pipeline(caps.stage_averaging)
+        self._check_network()
+        matrix.check(self)
+        self._check_rounds(algorithm)
+        if self.min_replicas > self.workers and self.lighthouse is None:
+            raise ValueError(f"min_replicas={self.min_replicas} exceeds workers={self.workers}")
+        if self.warmup_steps >= self.steps and self.steps > 1:
+            raise ValueError(f"warmup_steps={self.warmup_steps} must be below steps={self.steps}")
+        if self.ranks_per_worker > 1 and self.batch_size % self.ranks_per_worker:
+            raise ValueError(f"batch_size={self.batch_size} does not split over "
+                             f"ranks_per_worker={self.ranks_per_worker}: give a multiple of "
+                             f"{self.ranks_per_worker}")
+        self._check_pipeline()
         algorithm.check_run(self)
         return self
 
@@ -335,56 +320,16 @@ class RunConfig(*algorithm_options()):
                              f"{self.algorithm} would never sync (0 outer rounds); give "
                              f"--steps of at least --inner-steps, or a smaller --inner-steps")
 
-    def _check_sites(self, sharded: bool) -> None:
-        """Several ranks per worker: an elementwise algorithm on torchft or hivemind, a batch
-        they split, one GPU per rank; islands forced or measured, not from the emulated WAN."""
-        k = self.ranks_per_worker
-        if k == 1:
-            return
-        if algorithm_class(self.algorithm).capabilities.islands and self.topology:
-            raise ValueError(
-                f"{self.algorithm} on sites of ranks_per_worker={k} cannot take its islands "
-                f"from the emulated WAN (--topology): sites do not run inside it yet. Give the "
-                f"islands with --islands (e.g. '0,1|2') and drop --topology, or use "
-                f"ranks_per_worker=1")
-        if not sharded:
-            able = [n for n in ALGORITHMS if algorithm_class(n).capabilities.sharded]
-            raise ValueError(f"ranks_per_worker={k} shards the model (FSDP2) inside each "
-                             f"worker; {self.algorithm} cannot run on shards. Use one of "
-                             f"{', '.join(able)}, or ranks_per_worker=1")
-        if self.backend not in ("torchft", "hivemind"):
-            raise ValueError(f"ranks_per_worker={k} runs on the torchft backend (a replica "
-                             f"group of {k} ranks) or on hivemind (the site one member of "
-                             f"each averaging group), not {self.backend}")
-        if self.sharding == "ddp" and algorithm_class(self.algorithm).capabilities.fragments:
-            raise ValueError(f"{self.algorithm} applies a fragment's update steps after its "
-                             "round, which a DDP site's slices do not follow yet: use "
-                             "--sharding fsdp, or diloco, local_sgd or sparseloco")
-        if self.device.startswith("cuda:"):
-            raise ValueError(f"device={self.device} with ranks_per_worker={k} puts all {k} ranks "
-                             "of a site on one GPU (NCCL refuses that): give --device cuda (or "
-                             "auto), which puts rank r on cuda:LOCAL_RANK, and choose the GPUs "
-                             "with CUDA_VISIBLE_DEVICES")
-        if self.batch_size % k:
-            raise ValueError(f"batch_size={self.batch_size} does not split over "
-                             f"ranks_per_worker={k}: give a multiple of {k}")
-        if self.topology:
-            raise ValueError("ranks_per_worker > 1 does not run inside the emulated WAN "
-                             "(--topology) yet; use --emulate-link for an in-process link")
-
     @property
     def pipeline_peers_per_stage(self) -> int:
         """Peers of each stage (= pipeline replicas) of a pipelined run."""
         return self.peers_per_stage or self.workers // self.pipeline_stages
 
-    def _check_pipeline(self, stage_averaging: bool) -> None:
-        """A pipelined run: a shape that divides, an outer step that can average a stage's
-        peers, and nothing that needs a worker process holding the whole model."""
+    def _check_pipeline(self) -> None:
+        """A pipelined run: an activation codec that parses and a shape that divides (what
+        does not run with pipelines is in :mod:`farlink.matrix`)."""
         stages = self.pipeline_stages
         if stages == 1:
-            if self.peers_per_stage is not None:
-                raise ValueError("peers_per_stage applies to pipelines: give --pipeline-stages "
-                                 "S (2 or more) too, or drop --peers-per-stage")
             return
         from farlink.parallel.wire import codec_for
 
@@ -400,47 +345,15 @@ class RunConfig(*algorithm_options()):
             raise ValueError(f"workers={self.workers} but {stages} stages x peers_per_stage="
                              f"{self.peers_per_stage} is {stages * self.peers_per_stage}: give "
                              "one of --workers and --peers-per-stage")
-        if not stage_averaging:
-            able = [n for n in ALGORITHMS if algorithm_class(n).capabilities.stage_averaging]
-            raise ValueError(f"pipeline_stages={stages}: the peers of a stage average with the "
-                             f"run's outer step every inner_steps, which {self.algorithm} does "
-                             f"not provide yet; use {' or '.join(able)}")
         if self.pipeline_micro_batches > self.batch_size or \
                 self.batch_size % self.pipeline_micro_batches:
             raise ValueError(f"batch_size={self.batch_size} does not split into "
                              f"pipeline_micro_batches={self.pipeline_micro_batches} equal "
                              "micro-batches: give a batch_size that is a multiple of it")
-        refused = {
-            "ranks_per_worker": (self.ranks_per_worker > 1, "a stage peer is one process; "
-                                 "use ranks_per_worker=1"),
-            "grad_accum": (self.grad_accum > 1, "a pipeline accumulates over its micro-batches; "
-                           "raise batch_size and pipeline_micro_batches instead"),
-            "codec": (self.codec != "none", "a stage's peers are averaged in fp32 by the "
-                      "pipeline trainer; compress activations with --activation-codec"),
-            "auth": (self.auth != "none", "stage peers listen on loopback for the trainer "
-                     "that started them and do not authenticate it yet; use --auth none"),
-            "attackers": (bool(self.attackers), "robust aggregation of stage peers is not "
-                          "implemented"),
-            "topology": (bool(self.topology) or self.emulate_link is not None,
-                         "emulated links of stage peers are set by farlink bench pipeline and "
-                         "the namespace emulator, not by --topology / --emulate-link yet"),
-            "hf_model": (self.hf_model_dir is not None, "stages cut farlink's GPT presets"),
-            "precision": (self.precision != "fp32", "stage peers compute in fp32"),
-            "device": (self.device.startswith("cuda"), "stage peers compute on the CPU"),
-            "pace_seconds": (self.pace_seconds is not None, "give --slowdown factors (one per "
-                             "stage peer) instead"),
-            "round_seconds": (self.round_seconds is not None, "a pipeline's stage averages "
-                              "every inner_steps steps"),
-            "lighthouse": (self.lighthouse is not None, "joining a pipeline is not supported; "
-                           "farlink train starts every stage peer itself"),
-        }
-        for name, (bad, why) in refused.items():
-            if bad:
-                raise ValueError(f"pipeline_stages={stages} does not run with this {name} yet: "
-                                 f"{why}")
 
-    def _check_network(self, islands: bool) -> None:
-        """Topology, islands and the hierarchical schedule (see farlink.comm.islands)."""
+    def _check_network(self) -> None:
+        """Topology and islands name every worker once; the link profiles exist (see
+        farlink.comm.islands)."""
         from farlink.comm.islands import parse_islands
         for name in ("topology", "islands"):
             if getattr(self, name):
@@ -450,14 +363,6 @@ class RunConfig(*algorithm_options()):
                 get_profile(getattr(self, name))
             except LinkError as exc:
                 raise ValueError(f"{name}: {exc}") from None
-        if self.topology and self.emulate_link is not None:
-            raise ValueError("give either topology (per-pair links) or emulate_link (one link "
-                             "for every collective), not both")
-        if not islands and (self.islands or self.island_seconds is not None
-                            or self.overlap_global):
-            tiered = [n for n in ALGORITHMS if algorithm_class(n).capabilities.islands]
-            raise ValueError("islands, island_seconds and overlap_global apply to "
-                             f"{', '.join(tiered)} only")
 
     def _check_attackers(self) -> None:
         """Attackers are indices of the run's workers; one that names no worker would leave

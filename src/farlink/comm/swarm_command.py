@@ -92,17 +92,9 @@ def register(app: typer.Typer, bench_app: typer.Typer) -> None:
         values["backend"] = values.get("backend") or "hivemind"
         cfg = _config_from(values)
         try:
-            if cfg.backend != "hivemind":
-                raise ConfigError("a swarm trains on the hivemind backend; drop --backend "
-                                  f"{cfg.backend} (or backend in the config file)")
-            if cfg.hf_model_dir is not None:
-                raise ConfigError("a swarm serves preset models only (--model "
-                                  f"{cfg.model} is a directory on this machine); pick a preset")
-            if cfg.ranks_per_worker > 1:
-                raise ConfigError(
-                    f"a swarm's volunteers are one process each; ranks_per_worker="
-                    f"{cfg.ranks_per_worker} is for sites that `farlink train` / `farlink join` "
-                    "start with torchrun (on the torchft or hivemind backend). Drop it")
+            from farlink import matrix
+
+            matrix.check(cfg, ["swarm"])  # hivemind, a preset, one process per volunteer
             cfg, link = plan_run_dir(cfg)
             check_launch(cfg)
             data = prepare_data(cfg.corpus, cfg.vocab_size, cfg.cache_dir,

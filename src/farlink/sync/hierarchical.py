@@ -140,12 +140,7 @@ class HierarchicalDiLoCo(DiLoCo):
 
     @classmethod
     def check_run(cls, cfg) -> None:  # noqa: ANN001 - a RunConfig
-        if cfg.lighthouse is not None:
-            raise ValueError("hierarchical_diloco starts its own Lighthouses (global and one per "
-                             "island); drop --lighthouse")
         if cfg.round_seconds is None:
-            if cfg.island_seconds is not None:
-                raise ValueError("island_seconds needs round_seconds (time-budgeted rounds)")
             if cfg.inner_steps % cfg.island_steps:
                 raise ValueError(f"inner_steps={cfg.inner_steps} (the global period) must be "
                                  f"a multiple of island_steps={cfg.island_steps}")

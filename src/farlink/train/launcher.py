@@ -271,17 +271,11 @@ def _stop_all(procs: list[subprocess.Popen], grace: float = 20.0) -> None:
 def check_launch(cfg: RunConfig, network: Topology | None = None) -> None:
     """What a run needs besides its data, checked before anything is written or started:
     the emulated network's limits, the secret and key files (ConfigError naming the fix)."""
-    if cfg.backend == "inprocess":
-        raise ConfigError("backend inprocess is for library use (peers as threads of one "
-                          "process, farlink.Optimizer); farlink train starts processes: use "
-                          "--backend torchft or hivemind")
-    if network is not None and cfg.backend != "torchft":
-        raise ConfigError("runs inside emulated namespaces use the torchft backend")
-    if network is not None and cfg.auth != "none":
-        raise ConfigError("runs inside emulated namespaces have no membership gate in front of "
-                          "the router's Lighthouse; use --auth none there")
-    try:  # a member's authenticator loads its key files and finds the secret
-        run_authenticator(cfg, "w0")
+    from farlink import matrix
+
+    try:  # what does not run in started processes (farlink.matrix), then the trust's files
+        matrix.check(cfg, ["train"] + (["namespaces"] if network is not None else []))
+        run_authenticator(cfg, "w0")  # a member's authenticator loads its keys and secret
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
 

@@ -162,8 +162,9 @@ def prepare_network(cfg: RunConfig, vocab_size: int, namespaced: bool = False):
     if not needs_network(cfg):
         return None, []
     if namespaced:
-        raise ValueError("--topology and hierarchical_diloco use in-process link emulation; "
-                         "they cannot run inside emulated namespaces")
+        from farlink import matrix
+
+        matrix.check(cfg, ["namespaces"])  # in-process link emulation only (launch checked it)
     previous = NetworkPlan.load(cfg.run_dir) if cfg.resume else None
     if previous is not None:  # a resumed run keeps its islands (checkpoints were made in them)
         plan = previous
