@@ -7,13 +7,15 @@ check and ``farlink swarm`` call it), so a row cannot say one thing while the co
 another: ``farlink matrix`` prints the same table, and tests/test_matrix.py builds every
 refused row's configuration and asserts that validating it raises the row's reason.
 
-Two kinds of rule:
+Three kinds of rule:
 
 * :class:`Pair`: two features that do not run together, whatever the algorithm;
 * :class:`Needs`: a feature that needs a capability of the algorithm
   (:class:`~farlink.sync.Capabilities`). It is expanded to one row per algorithm, supported or
   refused as the algorithm's capability says, so an algorithm that gains the capability flips
-  its rows without an edit here.
+  its rows without an edit here;
+* :class:`Unread`: an option of other algorithms (a field of their ``Options`` that the chosen
+  algorithm's lacks) given a value: refused, not ignored.
 
 A rule's ``scope`` says where it applies: ``None`` for every run configuration, or a command
 that starts processes (``train``: ``farlink train``/``join``; ``namespaces``: a run inside the
@@ -103,6 +105,55 @@ class Needs:
             rows.append(Row(f"algorithm={name}", self.feature.label, supported,
                             "" if supported else self.why(_sample(example)), example, self.scope))
         return rows
+
+
+@dataclass(frozen=True)
+class Unread:
+    """``field``, an option of some algorithms (their ``Options``), given a value by a run
+    whose algorithm does not read it: refused, not ignored (the user meant something by it)."""
+
+    field: str
+    scope: str | None = None
+
+    def refuses(self, cfg: Config) -> bool:
+        return (getattr(cfg, self.field) != _default(self.field)
+                and self.field not in _options(cfg.algorithm))
+
+    def why(self, cfg: Config) -> str:
+        readers = "/".join(n for n in ALGORITHMS if self.field in _options(n))
+        flag = "--" + self.field.replace("_", "-")
+        return (f"{self.field} is an option of {readers}; {cfg.algorithm} does not read it: drop "
+                f"{flag}, or choose {readers}")
+
+    def rows(self) -> list[Row]:
+        others = [n for n in ALGORITHMS if self.field not in _options(n)]
+        example = {"algorithm": others[0], self.field: _other_value(self.field)}
+        return [Row(self.field, "algorithm=" + "/".join(others), False,
+                    self.why(_sample(example)), example)]
+
+
+def _options(name: str) -> dict[str, Any]:
+    return algorithm_class(name).Options.model_fields
+
+
+def _other_value(name: str) -> Any:
+    """A value of option ``name`` other than its default (half of it), for a row's example."""
+    default = _default(name)
+    if isinstance(default, bool):
+        return not default
+    return default // 2 if isinstance(default, int) else default / 2
+
+
+def _unread_rules() -> list[Unread]:
+    """An Unread rule for every option some algorithm does not read, except the ones a
+    capability rule words better (round_seconds: a time budget; the islands options)."""
+    from farlink.sync import algorithm_options
+
+    worded = {"round_seconds", "islands", "island_seconds", "overlap_global"}
+    names = dict.fromkeys(f for options in reversed(algorithm_options())
+                          for f in options.model_fields)
+    return [Unread(f) for f in names
+            if f not in worded and not all(f in _options(n) for n in ALGORITHMS)]
 
 
 def _caps(name: str) -> Capabilities:
@@ -221,7 +272,7 @@ def _attack_rule(name: str, why: str) -> Pair:
 
 
 # --- the table --------------------------------------------------------------------------------
-RULES: list[Pair | Needs] = [
+RULES: list[Pair | Needs | Unread] = [
     # options of one kind given twice
     Pair(_flag("secret", "s3cret"), _flag("secret_file", "secret.txt"),
          lambda c: "give the run secret once: --secret or --secret-file, not both"),
@@ -256,6 +307,8 @@ RULES: list[Pair | Needs] = [
     Pair(ISLAND_SECONDS, FIXED_ROUNDS,
          lambda c: "island_seconds needs round_seconds (time-budgeted rounds)",
          extra={"algorithm": "hierarchical_diloco"}),
+    # the options of other algorithms
+    *_unread_rules(),
     # sites: several ranks per replica
     Pair(SITES, TOPOLOGY, lambda c: (
         f"{c.algorithm} on sites of ranks_per_worker={c.ranks_per_worker} cannot take its "
