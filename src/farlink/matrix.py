@@ -247,6 +247,10 @@ def _own_codec(caps: Capabilities) -> bool:
 
 
 def _codec_why(cfg: Config) -> str:
+    wire = _caps(cfg.algorithm).wire_codec
+    if wire is not None and cfg.codec.strip().lower().startswith(wire):  # its own, but +ef
+        return (f"{cfg.algorithm} keeps its own error feedback in the momentum; drop '+ef' "
+                f"from --codec {cfg.codec}")
     if cfg.algorithm == "demo":
         return (f"demo sends DCT top-k coefficients; use --codec none (then "
                 f"--demo-chunk/--demo-topk) or dct_topk[:CHUNK:K[:fp16]], not {cfg.codec}")
