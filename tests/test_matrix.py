@@ -19,7 +19,7 @@ from farlink import matrix
 from farlink.config import ConfigError, RunConfig, load_config
 from farlink.sync import ALGORITHMS
 
-ROWS = matrix.rows()
+ROWS = matrix.rows(RunConfig)
 REFUSED = [r for r in ROWS if not r.supported]
 SUPPORTED = [r for r in ROWS if r.supported]
 

@@ -41,9 +41,10 @@ def matrix_command(
     not, why and what to do instead (the refusals `farlink train` raises, from one table)."""
     import json
 
+    from farlink.config import RunConfig
     from farlink.matrix import rows
 
-    table = [r for r in rows() if not (refused_only and r.supported)]
+    table = [r for r in rows(RunConfig) if not (refused_only and r.supported)]
     if as_json:
         typer.echo(json.dumps([r.as_dict() for r in table], indent=1))
         return

@@ -23,6 +23,7 @@ from typing import Any, Literal
 from pydantic import (BaseModel, ConfigDict, Field, ValidationError, ValidationInfo,
                       field_validator, model_validator)
 
+from farlink import matrix
 from farlink.emulate.pairwise import EmulationOptions
 from farlink.model.config import PRESETS
 from farlink.parallel.pipeline import PipelineOptions
@@ -196,7 +197,6 @@ class RunConfig(*algorithm_options(), ExchangeOptions, TrustOptions, SiteOptions
                 f"algorithm {self.algorithm!r} unknown; choose from {', '.join(ALGORITHMS)}"
             )
         algorithm = algorithm_class(self.algorithm)
-        from farlink import matrix
         from farlink.robust import hostile
         from farlink.robust.attacks import make_attack
 

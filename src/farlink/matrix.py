@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from farlink.robust.hostile import NOT_ON_TORCHFT
-from farlink.sync import ALGORITHMS, Capabilities, algorithm_class
+from farlink.sync import ALGORITHMS, Capabilities, algorithm_class, algorithm_options
 
 Config = Any  # a RunConfig (importing it here would be circular: it validates with this module)
 SCOPES = ("train", "namespaces", "swarm")
@@ -79,10 +79,10 @@ class Pair:
     def refuses(self, cfg: Config) -> bool:
         return self.first.used(cfg) and self.second.used(cfg)
 
-    def rows(self) -> list[Row]:
+    def rows(self, config: type) -> list[Row]:
         example = {**self.first.example, **self.second.example, **self.extra}
-        return [Row(self.first.label, self.second.label, False, self.why(_sample(example)),
-                    example, self.scope)]
+        return [Row(self.first.label, self.second.label, False,
+                    self.why(config.model_construct(**example)), example, self.scope)]
 
 
 @dataclass(frozen=True)
@@ -97,13 +97,14 @@ class Needs:
     def refuses(self, cfg: Config) -> bool:
         return self.feature.used(cfg) and not self.able(_caps(cfg.algorithm))
 
-    def rows(self) -> list[Row]:
+    def rows(self, config: type) -> list[Row]:
         rows = []
         for name in ALGORITHMS:
             example = {"algorithm": name, **self.feature.example}
             supported = self.able(_caps(name))
             rows.append(Row(f"algorithm={name}", self.feature.label, supported,
-                            "" if supported else self.why(_sample(example)), example, self.scope))
+                            "" if supported else self.why(config.model_construct(**example)),
+                            example, self.scope))
         return rows
 
 
@@ -116,7 +117,7 @@ class Unread:
     scope: str | None = None
 
     def refuses(self, cfg: Config) -> bool:
-        return (getattr(cfg, self.field) != _default(self.field)
+        return (getattr(cfg, self.field) != _default(cfg, self.field)
                 and self.field not in _options(cfg.algorithm))
 
     def why(self, cfg: Config) -> str:
@@ -125,20 +126,20 @@ class Unread:
         return (f"{self.field} is an option of {readers}; {cfg.algorithm} does not read it: drop "
                 f"{flag}, or choose {readers}")
 
-    def rows(self) -> list[Row]:
+    def rows(self, config: type) -> list[Row]:
         others = [n for n in ALGORITHMS if self.field not in _options(n)]
-        example = {"algorithm": others[0], self.field: _other_value(self.field)}
+        example = {"algorithm": others[0], self.field: _other_value(config, self.field)}
         return [Row(self.field, "algorithm=" + "/".join(others), False,
-                    self.why(_sample(example)), example)]
+                    self.why(config.model_construct(**example)), example)]
 
 
 def _options(name: str) -> dict[str, Any]:
     return algorithm_class(name).Options.model_fields
 
 
-def _other_value(name: str) -> Any:
+def _other_value(config: type, name: str) -> Any:
     """A value of option ``name`` other than its default (half of it), for a row's example."""
-    default = _default(name)
+    default = config.model_fields[name].default
     if isinstance(default, bool):
         return not default
     return default // 2 if isinstance(default, int) else default / 2
@@ -147,8 +148,6 @@ def _other_value(name: str) -> Any:
 def _unread_rules() -> list[Unread]:
     """An Unread rule for every option some algorithm does not read, except the ones a
     capability rule words better (round_seconds: a time budget; the islands options)."""
-    from farlink.sync import algorithm_options
-
     worded = {"round_seconds", "islands", "island_seconds", "overlap_global"}
     names = dict.fromkeys(f for options in reversed(algorithm_options())
                           for f in options.model_fields)
@@ -165,25 +164,16 @@ def able(test: Callable[[Capabilities], bool], sep: str = "/") -> str:
     return sep.join(n for n in ALGORITHMS if test(_caps(n)))
 
 
-def _sample(values: Mapping[str, Any]) -> Config:
-    """A config holding ``values`` (unvalidated: it is only read to word a reason)."""
-    from farlink.config import RunConfig
-
-    return RunConfig.model_construct(**values)
-
-
 # --- features ---------------------------------------------------------------------------------
 def _flag(name: str, example: Any, used: Callable[[Config], bool] | None = None,
           label: str | None = None) -> Feature:
-    default = None if used is not None else _default(name)
-    return Feature(label or name, used or (lambda c: getattr(c, name) != default),
+    return Feature(label or name, used or (lambda c: getattr(c, name) != _default(c, name)),
                    {name: example})
 
 
-def _default(name: str) -> Any:
-    from farlink.config import RunConfig
-
-    return RunConfig.model_fields[name].default
+def _default(cfg: Config, name: str) -> Any:
+    """The default of field ``name`` of ``cfg``'s model (a run's config: flags left unset)."""
+    return type(cfg).model_fields[name].default
 
 
 def _command(label: str) -> Feature:
@@ -414,6 +404,7 @@ def check(cfg: Config, scopes: Iterable[str] = ()) -> None:
             raise ValueError(rule.why(cfg))
 
 
-def rows() -> list[Row]:
-    """The whole matrix, one row per pair (capability rules: per algorithm)."""
-    return [row for rule in RULES for row in rule.rows()]
+def rows(config: type) -> list[Row]:
+    """The whole matrix, one row per pair (capability rules: per algorithm); ``config`` is the
+    run's config model (``RunConfig``), whose defaults the examples start from."""
+    return [row for rule in RULES for row in rule.rows(config)]
