@@ -85,8 +85,8 @@ SECTION_OF: dict[str, str] = {name: section for section, models in COMPONENTS.it
                               for model in models for name in model.model_fields}
 
 
-class RunConfig(*algorithm_options(), ExchangeOptions, TrustOptions, SiteOptions, PipelineOptions,
-                EmulationOptions, RunDirOptions):
+class RunConfig(RunDirOptions, EmulationOptions, PipelineOptions, SiteOptions, TrustOptions,
+                ExchangeOptions, *algorithm_options()):
     """The run's configuration: the components' configs composed (their fields flat, as flags
     and TOML keys; :meth:`tree` and :meth:`component` give them back by component) and the
     fields of the job around them."""
