@@ -1,8 +1,16 @@
 """The run configuration: one pydantic model, every field a CLI flag and a TOML key.
 
-``RunConfig`` composes every algorithm's own options model (``farlink.sync``: each algorithm's
-file declares its knobs) with the fields of the job around it (model, data, backend, trust,
-bookkeeping). Rules that depend on the algorithm ask its capabilities, never its name.
+``RunConfig`` composes the components' own configs, each next to what it configures and
+checking its own values: every algorithm's options (``farlink.sync``: each algorithm's file
+declares its knobs), the exchange's (``ExchangeOptions``), trust's (``TrustOptions``), a site's
+(``SiteOptions``), a pipeline's (``PipelineOptions``), the emulation's (``EmulationOptions``)
+and the run dir's (:class:`RunDirOptions`), with the fields of the job around them (model, data,
+transport). Their fields stay flat (flags, TOML keys, ``cfg.codec``); :data:`COMPONENTS` and
+:data:`SECTION_OF` give the tree (``[exchange]`` tables in a config file, :meth:`RunConfig.tree`).
+
+What does not run together is one table, :mod:`farlink.matrix` (``farlink matrix`` prints it):
+validation raises every such refusal from there. Rules that depend on the algorithm ask its
+capabilities, never its name; an option of another algorithm given a value is refused.
 
 Precedence: built-in defaults < ``--config FILE.toml`` < explicit flags. Validation happens once,
 here, so a bad value fails before any process starts, with the field's name in the message.
