@@ -38,6 +38,7 @@ from torch import nn
 
 from farlink.comm.base import Collective, RoundInfo
 from farlink.sync.exchange import Exchange, ExchangeResult
+from farlink.sync.moshpit import GroupMixing
 from farlink.sync.schedule import Schedule, make_schedule, nearest_step_boundary  # noqa: F401
 
 log = logging.getLogger(__name__)
@@ -301,6 +302,9 @@ class SyncAlgorithm(ABC):
         #: the run's end with nobody left to group with
         self.rounds_skipped_since_commit = 0
         self.last_exchange: ExchangeResult | None = None
+        #: the group state mixing layer (Moshpit): used by algorithms with partial_groups
+        self.mixing = GroupMixing(collective, self.agree)
+        self._mixed_state: TensorState | None = None  # staged by mix_group_states
         # where rounds spend their time, cumulative: waiting for the quorum (which absorbs
         # stragglers), moving bytes, and the rest (encode, decode, validate, apply) on this
         # worker; benchmarks compare them with the planner's terms
@@ -390,9 +394,24 @@ class SyncAlgorithm(ABC):
         return state_digest(self.shared_state()).hex()[:16]
 
     def mix_group_states(self, info: RoundInfo) -> None:
-        """Groups smaller than the swarm: make this round's members hold one committed state
-        before the update lands (see :class:`~farlink.sync.diloco.DiLoCo`). Algorithms without
+        """Groups smaller than the swarm (Moshpit, :mod:`farlink.sync.moshpit`): stage the
+        group's mean of the committed state this round updates (:meth:`mixable_state`), so
+        the round's members hold one state once the update lands; the algorithm loads it with
+        the update, so a round that fails changes nothing. Algorithms without
         :attr:`Capabilities.partial_groups` never run in such groups."""
+        self._mixed_state = None
+        if self.capabilities.partial_groups and self.mixing.applies(info):
+            self._mixed_state = self.mixing.mix(self.mixable_state(), info)
+
+    def mixable_state(self) -> TensorState:
+        """The committed state this round's update is linear in (see :meth:`mix_group_states`);
+        an algorithm with :attr:`Capabilities.partial_groups` names it."""
+        raise NotImplementedError(f"{self.name} mixes no state in groups smaller than the swarm")
+
+    @property
+    def mixed_rounds(self) -> int:
+        """Rounds whose group averaged differing committed states."""
+        return self.mixing.mixed_rounds
 
     def export_state(self) -> TensorState:
         """Committed state for a healing peer, sealed with its SHA-256 (checked on arrival)."""

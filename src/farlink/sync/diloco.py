@@ -36,7 +36,6 @@ from farlink.sync.base import (
     load_worker_private_state,
     nesterov,
     optimizer_state,
-    state_digest,
     worker_private_state,
 )
 from farlink.sync.exchange import ExchangeResult
@@ -61,8 +60,6 @@ class DiLoCo(SyncAlgorithm):
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.global_params = [p.detach().clone() for p in self.params]
-        self._mixed_state: TensorState | None = None  # see mix_group_states
-        self.mixed_rounds = 0  # rounds whose group averaged differing committed states
         self.outer_opt = self.make_outer_optimizer(self.global_params)
         self.tokens_since_sync = 0
 
@@ -164,59 +161,12 @@ class DiLoCo(SyncAlgorithm):
     def _pseudo_gradient(self, info: RoundInfo) -> dict[str, torch.Tensor]:
         return self.pseudo_gradient(self.params)
 
-    def mix_group_states(self, info: RoundInfo) -> None:
-        """Moshpit groups (hivemind ``--group-size``): groups of one round commit the same round
-        number with different states, and averaging pseudo-gradients alone would keep those
-        states apart for good (each member steps its own θ_g). So, as Moshpit averaging does,
-        the members also average their committed state, θ_g and the outer optimizer's state,
-        before the update lands: each computed its Δ from its own θ_g, and the outer step is
-        linear in (θ_g, momentum, Δ), so this equals averaging the states the members step
-        into. The group then holds one state; groups mix over rounds, and the last round, one
-        group of the whole swarm, ends the run on one model.
-
-        Members gather each other's state as bytes and average them in rank order, so every
-        member computes the same bits (hivemind's butterfly all-reduce does not). Only when
-        their fingerprints differ: one round trip of 8 bytes otherwise. The average is staged
-        and lands with the outer step, so a round that fails changes nothing."""
-        self._mixed_state = None
-        if not (self.capabilities.partial_groups and self.collective.partial_groups) \
-                or info.world_size < 2 or info.skipped:
-            return
-        state = self.global_state()
-        # in name order: an optimizer that loaded its state (a healed peer) lists it in
-        # another order than one that stepped, and the members' bytes must line up
-        names = sorted(k for k, v in state.items() if v.is_floating_point())
-        digest = state_digest({k: state[k] for k in names})[:8]
-        digests = self.collective.all_gather_bytes(digest)
-        if not self.agree(len(set(digests)) > 1):  # a site's ranks take the same branch
-            return
-        flat = torch.cat([state[k].detach().float().reshape(-1).cpu() for k in names])
-        payloads = self.collective.all_gather_bytes(flat.numpy().tobytes())
-        if any(len(p) != flat.numel() * 4 for p in payloads):
-            log.warning("round %d: a groupmate's committed state did not arrive whole; the "
-                        "round's states are not averaged", info.round_id)
-            return  # a member sent nothing: the collective fails the round
-        states = [torch.frombuffer(bytearray(p), dtype=torch.float32) for p in payloads]
-        finite = [i for i, st in enumerate(states) if torch.isfinite(st).all()]
-        if len(finite) < len(states):  # a member's NaN/Inf state must not reach the others
-            left_out = [info.peers[i] if i < len(info.peers) else f"member {i}"
-                        for i in range(len(states)) if i not in finite]
-            log.warning("round %d: the committed state of %s is not finite; it is left out "
-                        "of the group's average%s", info.round_id, ", ".join(left_out),
-                        "" if finite else " (no member's is finite: nothing is averaged)")
-            if not finite:
-                return
-        mean = torch.stack([states[i] for i in finite]).mean(dim=0)
-        offset = 0
-        for k in names:
-            n = state[k].numel()
-            state[k] = mean[offset:offset + n].reshape(state[k].shape).to(
-                dtype=state[k].dtype, device=state[k].device)
-            offset += n
-        self._mixed_state = state
-        self.mixed_rounds += 1
-        log.warning("round %d: %d distinct committed states in a group of %d; averaging them",
-                    info.round_id, len(set(digests)), info.world_size)
+    def mixable_state(self) -> TensorState:
+        """Moshpit groups (hivemind ``--group-size``): θ_g and the outer optimizer's state.
+        Each member computed its Δ from its own θ_g, and the outer step is linear in
+        (θ_g, momentum, Δ), so averaging them before the step equals averaging the states the
+        members step into."""
+        return self.global_state()
 
     def _apply(self, result: ExchangeResult, info: RoundInfo) -> None:
         if self._mixed_state is not None:  # the group's average committed state (Moshpit)

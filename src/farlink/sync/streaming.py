@@ -97,8 +97,6 @@ class StreamingDiLoCo(DiLoCo):
         self.rounds_launched = 0  # on the training thread: what the schedule counts
         self.launched_in_period = 0
         self.period_ended = False
-        self._final_launch = (False, False)  # (this round, the next) is the run's last of its
-        #                                      fragment: read by run_round on the round's thread
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="farlink-stream")
         self._inflight: _InFlight | None = None
         self._lock = threading.Lock()
@@ -146,17 +144,6 @@ class StreamingDiLoCo(DiLoCo):
     def at_boundary(self, outcome: StepOutcome) -> bool:
         return self.schedule.at_boundary(self.inner_steps_done, self.period_ended)
 
-    def _is_last_of_fragment(self, step: int, launched: int) -> bool:
-        """Whether a round launched at ``step`` after ``launched`` rounds is its fragment's
-        last: in the run's last period (groups smaller than the swarm form it with everyone)."""
-        return self.schedule.last_period(step, launched // self.num_fragments)
-
-    def last_round_due(self) -> bool:
-        return self._final_launch[0]
-
-    def next_round_is_last(self) -> bool:
-        return self._final_launch[1]
-
     def join(self) -> None:
         return None  # fragment rounds are scheduled by step: heal in the first one
 
@@ -173,11 +160,6 @@ class StreamingDiLoCo(DiLoCo):
                     for i in idx}
         weight = float(self.fragment_tokens[fragment])
         self.fragment_tokens[fragment] = 0
-        # the next round: the next fragment's, later in this period or first of the next
-        ahead = (self.shifts[(fragment + 1) % self.num_fragments] - self.shifts[fragment]) \
-            % self.cfg.inner_steps or self.cfg.inner_steps
-        self._final_launch = (self._is_last_of_fragment(step, self.rounds_launched),
-                              self._is_last_of_fragment(step + ahead, self.rounds_launched + 1))
         self.rounds_launched += 1
         self.launched_in_period += 1
 
