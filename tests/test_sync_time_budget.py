@@ -96,3 +96,21 @@ def test_a_time_budgeted_run_ends_on_one_model_that_learned(algorithm: str) -> N
     assert steps[2] < 0.6 * steps[0], steps  # the slow replica ran fewer steps, not fewer rounds
     losses = [loss for _, _, _, loss in results]
     assert len(set(losses)) == 1 and losses[0] < 0.5 * before, (losses, before)
+
+
+def test_a_schedule_places_each_point_at_its_share_of_the_period() -> None:
+    """A point ``at`` inner steps into a period (a fragment's shift, or the end, H): under H
+    steps, the step itself; under a time budget, the step boundary nearest the same share of
+    ``round_seconds``."""
+    steps = StepSchedule(inner_steps=10, steps=40)
+    assert steps.due(15, at=5) and not steps.due(14, at=5) and steps.due(20)
+    assert not steps.due(25) and steps.finished(40, 0) and not steps.finished(39, 99)
+    budget = TimeBudget(inner_steps=10, steps=40, round_seconds=20.0, rounds_per_period=2)
+    budget.period_started = budget.clock_started = time.monotonic() - 8.0
+    budget.steps_since_clock = 4  # 2 s steps, 8 s into a 20 s period
+    assert budget.due(4, at=4)  # 8 s: reached
+    assert not budget.due(4, at=5)  # 10 s: the next boundary (10 s) is nearer
+    assert not budget.due(4)  # the period's end, 20 s
+    # the run: 40 // 10 = 4 periods of 2 rounds each, counted in rounds, not steps
+    assert budget.total_rounds == 8 and budget.finished(0, 8) and not budget.finished(10**6, 7)
+    assert budget.last_round_due(0, 7) and budget.lr_step(0, 4) == 20

@@ -196,9 +196,7 @@ class HierarchicalDiLoCo(DiLoCo):
         #: (:attr:`schedule`) says when it ends
         self.island_schedule = make_schedule(cfg.island_steps, cfg.steps, (
             cfg.island_seconds or cfg.round_seconds) if self.schedule.timed else None, self.agree)
-        #: island rounds per global round
-        self.per_global = (max(1, round(cfg.round_seconds / self.island_schedule.round_seconds))
-                           if self.schedule.timed else cfg.inner_steps // cfg.island_steps)
+        self.per_global = self.schedule.periods_of(self.island_schedule)  # island rounds each
 
     # --- schedule (DiLoCo's step loop calls round_due, then sync) --------------------------------
     @property

@@ -86,6 +86,11 @@ class Schedule(ABC):
         """Whether the round after the one just done is the run's last."""
 
     @abstractmethod
+    def periods_of(self, inner: Schedule) -> int:
+        """How many periods of ``inner`` (a finer cadence of the same kind, e.g. hierarchical
+        DiLoCo's island rounds) one period of this schedule holds."""
+
+    @abstractmethod
     def last_period(self, step: int, periods: int) -> bool:
         """Whether the period ending now is the run's last (``periods`` done before it)."""
 
@@ -118,6 +123,9 @@ class StepSchedule(Schedule):
 
     def next_round_is_last(self, step: int, rounds: int) -> bool:
         return self.steps is not None and step + self.inner_steps >= self.steps
+
+    def periods_of(self, inner: Schedule) -> int:
+        return self.inner_steps // inner.inner_steps
 
     def last_period(self, step: int, periods: int) -> bool:
         return step + self.inner_steps > self.steps
@@ -171,6 +179,9 @@ class TimeBudget(Schedule):
 
     def next_round_is_last(self, step: int, rounds: int) -> bool:
         return rounds + 2 >= self.total_rounds
+
+    def periods_of(self, inner: Schedule) -> int:
+        return max(1, round(self.round_seconds / inner.round_seconds))
 
     def last_period(self, step: int, periods: int) -> bool:
         return periods + 1 >= self.total_periods
