@@ -63,6 +63,13 @@ class Schedule(ABC):
         self.clock_started = time.monotonic()
         self.steps_since_clock = 0
 
+    def pause(self, seconds: float) -> None:
+        """The replica waited ``seconds`` for its peers outside a round that restarts the
+        period (Streaming DiLoCo's exposed wait for a fragment's round): the period's deadlines
+        and the step-length clock move on by as much, so waiting is not taken for training."""
+        self.period_started += seconds
+        self.clock_started += seconds
+
     def step_taken(self) -> None:
         self.steps_since_clock += 1
 

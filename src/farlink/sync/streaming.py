@@ -182,7 +182,9 @@ class StreamingDiLoCo(DiLoCo):
         inflight, self._inflight = self._inflight, None
         start = time.perf_counter()
         committed, _, info, result = inflight.future.result()
-        outcome.comm_seconds += time.perf_counter() - start  # only the exposed wait
+        waited = time.perf_counter() - start
+        outcome.comm_seconds += waited  # only the exposed wait
+        self.schedule.pause(waited)
         outcome.synced = True
         outcome.committed = committed
         outcome.world_size = info.world_size if info else 1
