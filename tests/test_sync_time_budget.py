@@ -114,3 +114,32 @@ def test_a_schedule_places_each_point_at_its_share_of_the_period() -> None:
     # the run: 40 // 10 = 4 periods of 2 rounds each, counted in rounds, not steps
     assert budget.total_rounds == 8 and budget.finished(0, 8) and not budget.finished(10**6, 7)
     assert budget.last_round_due(0, 7) and budget.lr_step(0, 4) == 20
+
+
+def test_a_streaming_replica_waiting_for_a_late_peer_keeps_its_period_for_training() -> None:
+    """Replica 1 starts 1 s late: replica 0 waits for it when its first fragment's round lands.
+    That wait is not training time, so its period's next fragment still starts at its share of
+    the period's training time (many steps later), not at once."""
+    cfg = RunConfig(algorithm="streaming_diloco", round_seconds=0.4, steps=20, inner_steps=10,
+                    warmup_steps=0, fragments=2, overlap_steps=1)
+    init_lock = threading.Lock()
+
+    def member(rank: int, collective):  # noqa: ANN001, ANN202
+        with init_lock:
+            model = _model()
+        algo = algorithm_class("streaming_diloco")(model, cfg, collective, Exchange(
+            collective, make_compressor("none"), sender=f"w{rank}"))
+        if rank == 1:
+            time.sleep(1.0)
+            algo.schedule.start_period()  # its own training starts now
+        gen, landed = torch.Generator().manual_seed(rank + 1), []
+        while not algo.finished():
+            _loss(model, torch.randn(16, 8, generator=gen)).backward()
+            time.sleep(0.01)
+            if algo.step(16).synced:
+                landed.append(algo.inner_steps_done)
+        algo.finish()
+        return landed
+
+    landed = InProcessGroup(2).run(member, timeout=60)[0]
+    assert len(landed) >= 2 and landed[1] - landed[0] >= 5, landed
