@@ -115,15 +115,18 @@ def test_the_left_out_peer_skips_after_its_window_and_the_last_round_takes_every
             peer.close()
 
 
-@pytest.mark.parametrize("algorithm", ["streaming_diloco", "demo", "sparseloco", "ddp"])
+@pytest.mark.parametrize("algorithm", ["streaming_diloco", "demo", "ddp"])
 def test_groups_smaller_than_the_swarm_are_refused_where_states_would_never_join(
         tmp_path: Path, algorithm: str) -> None:
-    """Only the DiLoCo family averages its committed state within a group; another algorithm's
-    groups would commit one round apart and stay apart, so --group-size is refused up front."""
+    """Only an algorithm that mixes its committed state within a group (the DiLoCo family and
+    SparseLoCo) runs in groups; another algorithm's groups would commit one round apart and stay
+    apart, so --group-size is refused up front."""
     from farlink.config import ConfigError
 
     with pytest.raises((ConfigError, ValueError), match="group_size .* runs local_sgd/diloco"):
         load_config(None, {"backend": "hivemind", "workers": 3, "group_size": 2,
                            "algorithm": algorithm, "run_dir": tmp_path / "run"})
-    assert load_config(None, {"backend": "hivemind", "workers": 3, "group_size": 2,
-                              "algorithm": "local_sgd", "run_dir": tmp_path / "run"}).group_size == 2
+    for mixing in ("local_sgd", "sparseloco"):
+        assert load_config(None, {"backend": "hivemind", "workers": 3, "group_size": 2,
+                                  "algorithm": mixing, "run_dir": tmp_path / "run"}
+                           ).group_size == 2
