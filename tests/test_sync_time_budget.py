@@ -142,4 +142,7 @@ def test_a_streaming_replica_waiting_for_a_late_peer_keeps_its_period_for_traini
         return landed
 
     landed = InProcessGroup(2).run(member, timeout=60)[0]
-    assert len(landed) >= 2 and landed[1] - landed[0] >= 5, landed
+    # counted as training, the 1 s wait (2.5 periods) would make the next fragment due at the
+    # very next step (a gap of 1); its share of training time takes several steps (about 10 on
+    # an idle machine, fewer when a loaded one slows every step)
+    assert len(landed) >= 2 and landed[1] - landed[0] >= 2, landed
