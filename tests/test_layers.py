@@ -24,8 +24,8 @@ SRC = Path(__file__).resolve().parent.parent / "src"
 LIBRARY = ("farlink.codecs", "farlink.robust", "farlink.comm", "farlink.sync", "farlink.model",
            "farlink.data", "farlink.state")
 APPLICATION = ("farlink.config", "farlink.train", "farlink.bench", "farlink.plan",
-               "farlink.emulate", "farlink.cli", "farlink.swarm", "farlink.compose",
-               "farlink.worker")
+               "farlink.emulate", "farlink.cli", "farlink.swarm", "farlink.worker",
+               "farlink.compose", "farlink.membership", "farlink.flags")
 
 
 @dataclass(frozen=True)

@@ -23,7 +23,7 @@ from procfs import site_ranks
 
 from farlink.bench.churn import committed_outer_steps
 from farlink.config import load_config
-from farlink.robust.auth import run_authenticator
+from farlink.membership import run_authenticator
 from farlink.train.audit import audit_run
 from farlink.train.launcher import _stop_all, spawn_worker, write_run_config
 from farlink.train.lighthouse import Lighthouse
@@ -125,7 +125,7 @@ def test_a_site_whose_rank_is_sigkilled_restarts_from_its_checkpoint_and_heals(
             assert time.time() < deadline and all(p.poll() is None for p in procs), \
                 "the sites made no progress"
             time.sleep(0.2)
-        victims = site_ranks(procs[1].pid, b"farlink.train.worker")
+        victims = site_ranks(procs[1].pid, b"farlink.worker")
         assert len(victims) == 2, victims
         os.kill(max(victims), signal.SIGKILL)  # one rank of site 1, mid-run
         assert procs[1].wait(timeout=60) != 0  # torchrun ended the whole site

@@ -23,6 +23,7 @@ from typing import Any, Literal
 from pydantic import (ConfigDict, Field, ValidationError, ValidationInfo, field_validator,
                       model_validator)
 
+from farlink.errors import ConfigError as ConfigError  # where callers find it
 from farlink.links import LinkError, get_profile, profile_names
 from farlink.model.config import PRESETS
 from farlink.sync import ALGORITHMS, algorithm_class, algorithm_options
@@ -30,10 +31,6 @@ from farlink.tomlfile import read_toml
 
 HF_MODEL_PREFIX = "hf:"
 _LINK_NAMES = ", ".join(profile_names())  # farlink/links.toml
-
-
-class ConfigError(ValueError):
-    """A configuration that cannot run; the message names the field and the fix."""
 
 
 LATEST_RUN = Path("runs/latest")  # the default run dir: a link to the newest run under runs/

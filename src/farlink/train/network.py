@@ -155,7 +155,7 @@ def crossing_bytes(plan: NetworkPlan, algorithm: str, per_worker: dict[str, dict
 def prepare_network(cfg: RunConfig, vocab_size: int, namespaced: bool = False):
     """Launcher side: plan the network, start one Lighthouse per island (hierarchical runs) and
     write ``network.json``. Returns (plan or None, the island Lighthouses to stop at the end)."""
-    from farlink.robust.auth import run_authenticator
+    from farlink.membership import run_authenticator
     from farlink.model.build import count_parameters
     from farlink.train.lighthouse import Lighthouse
 
@@ -168,7 +168,7 @@ def prepare_network(cfg: RunConfig, vocab_size: int, namespaced: bool = False):
     if previous is not None:  # a resumed run keeps its islands (checkpoints were made in them)
         plan = previous
     else:
-        params = count_parameters(cfg, vocab_size)
+        params = count_parameters(cfg.model, vocab_size, cfg.seq_len)
         plan = plan_network(cfg, reference_bytes=4 * params)
         assert plan is not None
     lighthouses: list[Lighthouse] = []
