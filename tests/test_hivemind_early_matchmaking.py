@@ -106,7 +106,7 @@ class HintRecorder(InProcessCollective):
         super().__init__(group, rank)
         self.hints: list[float] = []
 
-    def expect_round(self, in_seconds: float) -> None:
+    def expect_round(self, in_seconds: float, final: bool = False) -> None:
         self.hints.append(in_seconds)
 
 

@@ -516,10 +516,10 @@ class SyncAlgorithm(ABC):
         network_before = self.collective.stats.comm_seconds
         info, committed = None, False
         # the run's last round: a backend of small groups forms it with every live peer
-        self.collective.final_round = self.last_round_due()
+        final = self.last_round_due()
         for attempt in range(self.cfg.round_retries + 1):
             asked = time.perf_counter()
-            info = self.collective.begin_round()
+            info = self.collective.begin_round(final=final)
             self.quorum_seconds += time.perf_counter() - asked
             self.last_round = info
             if info.skipped:  # no group for this worker this round: nothing to average
@@ -555,6 +555,5 @@ class SyncAlgorithm(ABC):
             # collective may form its group meanwhile (hivemind's matchmaking), as the run's
             # last round if it is (formed with every live peer, under a key of its own: a
             # search of the usual kind would pair a peer with one that then leaves for it)
-            self.collective.final_round = self.next_round_is_last()
-            self.collective.expect_round(self._round_gap)
+            self.collective.expect_round(self._round_gap, final=self.next_round_is_last())
         return committed, seconds, info
