@@ -20,13 +20,25 @@ from typing import Any
 import torch
 from torch import nn
 
-from farlink.comm.base import Collective
+from farlink.codecs import make_compressor
+from farlink.comm.base import Collective, LinkModel
+from farlink.comm.inprocess import InProcessGroup
 from farlink.config import RunConfig
+from farlink.links import get_profile
 from farlink.membership import run_authenticator, run_secret
+from farlink.parallel.sharding import Site, model_is_sharded
+from farlink.robust import hostile
+from farlink.robust.aggregators import make_aggregator
+from farlink.robust.attacks import make_attack
+from farlink.robust.auth import make_authenticator
 from farlink.robust.ledger import ContributionLedger
+from farlink.robust.weights import CLAIM_FACTOR, TIMED_CLAIM_FACTOR, round_token_bound
 from farlink.state.background import Background
 from farlink.sync import ALGORITHMS, SyncAlgorithm, algorithm_class
 from farlink.sync.base import OuterOptimizerFactory
+from farlink.sync.exchange import Exchange
+from farlink.train.network import needs_network
+from farlink.train.tiers import Tiers, build_tiers, two_levels
 
 #: how long past its boundary a peer in Moshpit groups looks for a group before it skips the
 #: round's averaging: two of hivemind's matchmaking windows (3 s each by default)
@@ -108,8 +120,6 @@ def build_collective(cfg: RunConfig, replica_id: str, lighthouse: str, site=None
                 site, lambda: HivemindCollective(**{**options, **hivemind}))
         return HivemindCollective(**{**options, **hivemind})
     if cfg.backend == "inprocess":
-        from farlink.comm.inprocess import InProcessGroup
-
         return InProcessGroup(1).member(0)  # peers as threads pass their own collective
     raise ValueError(f"unknown backend {cfg.backend!r}")
 
@@ -125,14 +135,6 @@ def build_exchange(cfg: RunConfig, collective: Collective, sender: str, index: i
     ``"relative"``: only the median bound (a model and batches
     of the caller's own, whose token counts the config does not know); ``"none"``: neither
     (island leaders, whose islands differ in size). The envelope's float32 bound always holds."""
-    from farlink.codecs import make_compressor
-    from farlink.robust import hostile
-    from farlink.robust.aggregators import make_aggregator
-    from farlink.robust.attacks import make_attack
-    from farlink.robust.auth import make_authenticator
-    from farlink.robust.weights import CLAIM_FACTOR, TIMED_CLAIM_FACTOR, round_token_bound
-    from farlink.sync.exchange import Exchange
-
     auth = make_authenticator(cfg.auth, secret=run_secret(cfg), key_file=cfg.key_file,
                               allowed_keys=cfg.allowed_keys, peer_id=sender)
     protocol = hostile.parse(cfg.attack) is not None  # a hostile member, not a bad update
@@ -161,7 +163,6 @@ def build_exchange(cfg: RunConfig, collective: Collective, sender: str, index: i
 @dataclass
 class Parts:
     """One replica of a run, built: what :class:`farlink.Optimizer` holds and drives."""
-
     config: RunConfig
     index: int
     model: nn.Module
@@ -211,8 +212,6 @@ def run_config(cls: type[SyncAlgorithm], options: dict[str, Any],
 def build_site(cfg: RunConfig, model: nn.Module, index: int, site=None):  # noqa: ANN001, ANN201
     """The started :class:`~farlink.parallel.sharding.Site` of several ranks this replica runs
     on (read from torchrun's environment for a sharded model), or None for one rank."""
-    from farlink.parallel.sharding import Site, model_is_sharded
-
     if site is None and model_is_sharded(model):
         site = Site.from_env(replica_index=index)
     if site is not None and site.size > 1 and not site.store_port:
@@ -226,9 +225,6 @@ def build_collectives(cfg: RunConfig, cls: type[SyncAlgorithm], index: int, ligh
     """This replica's collective and, with islands, its :class:`~farlink.train.tiers.Tiers`
     (island and global collectives): planned by the launcher's network, or formed by the caller
     (its island's collective or Lighthouse, and for the island's leader the global one)."""
-    from farlink.train.network import needs_network
-    from farlink.train.tiers import Tiers, build_tiers, two_levels
-
     replica_id = f"w{index}"
     tiered = cls.capabilities.islands
     formed = global_lighthouse is not None or global_collective is not None
@@ -284,8 +280,6 @@ def compose(
         cfg, algo_options = run_config(cls, options, inner_optimizer, lr_schedule)
     else:
         cfg = algo_options = config
-    from farlink.parallel.sharding import model_is_sharded
-
     site = build_site(cfg, model, index, site)
     if lighthouse is None:
         lighthouse = (cfg.lighthouse or cfg.initial_peers
@@ -293,9 +287,6 @@ def compose(
     collective, tiers = build_collectives(cfg, cls, index, lighthouse, site, collective,
                                           global_lighthouse, global_collective)
     if cfg.emulate_link is not None:
-        from farlink.comm.base import LinkModel
-        from farlink.links import get_profile
-
         collective.emulated_link = LinkModel.of_profile(get_profile(cfg.emulate_link))
     replica_id = f"w{index}"
     ledger = ContributionLedger()  # whose updates were accepted, rejected, and why
@@ -310,10 +301,10 @@ def compose(
     if tiers is not None and tiers.upper is not None:
         extra["global_exchange"] = build_exchange(cfg, tiers.upper, replica_id, index, ledger,
                                                   claims="none")
+    checkpoint_writes = Background("checkpoint")  # save(background=True)
     algorithm = cls(model, algo_options, collective, exchange, inner_optimizer=inner_optimizer,
-                    outer_optimizer=outer_optimizer, lr_schedule=lr_schedule, **extra)
-    checkpoint_writes = Background("checkpoint")
-    algorithm.before_round = checkpoint_writes.wait
+                    outer_optimizer=outer_optimizer, lr_schedule=lr_schedule,
+                    before_round=checkpoint_writes.wait, **extra)
     return Parts(config=cfg, index=index, model=model, algorithm=algorithm,
                  collective=collective, exchange=exchange, ledger=ledger,
                  checkpoint_writes=checkpoint_writes, tiers=tiers, site=site,

@@ -40,17 +40,22 @@ unless you ask (``lr_schedule=True`` uses warmup + cosine over ``steps``; ``grad
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
+from functools import partial
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
+from farlink.compose import Parts, compose
+from farlink.parallel.reshard import ReshardError, reshard
+from farlink.state.checkpoint import (checkpoint_path, load_checkpoint_parts, load_newest_intact,
+                                      load_rank_part, read_verified_meta, save_checkpoint,
+                                      save_sharded_checkpoint)
 from farlink.sync import StepOutcome
-
-if TYPE_CHECKING:
-    from farlink.compose import Parts
 
 log = logging.getLogger(__name__)
 
@@ -99,8 +104,6 @@ class Optimizer:
     def __init__(self, model: nn.Module, inner_optimizer: torch.optim.Optimizer | None = None,
                  *, parts: Parts | None = None, **arguments: Any) -> None:
         if parts is None:  # the keyword form: the composition root builds the parts
-            from farlink.compose import compose
-
             parts = compose(model, inner_optimizer, **arguments)
         elif arguments or inner_optimizer is not None:
             raise TypeError("give either parts=compose(...) or the model's arguments, not both")
@@ -276,8 +279,6 @@ class Optimizer:
         round begins only after the write landed, so no more committed progress is at risk than
         with a synchronous save. A failed write (:class:`~farlink.state.checkpoint.DiskFull`)
         is raised by the next round, save or :meth:`wait_for_checkpoint`."""
-        from farlink.state.checkpoint import checkpoint_path, save_checkpoint
-
         directory = Path(directory)
         step = self.algorithm.inner_steps_done
         meta = {**meta, "algorithm": self.algorithm.name, "inner_steps": step,
@@ -297,10 +298,6 @@ class Optimizer:
         DCP (:func:`~farlink.state.checkpoint.save_sharded_checkpoint`); every rank calls it at
         the same step. In the background the write runs on a process group of its own, so its
         collectives never interleave with the training thread's (FSDP's, the site's)."""
-        from functools import partial
-
-        from farlink.state.checkpoint import checkpoint_path, save_sharded_checkpoint
-
         group = self.site.checkpoint_group()  # created by every rank, in the training thread
         meta = {**meta, SITE_RANKS: self.site.size}
         # bytes differ by rank (each sends its own shard): each rank's count travels with it
@@ -323,8 +320,6 @@ class Optimizer:
         ``path``), or None (and nothing changed) when there is none yet. Newer checkpoints that
         fail their digests are set aside and listed in :attr:`rejected_checkpoints`; a live
         peer ahead of the one loaded heals this replica at its first quorum."""
-        from farlink.state.checkpoint import load_newest_intact
-
         directory = Path(directory)
         if self.site is not None:
             return self._load_site(directory)
@@ -353,11 +348,6 @@ class Optimizer:
         every part read, cut again to what each rank of this site holds (a collective of the
         site's ranks: they tell each other their shapes). The bytes the old ranks sent go to
         rank 0 (the site's total is what its metrics report)."""
-        import json
-
-        from farlink.parallel.reshard import ReshardError, reshard
-        from farlink.state.checkpoint import load_checkpoint_parts
-
         parts, _ = load_checkpoint_parts(path)
         sent = [part.pop(BYTES_SENT, None) for part in parts]
         mine = {**self.algorithm.state_shapes(), "rng.torch": tuple(torch.get_rng_state().shape)}
@@ -382,10 +372,6 @@ class Optimizer:
         or, when another number of ranks wrote it, every part, cut again for this site
         (:meth:`_resharded`). A step is published only once all ranks wrote it, so each
         published step is whole."""
-        import torch.distributed as dist
-
-        from farlink.state.checkpoint import load_newest_intact, load_rank_part, read_verified_meta
-
         restored = load_newest_intact(directory, rank=0) if self.site.rank == 0 else None
         name = [restored.path.name if restored and restored.path else None]
         dist.broadcast_object_list(name, src=0, group=self.site.gloo_group())

@@ -236,7 +236,8 @@ class SyncAlgorithm(ABC):
     ``inner_optimizer`` is the caller's optimizer over the model's parameters, or None for
     :meth:`default_inner_optimizer`. ``lr_schedule`` sets the inner lr every step (warmup +
     cosine over ``options.steps``); by default only for an optimizer farlink built, so a user's
-    optimizer keeps the lr (and scheduler) the user gave it."""
+    optimizer keeps the lr (and scheduler) the user gave it. ``before_round``: called before
+    every round begins (the owner of background checkpoint writes lands the previous one)."""
 
     name: ClassVar[str]
     Options: ClassVar[type[SyncOptions]] = SyncOptions
@@ -254,6 +255,7 @@ class SyncAlgorithm(ABC):
         lr_schedule: bool | None = None,
         part_of: Callable[[torch.Tensor], torch.Tensor] | None = None,
         agree: Callable[[bool], bool] | None = None,
+        before_round: Callable[[], None] | None = None,
     ) -> None:
         if not isinstance(options, self.Options):
             raise TypeError(f"{self.name} takes {self.Options.__name__} (or a RunConfig), "
@@ -320,7 +322,7 @@ class SyncAlgorithm(ABC):
         #: called before every round begins, outside its timing: the owner of background
         #: checkpoint writes lands the previous write there (and raises its error, a full disk),
         #: so no round is committed while an earlier committed round's checkpoint is unwritten
-        self.before_round: Callable[[], None] | None = None
+        self.before_round = before_round
         collective.register_state(self.export_state, self.import_state)
 
     @classmethod
