@@ -163,16 +163,17 @@ def build_exchange(cfg: RunConfig, collective: Collective, sender: str, index: i
 @dataclass
 class Parts:
     """One replica of a run, built: what :class:`farlink.Optimizer` holds and drives."""
+
     config: RunConfig
     index: int
     model: nn.Module
     algorithm: SyncAlgorithm
     collective: Collective
-    exchange: Any  # an Exchange
+    exchange: Exchange
     ledger: ContributionLedger
     checkpoint_writes: Background  # save(background=True)
-    tiers: Any = None  # a farlink.train.tiers.Tiers, with islands
-    site: Any = None  # a started farlink.parallel.sharding.Site of several ranks, or None
+    tiers: Tiers | None = None  # with islands: the island and global collectives
+    site: Site | None = None  # a started site of several ranks, or None for one rank
     #: a site running DDP (each rank holds the whole replica): gradients are averaged over
     #: its ranks, each rank syncs a 1/K slice across sites, and the slices are shared after
     whole_replica_site: bool = False
