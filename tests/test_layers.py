@@ -25,7 +25,7 @@ LIBRARY = ("farlink.codecs", "farlink.robust", "farlink.comm", "farlink.sync", "
            "farlink.data", "farlink.state")
 APPLICATION = ("farlink.config", "farlink.train", "farlink.bench", "farlink.plan",
                "farlink.emulate", "farlink.cli", "farlink.swarm", "farlink.worker",
-               "farlink.compose", "farlink.membership", "farlink.flags")
+               "farlink.compose", "farlink.flags")
 
 
 @dataclass(frozen=True)

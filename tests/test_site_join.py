@@ -23,7 +23,7 @@ from procfs import site_ranks
 
 from farlink.bench.churn import committed_outer_steps
 from farlink.config import load_config
-from farlink.membership import run_authenticator
+from farlink.robust.auth import run_authenticator
 from farlink.train.audit import audit_run
 from farlink.train.launcher import _stop_all, spawn_worker, write_run_config
 from farlink.train.lighthouse import Lighthouse

@@ -14,7 +14,7 @@ import pytest
 from join_scenario import two_workers_then_join
 
 from farlink.config import load_config
-from farlink.membership import run_authenticator
+from farlink.robust.auth import run_authenticator
 from farlink.robust.keys import generate_keypair
 from farlink.train.audit import audit_run
 from farlink.train.launcher import _stop_all, spawn_worker, summarize, write_run_config

@@ -25,12 +25,11 @@ from farlink.comm.base import Collective, LinkModel
 from farlink.comm.inprocess import InProcessGroup
 from farlink.config import RunConfig
 from farlink.links import get_profile
-from farlink.membership import run_authenticator, run_secret
 from farlink.parallel.sharding import Site, model_is_sharded
 from farlink.robust import hostile
 from farlink.robust.aggregators import make_aggregator
 from farlink.robust.attacks import make_attack
-from farlink.robust.auth import make_authenticator
+from farlink.robust.auth import make_authenticator, run_authenticator, run_secret
 from farlink.robust.ledger import ContributionLedger
 from farlink.robust.weights import CLAIM_FACTOR, TIMED_CLAIM_FACTOR, round_token_bound
 from farlink.state.background import Background

@@ -105,7 +105,7 @@ def worker(
     **values: Any,
 ) -> None:
     """Run one site (replica group) of a run under torchrun, SLURM, Kubernetes or torchx."""
-    from farlink.membership import run_secret
+    from farlink.robust.auth import run_secret
     from farlink.train.worker import run_worker
 
     environ = dict(os.environ)

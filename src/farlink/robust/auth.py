@@ -27,11 +27,15 @@ import struct
 import threading
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 
 from farlink.robust import keys as keyfiles
+
+if TYPE_CHECKING:
+    from farlink.config import RunConfig
 
 _MSG_DOMAIN = b"farlink-msg\x00"
 _JOIN_DOMAIN = b"farlink-join\x00"
@@ -335,3 +339,27 @@ def resolve_secret(secret: str | None, secret_file: Path | None) -> str | None:
     if secret_file:
         return read_secret_file(secret_file)
     return os.environ.get(SECRET_ENV) or None
+
+
+def run_secret(cfg: RunConfig) -> str | None:
+    """The secret of a run with ``--auth secret`` (None for other kinds); a ValueError that
+    names the sources when there is none."""
+    if (cfg.auth or "none").strip().lower() != "secret":
+        return None
+    secret = resolve_secret(cfg.secret, cfg.secret_file)
+    if not secret:
+        raise ValueError(f"auth 'secret' needs the run secret: give {SECRET_SOURCES}")
+    return secret
+
+
+def run_authenticator(cfg: RunConfig, peer_id: str, verifier: bool = False) -> Authenticator | None:
+    """The authenticator a run's processes prove or check membership with; None for ``none``.
+
+    ``verifier`` builds one that only checks proofs (the Lighthouse gate needs no member key).
+    """
+    if (cfg.auth or "none").strip().lower() == "none":
+        return None
+    secret = run_secret(cfg)
+    return make_authenticator(cfg.auth, secret=secret,
+                              key_file=None if verifier else cfg.key_file,
+                              allowed_keys=cfg.allowed_keys, peer_id=peer_id)

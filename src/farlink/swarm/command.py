@@ -84,7 +84,7 @@ def register(app: typer.Typer, bench_app: typer.Typer) -> None:
         from farlink.swarm.definition import DefinitionServer, make_definition
         from farlink.config import ConfigError
         from farlink.data import CorpusError, prepare_data
-        from farlink.membership import run_authenticator
+        from farlink.robust.auth import run_authenticator
         from farlink.train.launcher import check_data, check_launch, write_model_files
         from farlink.train.rundir import open_run_dir, plan_run_dir
 

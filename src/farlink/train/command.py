@@ -60,7 +60,7 @@ def register(app: typer.Typer, bench_app: typer.Typer) -> None:
         each rank running this command; each heals its own shard from the same rank of a live
         site.
         """
-        from farlink.membership import run_secret
+        from farlink.robust.auth import run_secret
         from farlink.train.index_lock import check_joinable
         from farlink.train.rundir import check_resume, check_writable
         from farlink.train.worker import run_worker

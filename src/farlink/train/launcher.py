@@ -28,8 +28,7 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, Ti
 from farlink import interrupt
 from farlink import lifeline
 from farlink.config import ConfigError, RunConfig
-from farlink.membership import run_authenticator, run_secret
-from farlink.robust.auth import SECRET_ENV
+from farlink.robust.auth import SECRET_ENV, run_authenticator, run_secret
 from farlink.state.checkpoint import EXIT_DISK_FULL, is_disk_full
 from farlink.train.console import console as console  # where callers find it
 from farlink.train.lighthouse import Lighthouse
@@ -43,11 +42,12 @@ if TYPE_CHECKING:
     from farlink.data import PreparedData
     from farlink.emulate.topology import Topology
 
+
 def write_model_files(cfg: RunConfig, data: PreparedData) -> None:
     """The run directory keeps its tokenizer and model shape next to the weights, so
     ``farlink export`` and ``farlink generate`` need nothing from the cache or the inputs."""
-    from farlink.state.files import atomic_write
     from farlink.model.build import write_model_description
+    from farlink.state.files import atomic_write
 
     atomic_write(cfg.run_dir / "tokenizer.json", data.tokenizer.to_str().encode("utf-8"))
     write_model_description(cfg.run_dir, cfg.model, data.vocab_size, cfg.seq_len)

@@ -155,7 +155,7 @@ def crossing_bytes(plan: NetworkPlan, algorithm: str, per_worker: dict[str, dict
 def prepare_network(cfg: RunConfig, vocab_size: int, namespaced: bool = False):
     """Launcher side: plan the network, start one Lighthouse per island (hierarchical runs) and
     write ``network.json``. Returns (plan or None, the island Lighthouses to stop at the end)."""
-    from farlink.membership import run_authenticator
+    from farlink.robust.auth import run_authenticator
     from farlink.model.build import count_parameters
     from farlink.train.lighthouse import Lighthouse
 

@@ -38,9 +38,9 @@ from farlink.parallel.stage_sync import StageOuterSync
 from farlink.parallel.swarm_router import StageUnavailable
 from farlink.parallel.stages import model_parameter_name, stage_bounds
 from farlink.sync import algorithm_class
-from farlink.state.files import temp_path
 from farlink.state.checkpoint import (is_disk_full, load_newest_intact,
                                       remove_stale_temps, save_checkpoint)
+from farlink.state.files import temp_path
 from farlink.train.console import console
 from farlink.train.metrics import MetricsLog, read_metrics
 from farlink.train.result import RunResult

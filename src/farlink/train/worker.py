@@ -35,9 +35,9 @@ import torch
 from farlink import interrupt
 from farlink.config import RunConfig
 from farlink.state.background import Background
-from farlink.state.files import temp_path
 from farlink.state.checkpoint import (EXIT_DISK_FULL, DiskFull, is_disk_full,
                                       remove_stale_temps)
+from farlink.state.files import temp_path
 from farlink.train.metrics import MetricsLog
 
 log = logging.getLogger("farlink.worker")
