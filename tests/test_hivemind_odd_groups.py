@@ -87,9 +87,9 @@ def test_the_left_out_peer_skips_after_its_window_and_the_last_round_takes_every
         peer.register_state(lambda n=name: {k: v.clone() for k, v in states[n].items()},
                             lambda s, n=name: states[n].update(s))
     try:
-        def round_of(name: str, peer: HivemindCollective) -> tuple:
+        def round_of(name: str, peer: HivemindCollective, final: bool = False) -> tuple:
             started = time.monotonic()
-            info = peer.begin_round()
+            info = peer.begin_round(final=final)
             x = [states[name]["x"]]
             peer.all_reduce_sum(x)
             return info, peer.commit(), time.monotonic() - started
@@ -103,9 +103,7 @@ def test_the_left_out_peer_skips_after_its_window_and_the_last_round_takes_every
         assert all(c and i.world_size == 2 for n, (i, c, _) in first_round.items()
                    if n not in left_out)
 
-        for peer in peers.values():
-            peer.final_round = True
-        last = in_threads(round_of, peers)
+        last = in_threads(lambda name, peer: round_of(name, peer, final=True), peers)
         assert all(info.world_size == 3 and info.round_id == 1 and committed
                    for info, committed, _ in last.values()), last
         assert [n for n, (info, _, _) in last.items() if info.healed] == left_out

@@ -13,7 +13,7 @@ from test_sync_diloco import make_algo
 
 from farlink.comm.inprocess import InProcessGroup
 from farlink.sync.exchange import ExchangeResult
-from farlink.train import checkpoint as ckpt
+from farlink.state import checkpoint as ckpt
 
 
 def test_an_outer_step_never_applies_a_nan_aggregate(caplog) -> None:

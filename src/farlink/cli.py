@@ -27,7 +27,7 @@ COMMAND_MODULES = [
     "farlink.bench.command",
     "farlink.emulate.command",
     "farlink.robust.command",
-    "farlink.comm.swarm_command",
+    "farlink.swarm.command",
     "farlink.worker",
 ]
 

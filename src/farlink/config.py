@@ -33,6 +33,7 @@ from pydantic import (BaseModel, ConfigDict, Field, ValidationError, ValidationI
 
 from farlink import matrix
 from farlink.emulate.pairwise import EmulationOptions
+from farlink.errors import ConfigError as ConfigError  # where callers find it
 from farlink.model.config import PRESETS
 from farlink.parallel.pipeline import PipelineOptions
 from farlink.parallel.sharding import SiteOptions
@@ -42,10 +43,6 @@ from farlink.sync.exchange import ExchangeOptions
 from farlink.tomlfile import read_toml
 
 HF_MODEL_PREFIX = "hf:"
-
-
-class ConfigError(ValueError):
-    """A configuration that cannot run; the message names the field and the fix."""
 
 
 LATEST_RUN = Path("runs/latest")  # the default run dir: a link to the newest run under runs/

@@ -223,7 +223,8 @@ class SyncAlgorithm(ABC):
     ``inner_optimizer`` is the caller's optimizer over the model's parameters, or None for
     :meth:`default_inner_optimizer`. ``lr_schedule`` sets the inner lr every step (warmup +
     cosine over ``options.steps``); by default only for an optimizer farlink built, so a user's
-    optimizer keeps the lr (and scheduler) the user gave it."""
+    optimizer keeps the lr (and scheduler) the user gave it. ``before_round``: called before
+    every round begins (the owner of background checkpoint writes lands the previous one)."""
 
     name: ClassVar[str]
     Options: ClassVar[type[SyncOptions]] = SyncOptions
@@ -242,6 +243,7 @@ class SyncAlgorithm(ABC):
         part_of: Callable[[torch.Tensor], torch.Tensor] | None = None,
         agree: Callable[[bool], bool] | None = None,
         schedule: Schedule | None = None,
+        before_round: Callable[[], None] | None = None,
     ) -> None:
         if not isinstance(options, self.Options):
             raise TypeError(f"{self.name} takes {self.Options.__name__} (or a RunConfig), "
@@ -317,7 +319,7 @@ class SyncAlgorithm(ABC):
         #: called before every round begins, outside its timing: the owner of background
         #: checkpoint writes lands the previous write there (and raises its error, a full disk),
         #: so no round is committed while an earlier committed round's checkpoint is unwritten
-        self.before_round: Callable[[], None] | None = None
+        self.before_round = before_round
         collective.register_state(self.export_state, self.import_state)
 
     @classmethod
@@ -539,10 +541,10 @@ class SyncAlgorithm(ABC):
         network_before = self.collective.stats.comm_seconds
         info, committed = None, False
         # the run's last round: a backend of small groups forms it with every live peer
-        self.collective.final_round = self.last_round_due()
+        final = self.last_round_due()
         for attempt in range(self.cfg.round_retries + 1):
             asked = time.perf_counter()
-            info = self.collective.begin_round()
+            info = self.collective.begin_round(final=final)
             self.quorum_seconds += time.perf_counter() - asked
             self.last_round = info
             if info.skipped:  # no group for this worker this round: nothing to average
@@ -578,6 +580,5 @@ class SyncAlgorithm(ABC):
             # collective may form its group meanwhile (hivemind's matchmaking), as the run's
             # last round if it is (formed with every live peer, under a key of its own: a
             # search of the usual kind would pair a peer with one that then leaves for it)
-            self.collective.final_round = self.next_round_is_last()
-            self.collective.expect_round(self._round_gap)
+            self.collective.expect_round(self._round_gap, final=self.next_round_is_last())
         return committed, seconds, info

@@ -169,7 +169,7 @@ def prepare_network(cfg: RunConfig, vocab_size: int, namespaced: bool = False):
     if previous is not None:  # a resumed run keeps its islands (checkpoints were made in them)
         plan = previous
     else:
-        params = count_parameters(cfg, vocab_size)
+        params = count_parameters(cfg.model, vocab_size, cfg.seq_len)
         plan = plan_network(cfg, reference_bytes=4 * params)
         assert plan is not None
     lighthouses: list[Lighthouse] = []
