@@ -248,10 +248,10 @@ def test_protocol_attacks_parse_and_say_where_they_do_not_apply() -> None:
 def test_a_served_poisoned_state_still_carries_a_valid_seal() -> None:
     """The emulation reseals what it serves: a receiver's digest check passes, so only a
     check of the content (finite, what the group holds) can refuse it."""
-    from farlink.sync.base import seal, unseal
+    from farlink.sync.digest import verified, with_digest
 
     state = {"w": torch.ones(3), "schedule.step": torch.tensor([4])}
-    served = unseal(hostile.poisoned(lambda: seal(state), nan=True)())
+    served = verified(hostile.poisoned(lambda: with_digest(state), nan=True)())
     assert torch.isnan(served["w"]).all() and served["schedule.step"].item() == 4
-    served = unseal(hostile.poisoned(lambda: seal(state), nan=False)())
+    served = verified(hostile.poisoned(lambda: with_digest(state), nan=False)())
     assert torch.isfinite(served["w"]).all() and not torch.equal(served["w"], state["w"])

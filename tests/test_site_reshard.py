@@ -127,7 +127,7 @@ def test_a_peer_whose_shards_are_cut_otherwise_is_not_healed_from():
     tensor, as rank 0 of a 2-rank site holds it) is refused whole, naming the settings to
     match, and nothing of it is loaded."""
     import farlink
-    from farlink.sync.base import StateTransferError
+    from farlink.sync.digest import StateTransferError
 
     def replica(rows: int, seed: int = 0) -> farlink.Optimizer:
         torch.manual_seed(seed)

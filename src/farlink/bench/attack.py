@@ -179,7 +179,7 @@ def final_losses(run_dir: Path, workers: list[str]) -> tuple[dict[str, float], d
     happened to evaluate (a round's rank 0). A worker without a final model is left out."""
     import json
 
-    from farlink.sync.base import state_digest
+    from farlink.sync.digest import state_digest
 
     from safetensors.torch import load_model
 

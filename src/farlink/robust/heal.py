@@ -38,10 +38,10 @@ FINGERPRINT_HEX = 16
 
 def state_fingerprint(state: Mapping[str, torch.Tensor]) -> str:
     """What a member announces of its committed state: the SHA-256 of names, dtypes, shapes and
-    bytes (:func:`farlink.sync.base.state_digest`) without the schedule (a member's place in its
-    inner steps when it looks for a group) and without a transfer's integrity seal, so members
+    bytes (:func:`farlink.sync.digest.state_digest`) without the schedule (a member's place in its
+    inner steps when it looks for a group) and without a transfer's integrity digest, so members
     that hold one committed state announce one fingerprint."""
-    from farlink.sync.base import state_digest
+    from farlink.sync.digest import state_digest
 
     kept = {k: v for k, v in state.items() if not k.startswith("integrity.")}
     return state_digest(kept).hex()[:FINGERPRINT_HEX]

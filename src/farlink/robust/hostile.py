@@ -115,12 +115,12 @@ def poisoned(get_state, nan: bool):  # noqa: ANN001, ANN201 - state callables
     """``get_state`` whose floating tensors are replaced by random values (or NaN), resealed
     with a valid SHA-256 so the receiver's integrity check passes: the hash says the bytes
     arrived as sent, not that they are good."""
-    from farlink.sync.base import seal, unseal
+    from farlink.sync.digest import verified, with_digest
 
     def serve():  # noqa: ANN202
         state = get_state()
         sealed = "integrity.sha256" in state
-        state = unseal(state) if sealed else dict(state)
+        state = verified(state) if sealed else dict(state)
         gen = torch.Generator().manual_seed(ROUND_OFFSET)
         for name, value in state.items():
             if value.is_floating_point() and not name.startswith("schedule."):
@@ -129,7 +129,7 @@ def poisoned(get_state, nan: bool):  # noqa: ANN001, ANN201 - state callables
                 state[name] = bad.to(dtype=value.dtype, device=value.device)
         log.warning("%s: serving a poisoned state (%s) to a healing peer", HOSTILE_TAG,
                     "NaN" if nan else "random weights")
-        return seal(state) if sealed else state
+        return with_digest(state) if sealed else state
 
     return serve
 

@@ -37,6 +37,8 @@ from pydantic import BaseModel, ConfigDict, Field
 from torch import nn
 
 from farlink.comm.base import Collective, RoundInfo
+from farlink.sync.digest import (StateTransferError, state_digest, verified,  # noqa: F401
+                                 with_digest)
 from farlink.sync.exchange import Exchange, ExchangeResult
 from farlink.sync.moshpit import GroupMixing
 from farlink.sync.schedule import Schedule, make_schedule, nearest_step_boundary  # noqa: F401
@@ -170,43 +172,6 @@ def load_worker_private_state(algo: SyncAlgorithm, state: TensorState) -> None:
     algo.exchange.compressor.load_state_dict(
         {k: v for k, v in state.items() if k.startswith("residual.")}
     )
-
-
-class StateTransferError(RuntimeError):
-    """A state received from a peer that fails verification."""
-
-
-def state_digest(state: TensorState, include_schedule: bool = False) -> bytes:
-    """SHA-256 over names, dtypes, shapes and bytes of a state, in name order."""
-    import hashlib
-
-    digest = hashlib.sha256()
-    for name, tensor in sorted(state.items()):
-        if name.startswith("schedule.") and not include_schedule:
-            continue
-        t = tensor.detach().contiguous().cpu()
-        digest.update(f"{name}|{t.dtype}|{tuple(t.shape)}".encode())
-        digest.update(t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
-    return digest.digest()
-
-
-def seal(state: TensorState) -> TensorState:
-    """``state`` with its SHA-256 (schedule included) added, for a transfer to a peer."""
-    return {**state, "integrity.sha256": torch.frombuffer(
-        bytearray(state_digest(state, include_schedule=True)), dtype=torch.uint8)}
-
-
-def unseal(state: TensorState) -> TensorState:
-    """A transferred state without its seal, if it hashes to what the sender sealed; else
-    :class:`StateTransferError` (nothing of it must be loaded)."""
-    state = dict(state)
-    hash_ = state.pop("integrity.sha256", None)
-    if hash_ is None:
-        raise StateTransferError("transferred state carries no integrity hash")
-    if bytes(hash_.numpy().tobytes()) != state_digest(state, include_schedule=True):
-        raise StateTransferError("transferred state does not match its hash; not loaded")
-    log.info("state from a live peer verified (%s)", bytes(hash_[:8].numpy()).hex())
-    return state
 
 
 def nesterov(lr: float, momentum: float) -> OuterOptimizerFactory:
@@ -417,14 +382,14 @@ class SyncAlgorithm(ABC):
 
     def export_state(self) -> TensorState:
         """Committed state for a healing peer, sealed with its SHA-256 (checked on arrival)."""
-        return seal(self.shared_state())
+        return with_digest(self.shared_state())
 
     def import_state(self, state: TensorState) -> None:
         """Adopt a transferred state only if it hashes to what the sender sealed and every
         tensor has the shape this replica holds: a site heals rank r from rank r of another
         site, so a peer whose shards are cut otherwise (another --ranks-per-worker or
         --sharding) would hand over the wrong slice, or fail deep inside a copy."""
-        state = unseal(state)
+        state = verified(state)
         mine = {key: tuple(value.shape) for key, value in self.shared_state().items()}
         misfit = sorted(k for k, shape in mine.items()
                         if k in state and tuple(state[k].shape) != shape)

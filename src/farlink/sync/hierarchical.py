@@ -75,10 +75,8 @@ from farlink.sync.base import (
     TensorState,
     load_optimizer_state,
     optimizer_state,
-    seal,
-    state_digest,
-    unseal,
 )
+from farlink.sync.digest import state_digest, verified, with_digest
 from farlink.sync.diloco import DiLoCo, DiLoCoOptions
 from farlink.sync.exchange import Exchange, ExchangeResult
 from farlink.sync.schedule import Schedule, make_schedule
@@ -514,12 +512,12 @@ class HierarchicalDiLoCo(DiLoCo):
     def _export_global(self) -> TensorState:
         """What a lagging leader receives from another island's leader: global state only (its
         own island's anchor stays, so its members remain in step with it)."""
-        return seal(self._global_state(self._active_global))
+        return with_digest(self._global_state(self._active_global))
 
     def _import_global(self, state: TensorState) -> None:
         # into the state the running global round works on; members adopt it with the round's
         # hand-off, which always carries the leader's global state
-        self.load_global_state(unseal(state), *(self._active_global or ()))
+        self.load_global_state(verified(state), *(self._active_global or ()))
 
     def state_dict(self) -> TensorState:
         state = super().state_dict()  # DiLoCo's: shared state, worker-private state, tokens

@@ -21,6 +21,7 @@ from collections.abc import Callable
 import torch
 
 from farlink.comm.base import Collective, RoundInfo
+from farlink.sync.digest import state_digest
 
 log = logging.getLogger(__name__)
 
@@ -46,8 +47,6 @@ class GroupMixing:
     def mix(self, state: TensorState, info: RoundInfo) -> TensorState | None:
         """The group's mean of ``state`` (its floating tensors; the rest as they are), or None
         when there is nothing to mix (one state in the group, or no partial groups)."""
-        from farlink.sync.base import state_digest
-
         if not self.applies(info):
             return None
         # in name order: an optimizer that loaded its state (a healed peer) lists it in
