@@ -66,6 +66,7 @@ def register(app: typer.Typer, bench_app: typer.Typer) -> None:
             [4, 16], help="peer counts also run on today's gathered path"),
         link_mbit: float = typer.Option(100.0, help="emulated upload per peer, Mbit/s"),
         link_ms: float = typer.Option(10.0, help="emulated one-way latency, ms"),
+        name: str = typer.Option("scale", help="the output files' name (NAME.json, NAME.png)"),
     ) -> None:
         """Bytes per peer per round, round time, utilization and loss from 4 to 32 peers."""
         from farlink.bench.scale import CODECS, RULES, run as run_scale
@@ -77,7 +78,7 @@ def register(app: typer.Typer, bench_app: typer.Typer) -> None:
                 raise typer.BadParameter(f"unknown {name} {sorted(unknown)}; choose from "
                                          f"{', '.join(known)}")
         result = run_scale(out, peers, codec, rule, steps, inner_steps, baseline_peers,
-                           LinkModel.of(link_mbit, link_ms))
+                           LinkModel.of(link_mbit, link_ms), name=name)
         print_rows(result["rows"], ["codec", "rule", "peers", "path",
                                     "bytes_per_peer_per_round", "ratio_to_ideal",
                                     "bytes_vs_gathered", "round_s", "utilization",

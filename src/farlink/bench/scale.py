@@ -92,9 +92,9 @@ def run_one(codec: str, rule: str, peers: int, path: str, base: dict,
 
 def run(out: Path, peers: list[int], codecs: list[str], rules: list[str], steps: int,
         inner_steps: int, baseline_peers: list[int], link: LinkModel | None,
-        extra: dict | None = None) -> dict:
+        extra: dict | None = None, name: str = "scale") -> dict:
     """Every (codec, rule, n) on the picked path, and on the gathered path at
-    ``baseline_peers``; writes ``scale.json`` and ``scale.png`` under ``out``."""
+    ``baseline_peers``; writes ``NAME.json`` and ``NAME.png`` under ``out``."""
     out.mkdir(parents=True, exist_ok=True)
     base = {"model": "nano", "steps": steps, "inner_steps": inner_steps, "warmup_steps": 2,
             "batch_size": 2, "seq_len": 64, "eval_batches": 4, "threads": 1, **(extra or {})}
@@ -105,7 +105,7 @@ def run(out: Path, peers: list[int], codecs: list[str], rules: list[str], steps:
                 for path in ["auto"] + (["gathered"] if n in baseline_peers
                                         and codec != "sparseloco" else []):
                     rows.append(run_one(codec, rule, n, path, base, link))
-                    _write(out, rows, base, link)
+                    _write(out, rows, base, link, name)
     for row in rows:  # loss and bytes against today's gathered path at the same n
         today = next((r for r in rows if r["asked"] == "gathered" and r["codec"] == row["codec"]
                       and r["rule"] == row["rule"] and r["peers"] == row["peers"]), None)
@@ -113,21 +113,22 @@ def run(out: Path, peers: list[int], codecs: list[str], rules: list[str], steps:
             row["loss_vs_gathered"] = row["heldout_loss"] / today["heldout_loss"] - 1
             row["bytes_vs_gathered"] = (row["bytes_per_peer_per_round"]
                                         / today["bytes_per_peer_per_round"])
-    result = _write(out, rows, base, link)
-    _plot(out, rows)
+    result = _write(out, rows, base, link, name)
+    _plot(out, rows, name)
     return result
 
 
-def _write(out: Path, rows: list[dict], base: dict, link: LinkModel | None) -> dict:
+def _write(out: Path, rows: list[dict], base: dict, link: LinkModel | None,
+           name: str) -> dict:
     result = {"config": base, "link": None if link is None else {
         "bandwidth_bytes_per_s": link.bandwidth_bytes_per_s, "latency_s": link.latency_s},
         "emulation": "in-process (threads; each collective sleeps latency + bytes/bandwidth)",
         "rows": rows}
-    (out / "scale.json").write_text(json.dumps(result, indent=1))
+    (out / f"{name}.json").write_text(json.dumps(result, indent=1))
     return result
 
 
-def _plot(out: Path, rows: list[dict]) -> None:
+def _plot(out: Path, rows: list[dict], name: str) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -160,5 +161,5 @@ def _plot(out: Path, rows: list[dict]) -> None:
         ax.set_title(rule)
         ax.legend(fontsize=7)
     fig.tight_layout()
-    fig.savefig(out / "scale.png", dpi=120)
+    fig.savefig(out / f"{name}.png", dpi=120)
     plt.close(fig)
