@@ -91,3 +91,30 @@ def test_shards_go_to_their_owners_and_a_dead_owner_costs_one_round() -> None:
     finally:
         for coll in peers.values():
             coll.close()
+
+
+def test_a_group_with_a_member_behind_nat_goes_through_the_all_gather() -> None:
+    """A client-mode member takes no pushes: ``auto`` keeps such a group on the gathered path,
+    and a forced compressed all-reduce still ends on the in-process bits."""
+    opts = dict(target_group_size=3, min_group_size=3, **SHORT)
+    a = HivemindCollective("sharded-nat", **opts)
+    peers = {"a": a, "b": HivemindCollective("sharded-nat", a.maddrs, **opts),
+             "c": HivemindCollective("sharded-nat", a.maddrs, client_mode=True, **opts)}
+    try:
+        def both(name: str, coll: HivemindCollective) -> tuple:
+            info = coll.begin_round()
+            auto = Exchange(coll, make_compressor("int8+ef"), name)
+            assert "no all-to-all" in auto.gathered_reason(update_of(info.rank))
+            forced = Exchange(coll, make_compressor("int8+ef"), name, path="allreduce")
+            result = forced.average(update_of(info.rank), 1.0, info.round_id)
+            return info, result, coll.commit()
+
+        rows = in_threads(both, peers, timeout=120)
+        in_process = InProcessGroup(3).run(lambda r, c: Exchange(
+            c, make_compressor("int8+ef"), "abc"[r]).average(update_of(r), 1.0, 0))
+        for info, result, ok in rows.values():
+            assert ok and result.path == "allreduce"
+            assert torch.equal(flat(result.tensors), flat(in_process[info.rank].tensors))
+    finally:
+        for coll in peers.values():
+            coll.close()

@@ -1065,7 +1065,11 @@ class HivemindCollective(Collective):
         self.stats.add_phase("all_gather", time.perf_counter() - start)
         return out
 
-    native_all_to_all = True
+    @property
+    def native_all_to_all(self) -> bool:  # type: ignore[override]
+        """True unless the round's group has a member behind NAT (it takes no pushes)."""
+        group = self._group
+        return group is None or not any(group.client)
 
     def round_members(self) -> int:
         return self._current().size
@@ -1084,17 +1088,20 @@ class HivemindCollective(Collective):
         outgoing = [bytes(m) for m in outgoing]
         if n == 1:
             return outgoing
-        if any(group.client):
-            gathered = self.all_gather_bytes(msgpack.packb(outgoing))
+        if any(group.client):  # one message for all (an all-gather's) travels once
+            same = all(m == outgoing[0] for m in outgoing)
+            gathered = self.all_gather_bytes(msgpack.packb([outgoing[0]] if same else outgoing))
             out = []
             for rank, raw in enumerate(gathered):
                 try:
                     lists = msgpack.unpackb(raw) if raw and rank != group.me else None
                 except Exception:  # noqa: BLE001 - a malformed list delivers nothing
                     lists = None
+                mine = None
+                if isinstance(lists, list) and len(lists) in (1, n):
+                    mine = lists[0] if len(lists) == 1 else lists[group.me]
                 out.append(outgoing[rank] if rank == group.me else
-                           bytes(lists[group.me]) if isinstance(lists, list) and len(lists) == n
-                           and isinstance(lists[group.me], bytes) else b"")
+                           bytes(mine) if isinstance(mine, bytes) else b"")
             return out
         self.stats.collectives += 1
         key = group.next_key(b"a")

@@ -156,8 +156,11 @@ class Exchange:
 
         if self.path == "gathered":
             return "chosen (path=gathered)"
-        if not self.collective.native_all_to_all:
-            return f"{type(self.collective).__name__} has no all-to-all"
+        if not self.collective.native_all_to_all and (
+                self.path == "auto"
+                or type(self.collective).all_to_all_bytes is Collective.all_to_all_bytes):
+            return (f"{type(self.collective).__name__} has no all-to-all (none at all, or a "
+                    "group member behind NAT that takes no pushes)")
         if not isinstance(self.compressor.codec, DENSE_CODECS):
             return f"codec {self.compressor.codec.name} is sparse: the union of payloads does " \
                 "not shrink"
