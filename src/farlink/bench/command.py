@@ -72,10 +72,10 @@ def register(app: typer.Typer, bench_app: typer.Typer) -> None:
         from farlink.bench.scale import CODECS, RULES, run as run_scale
         from farlink.comm.base import LinkModel
 
-        for name, known in (("codec", CODECS), ("rule", RULES)):
-            unknown = set(codec if name == "codec" else rule) - set(known)
+        for option, known in (("codec", CODECS), ("rule", RULES)):
+            unknown = set(codec if option == "codec" else rule) - set(known)
             if unknown:
-                raise typer.BadParameter(f"unknown {name} {sorted(unknown)}; choose from "
+                raise typer.BadParameter(f"unknown {option} {sorted(unknown)}; choose from "
                                          f"{', '.join(known)}")
         result = run_scale(out, peers, codec, rule, steps, inner_steps, baseline_peers,
                            LinkModel.of(link_mbit, link_ms), name=name)
