@@ -127,7 +127,7 @@ def test_whole_update_rules_decide_as_on_the_gathered_path(rule: str) -> None:
 
 def test_a_nonfinite_sender_is_refused_everywhere_and_the_round_goes_on() -> None:
     """Its bad shard reaches one owner (w0), the only one that can check it: the sender is
-    refused everywhere, and the accuser's own update sits the round out (BTARD's rule)."""
+    refused everywhere, and the accuser's own update sits the round out."""
     data = updates(5, seed=4)
     data[3]["emb"][0, 0] = float("nan")  # in owner 0's shard only
     rows = one_round(5, "fp16", "allreduce", "mean", data=data)
@@ -197,7 +197,19 @@ class EquivocatingOwner(CheatingOwner):
         return out
 
 
-@pytest.mark.parametrize("cheat", [ScalingOwner, EquivocatingOwner])
+class AccusingOwner(CheatingOwner):
+    """Owner w1 refuses every other member's shard, as if each were bad."""
+
+    def _open_shards(self, *args):  # noqa: ANN002, ANN202
+        senders = super()._open_shards(*args)
+        if self.x.sender == "w1":
+            for k, s in enumerate(senders):
+                if k != 1:
+                    s.verdict, s.why = "nonfinite", "claimed by w1"
+        return senders
+
+
+@pytest.mark.parametrize("cheat", [ScalingOwner, EquivocatingOwner, AccusingOwner])
 def test_a_cheating_owner_fails_the_round_and_is_named(cheat: type) -> None:
     class Cheats(Exchange):
         def sharded_reduce(self):  # noqa: ANN202
@@ -207,7 +219,8 @@ def test_a_cheating_owner_fails_the_round_and_is_named(cheat: type) -> None:
     for result, _, _, ok in rows:
         assert not ok
         assert result.tensors == {}
-        assert result.rejected.get("w1", "").startswith("owner"), result.rejected
+        assert result.rejected.get("w1", "").startswith(
+            "accuser" if cheat is AccusingOwner else "owner"), result.rejected
 
 
 def test_auto_keeps_tiny_updates_on_the_gathered_path_and_sparse_codecs_too() -> None:

@@ -180,6 +180,8 @@ class ShardedReduce:
                 f"{', '.join(ident[o] for o in broken)} does not verify"), blame=sorted(broken))
             return ExchangeResult({}, 0.0, rejected=result.rejected)
         own_sent = [float((sent[a:b].double() ** 2).sum()) for a, b in bounds]
+        if self._accused_too_many(table, ident, result, round_id, n):
+            return ExchangeResult({}, 0.0, rejected=result.rejected)
         accepted, norms = self._decide(table, senders, result, round_id, n)
         if not accepted:
             return result
@@ -349,22 +351,49 @@ class ShardedReduce:
             table.append(rows)
         return table, broken
 
+    @staticmethod
+    def _unconfirmed(table: list[list[tuple]], n: int) -> dict[int, list[int]]:
+        """Owner -> the members whose shard it alone (or with some, not all, other owners)
+        refused: accusations no other owner can confirm."""
+        out: dict[int, list[int]] = {}
+        for k in range(n):
+            bad = [o for o in range(n) if o != k and table[o][k][0] != 0]
+            if bad and len(bad) < n - 1:
+                for o in bad:
+                    out.setdefault(o, []).append(k)
+        return out
+
+    def _accused_too_many(self, table: list[list[tuple]], ident: dict[int, str], result,
+                          round_id: int, n: int) -> bool:
+        """An owner with more than one unconfirmed accusation fails the round (it and the
+        members it accused are blamed): paying one update for each accusation, it could
+        otherwise drop every honest update at the price of its own."""
+        many = {o: ks for o, ks in self._unconfirmed(table, n).items() if len(ks) > 1}
+        if not many:
+            return False
+        for owner, accused in many.items():
+            self.x._reject(result, ident[owner], round_id, 0.0, UpdateRejected(
+                f"as owner of shard {owner} refused the shards of members {accused}, which no "
+                "other owner could check", "accuser"))
+        blame = sorted(set(many) | {k for ks in many.values() for k in ks})
+        self.x.collective.fail_round(CommError(
+            f"round {round_id} not committed: {', '.join(ident[o] for o in many)} refused "
+            "several members' shards that no other owner could check"), blame=blame)
+        return True
+
     def _decide(self, table: list[list[tuple]], senders: list[_Sender], result, round_id: int,
                 n: int) -> tuple[list[int], dict[int, float]]:
         """The whole-update verdict on each member, from every owner's report (the same on
         every member): rejected if any owner rejected its shard, if owners saw different
         claims, if its whole norm breaks the bound or the round's screen. An owner that refused
         a shard no other owner could check (one bad shard reaches one owner) loses its own
-        update for the round too, as in BTARD: a false accusation then costs the accuser as
-        much as its victim, so accusations cannot turn an honest majority into a minority."""
+        update for the round too: a false accusation then costs the accuser as much as its
+        victim (one each: more fail the round), so accusations cannot turn an honest majority
+        into a minority."""
         x = self.x
         accepted, norms = [], {}
-        accusers: dict[int, int] = {}  # owner -> a member only it accused
-        for k in range(n):
-            bad = [o for o in range(n) if o != k and table[o][k][0] != 0]
-            if bad and len(bad) < n - 1:  # not every other owner saw it: unconfirmed
-                for o in bad:
-                    accusers.setdefault(o, k)
+        # owner -> the one member only it accused (more fail the round: _accused_too_many)
+        accusers = {o: ks[0] for o, ks in self._unconfirmed(table, n).items()}
         for k in range(n):
             bad = [(o, _VERDICTS[table[o][k][0]]) for o in range(n) if table[o][k][0] != 0]
             claims = {table[o][k][1] for o in range(n)}
