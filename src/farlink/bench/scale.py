@@ -120,7 +120,7 @@ def run(out: Path, peers: list[int], codecs: list[str], rules: list[str], steps:
 
 def _write(out: Path, rows: list[dict], base: dict, link: LinkModel | None,
            name: str) -> dict:
-    result = {"config": base, "link": None if link is None else {
+    result = {"config": {k: v for k, v in base.items() if k != "cache_dir"}, "link": None if link is None else {
         "bandwidth_bytes_per_s": link.bandwidth_bytes_per_s, "latency_s": link.latency_s},
         "emulation": "in-process (threads; each collective sleeps latency + bytes/bandwidth)",
         "rows": rows}
