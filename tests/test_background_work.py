@@ -44,7 +44,7 @@ def synchronous_heldout(cfg) -> tuple[float, float]:  # noqa: ANN001
     from farlink.model.build import build_model
 
     data = prepare_data(cfg.corpus, cfg.vocab_size, cfg.cache_dir)
-    model = build_model(cfg, data.vocab_size)
+    model = build_model(cfg.model, data.vocab_size, cfg.seq_len)
     load_model(model, str(cfg.run_dir / "final" / "w0.safetensors"))
     batches = heldout_batches(data.heldout, cfg.seq_len, cfg.batch_size, cfg.eval_batches)
     start = time.perf_counter()

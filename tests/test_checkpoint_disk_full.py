@@ -14,7 +14,7 @@ import pytest
 
 from farlink.config import load_config
 from farlink.train.audit import audit_run
-from farlink.train.checkpoint import EXIT_DISK_FULL
+from farlink.state.checkpoint import EXIT_DISK_FULL
 from farlink.train.launcher import launch
 
 TINY = {"vocab_size": 512, "seq_len": 64, "batch_size": 4, "eval_batches": 2, "workers": 2,

@@ -14,7 +14,7 @@ import torch
 
 from farlink.config import load_config
 from farlink.train.audit import audit_run
-from farlink.train.checkpoint import (
+from farlink.state.checkpoint import (
     CORRUPT_PREFIX,
     load_checkpoint,
     load_newest_intact,

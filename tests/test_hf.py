@@ -261,16 +261,14 @@ def test_hf_dir_weights_are_loaded_for_continued_pretraining(tmp_path: Path) -> 
     tiny_llama_config().save_pretrained(tmp_path / "config-only")
     base = {"seq_len": 64, "run_dir": tmp_path / "run"}
     torch.manual_seed(0)
-    loaded = build_model(load_config(None, {**base, "model": f"hf:{tmp_path / 'with-weights'}"}),
-                         512)
-    fresh = build_model(load_config(None, {**base, "model": f"hf:{tmp_path / 'config-only'}"}),
-                        512)
+    loaded = build_model(f"hf:{tmp_path / 'with-weights'}", 512, base["seq_len"])
+    fresh = build_model(f"hf:{tmp_path / 'config-only'}", 512, base["seq_len"])
     assert isinstance(loaded, CausalLM)
     for name, tensor in trained.state_dict().items():
         assert torch.equal(loaded.hf.state_dict()[name], tensor), name
     assert not torch.equal(fresh.hf.model.embed_tokens.weight, trained.model.embed_tokens.weight)
     with pytest.raises(ConfigError, match="embeds only 512"):
-        build_model(load_config(None, {**base, "model": f"hf:{tmp_path / 'config-only'}"}), 600)
+        build_model(f"hf:{tmp_path / 'config-only'}", 600, base["seq_len"])
 
 
 def test_hf_dir_and_tokenizer_are_checked_before_a_run(tmp_path: Path) -> None:

@@ -10,7 +10,7 @@ from swarm_output import read_multiaddress
 
 # The swarm sub-app on its own typer app, as farlink.cli wires it via register(app, bench_app).
 LAUNCH = (
-    "import typer, sys; from farlink.comm.swarm_command import register; "
+    "import typer, sys; from farlink.swarm.command import register; "
     "app = typer.Typer(); register(app, typer.Typer()); app()"
 )
 

@@ -100,14 +100,22 @@ def test_a_member_that_leaves_after_the_early_group_formed_fails_only_that_round
 
 
 class HintRecorder(InProcessCollective):
-    """An in-process member that keeps the round hints it is given."""
+    """An in-process member that keeps the round hints it is given, and which rounds it was
+    told are the run's last (``final``, when hinted and when begun)."""
 
     def __init__(self, group: InProcessGroup, rank: int) -> None:
         super().__init__(group, rank)
         self.hints: list[float] = []
+        self.hinted_final: list[bool] = []
+        self.begun_final: list[bool] = []
 
-    def expect_round(self, in_seconds: float) -> None:
+    def expect_round(self, in_seconds: float, final: bool = False) -> None:
         self.hints.append(in_seconds)
+        self.hinted_final.append(final)
+
+    def begin_round(self, final: bool = False):  # noqa: ANN201
+        self.begun_final.append(final)
+        return super().begin_round(final)
 
 
 def test_diloco_hints_each_round_with_the_training_time_since_the_last() -> None:
@@ -126,6 +134,21 @@ def test_diloco_hints_each_round_with_the_training_time_since_the_last() -> None
     # round 1 has no previous gap; round 2 hints the 3 inner steps before it; the last none
     assert len(collective.hints) == 1
     assert 3 * step_seconds <= collective.hints[0] < 3 * step_seconds + 1.0
+
+
+def test_diloco_tells_the_collective_which_round_is_the_runs_last() -> None:
+    """The last round is said as an argument (``begin_round(final=True)``, and in the hint
+    before it), so a backend of small groups forms it with every live peer."""
+    collective = HintRecorder(InProcessGroup(1), 0)
+    model = nn.Linear(4, 1, bias=False)
+    cfg = RunConfig(algorithm="diloco", codec="none", steps=9, inner_steps=3, warmup_steps=0)
+    algo = algorithm_class("diloco")(model, cfg, collective,
+                                     Exchange(collective, make_compressor("none"), sender="r0"))
+    while not algo.finished():
+        model(torch.ones(2, 4)).sum().backward()
+        algo.step(tokens=2)
+    assert collective.begun_final == [False, False, True]
+    assert collective.hinted_final == [True]  # the hint after round 2 announces round 3
 
 
 def test_client_mode_members_that_look_earlier_than_the_leader_join_it_at_once() -> None:

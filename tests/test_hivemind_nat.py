@@ -22,7 +22,7 @@ pytestmark = [
 SERVE = textwrap.dedent("""
     import sys
     from farlink.comm.hivemind_net import best_address, start_bootstrap_peer
-    from farlink.comm.swarm_definition import DefinitionServer
+    from farlink.swarm.definition import DefinitionServer
     dht, maddrs = start_bootstrap_peer(sys.argv[1], 0, False)
     server = DefinitionServer(dht, b'{"run": "nat"}')
     print(best_address(maddrs), flush=True)
@@ -33,7 +33,7 @@ SERVE = textwrap.dedent("""
 FETCH = textwrap.dedent("""
     import json, sys
     from farlink.comm.hivemind_net import nat_in_between
-    from farlink.comm.swarm_definition import fetch_definition
+    from farlink.swarm.definition import fetch_definition
     got = fetch_definition([sys.argv[1]], None, sys.argv[2], timeout=60)
     print(json.dumps([got.blob.decode(), nat_in_between(got.seen_from, got.own_maddrs)]))
 """)

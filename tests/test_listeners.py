@@ -48,7 +48,7 @@ def test_loopback_run_binds_no_public_interface(tmp_path: Path, cache_dir: Path,
         sockets = listening(pids)
         names = {pid: command_line(pid) for pid in pids}
         workers = {p: descendants(p) | {p} for p in descendants(launcher.pid)
-                   if "farlink.train.worker" in names[p] and parent(p) == launcher.pid}
+                   if "farlink.worker" in names[p] and parent(p) == launcher.pid}
     finally:
         launcher.terminate()
         launcher.wait(timeout=60)

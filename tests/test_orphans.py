@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 from procfs import alive, command_line, descendants
 
-from farlink.train.checkpoint import latest_checkpoint
+from farlink.state.checkpoint import latest_checkpoint
 from farlink.train.metrics import read_metrics
 
 BASE = {"vocab_size": 512, "seq_len": 64, "batch_size": 4, "eval_batches": 2, "workers": 2,
@@ -48,7 +48,7 @@ def test_sigkilled_launcher_leaves_no_process_and_resume_finishes(tmp_path: Path
         names = {p: command_line(p) for p in children}
         central = "torchft_lighthouse" if backend == "torchft" else "p2pd"
         assert any(central in name for name in names.values()), names
-        assert sum("farlink.train.worker" in name for name in names.values()) >= 2, names
+        assert sum("farlink.worker" in name for name in names.values()) >= 2, names
         launcher.send_signal(signal.SIGKILL)
         launcher.wait()
         killed_at = time.monotonic()

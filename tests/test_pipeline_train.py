@@ -19,7 +19,7 @@ from farlink.parallel.stage_server import StageWorker
 from farlink.parallel.stage_sync import StageOuterSync
 from farlink.parallel.stages import build_stage
 from farlink.sync import algorithm_class
-from farlink.train.checkpoint import checkpoint_path, load_checkpoint
+from farlink.state.checkpoint import checkpoint_path, load_checkpoint
 from farlink.train.metrics import read_metrics
 
 

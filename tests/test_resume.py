@@ -13,7 +13,7 @@ import pytest
 from safetensors.torch import load_file
 
 from farlink.config import load_config
-from farlink.train.checkpoint import latest_checkpoint, load_checkpoint
+from farlink.state.checkpoint import latest_checkpoint, load_checkpoint
 from farlink.train.launcher import launch
 from farlink.train.metrics import read_metrics
 

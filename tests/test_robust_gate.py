@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from farlink.comm.sockets import parse_address
 from farlink.robust.auth import SharedSecretAuth, make_authenticator
 from farlink.robust.gate import (
     CHALLENGE_TAG,
@@ -27,7 +28,6 @@ from farlink.robust.gate import (
     answers_as_gate,
     frame,
     open_tunnel,
-    parse_address,
 )
 from farlink.robust.keys import generate_keypair
 

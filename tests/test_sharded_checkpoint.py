@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from farlink.train.checkpoint import (DIGESTS, META, CheckpointError, checkpoint_path,
+from farlink.state.checkpoint import (DIGESTS, META, CheckpointError, checkpoint_path,
                                       load_checkpoint, load_newest_intact,
                                       save_sharded_checkpoint)
 
@@ -130,7 +130,7 @@ def test_a_replica_whose_state_the_parts_do_not_fit_is_told_which_to_resume_with
 def _rank_on_a_small_disk(rank: int, port: int, root: str, queue) -> None:  # noqa: ANN001
     import torch.distributed as dist
 
-    from farlink.train.checkpoint import DiskFull
+    from farlink.state.checkpoint import DiskFull
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=2)
@@ -149,7 +149,7 @@ def _rank_on_a_small_disk(rank: int, port: int, root: str, queue) -> None:  # no
     queue.close()
     queue.join_thread()  # the outcome is delivered before this process leaves
     dist.destroy_process_group()
-    os._exit(0)  # as a site's rank leaves (farlink.train.worker.exit_process): no teardown
+    os._exit(0)  # as a site's rank leaves (farlink.worker.exit_process): no teardown
 
 
 def test_a_full_disk_stops_every_rank_and_keeps_the_previous_step(tmp_path):

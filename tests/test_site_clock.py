@@ -39,11 +39,11 @@ def rank_decides(rank: int, port: int, algorithm: str, answers) -> None:  # noqa
     sync = farlink.Optimizer(model, algorithm=algorithm, backend="inprocess", steps=100,
                              round_seconds=1.0, collective=InProcessGroup(1).member(0),
                              site=site, **options)
+    clock = sync.algorithm.clock  # the schedule whose deadline ends the round
     if rank == 0:  # this rank's clock says the round's time is long over
-        sync.algorithm.round_started -= 1000.0
-        if hasattr(sync.algorithm, "period_start"):
-            sync.algorithm.period_start -= 1000.0
-    sync.algorithm.steps_in_round = 1
+        clock.period_started -= 1000.0
+        clock.clock_started -= 1000.0
+    clock.steps_since_clock = 1
     answers.put((rank, sync.algorithm.round_due()))
     site.close()
 

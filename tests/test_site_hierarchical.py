@@ -143,7 +143,7 @@ def test_a_member_site_sigkilled_mid_run_leaves_the_others_on_one_model(tmp_path
     while committed_outer_steps(cfg.run_dir) < 1:
         assert time.time() < deadline and launcher.is_alive(), "no global round committed"
         time.sleep(0.2)
-    victims = site_ranks(os.getpid(), b"farlink.train.worker", replica_group=1)
+    victims = site_ranks(os.getpid(), b"farlink.worker", replica_group=1)
     assert len(victims) == 2, victims
     os.kill(max(victims), signal.SIGKILL)
     launcher.join(timeout=400)

@@ -125,7 +125,7 @@ def test_a_site_whose_rank_is_sigkilled_restarts_from_its_checkpoint_and_heals(
             assert time.time() < deadline and all(p.poll() is None for p in procs), \
                 "the sites made no progress"
             time.sleep(0.2)
-        victims = site_ranks(procs[1].pid, b"farlink.train.worker")
+        victims = site_ranks(procs[1].pid, b"farlink.worker")
         assert len(victims) == 2, victims
         os.kill(max(victims), signal.SIGKILL)  # one rank of site 1, mid-run
         assert procs[1].wait(timeout=60) != 0  # torchrun ended the whole site

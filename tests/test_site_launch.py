@@ -153,7 +153,7 @@ def test_a_site_without_its_replica_group_is_told_what_to_set(tmp_path):
 
 
 def test_the_launchers_worker_takes_the_lighthouse_from_torchft_lighthouse(tmp_path):
-    argv = [sys.executable, "-m", "farlink.train.worker", str(tmp_path / "none"), "0"]
+    argv = [sys.executable, "-m", "farlink.worker", str(tmp_path / "none"), "0"]
     env = {k: v for k, v in os.environ.items() if k != "TORCHFT_LIGHTHOUSE"}
     without = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=120)
     assert without.returncode == 2 and "--lighthouse" in without.stderr, without.stderr

@@ -54,7 +54,7 @@ async def _flood(addr: str, handler: str, seconds: float) -> tuple[int, str]:
 def test_a_strangers_huge_definition_request_is_refused_unread(caplog) -> None:
     from farlink.comm.hivemind_admission import RunAuthorizer
     from farlink.comm.hivemind_net import start_bootstrap_peer
-    from farlink.comm.swarm_definition import DEFINITION_HANDLER, DefinitionServer
+    from farlink.swarm.definition import DEFINITION_HANDLER, DefinitionServer
     from farlink.robust.auth import SharedSecretAuth
 
     member = SharedSecretAuth("run-secret-for-frames", "bootstrap")
@@ -62,7 +62,7 @@ def test_a_strangers_huge_definition_request_is_refused_unread(caplog) -> None:
     server = DefinitionServer(dht, b'{"run": "frames"}', auth=member, auth_kind="secret")
     try:
         before = _rss_bytes()
-        with caplog.at_level(logging.WARNING, "farlink.comm.swarm_definition"):
+        with caplog.at_level(logging.WARNING, "farlink.swarm.definition"):
             sent, stranger = asyncio.run(_flood(maddrs[0], DEFINITION_HANDLER, 20.0))
             time.sleep(1.0)
         grown = _rss_bytes() - before

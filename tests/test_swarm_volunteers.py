@@ -17,7 +17,7 @@ import pytest
 import torch
 from swarm_output import stop
 
-from farlink.comm.swarm_definition import digest_of, make_definition
+from farlink.swarm.definition import digest_of, make_definition
 from farlink.comm.swarm_shards import owners, preference
 from farlink.train.metrics import read_metrics
 

@@ -191,7 +191,7 @@ def test_a_time_budgeted_round_keeps_a_fast_peers_tokens_and_still_bounds_a_liar
     so honest heterogeneity keeps its weight; with a fixed H it is 1.5x."""
     from farlink.comm.inprocess import InProcessGroup
     from farlink.config import RunConfig
-    from farlink.optimizer import build_exchange
+    from farlink.compose import build_exchange
     from farlink.robust.weights import TIMED_CLAIM_FACTOR
 
     timed = build_exchange(RunConfig(round_seconds=2.0), InProcessGroup(1).member(0), "w0", 0)

@@ -13,7 +13,7 @@ from test_sync_diloco import make_algo
 
 from farlink.comm.inprocess import InProcessGroup
 from farlink.sync.exchange import ExchangeResult
-from farlink.train import checkpoint as ckpt
+from farlink.state import checkpoint as ckpt
 
 
 def test_an_outer_step_never_applies_a_nan_aggregate(caplog) -> None:
@@ -40,7 +40,7 @@ def test_state_mixing_leaves_out_a_member_whose_state_is_nan(caplog) -> None:
         algo.mix_group_states(info)
         return algo._mixed_state, f"global.{algo.names[0]}"
 
-    with caplog.at_level(logging.WARNING, logger="farlink.sync.diloco"):
+    with caplog.at_level(logging.WARNING, logger="farlink.sync.moshpit"):
         states = InProcessGroup(3).run(member)
     for state, name in states:
         assert state is not None

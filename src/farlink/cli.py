@@ -1,4 +1,4 @@
-"""``farlink train | join | worker | swarm | export | generate | bench | plan | report``.
+"""``farlink train | join | worker | swarm | export | generate | bench | plan | report | matrix``.
 
 Each subsystem registers its own commands (``register(app, bench_app)`` in its ``command``
 module), so this file only wires them together and stays import-light: heavy imports (torch,
@@ -27,9 +27,34 @@ COMMAND_MODULES = [
     "farlink.bench.command",
     "farlink.emulate.command",
     "farlink.robust.command",
-    "farlink.comm.swarm_command",
+    "farlink.swarm.command",
     "farlink.worker",
 ]
+
+
+@app.command("matrix")
+def matrix_command(
+    refused_only: bool = typer.Option(False, "--refused", help="only the pairs refused"),
+    as_json: bool = typer.Option(False, "--json", help="the rows as a JSON list"),
+) -> None:
+    """The feature matrix: which pairs of features run together, and for each one that does
+    not, why and what to do instead (the refusals `farlink train` raises, from one table)."""
+    import json
+
+    from farlink.config import RunConfig
+    from farlink.matrix import rows
+
+    table = [r for r in rows(RunConfig) if not (refused_only and r.supported)]
+    if as_json:
+        typer.echo(json.dumps([r.as_dict() for r in table], indent=1))
+        return
+    for row in table:
+        where = f" [{row.scope}]" if row.scope else ""
+        pair = f"{row.first} x {row.second}{where}"
+        typer.echo(f"supported  {pair}" if row.supported else f"REFUSED    {pair}\n"
+                   f"           {row.reason}")
+    refused = sum(not r.supported for r in table)
+    typer.echo(f"{len(table)} pairs: {len(table) - refused} supported, {refused} refused")
 
 
 def _register_all() -> None:

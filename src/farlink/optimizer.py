@@ -40,18 +40,22 @@ unless you ask (``lr_schedule=True`` uses warmup + cosine over ``steps``; ``grad
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
-import os
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
-from farlink.comm.base import Collective
-from farlink.config import RunConfig
-from farlink.sync import ALGORITHMS, StepOutcome, SyncAlgorithm, algorithm_class
-from farlink.sync.base import OuterOptimizerFactory
+from farlink.compose import Parts, compose
+from farlink.parallel.reshard import ReshardError, reshard
+from farlink.state.checkpoint import (checkpoint_path, load_checkpoint_parts, load_newest_intact,
+                                      load_rank_part, read_verified_meta, save_checkpoint,
+                                      save_sharded_checkpoint)
+from farlink.sync import StepOutcome
 
 log = logging.getLogger(__name__)
 
@@ -60,137 +64,6 @@ JOIN_QUORUM_TIMEOUT = 3600.0
 SITE_RANKS = "site_ranks"  # a site's checkpoint meta: how many ranks wrote it
 BYTES_SENT = "counter.bytes_sent"  # a site's checkpoint: this rank's bytes (each sends its shard)
 
-#: how long past its boundary a peer in Moshpit groups looks for a group before it skips the
-#: round's averaging: two of hivemind's matchmaking windows (3 s each by default)
-MOSHPIT_SKIP_AFTER = 6.0
-
-
-def moshpit_options(cfg) -> dict[str, Any]:  # noqa: ANN001 - a RunConfig
-    """Groups smaller than the swarm (``group_size``) leave a peer out whenever the live peers
-    do not divide into them (3 peers in groups of 2): that peer skips the round after
-    :data:`MOSHPIT_SKIP_AFTER` instead of waiting the quorum timeout for a group that cannot
-    form, and the run's last round is one group of the whole swarm, so the run ends on one
-    model (see :class:`~farlink.comm.hivemind_backend.HivemindCollective`)."""
-    return {"skip_after": MOSHPIT_SKIP_AFTER,
-            "final_group_size": max(cfg.workers, cfg.min_replicas, cfg.group_size)}
-
-
-def advertised_host(cfg: RunConfig) -> str:
-    """The address peers reach this worker at: inside an emulated WAN namespace, the
-    namespace's own address (the launcher sets ``FARLINK_EMULATED_HOST``), else ``host``."""
-    return os.environ.get("FARLINK_EMULATED_HOST") or cfg.host
-
-
-def build_collective(cfg: RunConfig, replica_id: str, lighthouse: str, site=None,
-                     **hivemind: Any) -> Collective:
-    """The run's backend for one replica: ``lighthouse`` is the torchft Lighthouse address or
-    hivemind's initial peers (a comma list; empty: this peer starts the DHT). ``site``: a
-    started :class:`~farlink.parallel.sharding.Site` of several ranks, whose ranks form one
-    replica group (torchft) or one member of each averaging group (hivemind; every rank runs
-    its own peer, :mod:`farlink.comm.hivemind_site`). ``hivemind``: HivemindCollective options
-    that override the ones derived from ``cfg`` (a volunteer's run id, identity file, client
-    mode)."""
-    if site is not None and site.size > 1 and cfg.backend not in ("torchft", "hivemind"):
-        raise ValueError(f"a site of {site.size} ranks per replica runs on the torchft or "
-                         f"hivemind backend, not {cfg.backend!r}")
-    from farlink.robust.auth import run_authenticator
-
-    admission = run_authenticator(cfg, replica_id)  # None without --auth: nothing to prove
-    if cfg.backend == "torchft":
-        from farlink.comm.torchft_backend import TorchftCollective
-
-        if not lighthouse:
-            raise ValueError("the torchft backend needs a Lighthouse address (lighthouse=..., "
-                             "or TORCHFT_LIGHTHOUSE); start one with "
-                             "farlink.train.lighthouse.Lighthouse or torchft_lighthouse")
-        return TorchftCollective(
-            replica_id=replica_id,
-            lighthouse_addr=lighthouse,
-            host=advertised_host(cfg),
-            min_replicas=cfg.min_replicas,
-            round_timeout=cfg.round_timeout,
-            quorum_timeout=cfg.quorum_timeout,
-            join_timeout=cfg.join_timeout,
-            admission=admission,
-            **({} if site is None or site.size == 1 else dict(
-                group_rank=site.rank, group_world_size=site.size,
-                store_addr=site.store_host, store_port=site.store_port)),
-        )
-    if cfg.backend == "hivemind":
-        from farlink.comm.hivemind_backend import HivemindCollective
-        from farlink.comm.hivemind_net import tcp_maddr
-
-        peers = [p for p in lighthouse.split(",") if p] if lighthouse else []
-        options: dict[str, Any] = dict(
-            run_id=f"farlink-{cfg.run_dir.name}",
-            initial_peers=peers,
-            host_maddrs=[tcp_maddr(advertised_host(cfg), 0)],
-            min_group_size=cfg.min_replicas,
-            # a full group starts its round at once; without a size hivemind's leader waits out
-            # the whole matchmaking window every round (about 3 s instead of 0.3 s on loopback)
-            target_group_size=cfg.group_size or max(cfg.workers, cfg.min_replicas),
-            **(moshpit_options(cfg) if cfg.group_size else {}),
-            round_timeout=cfg.quorum_timeout,
-            allreduce_timeout=cfg.round_timeout,
-            gather_timeout=cfg.round_timeout,
-            admission=admission,
-        )
-        if site is not None and site.size > 1:
-            from farlink.comm.hivemind_site import HivemindSiteCollective
-
-            return HivemindSiteCollective(
-                site, lambda: HivemindCollective(**{**options, **hivemind}))
-        return HivemindCollective(**{**options, **hivemind})
-    if cfg.backend == "inprocess":
-        from farlink.comm.inprocess import InProcessGroup
-
-        return InProcessGroup(1).member(0)  # peers as threads pass their own collective
-    raise ValueError(f"unknown backend {cfg.backend!r}")
-
-
-def build_exchange(cfg: RunConfig, collective: Collective, sender: str, index: int, ledger=None,
-                   claims: str = "run"):
-    """Codec, aggregator, authentication, screen and (emulated) attack of one replica.
-
-    ``claims``: how a peer's claimed token count is bounded (:mod:`farlink.robust.weights`).
-    ``"run"``: the config says how many tokens a round holds (its batch, sequence length,
-    grad_accum and inner steps, as ``farlink train`` runs them), and no claim counts for more
-    than 1.5 x the round's median (8 x in a time-budgeted round, whose peers differ in speed);
-    ``"relative"``: only the median bound (a model and batches
-    of the caller's own, whose token counts the config does not know); ``"none"``: neither
-    (island leaders, whose islands differ in size). The envelope's float32 bound always holds."""
-    from farlink.codecs import make_compressor
-    from farlink.robust import hostile
-    from farlink.robust.aggregators import make_aggregator
-    from farlink.robust.attacks import make_attack
-    from farlink.robust.auth import make_authenticator, run_secret
-    from farlink.robust.weights import CLAIM_FACTOR, TIMED_CLAIM_FACTOR, round_token_bound
-    from farlink.sync.exchange import Exchange
-
-    auth = make_authenticator(cfg.auth, secret=run_secret(cfg), key_file=cfg.key_file,
-                              allowed_keys=cfg.allowed_keys, peer_id=sender)
-    protocol = hostile.parse(cfg.attack) is not None  # a hostile member, not a bad update
-    tamper = (make_attack(cfg.attack, seed=index)
-              if cfg.is_attacker(index) and not protocol else None)
-    exchange = Exchange(
-        collective,
-        make_compressor(cfg.codec),
-        sender=auth.peer_id if auth.name == "ed25519" else sender,
-        aggregator=make_aggregator(cfg.aggregator),
-        authenticator=auth,
-        ledger=ledger,
-        tamper=tamper,
-        screen_ratio=cfg.screen_ratio or None,
-        max_weight=round_token_bound(cfg.tokens_per_step, cfg.inner_steps,
-                                     getattr(cfg, "round_seconds", None))
-        if claims == "run" else None,
-        claim_factor=None if claims == "none" else (
-            TIMED_CLAIM_FACTOR if getattr(cfg, "round_seconds", None) else CLAIM_FACTOR),
-    )
-    if protocol and cfg.is_attacker(index):
-        hostile.arm(cfg.attack, collective, exchange, cfg.codec, name=sender)
-    return exchange
-
 
 class Optimizer:
     """One replica of a farlink run around a model farlink did not build.
@@ -198,6 +71,9 @@ class Optimizer:
     ``model``: any ``nn.Module``; its trainable parameters are what is synchronized.
     ``inner_optimizer``: any ``torch.optim.Optimizer`` over exactly those parameters, or None
     for the algorithm's default (AdamW, betas 0.9/0.95, with farlink's lr schedule).
+    ``parts``: the replica already built (:class:`~farlink.compose.Parts`: its algorithm,
+    collective, exchange, ledger, checkpoint writer; :func:`farlink.compose.compose` builds them
+    from the arguments below, which is what giving those arguments here does).
     ``config``: a whole :class:`~farlink.config.RunConfig` (what ``farlink train`` passes), or
     give its fields as keyword ``options`` (``algorithm``, ``backend``, ``inner_steps``,
     ``codec``, ``aggregator``, ``auth``, ``secret``, ``outer_lr``, ...). Without ``steps`` the
@@ -225,124 +101,21 @@ class Optimizer:
     share; only leaders cross that slow link.
     """
 
-    def __init__(
-        self,
-        model: nn.Module,
-        inner_optimizer: torch.optim.Optimizer | None = None,
-        *,
-        config: RunConfig | None = None,
-        lighthouse: str | None = None,
-        index: int = 0,
-        outer_optimizer: OuterOptimizerFactory | None = None,
-        lr_schedule: bool | None = None,
-        collective: Collective | None = None,
-        site=None,
-        global_lighthouse: str | None = None,
-        global_collective: Collective | None = None,
-        **options: Any,
-    ) -> None:
-        config_given = config is not None  # farlink train's whole config: its batches are ours
-        if config is not None and options:
-            raise TypeError("give either config=RunConfig(...) or its fields as keywords, not both")
-        cls = algorithm_class((config.algorithm if config is not None
-                               else options.get("algorithm", "diloco")))
-        algo_options = config
-        if config is None:
-            if options.get("backend") == "hivemind":
-                if not {"workers", "min_replicas"} & set(options):
-                    raise ValueError(
-                        "on the hivemind backend say how many replicas a round waits for: "
-                        "workers=N (the N replicas you start; every round averages all of them) "
-                        "or min_replicas=M (elastic: a round commits with M or more)")
-                # rounds of the replicas asked for, not of RunConfig's 4 launched workers, and
-                # of all of them unless said otherwise (initial_peers given or not)
-                options.setdefault("workers", options.get("min_replicas"))
-                options.setdefault("min_replicas", options["workers"])
-            if inner_optimizer is not None:
-                options.setdefault("grad_clip", 0.0)  # the user's loop owns its gradients
-                if not lr_schedule:  # ... and its lr: farlink's warmup does not apply
-                    options.setdefault("warmup_steps", 0)
-            config = RunConfig.model_validate(options)
-            # the options given, the algorithm's defaults for the rest (so it can tell them
-            # apart), and no length unless one is given (RunConfig's default is 500 steps)
-            algo_options = cls.Options.model_validate(
-                {k: getattr(config, k) for k in cls.Options.model_fields if k in options})
-        self.config = cfg = config
-        self.index, self.replica_id = index, f"w{index}"
-        from farlink.parallel.sharding import Site, model_is_sharded
-
-        if site is None and model_is_sharded(model):
-            site = Site.from_env(replica_index=index)
-        if site is not None and site.size > 1 and not site.store_port:
-            site.start(host=advertised_host(cfg))
-        self.site = site if site is not None and site.size > 1 else None
-        #: a site running DDP (each rank holds the whole replica): gradients are averaged over
-        #: its ranks, each rank syncs a 1/K slice across sites, and the slices are shared after
-        self.whole_replica_site = self.site is not None and not model_is_sharded(model)
-        self.trainable = [p for p in model.parameters() if p.requires_grad]
-        if lighthouse is None:
-            lighthouse = (cfg.lighthouse or cfg.initial_peers
-                          or os.environ.get("TORCHFT_LIGHTHOUSE", ""))
-        from farlink.train.network import needs_network
-        from farlink.train.tiers import Tiers, build_tiers, two_levels
-
-        tiered = cls.capabilities.islands
-        formed = global_lighthouse is not None or global_collective is not None
-        if formed and not tiered:
-            names = [n for n in ALGORITHMS if algorithm_class(n).capabilities.islands]
-            raise ValueError(f"global_lighthouse/global_collective link island leaders in "
-                             f"{', '.join(names)}; {cls.name} has one level: drop them")
-        # island/global collectives and emulated links when the launcher planned a network
-        host = advertised_host(cfg)
-        self.tiers = (build_tiers(cfg, index, lighthouse, build_collective, self.site, host)
-                      if collective is None and not formed and needs_network(cfg) else None)
-        if self.tiers is None and tiered:  # islands the caller formed: its island's
-            # collective or Lighthouse, and for the island's leader the global one
-            if collective is not None:
-                island = collective
-                if global_collective is None and global_lighthouse is not None:
-                    global_collective = build_collective(cfg, self.replica_id,
-                                                         global_lighthouse, site=self.site)
-            else:
-                island, built = two_levels(
-                    cfg, self.replica_id, lighthouse,
-                    global_lighthouse if global_collective is None else None,
-                    build_collective, self.site, host)
-                global_collective = global_collective or built
-            self.tiers = Tiers(island, global_collective)
-        if self.tiers is not None:
-            self.collective = self.tiers.collective
-        else:
-            self.collective = collective or build_collective(cfg, self.replica_id, lighthouse,
-                                                             site=self.site)
-        if cfg.emulate_link is not None:
-            from farlink.comm.base import LinkModel
-            from farlink.links import get_profile
-
-            self.collective.emulated_link = LinkModel.of_profile(get_profile(cfg.emulate_link))
-        from farlink.robust.ledger import ContributionLedger
-
-        self.ledger = ContributionLedger()  # whose updates were accepted, rejected, and why
-        self.exchange = build_exchange(cfg, self.collective, self.replica_id, index, self.ledger,
-                                       claims="run" if config_given else "relative")
-        extra = {}
-        if self.whole_replica_site:
-            extra["part_of"] = self.site.part_of
-        if self.site is not None:
-            extra["agree"] = self.site.agree_any
-        if self.tiers is not None and self.tiers.upper is not None:
-            extra["global_exchange"] = build_exchange(cfg, self.tiers.upper, self.replica_id,
-                                                      index, self.ledger, claims="none")
-        self.algorithm: SyncAlgorithm = cls(
-            model, algo_options, self.collective, self.exchange,
-            inner_optimizer=inner_optimizer, outer_optimizer=outer_optimizer,
-            lr_schedule=lr_schedule, **extra)
-        self.model = model
+    def __init__(self, model: nn.Module, inner_optimizer: torch.optim.Optimizer | None = None,
+                 *, parts: Parts | None = None, **arguments: Any) -> None:
+        if parts is None:  # the keyword form: the composition root builds the parts
+            parts = compose(model, inner_optimizer, **arguments)
+        elif arguments or inner_optimizer is not None:
+            raise TypeError("give either parts=compose(...) or the model's arguments, not both")
+        self.parts = parts
+        self.config = parts.config  # the run's config, for callers that want to read it
+        self.index, self.replica_id = parts.index, parts.replica_id
+        self.model, self.algorithm = parts.model, parts.algorithm
+        self.collective, self.exchange, self.ledger = parts.collective, parts.exchange, parts.ledger
+        self.tiers, self.site, self.trainable = parts.tiers, parts.site, parts.trainable
+        self.whole_replica_site = parts.whole_replica_site
+        self.checkpoint_writes = parts.checkpoint_writes
         self.rejected_checkpoints: list[tuple[Path, str]] = []  # set aside by the last load
-        from farlink.train.background import Background
-
-        self.checkpoint_writes = Background("checkpoint")  # save(background=True)
-        self.algorithm.before_round = self.checkpoint_writes.wait
 
     # --- the loop ------------------------------------------------------------------------------
     def step(self, tokens: int = 1) -> StepOutcome:
@@ -507,13 +280,11 @@ class Optimizer:
         while training goes on. The checkpoint is published (``LATEST``) only once fully written,
         one write is in flight at a time (a new save waits for the previous one), and the next
         round begins only after the write landed, so no more committed progress is at risk than
-        with a synchronous save. A failed write (:class:`~farlink.train.checkpoint.DiskFull`)
+        with a synchronous save. A failed write (:class:`~farlink.state.checkpoint.DiskFull`)
         is raised by the next round, save or :meth:`wait_for_checkpoint`."""
-        from farlink.train.checkpoint import checkpoint_path, save_checkpoint
-
         directory = Path(directory)
         step = self.algorithm.inner_steps_done
-        meta = {**meta, "algorithm": self.config.algorithm, "inner_steps": step,
+        meta = {**meta, "algorithm": self.algorithm.name, "inner_steps": step,
                 "outer_step": self.algorithm.outer_step, "bytes_sent": self.bytes_sent()}
         if self.site is not None:
             return self._save_site(directory, step, meta, background)
@@ -527,13 +298,9 @@ class Optimizer:
 
     def _save_site(self, directory: Path, step: int, meta: dict, background: bool) -> Path:
         """One checkpoint of the whole site per step, written by all its ranks together through
-        DCP (:func:`~farlink.train.checkpoint.save_sharded_checkpoint`); every rank calls it at
+        DCP (:func:`~farlink.state.checkpoint.save_sharded_checkpoint`); every rank calls it at
         the same step. In the background the write runs on a process group of its own, so its
         collectives never interleave with the training thread's (FSDP's, the site's)."""
-        from functools import partial
-
-        from farlink.train.checkpoint import checkpoint_path, save_sharded_checkpoint
-
         group = self.site.checkpoint_group()  # created by every rank, in the training thread
         meta = {**meta, SITE_RANKS: self.site.size}
         # bytes differ by rank (each sends its own shard): each rank's count travels with it
@@ -556,8 +323,6 @@ class Optimizer:
         ``path``), or None (and nothing changed) when there is none yet. Newer checkpoints that
         fail their digests are set aside and listed in :attr:`rejected_checkpoints`; a live
         peer ahead of the one loaded heals this replica at its first quorum."""
-        from farlink.train.checkpoint import load_newest_intact
-
         directory = Path(directory)
         if self.site is not None:
             return self._load_site(directory)
@@ -569,9 +334,9 @@ class Optimizer:
         return self._restore(path, tensors, meta)
 
     def _restore(self, path: Path, tensors: dict[str, torch.Tensor], meta: dict) -> dict:
-        if meta["algorithm"] != self.config.algorithm:
+        if meta["algorithm"] != self.algorithm.name:
             raise ValueError(f"checkpoint {path} was written by algorithm {meta['algorithm']!r}, "
-                             f"not {self.config.algorithm!r}; resume with the same algorithm")
+                             f"not {self.algorithm.name!r}; resume with the same algorithm")
         written_by, ranks = meta.get(SITE_RANKS, 1), 1 if self.site is None else self.site.size
         if written_by != ranks:  # each rank's part is its own shard: cut them again
             tensors = self._resharded(path, meta)
@@ -586,11 +351,6 @@ class Optimizer:
         every part read, cut again to what each rank of this site holds (a collective of the
         site's ranks: they tell each other their shapes). The bytes the old ranks sent go to
         rank 0 (the site's total is what its metrics report)."""
-        import json
-
-        from farlink.parallel.reshard import ReshardError, reshard
-        from farlink.train.checkpoint import load_checkpoint_parts
-
         parts, _ = load_checkpoint_parts(path)
         sent = [part.pop(BYTES_SENT, None) for part in parts]
         mine = {**self.algorithm.state_shapes(), "rng.torch": tuple(torch.get_rng_state().shape)}
@@ -615,10 +375,6 @@ class Optimizer:
         or, when another number of ranks wrote it, every part, cut again for this site
         (:meth:`_resharded`). A step is published only once all ranks wrote it, so each
         published step is whole."""
-        import torch.distributed as dist
-
-        from farlink.train.checkpoint import load_newest_intact, load_rank_part, read_verified_meta
-
         restored = load_newest_intact(directory, rank=0) if self.site.rank == 0 else None
         name = [restored.path.name if restored and restored.path else None]
         dist.broadcast_object_list(name, src=0, group=self.site.gloo_group())

@@ -22,14 +22,17 @@ files (config, tokenizer, model shape); every rank writes only its own checkpoin
 
 from __future__ import annotations
 
+import argparse
+import logging
 import os
+import sys
 from pathlib import Path
 from typing import Any, Optional
 
 import typer
 
 from farlink.config import INVOCATION_FIELDS, ConfigError, RunConfig, load_config
-from farlink.train.command import config_options
+from farlink.flags import config_options
 
 
 class LaunchError(ValueError):
@@ -103,7 +106,7 @@ def worker(
 ) -> None:
     """Run one site (replica group) of a run under torchrun, SLURM, Kubernetes or torchx."""
     from farlink.robust.auth import run_secret
-    from farlink.train.worker import exit_process, run_worker
+    from farlink.train.worker import run_worker
 
     environ = dict(os.environ)
     rank = int(environ.get("RANK", "0"))
@@ -118,19 +121,62 @@ def worker(
     exit_process(run_worker(cfg, index, cfg.lighthouse or "", joining=join))
 
 
+def launched(argv: list[str]) -> int:
+    """A worker the launcher started (``farlink train``): ``RUN_DIR INDEX --lighthouse ADDR``,
+    its config read from the run dir's ``config.json``; the exit code."""
+    from farlink.train.worker import run_worker
+
+    parser = argparse.ArgumentParser(description="one farlink worker (started by the launcher)")
+    parser.add_argument("run_dir", type=Path)
+    parser.add_argument("index", type=int)
+    parser.add_argument("--lighthouse", "--coordinator", dest="lighthouse",
+                        default=os.environ.get("TORCHFT_LIGHTHOUSE"),
+                        required="TORCHFT_LIGHTHOUSE" not in os.environ,
+                        help="torchft Lighthouse address, or hivemind initial peers (comma list); "
+                        "default: TORCHFT_LIGHTHOUSE")
+    parser.add_argument("--resume", action="store_true")
+    parser.add_argument("--join", action="store_true",
+                        help="heal from live peers in a first zero-weight round")
+    parser.add_argument("--stop-at-step", type=int, default=None,
+                        help="stop after this inner step (this invocation only)")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=os.environ.get("FARLINK_LOG", "WARNING"),
+                        format=f"%(asctime)s w{args.index} %(name)s %(levelname)s %(message)s")
+    cfg = RunConfig.model_validate_json((args.run_dir / "config.json").read_text())
+    cfg = cfg.model_copy(update={"run_dir": args.run_dir, "resume": args.resume,
+                                 "stop_at_step": args.stop_at_step})
+    return run_worker(cfg, args.index, args.lighthouse, joining=args.join)
+
+
+def exit_process(code: int) -> None:
+    """End this process with ``code``. A rank of a site (torchrun's WORLD_SIZE > 1) leaves
+    without the interpreter's teardown once everything is written and closed: destructors of
+    its process groups' threads can call std::terminate at exit, which would turn a finished
+    run into SIGABRT."""
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    sys.exit(code)
+
+
 def register(app: typer.Typer, bench_app: typer.Typer) -> None:  # noqa: ARG001
     app.command("worker", context_settings={"help_option_names": ["-h", "--help"]})(worker)
 
 
-def main() -> None:
-    import logging
-
+def main(argv: list[str] | None = None) -> None:
+    """``python -m farlink.worker``: a launcher's worker names its run dir and index first
+    (:func:`launched`); a site under torchrun gives only flags (:func:`worker`)."""
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and not argv[0].startswith("-"):
+        exit_process(launched(argv))
     logging.basicConfig(level=os.environ.get("FARLINK_LOG", "WARNING"),
                         format=f"%(asctime)s rank{os.environ.get('RANK', '0')} %(name)s "
                         "%(levelname)s %(message)s")
     app = typer.Typer(add_completion=False, pretty_exceptions_show_locals=False)
     app.command(context_settings={"help_option_names": ["-h", "--help"]})(worker)
-    app()
+    app(argv)
 
 
 if __name__ == "__main__":

@@ -67,6 +67,16 @@ def probe_variants(inner_steps: int) -> list[tuple[str, dict]]:
     ]
 
 
+def _read_by(algorithm: str, extra: dict | None) -> dict:
+    """The options of ``extra`` that ``algorithm`` reads: an algorithm's own option (``outer_lr``)
+    goes to the variants that have it, since the config refuses an option its algorithm ignores."""
+    from farlink.sync import ALGORITHMS, algorithm_class
+
+    foreign = {f for name in ALGORITHMS for f in algorithm_class(name).Options.model_fields}
+    own = algorithm_class(algorithm).Options.model_fields
+    return {k: v for k, v in (extra or {}).items() if k not in foreign or k in own}
+
+
 def probe(out: Path, steps: int, inner_steps: int, workers: int, only: list[str] | None,
           extra: dict | None = None, tag: str = "") -> dict:
     """Train the selected :func:`probe_variants` in-process (see :mod:`farlink.bench.inprocess`),
@@ -79,11 +89,12 @@ def probe(out: Path, steps: int, inner_steps: int, workers: int, only: list[str]
 
     rows_dir = out / "probe"
     rows_dir.mkdir(parents=True, exist_ok=True)
-    base = {"steps": steps, "workers": workers, "inner_steps": inner_steps, **(extra or {})}
+    base = {"steps": steps, "workers": workers, "inner_steps": inner_steps}
     for label, overrides in probe_variants(inner_steps):
         if only and label not in only:
             continue
-        row = train_in_process(label + tag, {**base, **overrides})
+        row = train_in_process(label + tag, {**base, **_read_by(overrides["algorithm"], extra),
+                                             **overrides})
         (rows_dir / f"{label}{tag}.json").write_text(json.dumps(row, indent=1))
     rows = [json.loads(p.read_text()) for p in sorted(rows_dir.glob("*.json"))]
     ddp = next((r for r in rows if r["config"]["algorithm"] == "ddp"), None)

@@ -30,7 +30,7 @@ from pathlib import Path
 
 from farlink.config import RunConfig
 from farlink.train.audit import audit_run
-from farlink.train.checkpoint import TEMP_PREFIX, TENSORS
+from farlink.state.checkpoint import TEMP_PREFIX, TENSORS
 from farlink.train.launcher import _stop_all, spawn_worker, summarize, write_run_config
 from farlink.train.lighthouse import Lighthouse
 

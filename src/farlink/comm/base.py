@@ -92,10 +92,6 @@ class Collective(ABC):
     #: how long ``begin_round`` waits for a quorum (s); a newcomer raises it while it waits for
     #: the members' next round, however long their rounds are
     quorum_timeout: float = 120.0
-    #: set by the training side before ``begin_round`` of the run's last round: a backend whose
-    #: groups are smaller than the swarm (hivemind's Moshpit groups) forms that round with every
-    #: live peer, so the run ends on one model
-    final_round: bool = False
     #: a round's group may be smaller than the swarm (hivemind's Moshpit groups): members of
     #: different groups then hold different states at one round number, and an algorithm that
     #: runs in such groups averages its committed state within each group
@@ -124,11 +120,15 @@ class Collective(ABC):
         time.sleep(self.emulated_link.seconds(nbytes, hops))
 
     @abstractmethod
-    def begin_round(self) -> RoundInfo:
-        """Agree on the participants of the next round; heal this worker if it is behind."""
+    def begin_round(self, final: bool = False) -> RoundInfo:
+        """Agree on the participants of the next round; heal this worker if it is behind.
+        ``final``: the run's last round; a backend whose groups are smaller than the swarm
+        (hivemind's Moshpit groups) forms it with every live peer, so the run ends on one
+        model. Backends with one group per round ignore it."""
 
-    def expect_round(self, in_seconds: float) -> None:
-        """A hint from the training side: the next ``begin_round`` comes in about ``in_seconds``.
+    def expect_round(self, in_seconds: float, final: bool = False) -> None:
+        """A hint from the training side: the next ``begin_round`` (the run's last if
+        ``final``) comes in about ``in_seconds``.
 
         A backend whose group forming takes time (hivemind's DHT matchmaking) starts it ahead so
         the group is ready at the boundary, as hivemind's own Optimizer pre-schedules its

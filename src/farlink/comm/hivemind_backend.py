@@ -15,7 +15,7 @@ shares the p2p daemon of a ``hivemind.DHT`` (which runs in its own process). Per
   such a peer stops looking that long after its boundary and skips the round
   (:meth:`HivemindCollective.alone`: ``RoundInfo.skipped``; it exchanges and commits nothing,
   so its next group heals it and no round number ever holds two states). The run's last round
-  (``final_round``, set by the sync layer) is never skipped: it matchmakes under a group key of
+  (``begin_round(final=True)``, asked by the sync layer) is never skipped: it matchmakes under a group key of
   its own with a target of ``final_group_size``, the whole swarm, so every live peer ends on
   one model; a dead peer is waited for until ``round_timeout``, then the group starts with those
   that came.
@@ -460,7 +460,7 @@ class HivemindCollective(Collective):
         return [str(m) for m in self.dht.get_visible_maddrs()]
 
     # --- rounds --------------------------------------------------------------------------------
-    def expect_round(self, in_seconds: float) -> None:
+    def expect_round(self, in_seconds: float, final: bool = False) -> None:
         """Look for the next round's group ahead of time: matchmaking starts ``matchmaking_time``
         before the round is due (at once when it is due sooner), in the background, declaring the
         round due at ``now + in_seconds``. A group is full as soon as every member is looking, so
@@ -473,18 +473,18 @@ class HivemindCollective(Collective):
         due = get_dht_time() + max(0.0, float(in_seconds))
         self._deadline = due + self.round_timeout
         self._round_asked = None
-        # the run's last round (``final_round``, set by the training side) is looked for as
+        # the run's last round (``final``, said by the training side) is looked for as
         # such: under its own key, with every live peer
-        self._search_final = self.final_round and self.final_group_size is not None
+        self._search_final = final and self.final_group_size is not None
         self._search = asyncio.run_coroutine_threadsafe(self._find_group(due), self._loop)
 
     @property
     def partial_groups(self) -> bool:  # type: ignore[override]
         return self.final_group_size is not None  # Moshpit groups (--group-size)
 
-    def begin_round(self) -> RoundInfo:
+    def begin_round(self, final: bool = False) -> RoundInfo:
         start = time.perf_counter()
-        group = self.find_group()
+        group = self.find_group(final)
         info = self.enter_group(self.alone()) if group is None else self.enter_group(group)
         self.stats.add_phase("matchmaking", time.perf_counter() - start)
         return info
@@ -506,7 +506,7 @@ class HivemindCollective(Collective):
                       committed=[self.round_id], me=0, round_id=self.round_id, ok=False,
                       skipped=True)
 
-    def find_group(self) -> _Group:
+    def find_group(self, final: bool = False) -> _Group:
         """This round's group from matchmaking (the one an early search found, or a new
         search): who is in it and what each announced. Nothing is exchanged with it yet."""
         if self._closed:
@@ -522,7 +522,7 @@ class HivemindCollective(Collective):
         if search is not None and search.done() and search.exception() is not None:
             log.info("early matchmaking failed (%r); looking again", search.exception())
             search = None
-        final = self.final_round and self.final_group_size is not None
+        final = final and self.final_group_size is not None
         if search is not None and final != self._search_final:
             # an early search of the other kind: the last round forms with everyone, under a
             # key of its own, and the usual rounds in groups of their size

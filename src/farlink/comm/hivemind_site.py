@@ -98,14 +98,6 @@ class HivemindSiteCollective(Collective):
         self.peer.joining = joining
 
     @property
-    def final_round(self) -> bool:  # type: ignore[override]
-        return self.peer.final_round
-
-    @final_round.setter
-    def final_round(self, last: bool) -> None:
-        self.peer.final_round = last  # rank 0's peer matchmakes it with every live site
-
-    @property
     def partial_groups(self) -> bool:  # type: ignore[override]
         return self.peer.partial_groups
 
@@ -126,17 +118,17 @@ class HivemindSiteCollective(Collective):
         self.peer.load_committed_step(step)
 
     # --- rounds --------------------------------------------------------------------------------
-    def expect_round(self, in_seconds: float) -> None:
-        if self.site.rank == 0:  # only rank 0 matchmakes
-            self.peer.expect_round(in_seconds)
+    def expect_round(self, in_seconds: float, final: bool = False) -> None:
+        if self.site.rank == 0:  # only rank 0 matchmakes (the last round with every live site)
+            self.peer.expect_round(in_seconds, final)
 
-    def begin_round(self) -> RoundInfo:
+    def begin_round(self, final: bool = False) -> RoundInfo:
         start = time.perf_counter()
         found: list[Any] = [None]
         failure = None
         if self.site.rank == 0:
             try:
-                found[0] = self.peer.find_group()
+                found[0] = self.peer.find_group(final)
             except Exception as exc:  # noqa: BLE001 - every rank of the site raises it
                 failure, found[0] = exc, (isinstance(exc, RoundTimeout), str(exc))
         self._broadcast(found)

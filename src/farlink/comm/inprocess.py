@@ -85,7 +85,7 @@ class InProcessCollective(Collective):
         self._get_state = self._set_state = None
         self.failure: Exception | None = None  # why this member failed the current round
 
-    def begin_round(self) -> RoundInfo:
+    def begin_round(self, final: bool = False) -> RoundInfo:  # one group: final changes nothing
         steps = self.group.exchange(self.rank, self.committed_rounds)
         healed = False
         leader = max(range(self.group.size), key=lambda r: steps[r])

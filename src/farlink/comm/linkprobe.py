@@ -25,6 +25,8 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
+from farlink.comm.sockets import recv_exact
+
 PING, UPLOAD, DOWNLOAD, QUIT = b"p", b"U", b"D", b"q"
 _LEN = struct.Struct("!Q")
 _RATE = struct.Struct("!Qd")  # bytes counted after the first chunk, seconds first -> last
@@ -93,13 +95,7 @@ class LinkMatrix:
 
 
 def _recv_exact(sock: socket.socket, n: int) -> bytes:
-    buf = bytearray()
-    while len(buf) < n:
-        chunk = sock.recv(min(n - len(buf), _CHUNK))
-        if not chunk:
-            raise ProbeError("peer closed the probe connection early")
-        buf += chunk
-    return bytes(buf)
+    return recv_exact(sock, n, "peer closed the probe connection early", ProbeError)
 
 
 def _sink(sock: socket.socket, nbytes: int) -> tuple[int, float]:

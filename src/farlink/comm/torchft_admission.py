@@ -18,7 +18,8 @@ from typing import Any
 
 from farlink.comm.torchft_listeners import HostHTTPTransport
 from farlink.robust.auth import Authenticator
-from farlink.robust.gate import Gate, open_tunnel, parse_address
+from farlink.comm.sockets import parse_address
+from farlink.robust.gate import Gate, open_tunnel
 
 log = logging.getLogger(__name__)
 

@@ -137,7 +137,7 @@ def quorum_attempt_timeout(join_timeout: float) -> float:
 
 def lighthouse_reachable(address: str, timeout: float = 2.0) -> bool:
     """Whether something accepts TCP connections at the Lighthouse's (or its gate's) address."""
-    from farlink.robust.gate import parse_address
+    from farlink.comm.sockets import parse_address
 
     try:
         with socket.create_connection(parse_address(address), timeout=timeout):
@@ -256,7 +256,7 @@ class TorchftCollective(Collective):
         self._stash = state
 
     # --- rounds --------------------------------------------------------------------------------
-    def begin_round(self) -> RoundInfo:
+    def begin_round(self, final: bool = False) -> RoundInfo:  # one quorum: final changes nothing
         self._adapt_timeout()
         self._healed = False
         self._round_bytes = 0

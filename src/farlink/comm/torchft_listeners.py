@@ -29,7 +29,7 @@ from typing import Any
 
 from torchft.checkpointing import HTTPTransport, http_transport
 
-from farlink.robust.gate import url_of
+from farlink.comm.sockets import url_of
 
 _SIOCGIFADDR = 0x8915
 # torchft's module globals are swapped one caller at a time

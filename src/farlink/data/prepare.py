@@ -20,12 +20,12 @@ from tokenizers import Tokenizer
 
 from farlink.data.corpus import CorpusError, load_documents
 from farlink.data.tokenizer import (
-    atomic_write_bytes,
     corpus_fingerprint,
     eot_id,
     get_tokenizer,
     load_tokenizer,
 )
+from farlink.state.files import atomic_write
 
 
 @dataclass(frozen=True)
@@ -72,7 +72,7 @@ def encode_documents(tokenizer: Tokenizer, documents: Sequence[str]) -> np.ndarr
 def _save_npy(path: Path, array: np.ndarray) -> None:
     buffer = io.BytesIO()
     np.save(buffer, array, allow_pickle=False)
-    atomic_write_bytes(path, buffer.getvalue())
+    atomic_write(path, buffer.getvalue())
 
 
 def prepare_data(source: str | os.PathLike[str], vocab_size: int, cache_dir: Path,

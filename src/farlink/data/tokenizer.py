@@ -11,13 +11,13 @@ from __future__ import annotations
 
 import hashlib
 import os
-import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from farlink.data.corpus import CorpusError
+from farlink.state.files import atomic_write
 
 EOT_TOKEN = "<|endoftext|>"
 #: document separators tried in order: farlink's own, then those of common given tokenizers
@@ -56,19 +56,6 @@ def _train(documents: Sequence[str], vocab_size: int) -> Tokenizer:
     return tokenizer
 
 
-def atomic_write_bytes(path: Path, data: bytes) -> None:
-    """Write via a temporary file and rename, so concurrent workers never read half a file."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as handle:
-            handle.write(data)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
 def train_tokenizer(documents: Sequence[str], vocab_size: int,
                     cache_dir: Path | None = None) -> Tokenizer:
     """Train (or, with ``cache_dir``, load the cached) byte-level BPE for ``documents``.
@@ -89,7 +76,7 @@ def train_tokenizer(documents: Sequence[str], vocab_size: int,
     if path.is_file():
         return Tokenizer.from_file(str(path))
     tokenizer = _train(documents, vocab_size)
-    atomic_write_bytes(path, tokenizer.to_str().encode("utf-8"))
+    atomic_write(path, tokenizer.to_str().encode("utf-8"))
     return tokenizer
 
 

@@ -25,8 +25,10 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
 from farlink.comm.linkprobe import Address, ProbeServer
-from farlink.links import LinkProfile, get_profile
+from farlink.links import LinkError, LinkProfile, get_profile, profile_names
 
 KIND = "in-process emulation (shaped TCP relays on loopback)"
 CHUNK = 1 << 16
@@ -217,3 +219,51 @@ class PairwiseNetwork:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+_LINK_NAMES = ", ".join(profile_names())  # farlink/links.toml
+
+
+class EmulationOptions(BaseModel):
+    """What a run emulates in process: the WAN between its workers (a topology of groups, or
+    one link for every collective) and slower devices. ``RunConfig`` composes these fields
+    (flat flags, ``[emulation]`` in TOML)."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+    slowdown: str = Field("", description="emulated device speeds, per-worker slowdown factors "
+                          "such as '1,1,2,4' (worker i sleeps (f-1) x its step time)")
+    pace_seconds: float | None = Field(
+        None, gt=0, description="emulated device speed, paced: every inner step of worker i is "
+        "padded to slowdown_i x this many seconds (speeds stay exact while processes share "
+        "cores; it must exceed the real step time)")
+    topology: str = Field(
+        "", description="emulated network: worker groups such as '0,1|2,3'; links inside a "
+        "group are --intra-link, between groups --inter-link (in-process emulation on loopback)")
+    intra_link: str = Field("datacenter", description=f"link profile inside a topology group "
+                            f"({_LINK_NAMES})")
+    inter_link: str = Field("intercontinental", description=f"link profile between groups "
+                            f"({_LINK_NAMES})")
+    emulate_link: str | None = Field(
+        None, description=f"in-process WAN emulation: a link profile ({_LINK_NAMES}) delays "
+        "every collective by its hop latency + bytes/bandwidth")
+
+    @model_validator(mode="after")
+    def _check_emulation(self) -> EmulationOptions:
+        """Profiles that exist and slowdown factors that parse (a topology's groups name the
+        run's workers: ``RunConfig`` checks them, it knows how many)."""
+        if self.emulate_link is not None:
+            get_profile(self.emulate_link)  # a LinkError (a ValueError) names the choices
+        if self.slowdown:
+            try:
+                factors = [float(f) for f in self.slowdown.split(",")]
+            except ValueError:
+                raise ValueError(f"slowdown {self.slowdown!r} is not a comma list of numbers")
+            if any(f < 1 for f in factors):
+                raise ValueError("slowdown factors must be >= 1 (1 = full speed)")
+        for name in ("intra_link", "inter_link"):
+            try:
+                get_profile(getattr(self, name))
+            except LinkError as exc:
+                raise ValueError(f"{name}: {exc}") from None
+        return self

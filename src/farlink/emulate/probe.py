@@ -16,18 +16,14 @@ import statistics
 import sys
 import time
 
+from farlink.comm.sockets import recv_exact
+
 LISTENING = "probe-listening"
 PING, BULK = b"p", b"B"
 
 
 def _recv_exact(sock: socket.socket, n: int) -> bytes:
-    data = b""
-    while len(data) < n:
-        chunk = sock.recv(n - len(data))
-        if not chunk:
-            raise ConnectionError("peer closed during ping-pong")
-        data += chunk
-    return data
+    return recv_exact(sock, n, "peer closed during ping-pong")
 
 
 def server(host: str, port: int, warmup_s: float, window_s: float) -> dict:

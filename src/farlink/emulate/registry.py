@@ -28,6 +28,7 @@ from pathlib import Path
 from farlink.emulate import sysnet
 from farlink.emulate.errors import EmulationError
 from farlink.lifeline import process_running
+from farlink.state.files import atomic_write
 
 log = logging.getLogger(__name__)
 
@@ -96,10 +97,7 @@ class RunRecord:
         return cls(**data)
 
     def save(self) -> None:
-        path = Path(self.path)
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(asdict(self), indent=1))
-        os.replace(tmp, path)
+        atomic_write(Path(self.path), json.dumps(asdict(self), indent=1))
 
     def claim(self, namespace: str, interfaces: list[str] | None = None) -> None:
         """Record a namespace (and the interfaces that will live in it) before creating it."""

@@ -23,18 +23,14 @@ import struct
 import threading
 import time
 
+from farlink.comm.sockets import recv_exact
+
 LISTENING = "serve-probe-listening"
 CHUNK = 1 << 16
 
 
-def _recv_exact(sock: socket.socket, n: int) -> bytes:
-    data = bytearray()
-    while len(data) < n:
-        chunk = sock.recv(min(CHUNK, n - len(data)))
-        if not chunk:
-            raise ConnectionError("the other end closed the probe connection")
-        data += chunk
-    return bytes(data)
+def _recv(sock: socket.socket, n: int) -> bytes:
+    return recv_exact(sock, n, "the other end closed the probe connection")
 
 
 def server(host: str, port: int, clients: int) -> dict:
@@ -48,7 +44,7 @@ def server(host: str, port: int, clients: int) -> dict:
         with conn:
             while True:
                 try:
-                    (nbytes,) = struct.unpack("!Q", _recv_exact(conn, 8))
+                    (nbytes,) = struct.unpack("!Q", _recv(conn, 8))
                 except ConnectionError:
                     return
                 left = nbytes
@@ -85,7 +81,7 @@ def client(host: str, port: int, nbytes: int, start_at: float, repeats: int,
             time.sleep(max(0.0, start_at + i * period_s - time.time()))
             t0 = time.perf_counter()
             sock.sendall(struct.pack("!Q", nbytes))
-            _recv_exact(sock, nbytes)
+            _recv(sock, nbytes)
             seconds.append(round(time.perf_counter() - t0, 4))
     return {"role": "client", "nbytes": nbytes, "seconds": seconds}
 

@@ -118,13 +118,13 @@ class ShapedCollective(Collective):
     def load_committed_step(self, step: int) -> None:
         self.inner.load_committed_step(step)
 
-    def begin_round(self) -> RoundInfo:
-        info = self.inner.begin_round()
+    def begin_round(self, final: bool = False) -> RoundInfo:
+        info = self.inner.begin_round(final)
         self._world = info.world_size
         return info
 
-    def expect_round(self, in_seconds: float) -> None:
-        self.inner.expect_round(in_seconds)
+    def expect_round(self, in_seconds: float, final: bool = False) -> None:
+        self.inner.expect_round(in_seconds, final)
 
     def _charge(self, before: int, hops: int) -> None:
         sent = self.inner.stats.bytes_sent - before

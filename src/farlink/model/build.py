@@ -13,63 +13,64 @@ from __future__ import annotations
 import json
 from dataclasses import asdict
 from pathlib import Path
-from typing import TYPE_CHECKING
-
 import torch
 from torch import nn
 
 from farlink.model.config import GPTConfig, preset_config
 from farlink.model.gpt import GPT
 
-if TYPE_CHECKING:
-    from farlink.config import RunConfig
-
+HF_MODEL_PREFIX = "hf:"
 MODEL_FILE = "model.json"
 WEIGHTS_FILE = "model.safetensors"
 FARLINK_GPT = "farlink-gpt"
 TRANSFORMERS = "transformers"
 
 
-def build_model(cfg: RunConfig, vocab_size: int) -> nn.Module:
-    """The model ``cfg`` trains, for a tokenizer of ``vocab_size`` ids; initialised from the
-    global torch generator (or the directory's weights), so one seed gives every worker the same
-    start."""
-    directory = cfg.hf_model_dir
+def hf_model_dir(model: str) -> Path | None:
+    """The transformers model directory of ``hf:DIR``, or None for a preset name."""
+    return Path(model[len(HF_MODEL_PREFIX):]) if model.startswith(HF_MODEL_PREFIX) else None
+
+
+def build_model(model: str, vocab_size: int, seq_len: int) -> nn.Module:
+    """The module of ``model`` (a preset name or ``hf:DIR``) for a tokenizer of ``vocab_size``
+    ids and sequences of ``seq_len``; initialised from the global torch generator (or the
+    directory's weights), so one seed gives every worker the same start."""
+    directory = hf_model_dir(model)
     if directory is None:
-        return GPT(preset_config(cfg.model, vocab_size=vocab_size, seq_len=cfg.seq_len))
+        return GPT(preset_config(model, vocab_size=vocab_size, seq_len=seq_len))
     from farlink.model.hf import load_model
 
-    return load_model(directory, vocab_size, cfg.seq_len)
+    return load_model(directory, vocab_size, seq_len)
 
 
-def count_parameters(cfg: RunConfig, vocab_size: int) -> int:
-    """Parameters of ``build_model(cfg, vocab_size)`` without allocating them."""
-    directory = cfg.hf_model_dir
+def count_parameters(model: str, vocab_size: int, seq_len: int) -> int:
+    """Parameters of ``build_model(model, vocab_size, seq_len)`` without allocating them."""
+    directory = hf_model_dir(model)
     if directory is None:
-        return preset_config(cfg.model, vocab_size=vocab_size, seq_len=cfg.seq_len).num_parameters()
+        return preset_config(model, vocab_size=vocab_size, seq_len=seq_len).num_parameters()
     from farlink.model.hf import config_dict, from_config_dict
 
     with torch.device("meta"):
         return from_config_dict(config_dict(directory)).num_parameters()
 
 
-def model_description(cfg: RunConfig, vocab_size: int) -> dict:
+def model_description(model: str, vocab_size: int, seq_len: int) -> dict:
     """What ``model.json`` records: enough to rebuild the architecture anywhere."""
-    directory = cfg.hf_model_dir
+    directory = hf_model_dir(model)
     if directory is None:
-        shape = preset_config(cfg.model, vocab_size=vocab_size, seq_len=cfg.seq_len)
-        return {"architecture": FARLINK_GPT, "preset": cfg.model, "config": asdict(shape)}
+        shape = preset_config(model, vocab_size=vocab_size, seq_len=seq_len)
+        return {"architecture": FARLINK_GPT, "preset": model, "config": asdict(shape)}
     from farlink.model.hf import check_fits
 
-    config = check_fits(directory, vocab_size, cfg.seq_len)
+    config = check_fits(directory, vocab_size, seq_len)
     return {"architecture": TRANSFORMERS, "source": str(directory),
             "config": json.loads(config.to_json_string(use_diff=False))}
 
 
-def write_model_description(cfg: RunConfig, vocab_size: int) -> Path:
-    path = cfg.run_dir / MODEL_FILE
+def write_model_description(run_dir: Path, model: str, vocab_size: int, seq_len: int) -> Path:
+    path = Path(run_dir) / MODEL_FILE
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(model_description(cfg, vocab_size), indent=1))
+    path.write_text(json.dumps(model_description(model, vocab_size, seq_len), indent=1))
     return path
 
 

@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from farlink.errors import ConfigError
 from farlink.extras import require
 from farlink.model.config import GPTConfig
 from farlink.model.gpt import GPT
@@ -88,8 +89,6 @@ def from_config_dict(data: dict) -> CausalLM:
 def check_fits(directory: Path, vocab_size: int, seq_len: int) -> Any:
     """The directory's config, once it is known to embed every token id and position the run
     will feed it (the launcher checks before any worker starts)."""
-    from farlink.config import ConfigError
-
     config = load_config(directory)
     if vocab_size > config.vocab_size:
         raise ConfigError(f"the tokenizer has {vocab_size} tokens but {directory}'s model embeds "

@@ -41,6 +41,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import torch
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from farlink.codecs import CodecError
 from farlink.comm.base import LinkModel
@@ -513,3 +514,37 @@ class PipelineTrainer:
                 except (PeerFailure, StageError, OSError):
                     pass
 
+
+class PipelineOptions(BaseModel):
+    """A model cut into stages served by their own peers (:class:`PipelineTrainer`): the cut,
+    the peers, the micro-batches and what crosses between stages. ``RunConfig`` composes these
+    fields (flat flags, ``[pipeline]`` in TOML)."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+    pipeline_stages: int = Field(
+        1, ge=1, description="cut the model into S stages of contiguous blocks, each served by "
+        "its own peer processes, micro-batches wired through them (1: every worker holds the "
+        "whole model)")
+    peers_per_stage: int | None = Field(
+        None, ge=1, description="peers serving each pipeline stage, one per pipeline replica "
+        "(default: workers / pipeline_stages; given alone, workers becomes stages x peers)")
+    pipeline_micro_batches: int = Field(
+        4, ge=1, description="micro-batches a pipeline splits each step's batch_size sequences "
+        "into (1F1B: stages work on different micro-batches at once)")
+    activation_codec: str = Field(
+        "fp32", description="codec of the activations and their gradients between pipeline "
+        "stages: fp32, fp16, int8, int4, topk:F")
+    stage_peer_timeout: float = Field(
+        120.0, gt=0, le=86400, allow_inf_nan=False, description="seconds a pipeline trainer "
+        "waits for a stage peer's answer before that peer counts as failed and its stage's "
+        "other peers take its work")
+
+    @model_validator(mode="after")
+    def _check_pipeline_options(self) -> PipelineOptions:
+        if self.pipeline_stages > 1:
+            try:
+                wire.codec_for(self.activation_codec)
+            except ValueError as exc:
+                raise ValueError(f"activation_codec: {exc}") from None
+        return self

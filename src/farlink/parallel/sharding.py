@@ -41,8 +41,10 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, replace
+from typing import Literal
 
 import torch
+from pydantic import BaseModel, ConfigDict, Field
 from torch import nn
 
 
@@ -283,3 +285,19 @@ class Site:
 
         if self.size > 1 and dist.is_initialized():
             dist.destroy_process_group()
+
+
+class SiteOptions(BaseModel):
+    """A replica of several ranks (a :class:`Site`, started by torchrun): how many, and how
+    they hold the model. ``RunConfig`` composes these fields (flat flags, ``[site]`` in TOML)."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+    ranks_per_worker: int = Field(
+        1, ge=1, description="processes that train one worker's replica together (a site, "
+        "started by torchrun): the model is sharded over them with FSDP2 (Gloo on CPU, NCCL on "
+        "CUDA), each takes batch_size / K rows, and each syncs only its own shard across workers")
+    sharding: Literal["fsdp", "ddp"] = Field(
+        "fsdp", description="inside a site of several ranks: fsdp (each rank holds 1/K of the "
+        "model, FSDP2) or ddp (each rank holds the whole replica, gradients averaged over the "
+        "site; each rank syncs a 1/K slice across sites)")

@@ -12,7 +12,7 @@ it (``TORCHELASTIC_USE_AGENT_STORE``), and the agent opens no other listener.
 ``tests/test_listeners.py`` checks that on a real run; ``docs/trust.md`` lists the sockets.
 
     python -m farlink.parallel.site_agent --host 127.0.0.1 --nproc-per-node 2 \\
-        -m farlink.train.worker RUN_DIR 0 --lighthouse http://127.0.0.1:29510
+        -m farlink.worker RUN_DIR 0 --lighthouse http://127.0.0.1:29510
 
 It is what ``farlink train --ranks-per-worker K`` runs for each worker; on a node of a run across
 machines, ``--host`` is the node's address (the one in the run's config).

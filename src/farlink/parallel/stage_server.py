@@ -176,10 +176,10 @@ class StageWorker:
     def op_save(self, request: wire.Message) -> wire.Message:
         """Checkpoint this peer's own state (its weights and AdamW moments) under its own
         checkpoint directory, atomically and with digests, as every farlink checkpoint
-        (:mod:`farlink.train.checkpoint`): the peer writes its own files, so its state never
+        (:mod:`farlink.state.checkpoint`): the peer writes its own files, so its state never
         crosses a link to be saved."""
         from farlink.sync.base import optimizer_state
-        from farlink.train.checkpoint import save_checkpoint
+        from farlink.state.checkpoint import save_checkpoint
 
         tensors = {f"param.{n}": p.detach() for n, p in self.params.items()}
         tensors.update(optimizer_state(self.optimizer, "inner"))
@@ -193,7 +193,7 @@ class StageWorker:
         digest checked: a corrupt one is an error naming it, and the trainer decides what
         replaces it)."""
         from farlink.sync.base import load_optimizer_state
-        from farlink.train.checkpoint import checkpoint_path, load_checkpoint
+        from farlink.state.checkpoint import checkpoint_path, load_checkpoint
 
         path = checkpoint_path(self._checkpoints(), int(request.meta["step"]))
         tensors, meta = load_checkpoint(path)

@@ -28,6 +28,7 @@ import torch
 
 from farlink.codecs import Codec, CodecError, make_codec
 from farlink.comm.base import LinkModel
+from farlink.comm.sockets import recv_exact
 from farlink.emulate.shaper import ShapedLink
 
 _MAX_FRAME = 1 << 31
@@ -96,17 +97,6 @@ def decode(body: bytes) -> Message:
         raise CodecError(f"corrupt pipeline frame: {str(exc)[:120]}") from exc
 
 
-def _recv_exactly(sock: socket.socket, n: int) -> bytes:
-    chunks, left = [], n
-    while left:
-        chunk = sock.recv(min(left, 1 << 20))
-        if not chunk:
-            raise ConnectionError("peer closed the connection mid-message")
-        chunks.append(chunk)
-        left -= len(chunk)
-    return b"".join(chunks)
-
-
 def send(sock: socket.socket, message: Message, codecs: dict[str, str] | None = None,
          link: LinkModel | ShapedLink | None = None) -> int:
     """Write one message; returns the bytes sent (after holding for the emulated link: a
@@ -123,7 +113,7 @@ def send(sock: socket.socket, message: Message, codecs: dict[str, str] | None = 
 
 def recv(sock: socket.socket) -> Message:
     """Read one message; ConnectionError when the peer is gone."""
-    (length,) = struct.unpack("<I", _recv_exactly(sock, 4))
+    (length,) = struct.unpack("<I", recv_exact(sock, 4))
     if length > _MAX_FRAME:
         raise CodecError(f"frame of {length} bytes announced (limit {_MAX_FRAME})")
-    return decode(_recv_exactly(sock, length))
+    return decode(recv_exact(sock, length))

@@ -27,15 +27,12 @@ import struct
 import threading
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from farlink.robust import keys as keyfiles
-
-if TYPE_CHECKING:
-    from farlink.config import RunConfig
 
 _MSG_DOMAIN = b"farlink-msg\x00"
 _JOIN_DOMAIN = b"farlink-join\x00"
@@ -303,6 +300,30 @@ def make_authenticator(
     raise ValueError(f"unknown auth kind {kind!r}; choose from {', '.join(AUTH_KINDS)}")
 
 
+class TrustOptions(BaseModel):
+    """How a run's members prove membership: the kind (:data:`AUTH_KINDS`), the run secret's
+    sources (never saved) and ed25519's key files. What :func:`run_authenticator` builds from;
+    ``RunConfig`` composes these fields (flat flags, ``[trust]`` in TOML)."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+    auth: str = Field("none", description="none, secret (HMAC with the run secret) or ed25519")
+    secret: str | None = Field(
+        None, exclude=True, repr=False, description="run secret: every update is MACed with it "
+        "(never saved; FARLINK_SECRET or --secret-file keep it out of `ps` too)")
+    secret_file: Path | None = Field(
+        None, exclude=True, description="file holding the run secret, readable by its owner "
+        "only (chmod 600); never saved")
+    key_file: Path | None = Field(None, description="ed25519: this peer's private key file")
+    allowed_keys: Path | None = Field(None, description="ed25519: file/dir of members' keys")
+
+    @model_validator(mode="after")
+    def _check_trust(self) -> TrustOptions:
+        if self.auth not in AUTH_KINDS:
+            raise ValueError(f"auth {self.auth!r} unknown; choose none, secret or ed25519")
+        return self
+
+
 SECRET_ENV = "FARLINK_SECRET"
 SECRET_SOURCES = f"{SECRET_ENV}=..., --secret-file PATH (mode 600) or --secret"
 
@@ -341,7 +362,7 @@ def resolve_secret(secret: str | None, secret_file: Path | None) -> str | None:
     return os.environ.get(SECRET_ENV) or None
 
 
-def run_secret(cfg: RunConfig) -> str | None:
+def run_secret(cfg: TrustOptions) -> str | None:
     """The secret of a run with ``--auth secret`` (None for other kinds); a ValueError that
     names the sources when there is none."""
     if (cfg.auth or "none").strip().lower() != "secret":
@@ -352,7 +373,8 @@ def run_secret(cfg: RunConfig) -> str | None:
     return secret
 
 
-def run_authenticator(cfg: RunConfig, peer_id: str, verifier: bool = False) -> Authenticator | None:
+def run_authenticator(cfg: TrustOptions, peer_id: str,
+                      verifier: bool = False) -> Authenticator | None:
     """The authenticator a run's processes prove or check membership with; None for ``none``.
 
     ``verifier`` builds one that only checks proofs (the Lighthouse gate needs no member key).

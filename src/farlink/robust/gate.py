@@ -40,8 +40,8 @@ import time
 from collections.abc import Coroutine
 from pathlib import Path
 from typing import Any, Self
-from urllib.parse import urlsplit
 
+from farlink.comm.sockets import parse_address, url_of
 from farlink.robust.auth import Authenticator, AuthError
 
 log = logging.getLogger(__name__)
@@ -114,18 +114,6 @@ async def read_verdict(reader: asyncio.StreamReader,
     if n > MAX_TEXT:
         raise ProtocolError(f"verdict text of {n} bytes")
     return code, (await reader.readexactly(n)).decode(errors="replace")
-
-
-def parse_address(address: str) -> tuple[str, int]:
-    """``http://host:port``, ``host:port`` or ``[v6]:port`` -> (host, port)."""
-    parts = urlsplit(address if "//" in address else f"//{address}")
-    if not parts.hostname or parts.port is None:
-        raise ValueError(f"address {address!r} has no host:port")
-    return parts.hostname, parts.port
-
-
-def url_of(host: str, port: int) -> str:
-    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
 
 
 async def relay(a_reader: asyncio.StreamReader, a_writer: asyncio.StreamWriter,

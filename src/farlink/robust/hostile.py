@@ -196,13 +196,13 @@ def hostile_collective(base: type) -> type:
             real = manager.current_step() if manager is not None else self.round_id
             self.load_committed_step(real + ROUND_OFFSET)
 
-        def expect_round(self, in_seconds: float) -> None:
+        def expect_round(self, in_seconds: float, final: bool = False) -> None:
             self._inflate()
-            super().expect_round(in_seconds)
+            super().expect_round(in_seconds, final)
 
-        def begin_round(self):  # noqa: ANN201
+        def begin_round(self, final: bool = False):  # noqa: ANN201
             self._inflate()
-            info = super().begin_round()
+            info = super().begin_round(final)
             self._round_id = info.round_id
             if self.hostile.name == "slot_forging" and not info.skipped:
                 self._forge_early()

@@ -9,7 +9,6 @@ leaves half a file.
 from __future__ import annotations
 
 import json
-import os
 import threading
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
@@ -18,6 +17,7 @@ from pathlib import Path
 from rich.table import Table
 
 from farlink.robust.validate import reason_kind
+from farlink.state.files import atomic_write
 
 
 @dataclass
@@ -110,11 +110,7 @@ class ContributionLedger:
         return ledger
 
     def save(self, path: Path) -> None:
-        path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(path.name + ".tmp")
-        tmp.write_text(json.dumps(self.to_dict(), indent=1))
-        os.replace(tmp, path)
+        atomic_write(Path(path), json.dumps(self.to_dict(), indent=1))
 
     @classmethod
     def load(cls, path: Path) -> ContributionLedger:

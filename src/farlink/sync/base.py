@@ -38,6 +38,8 @@ from torch import nn
 
 from farlink.comm.base import Collective, RoundInfo
 from farlink.sync.exchange import Exchange, ExchangeResult
+from farlink.sync.moshpit import GroupMixing
+from farlink.sync.schedule import Schedule, make_schedule, nearest_step_boundary  # noqa: F401
 
 log = logging.getLogger(__name__)
 
@@ -106,21 +108,6 @@ def lr_at(step: int, base_lr: float, warmup: int, total: int, min_ratio: float =
         return base_lr * (step + 1) / warmup
     progress = min(1.0, (step - warmup) / max(1, total - warmup))
     return base_lr * (min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
-
-
-def _as_is(flag: bool) -> bool:
-    """One process is the whole replica: its own decision stands."""
-    return flag
-
-
-def nearest_step_boundary(now: float, started: float, steps: int, deadline: float) -> bool:
-    """Whether a time-budgeted round should end after the step just taken: at the step boundary
-    nearest ``deadline``. Ending at the first boundary past it makes a worker with long steps
-    (a slow device) overshoot by up to a whole step while every other worker waits for it;
-    the nearest boundary bounds it to half a step either way. A step's length is this round's
-    mean (``steps`` taken since ``started``)."""
-    per_step = (now - started) / max(steps, 1)
-    return now + per_step / 2 >= deadline
 
 
 def optimizer_state(opt: torch.optim.Optimizer, prefix: str) -> TensorState:
@@ -236,7 +223,8 @@ class SyncAlgorithm(ABC):
     ``inner_optimizer`` is the caller's optimizer over the model's parameters, or None for
     :meth:`default_inner_optimizer`. ``lr_schedule`` sets the inner lr every step (warmup +
     cosine over ``options.steps``); by default only for an optimizer farlink built, so a user's
-    optimizer keeps the lr (and scheduler) the user gave it."""
+    optimizer keeps the lr (and scheduler) the user gave it. ``before_round``: called before
+    every round begins (the owner of background checkpoint writes lands the previous one)."""
 
     name: ClassVar[str]
     Options: ClassVar[type[SyncOptions]] = SyncOptions
@@ -254,6 +242,8 @@ class SyncAlgorithm(ABC):
         lr_schedule: bool | None = None,
         part_of: Callable[[torch.Tensor], torch.Tensor] | None = None,
         agree: Callable[[bool], bool] | None = None,
+        schedule: Schedule | None = None,
+        before_round: Callable[[], None] | None = None,
     ) -> None:
         if not isinstance(options, self.Options):
             raise TypeError(f"{self.name} takes {self.Options.__name__} (or a RunConfig), "
@@ -279,7 +269,7 @@ class SyncAlgorithm(ABC):
         self.shard_of = part_of or local_shard
         #: on a site of several ranks, a yes/no every rank must share although each reads it
         #: from its own clock (a time-budgeted round's end): True on all ranks if on any
-        self.agree = agree or _as_is
+        self.agree = agree or (lambda flag: flag)  # one process is the whole replica
         self.params = [self.shard_of(p) for p in self.module_params]
         self.lr_schedule = inner_optimizer is None if lr_schedule is None else lr_schedule
         if self.lr_schedule and options.steps is None:
@@ -298,6 +288,12 @@ class SyncAlgorithm(ABC):
         if outer_optimizer is not None and not self.capabilities.outer_optimizer:
             raise ValueError(f"{self.name} takes no injected outer optimizer")
         self.outer_factory = outer_optimizer
+        #: when rounds fall and when the run ends (H steps, or a time budget where the
+        #: algorithm has :attr:`Capabilities.time_budget` and the options give round_seconds)
+        self.schedule = schedule or make_schedule(
+            options.inner_steps, options.steps,
+            getattr(options, "round_seconds", None) if self.capabilities.time_budget else None,
+            self.agree)
         self.inner_steps_done = 0
         self.outer_step = 0
         self.last_round: RoundInfo | None = None
@@ -308,6 +304,9 @@ class SyncAlgorithm(ABC):
         #: the run's end with nobody left to group with
         self.rounds_skipped_since_commit = 0
         self.last_exchange: ExchangeResult | None = None
+        #: the group state mixing layer (Moshpit): used by algorithms with partial_groups
+        self.mixing = GroupMixing(collective, self.agree)
+        self._mixed_state: TensorState | None = None  # staged by mix_group_states
         # where rounds spend their time, cumulative: waiting for the quorum (which absorbs
         # stragglers), moving bytes, and the rest (encode, decode, validate, apply) on this
         # worker; benchmarks compare them with the planner's terms
@@ -320,7 +319,7 @@ class SyncAlgorithm(ABC):
         #: called before every round begins, outside its timing: the owner of background
         #: checkpoint writes lands the previous write there (and raises its error, a full disk),
         #: so no round is committed while an earlier committed round's checkpoint is unwritten
-        self.before_round: Callable[[], None] | None = None
+        self.before_round = before_round
         collective.register_state(self.export_state, self.import_state)
 
     @classmethod
@@ -349,23 +348,29 @@ class SyncAlgorithm(ABC):
         """Called after ``loss.backward()`` with the number of tokens in the batch."""
 
     def at_boundary(self, outcome: StepOutcome) -> bool:
-        """Whether the loop should checkpoint/evaluate now (every H steps by default)."""
-        return self.inner_steps_done % self.cfg.inner_steps == 0
+        """Whether the loop should checkpoint/evaluate now (every H steps, or after each round
+        of a time budget)."""
+        return self.schedule.at_boundary(self.inner_steps_done, outcome.synced)
 
     def finished(self) -> bool:
-        """Whether the run's budget (``steps``) is spent; never, without one."""
-        return self.cfg.steps is not None and self.inner_steps_done >= self.cfg.steps
+        """Whether the run's budget (``steps``, or a time budget's rounds) is spent; never,
+        without one."""
+        return self.schedule.finished(self.inner_steps_done, self.rounds_counted())
+
+    def rounds_counted(self) -> int:
+        """Rounds behind this replica: committed ones, and those it skipped since (no group
+        took it); its next group heals it to the committed count. A time budget counts them."""
+        return self.outer_step + self.rounds_skipped_since_commit
 
     def last_round_due(self) -> bool:
         """Whether the round about to run is the run's last (its budget is spent once the round
         is done): a backend of groups smaller than the swarm forms it with every peer."""
-        return self.finished()
+        return self.schedule.last_round_due(self.inner_steps_done, self.rounds_counted())
 
     def next_round_is_last(self) -> bool:
         """Whether the round after the one just done will be the run's last (see
         :meth:`last_round_due`), for a collective that looks for its group ahead of time."""
-        return (self.cfg.steps is not None
-                and self.inner_steps_done + self.cfg.inner_steps >= self.cfg.steps)
+        return self.schedule.next_round_is_last(self.inner_steps_done, self.rounds_counted())
 
     def join(self) -> StepOutcome | None:
         """A newcomer's first round, before any inner step: heal from live peers now rather
@@ -391,9 +396,24 @@ class SyncAlgorithm(ABC):
         return state_digest(self.shared_state()).hex()[:16]
 
     def mix_group_states(self, info: RoundInfo) -> None:
-        """Groups smaller than the swarm: make this round's members hold one committed state
-        before the update lands (see :class:`~farlink.sync.diloco.DiLoCo`). Algorithms without
+        """Groups smaller than the swarm (Moshpit, :mod:`farlink.sync.moshpit`): stage the
+        group's mean of the committed state this round updates (:meth:`mixable_state`), so
+        the round's members hold one state once the update lands; the algorithm loads it with
+        the update, so a round that fails changes nothing. Algorithms without
         :attr:`Capabilities.partial_groups` never run in such groups."""
+        self._mixed_state = None
+        if self.capabilities.partial_groups and self.mixing.applies(info):
+            self._mixed_state = self.mixing.mix(self.mixable_state(), info)
+
+    def mixable_state(self) -> TensorState:
+        """The committed state this round's update is linear in (see :meth:`mix_group_states`);
+        an algorithm with :attr:`Capabilities.partial_groups` names it."""
+        raise NotImplementedError(f"{self.name} mixes no state in groups smaller than the swarm")
+
+    @property
+    def mixed_rounds(self) -> int:
+        """Rounds whose group averaged differing committed states."""
+        return self.mixing.mixed_rounds
 
     def export_state(self) -> TensorState:
         """Committed state for a healing peer, sealed with its SHA-256 (checked on arrival)."""
@@ -476,7 +496,12 @@ class SyncAlgorithm(ABC):
         if not self.lr_schedule:
             return float(self.inner_opt.param_groups[0]["lr"])
         cfg = self.cfg
-        return lr_at(self.inner_steps_done, cfg.lr, cfg.warmup_steps, cfg.steps)
+        step = self.schedule.lr_step(self.inner_steps_done, self.rounds_done())
+        return lr_at(step, cfg.lr, cfg.warmup_steps, cfg.steps)
+
+    def rounds_done(self) -> float:
+        """How far the run is in rounds, for a time budget's lr schedule: committed rounds."""
+        return self.outer_step
 
     def traffic(self) -> dict[str, int]:
         """Bytes by level, for algorithms that tell levels apart (hierarchical); else none."""
@@ -516,10 +541,10 @@ class SyncAlgorithm(ABC):
         network_before = self.collective.stats.comm_seconds
         info, committed = None, False
         # the run's last round: a backend of small groups forms it with every live peer
-        self.collective.final_round = self.last_round_due()
+        final = self.last_round_due()
         for attempt in range(self.cfg.round_retries + 1):
             asked = time.perf_counter()
-            info = self.collective.begin_round()
+            info = self.collective.begin_round(final=final)
             self.quorum_seconds += time.perf_counter() - asked
             self.last_round = info
             if info.skipped:  # no group for this worker this round: nothing to average
@@ -555,6 +580,5 @@ class SyncAlgorithm(ABC):
             # collective may form its group meanwhile (hivemind's matchmaking), as the run's
             # last round if it is (formed with every live peer, under a key of its own: a
             # search of the usual kind would pair a peer with one that then leaves for it)
-            self.collective.final_round = self.next_round_is_last()
-            self.collective.expect_round(self._round_gap)
+            self.collective.expect_round(self._round_gap, final=self.next_round_is_last())
         return committed, seconds, info

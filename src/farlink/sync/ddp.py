@@ -36,12 +36,6 @@ class DDP(SyncAlgorithm):
     name = "ddp"
     capabilities = Capabilities(syncs_every_step=True, sharded=True)
 
-    @classmethod
-    def check_run(cls, cfg) -> None:  # noqa: ANN001 - a RunConfig
-        if cfg.ranks_per_worker > 1 and cfg.sharding == "ddp":
-            raise ValueError("ddp across sites exchanges each rank's gradient shard: run the "
-                             "sites with --sharding fsdp (a DDP site holds whole gradients)")
-
     def step(self, tokens: int) -> StepOutcome:
         committed, seconds, info = self.run_round(self._gradients, self._apply, float(tokens))
         self.inner_steps_done += 1

@@ -74,12 +74,6 @@ class DeMo(SyncAlgorithm):
     capabilities = Capabilities(syncs_every_step=True, inner_optimizer=False,
                                 wire_codec="dct_topk", sharded=True)
 
-    @classmethod
-    def check_run(cls, cfg) -> None:  # noqa: ANN001 - a RunConfig
-        if cfg.ranks_per_worker > 1 and cfg.sharding == "ddp":
-            raise ValueError("demo on sites of several ranks runs on FSDP2 shards: use "
-                             "--sharding fsdp")
-
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         cfg, compressor = self.cfg, self.exchange.compressor

@@ -20,7 +20,6 @@ backend.
 from __future__ import annotations
 
 import logging
-import time
 
 import torch
 from pydantic import Field
@@ -35,11 +34,8 @@ from farlink.sync.base import (
     TensorState,
     load_optimizer_state,
     load_worker_private_state,
-    lr_at,
-    nearest_step_boundary,
     nesterov,
     optimizer_state,
-    state_digest,
     worker_private_state,
 )
 from farlink.sync.exchange import ExchangeResult
@@ -63,18 +59,9 @@ class DiLoCo(SyncAlgorithm):
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
-        cfg = self.cfg
-        if self.timed and cfg.steps is None:
-            raise ValueError("round_seconds (time-budgeted rounds) needs steps: the run lasts "
-                             "steps / inner_steps rounds")
         self.global_params = [p.detach().clone() for p in self.params]
-        self._mixed_state: TensorState | None = None  # see mix_group_states
-        self.mixed_rounds = 0  # rounds whose group averaged differing committed states
         self.outer_opt = self.make_outer_optimizer(self.global_params)
         self.tokens_since_sync = 0
-        self.round_started = time.monotonic()
-        self.steps_in_round = 0
-        self.total_rounds = max(1, (cfg.steps or 0) // cfg.inner_steps)
 
     @classmethod
     def outer_optimizer_of(cls, options: DiLoCoOptions) -> OuterOptimizerFactory:
@@ -131,69 +118,38 @@ class DiLoCo(SyncAlgorithm):
                 g.copy_(state[f"global.{n}"])
         load_optimizer_state(self.outer_opt if opt is None else opt, state, "outer")
 
-    # --- time-budgeted rounds (heterogeneous devices) -------------------------------------------
+    # --- the round loop: the schedule says when (H steps, or a time budget) -------------------
     @property
-    def timed(self) -> bool:
-        return self.cfg.round_seconds is not None
+    def clock(self):  # noqa: ANN201 - a Schedule
+        """The schedule whose clock ends this algorithm's rounds (hierarchical: its island's)."""
+        return self.schedule
 
     def round_due(self) -> bool:
-        if self.timed:  # each rank of a site reads its own clock: they settle it together
-            return self.agree(nearest_step_boundary(time.monotonic(), self.round_started,
-                                                    self.steps_in_round,
-                                                    self.round_started + self.cfg.round_seconds))
-        return self.inner_steps_done % self.cfg.inner_steps == 0
+        """Whether a round ends after the step just taken."""
+        return self.schedule.due(self.inner_steps_done)
 
-    def at_boundary(self, outcome: StepOutcome) -> bool:
-        return outcome.synced if self.timed else super().at_boundary(outcome)
-
-    def finished(self) -> bool:
-        return self.rounds_counted() >= self.total_rounds if self.timed else super().finished()
-
-    def rounds_counted(self) -> int:
-        """Rounds of a time-budgeted run behind this replica: committed ones, and those it
-        skipped since (no group took it); its next group heals it to the committed count."""
-        return self.outer_step + self.rounds_skipped_since_commit
-
-    def last_round_due(self) -> bool:
-        # a time-budgeted run counts rounds: the last is due when one is left
-        return (self.rounds_counted() + 1 >= self.total_rounds if self.timed
-                else super().last_round_due())
-
-    def next_round_is_last(self) -> bool:
-        return (self.rounds_counted() + 2 >= self.total_rounds if self.timed
-                else super().next_round_is_last())
-
-    def current_lr(self) -> float:
-        if not self.timed or not self.lr_schedule:
-            return super().current_lr()
-        virtual_step = int(self.outer_step / self.total_rounds * self.cfg.steps)
-        return lr_at(virtual_step, self.cfg.lr, self.cfg.warmup_steps, self.cfg.steps)
+    def round_ended(self) -> None:
+        """A round just ended: the next period starts now."""
+        self.schedule.start_period()
 
     def step(self, tokens: int) -> StepOutcome:
         self.clip_and_step(self.inner_opt)
         self.inner_steps_done += 1
-        self.steps_in_round += 1
+        self.clock.step_taken()
         self.tokens_since_sync += tokens
         if not self.round_due():
             return StepOutcome(outer_step=self.outer_step)
         outcome = self.sync()
-        self._start_round()
+        self.round_ended()
         return outcome
-
-    def _start_round(self) -> None:
-        self.round_started, self.steps_in_round = time.monotonic(), 0
 
     def join(self) -> StepOutcome:
         self.tokens_since_sync = 0  # a zero-weight pseudo-gradient: it only receives
         outcome = self.sync()
-        self._start_round()
-        if outcome.committed and not self.timed:
-            # A peer restarted from its own checkpoint is not healed when the others wait in
-            # the same round; it still skips that round's inner steps, so its schedule must
-            # move to the round's end, or it finishes one round after everyone else and waits
-            # for a quorum that never comes.
-            self.inner_steps_done = max(self.inner_steps_done,
-                                        self.outer_step * self.cfg.inner_steps)
+        self.round_ended()
+        if outcome.committed:
+            self.inner_steps_done = self.schedule.step_after_join(self.inner_steps_done,
+                                                                  self.outer_step)
         return outcome
 
     def sync(self) -> StepOutcome:
@@ -205,59 +161,12 @@ class DiLoCo(SyncAlgorithm):
     def _pseudo_gradient(self, info: RoundInfo) -> dict[str, torch.Tensor]:
         return self.pseudo_gradient(self.params)
 
-    def mix_group_states(self, info: RoundInfo) -> None:
-        """Moshpit groups (hivemind ``--group-size``): groups of one round commit the same round
-        number with different states, and averaging pseudo-gradients alone would keep those
-        states apart for good (each member steps its own θ_g). So, as Moshpit averaging does,
-        the members also average their committed state, θ_g and the outer optimizer's state,
-        before the update lands: each computed its Δ from its own θ_g, and the outer step is
-        linear in (θ_g, momentum, Δ), so this equals averaging the states the members step
-        into. The group then holds one state; groups mix over rounds, and the last round, one
-        group of the whole swarm, ends the run on one model.
-
-        Members gather each other's state as bytes and average them in rank order, so every
-        member computes the same bits (hivemind's butterfly all-reduce does not). Only when
-        their fingerprints differ: one round trip of 8 bytes otherwise. The average is staged
-        and lands with the outer step, so a round that fails changes nothing."""
-        self._mixed_state = None
-        if not (self.capabilities.partial_groups and self.collective.partial_groups) \
-                or info.world_size < 2 or info.skipped:
-            return
-        state = self.global_state()
-        # in name order: an optimizer that loaded its state (a healed peer) lists it in
-        # another order than one that stepped, and the members' bytes must line up
-        names = sorted(k for k, v in state.items() if v.is_floating_point())
-        digest = state_digest({k: state[k] for k in names})[:8]
-        digests = self.collective.all_gather_bytes(digest)
-        if not self.agree(len(set(digests)) > 1):  # a site's ranks take the same branch
-            return
-        flat = torch.cat([state[k].detach().float().reshape(-1).cpu() for k in names])
-        payloads = self.collective.all_gather_bytes(flat.numpy().tobytes())
-        if any(len(p) != flat.numel() * 4 for p in payloads):
-            log.warning("round %d: a groupmate's committed state did not arrive whole; the "
-                        "round's states are not averaged", info.round_id)
-            return  # a member sent nothing: the collective fails the round
-        states = [torch.frombuffer(bytearray(p), dtype=torch.float32) for p in payloads]
-        finite = [i for i, st in enumerate(states) if torch.isfinite(st).all()]
-        if len(finite) < len(states):  # a member's NaN/Inf state must not reach the others
-            left_out = [info.peers[i] if i < len(info.peers) else f"member {i}"
-                        for i in range(len(states)) if i not in finite]
-            log.warning("round %d: the committed state of %s is not finite; it is left out "
-                        "of the group's average%s", info.round_id, ", ".join(left_out),
-                        "" if finite else " (no member's is finite: nothing is averaged)")
-            if not finite:
-                return
-        mean = torch.stack([states[i] for i in finite]).mean(dim=0)
-        offset = 0
-        for k in names:
-            n = state[k].numel()
-            state[k] = mean[offset:offset + n].reshape(state[k].shape).to(
-                dtype=state[k].dtype, device=state[k].device)
-            offset += n
-        self._mixed_state = state
-        self.mixed_rounds += 1
-        log.warning("round %d: %d distinct committed states in a group of %d; averaging them",
-                    info.round_id, len(set(digests)), info.world_size)
+    def mixable_state(self) -> TensorState:
+        """Moshpit groups (hivemind ``--group-size``): θ_g and the outer optimizer's state.
+        Each member computed its Δ from its own θ_g, and the outer step is linear in
+        (θ_g, momentum, Δ), so averaging them before the step equals averaging the states the
+        members step into."""
+        return self.global_state()
 
     def _apply(self, result: ExchangeResult, info: RoundInfo) -> None:
         if self._mixed_state is not None:  # the group's average committed state (Moshpit)

@@ -43,6 +43,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from farlink.codecs import (
     BFloat16Codec,
@@ -52,10 +53,11 @@ from farlink.codecs import (
     Float16Codec,
     Float32Codec,
     envelope,
+    make_compressor,
 )
 from farlink.comm.base import Collective
 from farlink.comm.errors import CommError
-from farlink.robust.aggregators import Aggregator, PerTensor, weighted_mean
+from farlink.robust.aggregators import Aggregator, PerTensor, make_aggregator, weighted_mean
 from farlink.robust.auth import Authenticator, AuthError
 from farlink.robust.equivocation import SLOT_DIGEST, differing_slots, slot_digests
 from farlink.robust.validate import UpdateRejected, check_update, screen_norms
@@ -417,3 +419,26 @@ class Exchange:
             check_update(name, tensor, tuple(ref.shape), self.max_update_norm)
             out[name] = tensor
         return out
+
+
+class ExchangeOptions(BaseModel):
+    """What an :class:`Exchange` is built from: the codec of its payloads, the aggregator of
+    the updates it receives and the norm screen in front of it. Each value is checked here,
+    where it is used; ``RunConfig`` composes these fields (flat flags, ``[exchange]`` in TOML)."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+    codec: str = Field("none", description="none, fp16, bf16, int8, int4, topk[:f], ...[+ef]")
+    aggregator: str = Field("mean", description="mean, median, trimmed_mean, centered_clip, ...")
+    screen_ratio: float = Field(
+        10.0, ge=0, description="reject an update whose norm exceeds this x the round's median "
+        "(0 turns the screen off)")
+
+    @model_validator(mode="after")
+    def _check_exchange(self) -> ExchangeOptions:
+        make_compressor(self.codec)  # raises ValueError naming the valid codecs
+        make_aggregator(self.aggregator)
+        if 0 < self.screen_ratio <= 1:
+            raise ValueError(f"screen_ratio={self.screen_ratio:g} would reject honest updates; "
+                             "use a value above 1, or 0 to turn the screen off")
+        return self

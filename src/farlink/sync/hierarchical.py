@@ -74,8 +74,6 @@ from farlink.sync.base import (
     StepOutcome,
     TensorState,
     load_optimizer_state,
-    lr_at,
-    nearest_step_boundary,
     optimizer_state,
     seal,
     state_digest,
@@ -83,6 +81,7 @@ from farlink.sync.base import (
 )
 from farlink.sync.diloco import DiLoCo, DiLoCoOptions
 from farlink.sync.exchange import Exchange, ExchangeResult
+from farlink.sync.schedule import Schedule, make_schedule
 
 _HEADER = 4  # present, committed, outer_step, global world size
 GlobalOutcome = tuple[bool, int, int]  # committed, islands in the round, outer step after it
@@ -140,12 +139,7 @@ class HierarchicalDiLoCo(DiLoCo):
 
     @classmethod
     def check_run(cls, cfg) -> None:  # noqa: ANN001 - a RunConfig
-        if cfg.lighthouse is not None:
-            raise ValueError("hierarchical_diloco starts its own Lighthouses (global and one per "
-                             "island); drop --lighthouse")
         if cfg.round_seconds is None:
-            if cfg.island_seconds is not None:
-                raise ValueError("island_seconds needs round_seconds (time-budgeted rounds)")
             if cfg.inner_steps % cfg.island_steps:
                 raise ValueError(f"inner_steps={cfg.inner_steps} (the global period) must be "
                                  f"a multiple of island_steps={cfg.island_steps}")
@@ -192,31 +186,40 @@ class HierarchicalDiLoCo(DiLoCo):
         # round a private copy (so checkpoints and the training thread never see it half-updated)
         self._active_global: tuple[list[torch.Tensor], torch.optim.Optimizer] | None = None
         self.intra_bytes = self.inter_bytes = 0
-        self.island_seconds = cfg.island_seconds or cfg.round_seconds
-        self.per_global = (max(1, round(cfg.round_seconds / self.island_seconds)) if self.timed
-                           else cfg.inner_steps // cfg.island_steps)
-        self.period_start = self.round_started
+        #: the island rounds' cadence: every island_steps, or island_seconds counted from the
+        #: last global round (so lateness never accumulates); the run's schedule
+        #: (:attr:`schedule`) says when it ends
+        self.island_schedule = make_schedule(cfg.island_steps, cfg.steps, (
+            cfg.island_seconds or cfg.round_seconds) if self.schedule.timed else None, self.agree)
+        self.per_global = self.schedule.periods_of(self.island_schedule)  # island rounds each
 
     # --- schedule (DiLoCo's step loop calls round_due, then sync) --------------------------------
+    @property
+    def clock(self) -> Schedule:
+        return self.island_schedule
+
     def round_due(self) -> bool:
-        """Whether an island round ends after the step just taken."""
-        if not self.timed:
-            return self.inner_steps_done % self.cfg.island_steps == 0
-        deadline = self.period_start + (self.island_round + 1) * self.island_seconds
-        return self.agree(nearest_step_boundary(time.monotonic(), self.round_started,
-                                                self.steps_in_round, deadline))
+        """Whether an island round ends after the step just taken: the next of this global
+        period's island rounds."""
+        return self.island_schedule.due(self.inner_steps_done,
+                                        at=(self.island_round + 1) * self.cfg.island_steps)
+
+    def round_ended(self) -> None:
+        self.island_schedule.restart_clock()
 
     def _global_due(self) -> bool:
-        if not self.timed:
-            return self.inner_steps_done % self.cfg.inner_steps == 0
+        """Whether this island round is the global period's last (every member counts the
+        island rounds alike)."""
         return self.island_round + 1 >= self.per_global
 
     def _last_global(self) -> bool:
         """Whether a global round due now is the run's last (always synchronous). Decided from
         counters every island member shares, so they all agree."""
-        if not self.timed:
-            return self.inner_steps_done + self.cfg.inner_steps > self.cfg.steps
-        return self.outer_step + int(self.awaiting_handoff) + 1 >= self.total_rounds
+        return self.schedule.last_period(self.inner_steps_done,
+                                         self.outer_step + int(self.awaiting_handoff))
+
+    def rounds_done(self) -> float:
+        return self.outer_step + self.island_round / self.per_global
 
     def at_boundary(self, outcome: StepOutcome) -> bool:
         return outcome.synced
@@ -224,13 +227,6 @@ class HierarchicalDiLoCo(DiLoCo):
     def join(self) -> StepOutcome | None:
         """A newcomer heals in its first island round (from its island's members)."""
         return None
-
-    def current_lr(self) -> float:
-        if not self.timed or not self.lr_schedule:
-            return super().current_lr()
-        progress = (self.outer_step + self.island_round / self.per_global) / self.total_rounds
-        return lr_at(int(progress * self.cfg.steps), self.cfg.lr, self.cfg.warmup_steps,
-                     self.cfg.steps)
 
     # --- the island round ----------------------------------------------------------------------
     def sync(self) -> StepOutcome:
@@ -273,7 +269,7 @@ class HierarchicalDiLoCo(DiLoCo):
             self._start_overlapped()
         self.island_round = 0 if is_global else self.island_round + 1
         if is_global:
-            self.period_start = time.monotonic()
+            self.island_schedule.start_period()
         if committed:
             self.tokens_since_sync = 0
         assert staged is not None

@@ -12,8 +12,13 @@ it, before the next inner step.
 Peak bandwidth drops by about P (one fragment in flight instead of the whole model), and the
 exposed communication is only what exceeds τ steps of compute.
 
+Time budgets (``round_seconds``): a period lasts that long instead of H steps and fragment p
+starts its round at the step boundary nearest the same fraction of it, ``shift(p) / H``; the run
+lasts ``steps // H`` periods, counted in rounds launched (every replica launches them in the
+same order), so it ends on the same round everywhere whatever each replica's speed.
+
 Knobs (:class:`StreamingOptions`): DiLoCo's, plus ``fragments`` (P), ``overlap_steps`` (τ) and
-``mix_alpha`` (α). Capabilities: fragmented rounds, any backend.
+``mix_alpha`` (α). Capabilities: fragmented rounds, time budgets, any backend.
 """
 
 from __future__ import annotations
@@ -72,7 +77,8 @@ class StreamingOptions(DiLoCoOptions):
 class StreamingDiLoCo(DiLoCo):
     name = "streaming_diloco"
     Options = StreamingOptions
-    capabilities = Capabilities(fragments=True, outer_optimizer=True, sharded=True)
+    capabilities = Capabilities(fragments=True, outer_optimizer=True, sharded=True,
+                                time_budget=True)
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
@@ -86,6 +92,11 @@ class StreamingDiLoCo(DiLoCo):
                        for f in range(self.num_fragments)]
         self.fragment_tokens = [0] * self.num_fragments
         self.fragment_rounds = [0] * self.num_fragments
+        # a period holds one round per fragment, launched in order of their shifts
+        self.schedule.rounds_per_period = self.num_fragments
+        self.rounds_launched = 0  # on the training thread: what the schedule counts
+        self.launched_in_period = 0
+        self.period_ended = False
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="farlink-stream")
         self._inflight: _InFlight | None = None
         self._lock = threading.Lock()
@@ -95,14 +106,17 @@ class StreamingDiLoCo(DiLoCo):
         return [i for i, f in enumerate(self.fragment_of) if f == fragment]
 
     def due(self, step: int) -> list[int]:
-        h = self.cfg.inner_steps
-        return [f for f, s in enumerate(self.shifts) if step % h == s % h]
+        """The fragments whose round starts after inner step ``step``: those not yet launched in
+        this period whose point (``shift``) the schedule says is reached."""
+        return [f for f, s in enumerate(self.shifts)
+                if f >= self.launched_in_period and self.schedule.due(step, at=s)]
 
     # --- the loop ------------------------------------------------------------------------------
     def step(self, tokens: int) -> StepOutcome:
         self._apply_heal()
         self.clip_and_step(self.inner_opt)
         self.inner_steps_done += 1
+        self.schedule.step_taken()
         self.fragment_tokens = [t + tokens for t in self.fragment_tokens]
         outcome = StepOutcome(outer_step=self.outer_step)
         t = self.inner_steps_done
@@ -114,7 +128,21 @@ class StreamingDiLoCo(DiLoCo):
             self._launch(fragment, t)
             if self.cfg.overlap_steps == 0:  # tau = 0: no overlap, the update lands right now
                 self._land(outcome)
+        self.period_ended = self.schedule.due(t)
+        if self.period_ended:
+            self.launched_in_period = 0
+            self.schedule.start_period()
         return outcome
+
+    # --- the schedule, in rounds launched (the training thread's count) -------------------------
+    def rounds_counted(self) -> int:
+        return self.rounds_launched
+
+    def rounds_done(self) -> float:
+        return self.rounds_launched
+
+    def at_boundary(self, outcome: StepOutcome) -> bool:
+        return self.schedule.at_boundary(self.inner_steps_done, self.period_ended)
 
     def join(self) -> None:
         return None  # fragment rounds are scheduled by step: heal in the first one
@@ -132,6 +160,8 @@ class StreamingDiLoCo(DiLoCo):
                     for i in idx}
         weight = float(self.fragment_tokens[fragment])
         self.fragment_tokens[fragment] = 0
+        self.rounds_launched += 1
+        self.launched_in_period += 1
 
         def build(info: RoundInfo) -> dict[str, torch.Tensor]:
             if info.healed:
@@ -152,13 +182,15 @@ class StreamingDiLoCo(DiLoCo):
         inflight, self._inflight = self._inflight, None
         start = time.perf_counter()
         committed, _, info, result = inflight.future.result()
-        outcome.comm_seconds += time.perf_counter() - start  # only the exposed wait
+        waited = time.perf_counter() - start
+        outcome.comm_seconds += waited  # only the exposed wait
+        self.schedule.pause(waited)
         outcome.synced = True
         outcome.committed = committed
         outcome.world_size = info.world_size if info else 1
         if self.last_exchange is not None:
             outcome.rejected = len(self.last_exchange.rejected)
-        self._apply_heal()
+        self._apply_heal(inflight.fragment)
         if committed and result is not None:
             self._apply_fragment(inflight.fragment, result)
             self.fragment_rounds[inflight.fragment] += 1
@@ -177,21 +209,38 @@ class StreamingDiLoCo(DiLoCo):
                 self.params[i].mul_(alpha).add_(self.global_params[i], alpha=1 - alpha)
 
     # --- state ---------------------------------------------------------------------------------
+    def shared_state(self) -> TensorState:
+        state = super().shared_state()
+        # where the sender is in the run's rounds (a time budget counts them): a healed peer
+        # adopts it
+        state["schedule.rounds_launched"] = torch.tensor(self.rounds_launched)
+        return state
+
     def load_shared_state(self, state: TensorState) -> None:
         """Healing may arrive on the communication thread: defer it to the training thread."""
         if threading.current_thread() is threading.main_thread():
-            super().load_shared_state(state)
-            self.fragment_tokens = [0] * self.num_fragments
+            self._adopt(state)
         else:
             with self._lock:
                 self._pending_heal = state
 
-    def _apply_heal(self) -> None:
+    def _apply_heal(self, fragment: int | None = None) -> None:
+        """Adopt a state that arrived during the round of ``fragment`` (default: the one in
+        flight): the sender stood at that round of its period, as this replica does now."""
         with self._lock:
             state, self._pending_heal = self._pending_heal, None
         if state is not None:
-            DiLoCo.load_shared_state(self, state)
-            self.fragment_tokens = [0] * self.num_fragments
+            self._adopt(state)
+            if fragment is None and self._inflight is not None:
+                fragment = self._inflight.fragment
+            if fragment is not None:
+                self.launched_in_period = fragment + 1
+
+    def _adopt(self, state: TensorState) -> None:
+        DiLoCo.load_shared_state(self, state)
+        self.fragment_tokens = [0] * self.num_fragments
+        self.rounds_launched = int(state.get("schedule.rounds_launched",
+                                             torch.tensor(self.rounds_launched)))
 
     def state_dict(self) -> TensorState:
         if self._inflight is not None:  # land it so the checkpoint is a consistent cut
@@ -203,3 +252,4 @@ class StreamingDiLoCo(DiLoCo):
     def load_state_dict(self, state: TensorState) -> None:
         super().load_state_dict(state)
         self.fragment_tokens = [int(t) for t in state["counter.fragment_tokens"]]
+        self.launched_in_period = 0  # a checkpoint is taken at a period's end

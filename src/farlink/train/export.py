@@ -24,7 +24,8 @@ from farlink.data.tokenizer import eot_token, load_tokenizer
 from farlink.model.build import load_run_model
 from farlink.model.gpt import GPT
 from farlink.model.hf import CausalLM, to_llama, transformers
-from farlink.train.checkpoint import TEMP_PREFIX, remove_stale_temps
+from farlink.state.checkpoint import remove_stale_temps
+from farlink.state.files import TEMP_PREFIX
 
 TOKENIZER_FILE = "tokenizer.json"
 WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin")

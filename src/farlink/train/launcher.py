@@ -20,20 +20,20 @@ import signal
 import subprocess
 import sys
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
 from farlink import interrupt
 from farlink import lifeline
 from farlink.config import ConfigError, RunConfig
 from farlink.robust.auth import SECRET_ENV, run_authenticator, run_secret
-from farlink.train.checkpoint import EXIT_DISK_FULL, is_disk_full
+from farlink.state.checkpoint import EXIT_DISK_FULL, is_disk_full
+from farlink.train.console import console as console  # where callers find it
 from farlink.train.lighthouse import Lighthouse
 from farlink.train.metrics import read_metrics
+from farlink.train.result import RunResult as RunResult  # where callers find it
 from farlink.train.rundir import open_run_dir, plan_run_dir
 from farlink.train.start_line import StartLine
 from farlink.train.rundir import write_run_config as write_run_config  # where callers find it
@@ -42,26 +42,15 @@ if TYPE_CHECKING:
     from farlink.data import PreparedData
     from farlink.emulate.topology import Topology
 
-console = Console(stderr=True)
-
-
-@dataclass
-class RunResult:
-    run_dir: Path
-    returncodes: list[int]
-    summary: dict = field(default_factory=dict)
-    interrupted: bool = False
-    problem: str | None = None  # the run ended but its result is wrong (see never_averaged)
-
 
 def write_model_files(cfg: RunConfig, data: PreparedData) -> None:
     """The run directory keeps its tokenizer and model shape next to the weights, so
     ``farlink export`` and ``farlink generate`` need nothing from the cache or the inputs."""
-    from farlink.data.tokenizer import atomic_write_bytes
     from farlink.model.build import write_model_description
+    from farlink.state.files import atomic_write
 
-    atomic_write_bytes(cfg.run_dir / "tokenizer.json", data.tokenizer.to_str().encode("utf-8"))
-    write_model_description(cfg, data.vocab_size)
+    atomic_write(cfg.run_dir / "tokenizer.json", data.tokenizer.to_str().encode("utf-8"))
+    write_model_description(cfg.run_dir, cfg.model, data.vocab_size, cfg.seq_len)
 
 
 def worker_command(run_dir: Path, index: int, lighthouse: str, resume: bool,
@@ -75,7 +64,7 @@ def worker_command(run_dir: Path, index: int, lighthouse: str, resume: bool,
     if ranks > 1:
         python += ["-m", "farlink.parallel.site_agent", "--host", host,
                    f"--nproc-per-node={ranks}", "--max-restarts=0"]
-    argv = [*python, "-m", "farlink.train.worker", str(run_dir), str(index),
+    argv = [*python, "-m", "farlink.worker", str(run_dir), str(index),
             "--lighthouse", lighthouse]
     if stop_at_step is not None:
         argv += ["--stop-at-step", str(stop_at_step)]
@@ -271,17 +260,11 @@ def _stop_all(procs: list[subprocess.Popen], grace: float = 20.0) -> None:
 def check_launch(cfg: RunConfig, network: Topology | None = None) -> None:
     """What a run needs besides its data, checked before anything is written or started:
     the emulated network's limits, the secret and key files (ConfigError naming the fix)."""
-    if cfg.backend == "inprocess":
-        raise ConfigError("backend inprocess is for library use (peers as threads of one "
-                          "process, farlink.Optimizer); farlink train starts processes: use "
-                          "--backend torchft or hivemind")
-    if network is not None and cfg.backend != "torchft":
-        raise ConfigError("runs inside emulated namespaces use the torchft backend")
-    if network is not None and cfg.auth != "none":
-        raise ConfigError("runs inside emulated namespaces have no membership gate in front of "
-                          "the router's Lighthouse; use --auth none there")
-    try:  # a member's authenticator loads its key files and finds the secret
-        run_authenticator(cfg, "w0")
+    from farlink import matrix
+
+    try:  # what does not run in started processes (farlink.matrix), then the trust's files
+        matrix.check(cfg, ["train"] + (["namespaces"] if network is not None else []))
+        run_authenticator(cfg, "w0")  # a member's authenticator loads its keys and secret
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
 

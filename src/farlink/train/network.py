@@ -162,13 +162,14 @@ def prepare_network(cfg: RunConfig, vocab_size: int, namespaced: bool = False):
     if not needs_network(cfg):
         return None, []
     if namespaced:
-        raise ValueError("--topology and hierarchical_diloco use in-process link emulation; "
-                         "they cannot run inside emulated namespaces")
+        from farlink import matrix
+
+        matrix.check(cfg, ["namespaces"])  # in-process link emulation only (launch checked it)
     previous = NetworkPlan.load(cfg.run_dir) if cfg.resume else None
     if previous is not None:  # a resumed run keeps its islands (checkpoints were made in them)
         plan = previous
     else:
-        params = count_parameters(cfg, vocab_size)
+        params = count_parameters(cfg.model, vocab_size, cfg.seq_len)
         plan = plan_network(cfg, reference_bytes=4 * params)
         assert plan is not None
     lighthouses: list[Lighthouse] = []

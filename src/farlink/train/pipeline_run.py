@@ -38,9 +38,12 @@ from farlink.parallel.stage_sync import StageOuterSync
 from farlink.parallel.swarm_router import StageUnavailable
 from farlink.parallel.stages import model_parameter_name, stage_bounds
 from farlink.sync import algorithm_class
-from farlink.train.checkpoint import (TEMP_PREFIX, is_disk_full, load_newest_intact,
+from farlink.state.checkpoint import (is_disk_full, load_newest_intact,
                                       remove_stale_temps, save_checkpoint)
+from farlink.state.files import temp_path
+from farlink.train.console import console
 from farlink.train.metrics import MetricsLog, read_metrics
+from farlink.train.result import RunResult
 
 TRAINER = "trainer"  # checkpoints/trainer: what the trainer itself holds
 
@@ -169,8 +172,6 @@ class PipelineRun:
         """Continue from the newest verified trainer checkpoint; each peer loads its own
         checkpoint of that step, or, when it has none that verifies, the stage's shared θ with
         fresh AdamW moments (said on the console and in the metrics). False: nothing to resume."""
-        from farlink.train.launcher import console
-
         restored = load_newest_intact(self.checkpoints / TRAINER)
         for path, reason in restored.rejected:
             self.metrics.write("checkpoint_rejected", path=str(path), reason=reason)
@@ -217,8 +218,6 @@ class PipelineRun:
         return record
 
     def train_step(self) -> float:
-        from farlink.train.launcher import console
-
         tokens, targets = self.next_batch()
         report = self.trainer.step(tokens, targets)
         self.step += 1
@@ -236,8 +235,6 @@ class PipelineRun:
 
     def outer_round(self, final: bool) -> None:
         """The stages' outer step, then (on their cadence) evaluation and checkpoint."""
-        from farlink.train.launcher import console
-
         started = time.perf_counter()
         self.outer.sync()
         rounds = self.outer.rounds
@@ -269,7 +266,7 @@ class PipelineRun:
         model.load_state_dict(state)
         path = self.cfg.run_dir / "model.safetensors"
         remove_stale_temps(path.parent)
-        tmp = path.with_name(f".{path.name}{TEMP_PREFIX}{os.getpid()}")
+        tmp = temp_path(path)
         save_model(model, str(tmp))
         digest = hashlib.sha256(tmp.read_bytes()).hexdigest()
         os.replace(tmp, path)
@@ -299,8 +296,6 @@ def train_pipeline(cfg: RunConfig, data: PreparedData, show_progress: bool = Tru
     """Run ``cfg`` (``pipeline_stages`` >= 2) to its end, a stop point or Ctrl-C."""
     from rich.progress import (BarColumn, Progress, TextColumn, TimeElapsedColumn,
                                TimeRemainingColumn)
-
-    from farlink.train.launcher import RunResult, console
 
     run = PipelineRun(cfg, data)
     started = time.perf_counter()

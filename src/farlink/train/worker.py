@@ -5,13 +5,13 @@ and the inner optimizer, and hands them to :class:`farlink.Optimizer`, which own
 the exchange, the algorithm, joining and checkpoints. What stays here is the loop and what only
 ``farlink train`` does: evaluation, emulated device speeds, the metrics JSONL, the final model.
 
-Run as ``python -m farlink.train.worker RUN_DIR INDEX`` by the launcher (or ``farlink join``);
-under a standard launcher (torchrun, SLURM, Kubernetes) use :mod:`farlink.worker` instead.
+Started as ``python -m farlink.worker RUN_DIR INDEX`` by the launcher, by ``farlink join``, or
+by a standard launcher (torchrun, SLURM, Kubernetes): :mod:`farlink.worker` is the one entry.
 The worker checkpoints after every committed round (atomic), so SIGINT, SIGTERM or SIGKILL at
 any instant loses at most the uncommitted inner steps of the current round; committed progress is
 never lost. On resume it restores parameters, optimizer states, data position and RNG exactly.
 
-Checkpoint writes and held-out evaluations run beside training (:mod:`farlink.train.background`):
+Checkpoint writes and held-out evaluations run beside training (:mod:`farlink.state.background`):
 at a boundary the loop only copies tensors in memory and goes on, so its peers never wait for it
 to evaluate or write. Its time accounts count everything: ``compute_s`` (inner steps),
 ``comm_s`` (blocked in rounds), ``eval_s`` and ``checkpoint_s`` (what evaluation and checkpoints
@@ -22,7 +22,6 @@ included after a resume).
 
 from __future__ import annotations
 
-import argparse
 import copy
 import logging
 import math
@@ -35,9 +34,10 @@ import torch
 
 from farlink import interrupt
 from farlink.config import RunConfig
-from farlink.train.background import Background
-from farlink.train.checkpoint import (EXIT_DISK_FULL, TEMP_PREFIX, DiskFull, is_disk_full,
+from farlink.state.background import Background
+from farlink.state.checkpoint import (EXIT_DISK_FULL, DiskFull, is_disk_full,
                                       remove_stale_temps)
+from farlink.state.files import temp_path
 from farlink.train.metrics import MetricsLog
 
 log = logging.getLogger("farlink.worker")
@@ -79,14 +79,14 @@ class Worker:
         self.device = (resolve_device(cfg.device, index) if self.site is None
                        else self.site.device(cfg.device))
         if self.site is not None:
-            from farlink.optimizer import advertised_host
+            from farlink.compose import advertised_host
 
             self.site.start(host=advertised_host(cfg), device=self.device)
         torch.set_num_threads(cfg.threads)
         torch.manual_seed(cfg.seed)
         self.data = prepare_data(cfg.corpus, cfg.vocab_size, cfg.cache_dir,
                                  tokenizer=cfg.given_tokenizer)
-        self.model = build_model(cfg, self.data.vocab_size).to(self.device)
+        self.model = build_model(cfg.model, self.data.vocab_size, cfg.seq_len).to(self.device)
         if self.site is not None and cfg.sharding == "fsdp":
             from farlink.parallel.sharding import shard_model
 
@@ -448,11 +448,11 @@ class Worker:
             tensors = full_state_dict(self.model)
             if not self.speaks:
                 return None
-            model = build_model(self.cfg, self.data.vocab_size)
+            model = build_model(self.cfg.model, self.data.vocab_size, self.cfg.seq_len)
             model.load_state_dict(tensors)
         final = self.cfg.run_dir / "final"
         path = final / f"{self.replica_id}.safetensors"
-        tmp = path.with_name(f".{path.name}{TEMP_PREFIX}{os.getpid()}")
+        tmp = temp_path(path)
         try:
             final.mkdir(parents=True, exist_ok=True)
             remove_stale_temps(final)
@@ -477,29 +477,6 @@ class Worker:
         self.metrics.close()
         if self.site is not None:
             self.site.close()
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description="one farlink worker (started by the launcher)")
-    parser.add_argument("run_dir", type=Path)
-    parser.add_argument("index", type=int)
-    parser.add_argument("--lighthouse", "--coordinator", dest="lighthouse",
-                        default=os.environ.get("TORCHFT_LIGHTHOUSE"),
-                        required="TORCHFT_LIGHTHOUSE" not in os.environ,
-                        help="torchft Lighthouse address, or hivemind initial peers (comma list); "
-                        "default: TORCHFT_LIGHTHOUSE")
-    parser.add_argument("--resume", action="store_true")
-    parser.add_argument("--join", action="store_true",
-                        help="heal from live peers in a first zero-weight round")
-    parser.add_argument("--stop-at-step", type=int, default=None,
-                        help="stop after this inner step (this invocation only)")
-    args = parser.parse_args(argv)
-    logging.basicConfig(level=os.environ.get("FARLINK_LOG", "WARNING"),
-                        format=f"%(asctime)s w{args.index} %(name)s %(levelname)s %(message)s")
-    cfg = RunConfig.model_validate_json((args.run_dir / "config.json").read_text())
-    cfg = cfg.model_copy(update={"run_dir": args.run_dir, "resume": args.resume,
-                                 "stop_at_step": args.stop_at_step})
-    return run_worker(cfg, args.index, args.lighthouse, joining=args.join)
 
 
 def run_worker(cfg: RunConfig, index: int, lighthouse: str, joining: bool = False,
@@ -562,20 +539,3 @@ def run_worker(cfg: RunConfig, index: int, lighthouse: str, joining: bool = Fals
         if lock is not None:
             lock.release()
     return code
-
-
-def exit_process(code: int) -> None:
-    """End this process with ``code``. A rank of a site (torchrun's WORLD_SIZE > 1) leaves
-    without the interpreter's teardown once everything is written and closed: destructors of
-    its process groups' threads can call std::terminate at exit, which would turn a finished
-    run into SIGABRT."""
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
-        logging.shutdown()
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(code)
-    sys.exit(code)
-
-
-if __name__ == "__main__":
-    exit_process(main())

@@ -46,6 +46,8 @@ import torch
 from safetensors.torch import load as load_tensors
 from safetensors.torch import save as serialize_tensors
 
+from farlink.state.files import TEMP_PREFIX, atomic_write, write_synced
+
 log = logging.getLogger(__name__)
 
 TENSORS = "state.safetensors"
@@ -54,7 +56,6 @@ SHARDED = "sharded"  # meta key: True when DCP wrote the tensors, each rank its 
 POINTER = "LATEST"
 DIGESTS = "sha256"  # meta key: {file name: SHA-256 hex of that file}
 META_DIGEST = "meta_sha256"  # meta key: SHA-256 of the rest of the meta, canonically encoded
-TEMP_PREFIX = ".tmp-"
 CORRUPT_PREFIX = "corrupt-"
 EXIT_DISK_FULL = 28  # a worker's exit status after DiskFull (ENOSPC's number)
 
@@ -102,22 +103,6 @@ def _sha256(data: bytes) -> str:
 def _meta_digest(meta: dict) -> str:
     body = {k: v for k, v in meta.items() if k != META_DIGEST}
     return _sha256(json.dumps(body, sort_keys=True, separators=(",", ":")).encode())
-
-
-def _write_synced(path: Path, data: bytes) -> None:
-    with open(path, "wb") as fh:
-        fh.write(data)
-        fh.flush()
-        os.fsync(fh.fileno())
-
-
-def _atomic_write_text(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}{TEMP_PREFIX}{os.getpid()}")
-    try:
-        _write_synced(tmp, text.encode())
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
 
 
 def _pid_alive(pid: int) -> bool:
@@ -170,14 +155,14 @@ def save_checkpoint(
         remove_stale_temps(root)
         tmp.mkdir()
         blob = serialize_tensors({k: v.detach().contiguous().cpu() for k, v in tensors.items()})
-        _write_synced(tmp / TENSORS, blob)
+        write_synced(tmp / TENSORS, blob)
         meta = {**meta, DIGESTS: {TENSORS: _sha256(blob)}}
         del blob
         meta[META_DIGEST] = _meta_digest(meta)
-        _write_synced(tmp / META, json.dumps(meta, indent=1, sort_keys=True).encode())
+        write_synced(tmp / META, json.dumps(meta, indent=1, sort_keys=True).encode())
         shutil.rmtree(final, ignore_errors=True)
         os.replace(tmp, final)
-        _atomic_write_text(root / POINTER, final.name)
+        atomic_write(root / POINTER, final.name, sync=True)
     except OSError as exc:
         shutil.rmtree(tmp, ignore_errors=True)
         if is_disk_full(exc):
@@ -291,10 +276,10 @@ def _publish_sharded(tmp: Path, final: Path, meta: dict) -> None:
     meta = {**meta, SHARDED: True,
             DIGESTS: {str(p.relative_to(tmp)): _sha256(p.read_bytes()) for p in files}}
     meta[META_DIGEST] = _meta_digest(meta)
-    _write_synced(tmp / META, json.dumps(meta, indent=1, sort_keys=True).encode())
+    write_synced(tmp / META, json.dumps(meta, indent=1, sort_keys=True).encode())
     shutil.rmtree(final, ignore_errors=True)
     os.replace(tmp, final)
-    _atomic_write_text(final.parent / POINTER, final.name)
+    atomic_write(final.parent / POINTER, final.name, sync=True)
 
 
 def load_rank_part(path: Path, rank: int) -> dict[str, torch.Tensor]:

@@ -72,7 +72,7 @@ def make_definition(cfg: Any, data: Any) -> bytes:
     config = {k: v for k, v in cfg.model_dump(mode="json").items()
               if k not in MACHINE_FIELDS | SECRET_FIELDS and v is not None}
     body = {"format": FORMAT, "config": config, "tokenizer": data.tokenizer.to_str(),
-            "model": model_description(cfg, data.vocab_size),
+            "model": model_description(cfg.model, data.vocab_size, cfg.seq_len),
             "data": {"corpus": cfg.corpus, "fingerprint": data_fingerprint(data),
                      "train_tokens": int(len(data.train))}}
     return json.dumps(body, sort_keys=True, separators=(",", ":")).encode()
@@ -259,9 +259,9 @@ async def _fetch(peers: list[str], auth: Any, host: str, public: bool) -> Fetche
 def write_definition_files(run_dir: Path, blob: bytes, body: dict) -> None:
     """The volunteer's own copies: the definition (what a restart compares against), the
     tokenizer and the model description (what ``farlink export``/``generate`` read)."""
-    from farlink.data.tokenizer import atomic_write_bytes
+    from farlink.state.files import atomic_write
     from farlink.model.build import MODEL_FILE
 
-    atomic_write_bytes(run_dir / "definition.json", blob)
-    atomic_write_bytes(run_dir / "tokenizer.json", body["tokenizer"].encode("utf-8"))
-    atomic_write_bytes(run_dir / MODEL_FILE, json.dumps(body["model"], indent=1).encode())
+    atomic_write(run_dir / "definition.json", blob)
+    atomic_write(run_dir / "tokenizer.json", body["tokenizer"].encode("utf-8"))
+    atomic_write(run_dir / MODEL_FILE, json.dumps(body["model"], indent=1).encode())

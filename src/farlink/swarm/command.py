@@ -2,7 +2,7 @@
 
 ``start`` takes a run's config (``--config run.toml`` and/or flags, as ``farlink train``),
 prepares its data, saves it in its own run dir and starts a hivemind DHT peer that serves the
-run's definition (:mod:`farlink.comm.swarm_definition`) to admitted peers. It prints the exact
+run's definition (:mod:`farlink.swarm.definition`) to admitted peers. It prints the exact
 command a volunteer runs and serves until Ctrl-C; it trains nothing itself.
 
 ``join`` is that command. With only the bootstrap's address it fetches the definition (checked
@@ -65,7 +65,7 @@ def join_command(maddr: str, digest: str, auth: str, public: bool = False) -> st
 
 
 def register(app: typer.Typer, bench_app: typer.Typer) -> None:
-    from farlink.train.command import _config_from, config_options
+    from farlink.flags import config_from, config_options
 
     swarm = typer.Typer(help="Community mode: a hivemind swarm of volunteer peers.")
     app.add_typer(swarm, name="swarm")
@@ -81,7 +81,7 @@ def register(app: typer.Typer, bench_app: typer.Typer) -> None:
         """Start the run's bootstrap peer: it serves the run's definition to volunteers and
         prints the command they join with; runs until Ctrl-C."""
         from farlink.comm.errors import CommError
-        from farlink.comm.swarm_definition import DefinitionServer, make_definition
+        from farlink.swarm.definition import DefinitionServer, make_definition
         from farlink.config import ConfigError
         from farlink.data import CorpusError, prepare_data
         from farlink.robust.auth import run_authenticator
@@ -90,19 +90,11 @@ def register(app: typer.Typer, bench_app: typer.Typer) -> None:
 
         interrupt.install()
         values["backend"] = values.get("backend") or "hivemind"
-        cfg = _config_from(values)
+        cfg = config_from(values)
         try:
-            if cfg.backend != "hivemind":
-                raise ConfigError("a swarm trains on the hivemind backend; drop --backend "
-                                  f"{cfg.backend} (or backend in the config file)")
-            if cfg.hf_model_dir is not None:
-                raise ConfigError("a swarm serves preset models only (--model "
-                                  f"{cfg.model} is a directory on this machine); pick a preset")
-            if cfg.ranks_per_worker > 1:
-                raise ConfigError(
-                    f"a swarm's volunteers are one process each; ranks_per_worker="
-                    f"{cfg.ranks_per_worker} is for sites that `farlink train` / `farlink join` "
-                    "start with torchrun (on the torchft or hivemind backend). Drop it")
+            from farlink import matrix
+
+            matrix.check(cfg, ["swarm"])  # hivemind, a preset, one process per volunteer
             cfg, link = plan_run_dir(cfg)
             check_launch(cfg)
             data = prepare_data(cfg.corpus, cfg.vocab_size, cfg.cache_dir,
@@ -206,7 +198,7 @@ def register(app: typer.Typer, bench_app: typer.Typer) -> None:
                         "torchrun (this process is one of WORLD_SIZE="
                         f"{os.environ['WORLD_SIZE']}); one volunteer per machine or GPU")
         from farlink.comm.errors import CommError, MembershipRefused
-        from farlink.comm.swarm_definition import (
+        from farlink.swarm.definition import (
             DefinitionError, data_fingerprint, digest_of, fetch_definition, parse_definition,
             run_id_of, write_definition_files)
         from farlink.comm.hivemind_net import (identity_key, nat_in_between, reachability,
@@ -215,7 +207,7 @@ def register(app: typer.Typer, bench_app: typer.Typer) -> None:
         from farlink.config import ConfigError, load_config
         from farlink.data import CorpusError, prepare_data
         from farlink.model.build import model_description
-        from farlink.optimizer import build_collective
+        from farlink.compose import build_collective
         from farlink.robust.auth import make_authenticator, resolve_secret
         from farlink.train.rundir import holds_run, write_run_config
         from farlink.train.worker import run_worker
@@ -259,7 +251,7 @@ def register(app: typer.Typer, bench_app: typer.Typer) -> None:
                     f"the corpus {cfg.corpus!r} on this machine gives other tokens than the "
                     "run's (data fingerprints differ): every volunteer must read the same text. "
                     "Fix: install the corpus the run names (or the run's farlink version)")
-            if model_description(cfg, data.vocab_size) != body["model"]:
+            if model_description(cfg.model, data.vocab_size, cfg.seq_len) != body["model"]:
                 raise DefinitionError("the model this farlink builds from the run's config "
                                       "differs from the run's; install the run's farlink version")
         except (ConfigError, CorpusError, DefinitionError) as exc:

@@ -1,0 +1,312 @@
+"""The composition root: the one module that reads a run's :class:`~farlink.config.RunConfig`
+and builds the library's objects from it (model, collective(s), exchange, algorithm, ledger,
+checkpoint writer).
+
+Library constructors take built objects (a :class:`~farlink.comm.base.Collective`, an
+:class:`~farlink.sync.exchange.Exchange`, an algorithm's own ``Options``), as torchft's
+``DiLoCo(manager, ...)`` and hivemind's ``Optimizer(dht=...)`` do; only this module, and the
+application around it (``farlink train``, ``join``, ``swarm``, the benches), knows which flag
+builds which object. :class:`farlink.Optimizer`'s keyword form
+(``farlink.Optimizer(model, opt, algorithm="diloco", backend="torchft", ...)``) is a thin path
+into :func:`compose`.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from farlink.codecs import make_compressor
+from farlink.comm.base import Collective, LinkModel
+from farlink.comm.inprocess import InProcessGroup
+from farlink.config import RunConfig
+from farlink.links import get_profile
+from farlink.parallel.sharding import Site, model_is_sharded
+from farlink.robust import hostile
+from farlink.robust.aggregators import make_aggregator
+from farlink.robust.attacks import make_attack
+from farlink.robust.auth import make_authenticator, run_authenticator, run_secret
+from farlink.robust.ledger import ContributionLedger
+from farlink.robust.weights import CLAIM_FACTOR, TIMED_CLAIM_FACTOR, round_token_bound
+from farlink.state.background import Background
+from farlink.sync import ALGORITHMS, SyncAlgorithm, algorithm_class
+from farlink.sync.base import OuterOptimizerFactory
+from farlink.sync.exchange import Exchange
+from farlink.train.network import needs_network
+from farlink.train.tiers import Tiers, build_tiers, two_levels
+
+#: how long past its boundary a peer in Moshpit groups looks for a group before it skips the
+#: round's averaging: two of hivemind's matchmaking windows (3 s each by default)
+MOSHPIT_SKIP_AFTER = 6.0
+
+
+def moshpit_options(cfg: RunConfig) -> dict[str, Any]:
+    """Groups smaller than the swarm (``group_size``) leave a peer out whenever the live peers
+    do not divide into them (3 peers in groups of 2): that peer skips the round after
+    :data:`MOSHPIT_SKIP_AFTER` instead of waiting the quorum timeout for a group that cannot
+    form, and the run's last round is one group of the whole swarm, so the run ends on one
+    model (see :class:`~farlink.comm.hivemind_backend.HivemindCollective`)."""
+    return {"skip_after": MOSHPIT_SKIP_AFTER,
+            "final_group_size": max(cfg.workers, cfg.min_replicas, cfg.group_size)}
+
+
+def advertised_host(cfg: RunConfig) -> str:
+    """The address peers reach this worker at: inside an emulated WAN namespace, the
+    namespace's own address (the launcher sets ``FARLINK_EMULATED_HOST``), else ``host``."""
+    return os.environ.get("FARLINK_EMULATED_HOST") or cfg.host
+
+
+def build_collective(cfg: RunConfig, replica_id: str, lighthouse: str, site=None,
+                     **hivemind: Any) -> Collective:
+    """The run's backend for one replica: ``lighthouse`` is the torchft Lighthouse address or
+    hivemind's initial peers (a comma list; empty: this peer starts the DHT). ``site``: a
+    started :class:`~farlink.parallel.sharding.Site` of several ranks, whose ranks form one
+    replica group (torchft) or one member of each averaging group (hivemind; every rank runs
+    its own peer, :mod:`farlink.comm.hivemind_site`). ``hivemind``: HivemindCollective options
+    that override the ones derived from ``cfg`` (a volunteer's run id, identity file, client
+    mode)."""
+    if site is not None and site.size > 1 and cfg.backend not in ("torchft", "hivemind"):
+        raise ValueError(f"a site of {site.size} ranks per replica runs on the torchft or "
+                         f"hivemind backend, not {cfg.backend!r}")
+    admission = run_authenticator(cfg, replica_id)  # None without --auth: nothing to prove
+    if cfg.backend == "torchft":
+        from farlink.comm.torchft_backend import TorchftCollective
+
+        if not lighthouse:
+            raise ValueError("the torchft backend needs a Lighthouse address (lighthouse=..., "
+                             "or TORCHFT_LIGHTHOUSE); start one with "
+                             "farlink.train.lighthouse.Lighthouse or torchft_lighthouse")
+        return TorchftCollective(
+            replica_id=replica_id,
+            lighthouse_addr=lighthouse,
+            host=advertised_host(cfg),
+            min_replicas=cfg.min_replicas,
+            round_timeout=cfg.round_timeout,
+            quorum_timeout=cfg.quorum_timeout,
+            join_timeout=cfg.join_timeout,
+            admission=admission,
+            **({} if site is None or site.size == 1 else dict(
+                group_rank=site.rank, group_world_size=site.size,
+                store_addr=site.store_host, store_port=site.store_port)),
+        )
+    if cfg.backend == "hivemind":
+        from farlink.comm.hivemind_backend import HivemindCollective
+        from farlink.comm.hivemind_net import tcp_maddr
+
+        peers = [p for p in lighthouse.split(",") if p] if lighthouse else []
+        options: dict[str, Any] = dict(
+            run_id=f"farlink-{cfg.run_dir.name}",
+            initial_peers=peers,
+            host_maddrs=[tcp_maddr(advertised_host(cfg), 0)],
+            min_group_size=cfg.min_replicas,
+            # a full group starts its round at once; without a size hivemind's leader waits out
+            # the whole matchmaking window every round (about 3 s instead of 0.3 s on loopback)
+            target_group_size=cfg.group_size or max(cfg.workers, cfg.min_replicas),
+            **(moshpit_options(cfg) if cfg.group_size else {}),
+            round_timeout=cfg.quorum_timeout,
+            allreduce_timeout=cfg.round_timeout,
+            gather_timeout=cfg.round_timeout,
+            admission=admission,
+        )
+        if site is not None and site.size > 1:
+            from farlink.comm.hivemind_site import HivemindSiteCollective
+
+            return HivemindSiteCollective(
+                site, lambda: HivemindCollective(**{**options, **hivemind}))
+        return HivemindCollective(**{**options, **hivemind})
+    if cfg.backend == "inprocess":
+        return InProcessGroup(1).member(0)  # peers as threads pass their own collective
+    raise ValueError(f"unknown backend {cfg.backend!r}")
+
+
+def build_exchange(cfg: RunConfig, collective: Collective, sender: str, index: int, ledger=None,
+                   claims: str = "run"):
+    """Codec, aggregator, authentication, screen and (emulated) attack of one replica.
+
+    ``claims``: how a peer's claimed token count is bounded (:mod:`farlink.robust.weights`).
+    ``"run"``: the config says how many tokens a round holds (its batch, sequence length,
+    grad_accum and inner steps, as ``farlink train`` runs them), and no claim counts for more
+    than 1.5 x the round's median (8 x in a time-budgeted round, whose peers differ in speed);
+    ``"relative"``: only the median bound (a model and batches
+    of the caller's own, whose token counts the config does not know); ``"none"``: neither
+    (island leaders, whose islands differ in size). The envelope's float32 bound always holds."""
+    auth = make_authenticator(cfg.auth, secret=run_secret(cfg), key_file=cfg.key_file,
+                              allowed_keys=cfg.allowed_keys, peer_id=sender)
+    protocol = hostile.parse(cfg.attack) is not None  # a hostile member, not a bad update
+    tamper = (make_attack(cfg.attack, seed=index)
+              if cfg.is_attacker(index) and not protocol else None)
+    exchange = Exchange(
+        collective,
+        make_compressor(cfg.codec),
+        sender=auth.peer_id if auth.name == "ed25519" else sender,
+        aggregator=make_aggregator(cfg.aggregator),
+        authenticator=auth,
+        ledger=ledger,
+        tamper=tamper,
+        screen_ratio=cfg.screen_ratio or None,
+        max_weight=round_token_bound(cfg.tokens_per_step, cfg.inner_steps,
+                                     getattr(cfg, "round_seconds", None))
+        if claims == "run" else None,
+        claim_factor=None if claims == "none" else (
+            TIMED_CLAIM_FACTOR if getattr(cfg, "round_seconds", None) else CLAIM_FACTOR),
+    )
+    if protocol and cfg.is_attacker(index):
+        hostile.arm(cfg.attack, collective, exchange, cfg.codec, name=sender)
+    return exchange
+
+
+@dataclass
+class Parts:
+    """One replica of a run, built: what :class:`farlink.Optimizer` holds and drives."""
+
+    config: RunConfig
+    index: int
+    model: nn.Module
+    algorithm: SyncAlgorithm
+    collective: Collective
+    exchange: Exchange
+    ledger: ContributionLedger
+    checkpoint_writes: Background  # save(background=True)
+    tiers: Tiers | None = None  # with islands: the island and global collectives
+    site: Site | None = None  # a started site of several ranks, or None for one rank
+    #: a site running DDP (each rank holds the whole replica): gradients are averaged over
+    #: its ranks, each rank syncs a 1/K slice across sites, and the slices are shared after
+    whole_replica_site: bool = False
+    trainable: list[torch.Tensor] = field(default_factory=list)
+
+    @property
+    def replica_id(self) -> str:
+        return f"w{self.index}"
+
+
+def run_config(cls: type[SyncAlgorithm], options: dict[str, Any],
+               inner_optimizer: torch.optim.Optimizer | None,
+               lr_schedule: bool | None) -> tuple[RunConfig, Any]:
+    """The config of the keyword form (``farlink.Optimizer(model, opt, algorithm=..., ...)``)
+    and the algorithm's options: those given, the algorithm's defaults for the rest (so it can
+    tell them apart), and no length unless one is given (RunConfig's default is 500 steps)."""
+    if options.get("backend") == "hivemind":
+        if not {"workers", "min_replicas"} & set(options):
+            raise ValueError(
+                "on the hivemind backend say how many replicas a round waits for: "
+                "workers=N (the N replicas you start; every round averages all of them) "
+                "or min_replicas=M (elastic: a round commits with M or more)")
+        # rounds of the replicas asked for, not of RunConfig's 4 launched workers, and
+        # of all of them unless said otherwise (initial_peers given or not)
+        options.setdefault("workers", options.get("min_replicas"))
+        options.setdefault("min_replicas", options["workers"])
+    if inner_optimizer is not None:
+        options.setdefault("grad_clip", 0.0)  # the user's loop owns its gradients
+        if not lr_schedule:  # ... and its lr: farlink's warmup does not apply
+            options.setdefault("warmup_steps", 0)
+    config = RunConfig.model_validate(options)
+    algo_options = cls.Options.model_validate(
+        {k: getattr(config, k) for k in cls.Options.model_fields if k in options})
+    return config, algo_options
+
+
+def build_site(cfg: RunConfig, model: nn.Module, index: int, site=None):  # noqa: ANN001, ANN201
+    """The started :class:`~farlink.parallel.sharding.Site` of several ranks this replica runs
+    on (read from torchrun's environment for a sharded model), or None for one rank."""
+    if site is None and model_is_sharded(model):
+        site = Site.from_env(replica_index=index)
+    if site is not None and site.size > 1 and not site.store_port:
+        site.start(host=advertised_host(cfg))
+    return site if site is not None and site.size > 1 else None
+
+
+def build_collectives(cfg: RunConfig, cls: type[SyncAlgorithm], index: int, lighthouse: str,
+                      site, collective: Collective | None,  # noqa: ANN001
+                      global_lighthouse: str | None, global_collective: Collective | None):  # noqa: ANN201
+    """This replica's collective and, with islands, its :class:`~farlink.train.tiers.Tiers`
+    (island and global collectives): planned by the launcher's network, or formed by the caller
+    (its island's collective or Lighthouse, and for the island's leader the global one)."""
+    replica_id = f"w{index}"
+    tiered = cls.capabilities.islands
+    formed = global_lighthouse is not None or global_collective is not None
+    if formed and not tiered:
+        names = [n for n in ALGORITHMS if algorithm_class(n).capabilities.islands]
+        raise ValueError(f"global_lighthouse/global_collective link island leaders in "
+                         f"{', '.join(names)}; {cls.name} has one level: drop them")
+    host = advertised_host(cfg)
+    tiers = (build_tiers(cfg, index, lighthouse, build_collective, site, host)
+             if collective is None and not formed and needs_network(cfg) else None)
+    if tiers is None and tiered:
+        if collective is not None:
+            island = collective
+            if global_collective is None and global_lighthouse is not None:
+                global_collective = build_collective(cfg, replica_id, global_lighthouse,
+                                                     site=site)
+        else:
+            island, built = two_levels(
+                cfg, replica_id, lighthouse,
+                global_lighthouse if global_collective is None else None,
+                build_collective, site, host)
+            global_collective = global_collective or built
+        tiers = Tiers(island, global_collective)
+    if tiers is not None:
+        return tiers.collective, tiers
+    return collective or build_collective(cfg, replica_id, lighthouse, site=site), None
+
+
+def compose(
+    model: nn.Module,
+    inner_optimizer: torch.optim.Optimizer | None = None,
+    *,
+    config: RunConfig | None = None,
+    lighthouse: str | None = None,
+    index: int = 0,
+    outer_optimizer: OuterOptimizerFactory | None = None,
+    lr_schedule: bool | None = None,
+    collective: Collective | None = None,
+    site=None,  # noqa: ANN001
+    global_lighthouse: str | None = None,
+    global_collective: Collective | None = None,
+    **options: Any,
+) -> Parts:
+    """One replica of a run around ``model`` (the arguments of :class:`farlink.Optimizer`): the
+    run's config (``config``, or its fields as keyword ``options``), then its site,
+    collective(s), exchange(s), ledger, algorithm and checkpoint writer."""
+    config_given = config is not None  # farlink train's whole config: its batches are ours
+    if config is not None and options:
+        raise TypeError("give either config=RunConfig(...) or its fields as keywords, not both")
+    cls = algorithm_class(config.algorithm if config is not None
+                          else options.get("algorithm", "diloco"))
+    if config is None:
+        cfg, algo_options = run_config(cls, options, inner_optimizer, lr_schedule)
+    else:
+        cfg = algo_options = config
+    site = build_site(cfg, model, index, site)
+    if lighthouse is None:
+        lighthouse = (cfg.lighthouse or cfg.initial_peers
+                      or os.environ.get("TORCHFT_LIGHTHOUSE", ""))
+    collective, tiers = build_collectives(cfg, cls, index, lighthouse, site, collective,
+                                          global_lighthouse, global_collective)
+    if cfg.emulate_link is not None:
+        collective.emulated_link = LinkModel.of_profile(get_profile(cfg.emulate_link))
+    replica_id = f"w{index}"
+    ledger = ContributionLedger()  # whose updates were accepted, rejected, and why
+    exchange = build_exchange(cfg, collective, replica_id, index, ledger,
+                              claims="run" if config_given else "relative")
+    whole_replica_site = site is not None and not model_is_sharded(model)
+    extra: dict[str, Any] = {}
+    if whole_replica_site:
+        extra["part_of"] = site.part_of
+    if site is not None:
+        extra["agree"] = site.agree_any
+    if tiers is not None and tiers.upper is not None:
+        extra["global_exchange"] = build_exchange(cfg, tiers.upper, replica_id, index, ledger,
+                                                  claims="none")
+    checkpoint_writes = Background("checkpoint")  # save(background=True)
+    algorithm = cls(model, algo_options, collective, exchange, inner_optimizer=inner_optimizer,
+                    outer_optimizer=outer_optimizer, lr_schedule=lr_schedule,
+                    before_round=checkpoint_writes.wait, **extra)
+    return Parts(config=cfg, index=index, model=model, algorithm=algorithm,
+                 collective=collective, exchange=exchange, ledger=ledger,
+                 checkpoint_writes=checkpoint_writes, tiers=tiers, site=site,
+                 whole_replica_site=whole_replica_site,
+                 trainable=[p for p in model.parameters() if p.requires_grad])
