@@ -316,7 +316,8 @@ def test_capabilities_answer_what_config_and_planner_used_to_list_by_name() -> N
     assert RunConfig(algorithm="demo").sync_every == 1
     for algorithm in planned_algorithms():
         cfg = RunConfig(algorithm=algorithm, inner_steps=7)
-        codec = "dct_topk:64:32" if capabilities(algorithm).wire_codec else "fp32"
+        wire = capabilities(algorithm).wire_codec  # DeMo's or SparseLoCo's own codec
+        codec = "dct_topk:64:32" if wire == "dct_topk" else wire or "fp32"
         pred = predict_round(algorithm, 4, 1.0, 1e9, 0.01, n_params=1e6, inner_steps=7,
                              fragments=1, codec=codec)
         assert pred.steps_per_round == cfg.sync_every, algorithm

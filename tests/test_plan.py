@@ -146,18 +146,31 @@ def test_hivemind_backend_has_fewer_latency_terms():
     assert ring.comm_seconds - bfly.comm_seconds == pytest.approx(30 * 0.2 + 0.1 - 2 * 0.1)
 
 
-def test_codecs_other_than_fp32_are_gathered_as_farlink_runs_them():
-    # int8 payload P: gathered, each of 4 workers sends 3 P (plus 3 lengths); all-reduced,
-    # 2 * 3/4 P. With 14 workers gathering int8 costs more bytes than all-reducing fp32.
+def test_dense_codecs_are_all_reduced_and_sparse_ones_gathered_as_farlink_runs_them():
+    # int8 payload P: gathered, each of 4 workers sends 3 P (plus 3 lengths); all-reduced
+    # (farlink's compressed all-reduce, the default for dense codecs), 2 * 3/4 P. With 14
+    # workers gathering int8 costs more bytes than all-reducing fp32; all-reducing it, about a
+    # quarter (INTELLECT-1's int8 ring).
     p = 1e6 * (1 + 4 / 64)
-    gathered = predict_round("diloco", 4, 1.0, 1e9, 0.0, n_params=1e6, codec="int8")
-    reduced = predict_round("diloco", 4, 1.0, 1e9, 0.0, n_params=1e6, codec="int8",
-                            exchange="allreduce")
+    gathered = predict_round("diloco", 4, 1.0, 1e9, 0.0, n_params=1e6, codec="int8",
+                             exchange="gather")
+    reduced = predict_round("diloco", 4, 1.0, 1e9, 0.0, n_params=1e6, codec="int8")
     assert gathered.bytes_sent_per_round == pytest.approx(3 * p + 3 * 8)
     assert reduced.bytes_sent_per_round == pytest.approx(1.5 * p)
-    int8_14 = predict_round("diloco", 14, 1.0, 1e9, 0.0, n_params=1e6, codec="int8")
+    int8_14 = predict_round("diloco", 14, 1.0, 1e9, 0.0, n_params=1e6, codec="int8",
+                            exchange="gather")
     fp32_14 = predict_round("diloco", 14, 1.0, 1e9, 0.0, n_params=1e6, codec="fp32")
     assert int8_14.bytes_sent_per_round > fp32_14.bytes_sent_per_round
+    int8_auto = predict_round("diloco", 14, 1.0, 1e9, 0.0, n_params=1e6, codec="int8")
+    assert int8_auto.bytes_sent_per_round == pytest.approx(
+        fp32_14.bytes_sent_per_round * (1 + 4 / 64) / 4)
+    # sparse payloads stay gathered: top-k and SparseLoCo (now priced: 2-bit values and 12-bit
+    # indices of 64 entries per 4096)
+    topk = predict_round("diloco", 4, 1.0, 1e9, 0.0, n_params=1e6, codec="topk")
+    assert topk.bytes_sent_per_round == pytest.approx(3 * 1e6 * 0.01 * 8 + 3 * 8)
+    sparse = predict_round("sparseloco", 4, 1.0, 1e9, 0.0, n_params=4096e3,
+                           codec="sparseloco")
+    assert sparse.bytes_sent_per_round == pytest.approx(3 * 1000 * 64 * 14 / 8 + 3 * 8)
     with pytest.raises(PlanInputError, match="exchange"):
         predict_round("diloco", 4, 1.0, 1e9, 0.0, n_params=1e6, exchange="magic")
 

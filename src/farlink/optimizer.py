@@ -249,6 +249,9 @@ class Optimizer:
                 "rounds_s": round(algo.round_seconds, 4),
                 **({"phases_s": {k: round(v, 4) for k, v in phases.items()}} if phases else {}),
                 "failed_rounds": self.failed_rounds,
+                # the path of the last round's exchange: dense, allreduce or gathered
+                **({"exchange_path": path} if (path := getattr(
+                    getattr(algo, "exchange", None), "last_path", "")) else {}),
                 # Moshpit groups that left this replica out: it averaged nothing those rounds
                 **({"skipped_rounds": self.skipped_rounds} if self.skipped_rounds else {}),
                 **self.traffic()}

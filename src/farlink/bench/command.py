@@ -52,6 +52,38 @@ def register(app: typer.Typer, bench_app: typer.Typer) -> None:
                                     "bytes_per_worker", "bytes_reduction_vs_ddp",
                                     "compute_utilization", "wall_s"], "farlink bench algorithms")
 
+    @bench_app.command("scale")
+    def scale(
+        out: Path = typer.Option(Path("docs/results"), help="output directory"),
+        peers: list[int] = typer.Option([4, 8, 16, 32], help="peer counts (threads)"),
+        codec: list[str] = typer.Option(["fp32", "int8+ef", "int4+ef", "sparseloco"],
+                                        help="fp32, int8+ef, int4+ef, sparseloco"),
+        rule: list[str] = typer.Option(["mean", "centered_clip+auth"],
+                                       help="mean, centered_clip+auth"),
+        steps: int = typer.Option(20, help="inner steps per peer (the token budget)"),
+        inner_steps: int = typer.Option(10, help="inner steps per round"),
+        baseline_peers: list[int] = typer.Option(
+            [4, 16], help="peer counts also run on today's gathered path"),
+        link_mbit: float = typer.Option(100.0, help="emulated upload per peer, Mbit/s"),
+        link_ms: float = typer.Option(10.0, help="emulated one-way latency, ms"),
+        name: str = typer.Option("scale", help="the output files' name (NAME.json, NAME.png)"),
+    ) -> None:
+        """Bytes per peer per round, round time, utilization and loss from 4 to 32 peers."""
+        from farlink.bench.scale import CODECS, RULES, run as run_scale
+        from farlink.comm.base import LinkModel
+
+        for option, known in (("codec", CODECS), ("rule", RULES)):
+            unknown = set(codec if option == "codec" else rule) - set(known)
+            if unknown:
+                raise typer.BadParameter(f"unknown {option} {sorted(unknown)}; choose from "
+                                         f"{', '.join(known)}")
+        result = run_scale(out, peers, codec, rule, steps, inner_steps, baseline_peers,
+                           LinkModel.of(link_mbit, link_ms), name=name)
+        print_rows(result["rows"], ["codec", "rule", "peers", "path",
+                                    "bytes_per_peer_per_round", "ratio_to_ideal",
+                                    "bytes_vs_gathered", "round_s", "utilization",
+                                    "heldout_loss", "loss_vs_gathered"], "farlink bench scale")
+
     @bench_app.command("probe")
     def probe(
         out: Path = typer.Option(Path("bench/algorithms"), help="output directory"),

@@ -23,9 +23,14 @@ from farlink.sync import algorithm_class
 from farlink.sync.exchange import Exchange
 
 
-def train_in_process(label: str, values: dict[str, Any], eval_points: int = 4) -> dict:
+def train_in_process(label: str, values: dict[str, Any], eval_points: int = 4,
+                     exchange_factory=None, link=None) -> dict:  # noqa: ANN001
     """Train ``values`` (RunConfig fields) with ``workers`` threads; return a result row with
-    held-out loss at ``eval_points`` evenly spaced token counts (worker 0's replica)."""
+    held-out loss at ``eval_points`` evenly spaced token counts (worker 0's replica).
+
+    ``exchange_factory(collective, rank, cfg)``: the exchange of each worker (default: the
+    config's codec and aggregator, no authentication); ``link``: in-process link emulation
+    (:class:`~farlink.comm.base.LinkModel`) for every worker's collectives."""
     from farlink.data import ShardSampler, evaluate, heldout_batches, prepare_data
     from farlink.model import GPT, preset_config
     from farlink.train.compute import accumulate_gradients, autocast, micro_batches, resolve_device
@@ -47,8 +52,9 @@ def train_in_process(label: str, values: dict[str, Any], eval_points: int = 4) -
         model.to(device)
         sampler = ShardSampler(data.train, shard=rank, num_shards=cfg.workers,
                                seq_len=cfg.seq_len, batch_size=cfg.batch_size, seed=cfg.seed)
-        exchange = Exchange(collective, make_compressor(cfg.codec), sender=f"w{rank}",
-                            aggregator=make_aggregator(cfg.aggregator))
+        exchange = exchange_factory(collective, rank, cfg) if exchange_factory else Exchange(
+            collective, make_compressor(cfg.codec), sender=f"w{rank}",
+            aggregator=make_aggregator(cfg.aggregator))
         algo = algorithm_class(cfg.algorithm)(model, cfg, collective, exchange)
         evals = []
         while not algo.finished():
@@ -69,7 +75,7 @@ def train_in_process(label: str, values: dict[str, Any], eval_points: int = 4) -
         with autocast(device, cfg.precision):
             return evaluate(model, heldout)
 
-    results = InProcessGroup(cfg.workers).run(member, timeout=24 * 3600)
+    results = InProcessGroup(cfg.workers, link=link).run(member, timeout=24 * 3600)
     tokens = cfg.steps * cfg.tokens_per_step  # per worker
     bytes_sent = max(r["bytes_sent"] for r in results)
     return {

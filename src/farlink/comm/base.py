@@ -101,6 +101,9 @@ class Collective(ABC):
     #: count toward the group's round (:func:`farlink.robust.heal.group_round`); the founders of a
     #: run at round 0 do count, so a member claiming a far round cannot outvote them
     joining: bool = False
+    #: whether ``all_to_all_bytes`` sends each member only its own message (the compressed
+    #: all-reduce of :mod:`farlink.sync.allreduce` runs only where it does)
+    native_all_to_all: bool = False
 
     def __init__(self) -> None:
         self.stats = CommStats()
@@ -139,6 +142,21 @@ class Collective(ABC):
     @abstractmethod
     def all_gather_bytes(self, payload: bytes) -> list[bytes]:
         """Every participant's payload, in rank order (this worker's included)."""
+
+    def all_to_all_bytes(self, outgoing: list[bytes]) -> list[bytes]:
+        """Send ``outgoing[j]`` to member ``j`` of the round (``outgoing[rank]`` stays here);
+        return what each member sent to this one, in rank order, ``b""`` where nothing
+        arrived (the collective then fails the round). Bytes counted: what this worker hands
+        its transport for the other members, measured per message."""
+        raise NotImplementedError(f"{type(self).__name__} has no all-to-all")
+
+    def round_members(self) -> int:
+        """How many members the current round has (``len`` of an all-to-all's list)."""
+        raise NotImplementedError(f"{type(self).__name__} does not say its round's size")
+
+    def round_rank(self) -> int:
+        """This worker's rank among the current round's members."""
+        raise NotImplementedError(f"{type(self).__name__} does not say its round rank")
 
     @abstractmethod
     def commit(self) -> bool:

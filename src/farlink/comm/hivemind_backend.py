@@ -1065,33 +1065,96 @@ class HivemindCollective(Collective):
         self.stats.add_phase("all_gather", time.perf_counter() - start)
         return out
 
+    @property
+    def native_all_to_all(self) -> bool:  # type: ignore[override]
+        """True unless the round's group has a member behind NAT (it takes no pushes)."""
+        group = self._group
+        return group is None or not any(group.client)
+
+    def round_members(self) -> int:
+        return self._current().size
+
+    def round_rank(self) -> int:
+        return self._current().me
+
+    def all_to_all_bytes(self, outgoing: list[bytes]) -> list[bytes]:
+        """Each member's message pushed to it alone. A group with a member behind NAT (it
+        takes no pushes; it fetches from a server) sends every member's list through the
+        all-gather instead: correct, but not cheaper than the gathered path."""
+        group = self._current()
+        n = group.size
+        if len(outgoing) != n:
+            raise ValueError(f"all-to-all of {len(outgoing)} messages in a round of {n}")
+        outgoing = [bytes(m) for m in outgoing]
+        if n == 1:
+            return outgoing
+        if any(group.client):  # one message for all (an all-gather's) travels once
+            same = all(m == outgoing[0] for m in outgoing)
+            gathered = self.all_gather_bytes(msgpack.packb([outgoing[0]] if same else outgoing))
+            out = []
+            for rank, raw in enumerate(gathered):
+                try:
+                    lists = msgpack.unpackb(raw) if raw and rank != group.me else None
+                except Exception:  # noqa: BLE001 - a malformed list delivers nothing
+                    lists = None
+                mine = None
+                if isinstance(lists, list) and len(lists) in (1, n):
+                    mine = lists[0] if len(lists) == 1 else lists[group.me]
+                out.append(outgoing[rank] if rank == group.me else
+                           bytes(mine) if isinstance(mine, bytes) else b"")
+            return out
+        self.stats.collectives += 1
+        key = group.next_key(b"a")
+        start = time.perf_counter()
+        got, sent = self._call(
+            self._exchange(group, key, outgoing, self.gather_timeout),
+            timeout=self.gather_timeout + 10)
+        self.stats.bytes_sent += sent
+        missing = [r for r in range(n) if r != group.me and r not in got]
+        if missing:
+            self._fail(RoundTimeout(
+                f"all-to-all in round {group.round_id}: nothing from ranks {missing} within "
+                f"{self.gather_timeout:.0f} s; the round is discarded. Fix if it persists: "
+                "raise gather_timeout."))
+        self.stats.add_phase("all_to_all", time.perf_counter() - start)
+        return [outgoing[r] if r == group.me else got.get(r, b"") for r in range(n)]
+
     async def _exchange(
-        self, group: _Group, key: bytes, data: bytes, timeout: float, kind: str = "data"
+        self, group: _Group, key: bytes, data: bytes | list[bytes], timeout: float,
+        kind: str = "data"
     ) -> tuple[dict[int, bytes], int]:
-        """Everyone's ``data`` for ``key``: push to servers; clients fetch from one server."""
+        """Everyone's ``data`` for ``key``: push to servers; clients fetch from one server.
+        ``data`` as a list: ``data[r]`` goes to member ``r`` alone (an all-to-all; every
+        member is then a server)."""
         deadline = time.monotonic() + timeout
         self._adopt_early(group)
-        self._mailbox.put(key, group.me, data)
+        own = data[group.me] if isinstance(data, list) else data
+        self._mailbox.put(key, group.me, own)
         others = {r for r in range(group.size) if r != group.me}
         targets = [r for r in group.servers() if r != group.me]
-        count = stream_parts(len(data), kind)
-        parts = [slice_of(data, i, count) for i in range(count)]
+        count = stream_parts(len(own), kind)
+
+        def parts_for(rank: int) -> list[bytes]:
+            body = data[rank] if isinstance(data, list) else data
+            pieces = stream_parts(len(body), kind)
+            return [slice_of(body, i, pieces) for i in range(pieces)]
 
         async def push(rank: int) -> int:
             if self.admission is not None and group.peers[rank] not in self.admission.members:
                 group.dead.add(rank)  # never send to a groupmate that has not proven membership
                 self._mailbox.changed.set()
                 return 0
-            delivered = await asyncio.gather(*(push_part(rank, i, body)
+            parts = parts_for(rank)
+            delivered = await asyncio.gather(*(push_part(rank, i, body, len(parts))
                                                for i, body in enumerate(parts)))
             if all(delivered):
-                return len(data)
+                return sum(len(p) for p in parts)
             group.dead.add(rank)
             self._mailbox.changed.set()
             return 0
 
-        async def push_part(rank: int, part: int, body: bytes) -> bool:
-            header = {"key": key, "rank": group.me, "part": part, "parts": len(parts)}
+        async def push_part(rank: int, part: int, body: bytes, parts: int) -> bool:
+            header = {"key": key, "rank": group.me, "part": part, "parts": parts}
             for attempt in range(1, PUSH_TRIES + 1):
                 try:
                     answer, _ = await asyncio.wait_for(

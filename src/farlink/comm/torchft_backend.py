@@ -557,6 +557,66 @@ class TorchftCollective(Collective):
             return [payload]
         return [bytes(t[:size].numpy().tobytes()) for t, size in zip(gathered, sizes)]
 
+    native_all_to_all = True
+
+    def round_members(self) -> int:
+        return max(1, self.manager.num_participants())
+
+    def round_rank(self) -> int:
+        rank = self.manager.participating_rank()
+        return rank if rank is not None else 0
+
+    def all_to_all_bytes(self, outgoing: list[bytes]) -> list[bytes]:
+        """Gloo's ``alltoall`` (pairwise sends): first each message's length (8 bytes to each
+        member), then the messages; a transport failure fails the round (torchft's
+        ``should_commit``) and returns ``b""`` for every other member."""
+        from torch.distributed.distributed_c10d import AllToAllOptions
+
+        n, me = self.round_members(), self.round_rank()
+        if len(outgoing) != n:
+            raise ValueError(f"all-to-all of {len(outgoing)} messages in a round of {n}")
+        nothing = [outgoing[k] if k == me else b"" for k in range(n)]
+        if n == 1:
+            return list(outgoing)
+        if self.manager.errored():
+            return nothing
+        start = time.perf_counter()
+
+        def exchange(output: torch.Tensor, data: torch.Tensor, out_splits: list[int],
+                     in_splits: list[int]) -> None:
+            work = self.pg.alltoall_base(output, data, out_splits, in_splits, AllToAllOptions())
+            self.manager.wrap_future(work.get_future(), [output]).wait()
+
+        sent = 8 * (n - 1) + sum(len(outgoing[j]) for j in range(n) if j != me)
+        try:
+            lengths = torch.tensor([len(m) for m in outgoing], dtype=torch.int64)
+            theirs = torch.zeros(n, dtype=torch.int64)
+            exchange(theirs, lengths, [1] * n, [1] * n)
+            if self.manager.errored():
+                return nothing
+            sizes = [int(v) for v in theirs]
+            joined = b"".join(outgoing)
+            data = torch.frombuffer(bytearray(joined), dtype=torch.uint8) if joined \
+                else torch.zeros(0, dtype=torch.uint8)
+            output = torch.zeros(sum(sizes), dtype=torch.uint8)
+            exchange(output, data, sizes, [len(m) for m in outgoing])
+        except Exception as exc:  # noqa: BLE001 - any transport failure fails the round
+            log.warning("all-to-all failed: %s", exc)
+            self.manager.report_error(exc)
+        finally:
+            self.emulate_transfer(sent, 1)
+            self.stats.bytes_sent += sent
+            self._round_bytes += sent
+            self.stats.collectives += 1
+            self.stats.comm_seconds += time.perf_counter() - start
+        if self.manager.errored():
+            return nothing
+        raw, out, offset = output.numpy().tobytes(), [], 0
+        for size in sizes:
+            out.append(raw[offset:offset + size])
+            offset += size
+        return out
+
     def fail_round(self, error: Exception, blame=()) -> None:  # noqa: ANN001 - ranks
         """torchft's own way: a reported error makes ``should_commit`` False on every replica."""
         log.warning("%s", error)

@@ -51,7 +51,7 @@ def plan_command(
     mfu: Annotated[float, typer.Option(help="Model FLOPs utilization of the inner steps.")] = 0.4,
     backend: Annotated[str, typer.Option(help="torchft (ring all-reduce) or hivemind (butterfly).")] = "torchft",
     exchange: Annotated[str, typer.Option(
-        help="auto (as farlink runs the codec: fp32 all-reduced, others gathered), "
+        help="auto (as farlink runs the codec: dense codecs all-reduced, sparse gathered), "
              "allreduce or gather.")] = "auto",
     straggler_sigma: Annotated[float, typer.Option(help="Log-sd of per-worker speed (lognormal, mean 1).", min=0)] = 0.0,
     failures_per_hour: Annotated[float, typer.Option(help="Poisson failures per worker-hour.", min=0)] = 0.0,

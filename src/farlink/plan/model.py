@@ -13,10 +13,12 @@ T tokens per worker per step, F the GPU's dense bf16 FLOP/s, g GPUs per worker (
 
 Communication (see :mod:`farlink.plan.network` for the collectives). The payload S is the
 codec's bytes per parameter times N (:mod:`farlink.plan.payload`). How it travels follows
-farlink's exchange: plain fp32 updates are summed by an all-reduce; every other codec (and DeMo)
-is gathered, because encoded messages cannot be summed on the wire, so each worker sends its
-payload n-1 times. ``exchange="allreduce"`` models systems that all-reduce quantized tensors
-hop by hop instead (INTELLECT-1). Every sync on torchft first asks the Lighthouse for a quorum
+farlink's exchange: dense codecs (fp32, fp16, bf16, int8, int4) are all-reduced, fp32 summed
+on the wire and the others by the compressed all-reduce (:mod:`farlink.sync.allreduce`: encoded
+shards to their owners and the re-encoded aggregates back, ``2 (n-1)/n`` payloads per worker
+as a ring all-reduce sends, INTELLECT-1's int8 ring); sparse payloads (top-k, DeMo, SparseLoCo)
+are gathered, because their union does not shrink, so each worker sends its payload n-1 times.
+``exchange="gather"`` models today's gathered path for any codec. Every sync on torchft first asks the Lighthouse for a quorum
 (one round trip to it, ``coordinator_rtt_s``; by default the one-way path latency, i.e. a
 Lighthouse half-way between workers), and ``local_seconds`` adds the worker's own per-sync work
 (encoding, decoding, validation, outer step), which a run measures and which is small on GPUs.
@@ -74,7 +76,7 @@ def _capabilities(algorithm: str):  # noqa: ANN202 - farlink.sync.Capabilities, 
     return capabilities(algorithm)
 
 EXCHANGES = ("auto", "allreduce", "gather")
-DENSE_CODECS = ("fp32", "none")
+DENSE_CODECS = ("fp32", "none", "fp16", "bf16", "int8", "int4")
 DEFAULT_OVERLAP_STEPS = 5  # Streaming DiLoCo overlaps a fragment's exchange with a few steps
 ADAM_BYTES_PER_PARAM = 16  # bf16 weights + grads, fp32 master weights + two Adam moments
 TARGET_UTILIZATION = 0.95
@@ -137,8 +139,8 @@ def predict_round(
     ``payload_bytes`` is the measured size of one worker's full sync payload (what the codec
     produced for the whole model); without it, ``n_params`` and ``codec`` estimate it. For
     ``ddp``/``demo`` ``inner_steps`` is ignored (they sync every step). For ``demo`` the codec
-    must be a ``dct_topk`` spec. ``exchange`` is ``auto`` (as farlink runs the codec: fp32 is
-    all-reduced, anything else gathered), ``allreduce`` or ``gather``.
+    must be a ``dct_topk`` spec. ``exchange`` is ``auto`` (as farlink runs the codec: dense codecs
+    all-reduced, sparse ones gathered), ``allreduce`` or ``gather``.
     """
     algorithm = algorithm.strip().lower()
     caps = _capabilities(algorithm)
@@ -366,7 +368,9 @@ def plan(
     link = lookup(links, scenario.profile, "link profile")
     gpus = scenario.gpus_per_worker or gpu.default_per_worker
     algorithm = scenario.algorithm.strip().lower()
-    codec = scenario.demo_codec if _capabilities(algorithm).wire_codec else scenario.codec
+    wire = _capabilities(algorithm).wire_codec  # an algorithm that sends with its own codec
+    codec = scenario.codec if wire is None else scenario.demo_codec if wire == "dct_topk" \
+        else scenario.codec if codec_cost(scenario.codec).name == wire else wire
     step = step_seconds(scenario.n_params, scenario.batch_tokens, gpu, scenario.mfu, gpus)
     inputs = {
         "algorithm": algorithm,

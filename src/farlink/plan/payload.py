@@ -18,6 +18,7 @@ TOPK_VALUE_BYTES = 4  # fp32 value of a kept entry
 TOPK_INDEX_BYTES = 4  # int32 flat index of a kept entry
 DCT_VALUE_BYTES = 2  # bf16 DCT coefficient (DeMo)
 DCT_INDEX_BYTES = 2  # int16 position inside its chunk
+SPARSELOCO_CHUNK, SPARSELOCO_TOPK = 4096, 64  # SparseLoCo's defaults (the paper's density)
 DEFAULT_TOPK_FRACTION = 0.01
 DEFAULT_DCT_CHUNK = 64 * 64  # values per DCT chunk: DeMo cuts matrices into 64x64 blocks
 DEFAULT_DCT_TOPK = 32  # coefficients kept per chunk (DeMo reference: compression_topk=32)
@@ -65,6 +66,21 @@ def _dct_topk(arg: str | None) -> float:
     return k / chunk * (DCT_VALUE_BYTES + DCT_INDEX_BYTES)
 
 
+def _sparseloco(arg: str | None) -> float:
+    """``sparseloco[:CHUNK:TOPK]``: TOPK entries kept per CHUNK, each a 2-bit value and a
+    ``ceil(log2 CHUNK)``-bit index (:mod:`farlink.sync.sparseloco`; its 16 bytes of bin means
+    per tensor are a negligible share of a large model). 4096:64 by default, the paper's."""
+    chunk, k = SPARSELOCO_CHUNK, SPARSELOCO_TOPK
+    if arg is not None:
+        left, sep, right = arg.partition(":")
+        if not sep:
+            raise PlanInputError(f"sparseloco argument must look like CHUNK:TOPK, got {arg!r}")
+        chunk, k = int(_number(left, "sparseloco chunk")), int(_number(right, "sparseloco topk"))
+    if not 0 < k <= chunk:
+        raise PlanInputError(f"sparseloco needs 0 < topk <= chunk, got {chunk}:{k}")
+    return k / chunk * (2 + max(1, (chunk - 1).bit_length())) / 8
+
+
 def _number(text: str, what: str) -> float:
     try:
         return float(text)
@@ -81,6 +97,7 @@ _CODECS = {
     "int4": lambda arg: _quantized(4),
     "topk": _topk,
     "dct_topk": _dct_topk,
+    "sparseloco": _sparseloco,
 }
 CODEC_NAMES = tuple(_CODECS)
 

@@ -1,10 +1,16 @@
 """One round's exchange of named tensors: encode, sign, gather, verify, validate, aggregate.
 
-This is the only place where an algorithm's update leaves the worker. Two paths:
+This is the only place where an algorithm's update leaves the worker. Three paths:
 
 * dense: fp32, plain token-weighted mean, no authentication -> one ring all-reduce of
   ``weight * tensor`` plus the weight (the cheapest exact path, used by DDP and plain DiLoCo);
-* gathered: anything else -> every peer's update is encoded by the codec, packed in an envelope,
+* allreduce: a dense codec (fp32, fp16, bf16, int8, int4, with or without error feedback), any
+  whole-update rule, with or without authentication, on a collective with a real all-to-all ->
+  the compressed all-reduce of :mod:`farlink.sync.allreduce` (about ``2 (n-1)/n x payload`` per
+  peer whatever n is, the same whole-update decisions as the gathered path);
+* gathered: anything else (sparse or pre-encoded payloads, an algorithm's own ``combine``,
+  ``+per_tensor`` rules, a collective without an all-to-all, or ``path="gathered"``) -> every
+  peer's update is encoded by the codec, packed in an envelope,
   signed, all-gathered as real bytes, and each received message is verified, decoded and checked
   before a (possibly Byzantine-robust) aggregator combines them. A message that fails any check is
   dropped with its reason logged (and recorded in the ledger); the round goes on without it.
@@ -32,22 +38,36 @@ tensor instead (see :mod:`farlink.robust.aggregators`).
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from farlink.codecs import CodecError, Compressor, envelope, make_compressor
+from farlink.codecs import (
+    BFloat16Codec,
+    BlockQuantCodec,
+    CodecError,
+    Compressor,
+    Float16Codec,
+    Float32Codec,
+    envelope,
+    make_compressor,
+)
 from farlink.comm.base import Collective
 from farlink.comm.errors import CommError
 from farlink.robust.aggregators import Aggregator, PerTensor, make_aggregator, weighted_mean
 from farlink.robust.auth import Authenticator, AuthError
-from farlink.robust.equivocation import differing_slots, slot_digests
+from farlink.robust.equivocation import SLOT_DIGEST, differing_slots, slot_digests
 from farlink.robust.validate import UpdateRejected, check_update, screen_norms
 from farlink.robust.weights import CLAIM_FACTOR, bound_claims
 
 log = logging.getLogger(__name__)
+
+PATHS = ("auto", "allreduce", "gathered")
+#: codecs whose payload is a dense tensor: their shards can be averaged by their owner
+DENSE_CODECS = (Float32Codec, Float16Codec, BFloat16Codec, BlockQuantCodec)
 
 
 @dataclass(frozen=True)
@@ -84,6 +104,7 @@ class ExchangeResult:
     tokens: dict[str, float] = field(default_factory=dict)  # each accepted peer's bounded weight
     claimed: dict[str, float] = field(default_factory=dict)  # what each accepted peer claimed
     capped: dict[str, str] = field(default_factory=dict)  # peer -> why its claim was bounded
+    path: str = ""  # which path produced it: dense, allreduce or gathered
 
 
 class Exchange:
@@ -100,6 +121,7 @@ class Exchange:
         screen_ratio: float | None = None,
         max_weight: float | None = None,
         claim_factor: float | None = CLAIM_FACTOR,
+        path: str = "auto",
     ) -> None:
         self.collective = collective
         self.compressor = compressor
@@ -114,6 +136,11 @@ class Exchange:
         # process in a round, and the factor over the round's median claim
         self.max_weight, self.claim_factor = max_weight, claim_factor
         self.combine: Combine | None = None  # set by an algorithm that averages payloads itself
+        if path not in PATHS:
+            raise ValueError(f"exchange path {path!r}: choose from {', '.join(PATHS)}")
+        #: "auto": the cheapest path that is exact enough; "allreduce" or "gathered" by choice
+        self.path = path
+        self.last_path = ""  # the path of the last round, for the run's metrics
 
     @property
     def dense(self) -> bool:
@@ -125,6 +152,54 @@ class Exchange:
             and self.collective.exact_all_reduce
         )  # decided by the run's configuration alone, so every peer takes the same path
 
+    def gathered_reason(self, tensors: Update | None = None) -> str | None:
+        """Why a round of ``tensors`` cannot take the compressed all-reduce (None: it can)."""
+        from farlink.sync.allreduce import rule_of
+
+        if self.path == "gathered":
+            return "chosen (path=gathered)"
+        if not self.collective.native_all_to_all and (
+                self.path == "auto"
+                or type(self.collective).all_to_all_bytes is Collective.all_to_all_bytes):
+            return (f"{type(self.collective).__name__} has no all-to-all (none at all, or a "
+                    "group member behind NAT that takes no pushes)")
+        if not isinstance(self.compressor.codec, DENSE_CODECS):
+            return f"codec {self.compressor.codec.name} is sparse: the union of payloads does " \
+                "not shrink"
+        if tensors is not None and any(isinstance(t, Encoded) for t in tensors.values()):
+            return "the algorithm hands over pre-encoded payloads"
+        if self.combine is not None:
+            return "the algorithm combines payloads itself"
+        if rule_of(self.aggregator) is None:
+            return "a +per_tensor rule: tensor boundaries do not follow shards"
+        if self.path == "auto" and tensors:
+            members = self.collective.round_members()
+            sharded, gathered = self.path_bytes(tensors, members)
+            if sharded >= gathered:
+                return (f"the gathered path is cheaper for an update this small ({gathered} "
+                        f"against {sharded} bytes per peer over {members} members)")
+        return None
+
+    def path_bytes(self, tensors: Update, members: int) -> tuple[int, int]:
+        """Bytes one peer sends in a round of ``tensors`` on the compressed all-reduce and
+        on the gathered path, headers included (what ``auto`` compares)."""
+        from farlink.sync.allreduce import planned_bytes
+
+        codec, n = self.compressor.codec, members
+        shapes = {k: tuple(dense_of(t).shape) for k, t in tensors.items()}
+        signed = len(self.authenticator.sign(b""))
+        header = len(envelope.pack(self.sender, 0, 1.0, {k: b"" for k in shapes}, shapes,
+                                   {k: torch.float32 for k in shapes})) + signed
+        message = header + sum(codec.max_payload_nbytes(s) for s in shapes.values())
+        gathered = (n - 1) * message + (n - 1) * n * SLOT_DIGEST
+        return planned_bytes(self, sum(math.prod(s) for s in shapes.values()), n), gathered
+
+    def sharded_reduce(self):  # noqa: ANN201 - farlink.sync.allreduce.ShardedReduce
+        """One round of the compressed all-reduce over this exchange's parts."""
+        from farlink.sync.allreduce import ShardedReduce
+
+        return ShardedReduce(self)
+
     def average(self, tensors: Update, weight: float, round_id: int) -> ExchangeResult:
         """Token-weighted aggregate of every participant's ``tensors`` for this round.
 
@@ -132,9 +207,20 @@ class Exchange:
         """
         if self.tamper is not None:  # an emulated attacker: its update is re-encoded below
             tensors = self.tamper({n: dense_of(t) for n, t in tensors.items()}, round_id)
-        if self.dense and not any(isinstance(t, Encoded) for t in tensors.values()):
-            return self._all_reduce(tensors, weight)
-        return self._gather(tensors, weight, round_id)
+        if self.dense and not any(isinstance(t, Encoded) for t in tensors.values()) \
+                and self.path != "allreduce":
+            self.last_path = "dense"
+            result = self._all_reduce(tensors, weight)
+        elif self.path != "gathered" and tensors and self.gathered_reason(tensors) is None:
+            self.last_path = "allreduce"
+            result = self.sharded_reduce().run(tensors, weight, round_id)
+        else:
+            if self.path == "allreduce":
+                raise ValueError(f"path=allreduce: {self.gathered_reason(tensors)}")
+            self.last_path = "gathered"
+            result = self._gather(tensors, weight, round_id)
+        result.path = self.last_path
+        return result
 
     def _all_reduce(self, tensors: dict[str, torch.Tensor], weight: float) -> ExchangeResult:
         names = list(tensors)

@@ -149,9 +149,9 @@ class SparseLoCoOptions(DiLoCoOptions):
 class SparseLoCo(DiLoCo):
     name = "sparseloco"
     Options = SparseLoCoOptions
-    # DiLoCo's rounds; its plain outer SGD is part of the method (not injected), it sends with
-    # its own codec, and the planner has no model of its exchange yet
-    capabilities = Capabilities(planned=False, sharded=True, wire_codec="sparseloco",
+    # DiLoCo's rounds; its plain outer SGD is part of the method (not injected), and it sends
+    # with its own codec (the planner prices it: farlink.plan.payload)
+    capabilities = Capabilities(planned=True, sharded=True, wire_codec="sparseloco",
                                 time_budget=True, partial_groups=True)
 
     @classmethod
