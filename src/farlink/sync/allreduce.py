@@ -52,6 +52,7 @@ from farlink.robust.auth import AuthError
 from farlink.robust.equivocation import SLOT_DIGEST, differing_slots, slot_digests
 from farlink.robust.validate import UpdateRejected
 from farlink.robust.weights import bound_claims
+from farlink.sync.result import ExchangeResult
 
 log = logging.getLogger(__name__)
 
@@ -135,8 +136,6 @@ class ShardedReduce:
 
     # --- the round ---------------------------------------------------------------------------
     def run(self, tensors: dict[str, torch.Tensor], weight: float, round_id: int):
-        from farlink.sync.exchange import ExchangeResult
-
         x = self.x
         coll = x.collective
         n, me = coll.round_members(), coll.round_rank()
@@ -545,7 +544,5 @@ class ShardedReduce:
 
     def _failed(self, result, why: str):
         """The collective already failed the round (a member is gone): nothing to aggregate."""
-        from farlink.sync.exchange import ExchangeResult
-
         log.info("compressed all-reduce: %s; the round is discarded", why)
         return ExchangeResult({}, 0.0, rejected={**result.rejected, "round": f"missing: {why}"})

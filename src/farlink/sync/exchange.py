@@ -40,7 +40,7 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -62,6 +62,8 @@ from farlink.robust.auth import Authenticator, AuthError
 from farlink.robust.equivocation import SLOT_DIGEST, differing_slots, slot_digests
 from farlink.robust.validate import UpdateRejected, check_update, screen_norms
 from farlink.robust.weights import CLAIM_FACTOR, bound_claims
+from farlink.sync.allreduce import ShardedReduce, planned_bytes, rule_of
+from farlink.sync.result import ExchangeResult
 
 log = logging.getLogger(__name__)
 
@@ -91,20 +93,6 @@ Combine = Callable[[str, list[bytes], torch.Size], torch.Tensor]
 
 def dense_of(value: torch.Tensor | Encoded) -> torch.Tensor:
     return value.tensor if isinstance(value, Encoded) else value
-
-
-@dataclass
-class ExchangeResult:
-    """The aggregate of one round, and who it came from."""
-
-    tensors: dict[str, torch.Tensor]
-    total_weight: float
-    accepted: list[str] = field(default_factory=list)
-    rejected: dict[str, str] = field(default_factory=dict)
-    tokens: dict[str, float] = field(default_factory=dict)  # each accepted peer's bounded weight
-    claimed: dict[str, float] = field(default_factory=dict)  # what each accepted peer claimed
-    capped: dict[str, str] = field(default_factory=dict)  # peer -> why its claim was bounded
-    path: str = ""  # which path produced it: dense, allreduce or gathered
 
 
 class Exchange:
@@ -154,7 +142,6 @@ class Exchange:
 
     def gathered_reason(self, tensors: Update | None = None) -> str | None:
         """Why a round of ``tensors`` cannot take the compressed all-reduce (None: it can)."""
-        from farlink.sync.allreduce import rule_of
 
         if self.path == "gathered":
             return "chosen (path=gathered)"
@@ -183,7 +170,6 @@ class Exchange:
     def path_bytes(self, tensors: Update, members: int) -> tuple[int, int]:
         """Bytes one peer sends in a round of ``tensors`` on the compressed all-reduce and
         on the gathered path, headers included (what ``auto`` compares)."""
-        from farlink.sync.allreduce import planned_bytes
 
         codec, n = self.compressor.codec, members
         shapes = {k: tuple(dense_of(t).shape) for k, t in tensors.items()}
@@ -196,7 +182,6 @@ class Exchange:
 
     def sharded_reduce(self):  # noqa: ANN201 - farlink.sync.allreduce.ShardedReduce
         """One round of the compressed all-reduce over this exchange's parts."""
-        from farlink.sync.allreduce import ShardedReduce
 
         return ShardedReduce(self)
 
