@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import glob
 import logging
 import math
 import os
@@ -455,7 +456,8 @@ class Worker:
         tmp = path.with_name(f".{path.name}{TEMP_PREFIX}{os.getpid()}")
         try:
             final.mkdir(parents=True, exist_ok=True)
-            remove_stale_temps(final)
+            # this worker's own leftovers only: the others write theirs here at the same time
+            remove_stale_temps(final, f".{glob.escape(path.name)}{TEMP_PREFIX}*")
             save_model(model, str(tmp))
             digest = hashlib.sha256(tmp.read_bytes()).hexdigest()
             os.replace(tmp, path)
