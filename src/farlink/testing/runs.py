@@ -31,6 +31,7 @@ def launch_in_threads(cfg, timeout: float = 300.0):
     from farlink.data import prepare_data
     from farlink.train.launcher import (
         RunResult,
+        _report_checkpoint_fallbacks,
         check_data,
         check_launch,
         checkpoint_fallbacks,
@@ -77,6 +78,7 @@ def launch_in_threads(cfg, timeout: float = 300.0):
     summary = summarize(cfg)
     summary["returncodes"] = codes
     summary["checkpoint_fallbacks"] = checkpoint_fallbacks(cfg)
+    _report_checkpoint_fallbacks(summary["checkpoint_fallbacks"])  # as the launcher says them
     problem = never_averaged(cfg, summary)
     if problem is not None:
         summary["problem"] = problem
