@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from farlink.config import load_config
+from farlink.testing.runs import launch_in_threads
 from farlink.train.audit import audit_run
 from farlink.train.checkpoint import (
     CORRUPT_PREFIX,
@@ -20,7 +21,6 @@ from farlink.train.checkpoint import (
     load_newest_intact,
     save_checkpoint,
 )
-from farlink.testing.runs import launch_in_threads
 from farlink.train.launcher import export_model
 from farlink.train.metrics import read_metrics
 

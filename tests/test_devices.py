@@ -22,8 +22,8 @@ from farlink.model import preset_config
 from farlink.model.gpt import GPT
 from farlink.robust.aggregators import make_aggregator
 from farlink.sync.exchange import Exchange
-from farlink.train.compute import accumulate_gradients, autocast, micro_batches, resolve_device
 from farlink.testing.runs import launch_in_threads
+from farlink.train.compute import accumulate_gradients, autocast, micro_batches, resolve_device
 from farlink.train.metrics import read_metrics
 
 CUDA = torch.cuda.is_available()

@@ -4,6 +4,7 @@ member fails its round everywhere and comes back healed, over real torchft and i
 from __future__ import annotations
 
 import threading
+import time
 
 import torch
 
@@ -90,3 +91,33 @@ def test_torchft_replica_crashed_at_a_round_restarts_and_heals_and_a_failed_exch
     attempt, out, final = results[1]
     assert attempt == 1 and out[0][0]  # restarted, and healed in its first round back
     assert final == results[0][2]
+
+
+def test_a_dropped_payload_arrives_empty_a_delayed_one_late_and_a_barrier_orders_threads() -> None:
+    group = HealingGroup(2, timeout=30)
+    faults = (Faults().drop_payload(replica=1, round=0).delay_payload(replica=0, round=1,
+                                                                      seconds=0.5)
+              .barrier_at("commit", round=1, parties=3))  # both replicas and the test thread
+    seen = []
+
+    def member(m: int, coll) -> list:  # noqa: ANN001
+        coll = FaultyCollective(coll, faults, m)
+        coll.register_state(lambda: None, lambda s: None)
+        out = []
+        for _ in range(2):
+            coll.begin_round()
+            gathered = coll.all_gather_bytes(bytes([m + 1]) * 4)
+            out.append((gathered, coll.commit()))
+        return out
+
+    def observer(_: object, __: object) -> None:
+        start = time.monotonic()
+        faults.wait("commit", 1)  # released only when both replicas reached round 1's commit
+        seen.append(time.monotonic() - start)
+
+    results = in_threads(lambda m, c: observer(m, c) if m == "test" else member(m, c),
+                         {0: group.member(0), 1: group.member(1), "test": None}, timeout=60)
+    assert results[0][0] == ([bytes([1]) * 4, b""], True)  # replica 1's payload dropped
+    assert results[0][1] == ([bytes([1]) * 4, bytes([2]) * 4], True)
+    assert seen[0] >= 0.5  # replica 0's round-1 payload was held half a second
+    assert [f[2] for f in faults.fired] == ["drop", "delay"]

@@ -15,9 +15,9 @@ import pytest
 from safetensors.torch import load_file
 
 from farlink.config import load_config
+from farlink.testing.runs import launch_in_threads
 from farlink.train.checkpoint import latest_checkpoint, load_checkpoint
 from farlink.train.metrics import read_metrics
-from farlink.testing.runs import launch_in_threads
 
 BASE = {"model": "nano", "vocab_size": 512, "seq_len": 64, "batch_size": 4, "eval_batches": 2, "workers": 2,
         "steps": 40, "inner_steps": 10, "warmup_steps": 5, "join_timeout": 10,

@@ -77,12 +77,12 @@ class Faults:
         if barrier is not None:
             barrier.wait(timeout)
 
-    def _take(self, pool: set | dict, key: object, replica: int, round: int,  # noqa: A002
+    def _take(self, pool: set, key: object, replica: int, round: int,  # noqa: A002
               what: str) -> bool:
         with self._lock:
             if key not in pool:
                 return False
-            pool.remove(key) if isinstance(pool, set) else None
+            pool.discard(key)
             self.fired.append((replica, round, what))
             return True
 
