@@ -24,6 +24,9 @@ from farlink.train.checkpoint import (
 from farlink.train.launcher import export_model
 from farlink.train.metrics import read_metrics
 
+# torchft runs in this process: after every test that forks (see conftest)
+pytestmark = pytest.mark.torchft_threads
+
 TINY = {"model": "nano", "vocab_size": 512, "seq_len": 64, "batch_size": 4, "eval_batches": 2, "workers": 2,
         "steps": 6, "inner_steps": 2, "warmup_steps": 2, "join_timeout": 5,
         # both workers in every round: the one that fell back heals from the other instead of

@@ -26,6 +26,9 @@ from farlink.testing.runs import launch_in_threads
 from farlink.train.compute import accumulate_gradients, autocast, micro_batches, resolve_device
 from farlink.train.metrics import read_metrics
 
+# torchft runs in this process: after every test that forks (see conftest)
+pytestmark = pytest.mark.torchft_threads
+
 CUDA = torch.cuda.is_available()
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
     not CUDA, reason="no CUDA device here"))]

@@ -3,6 +3,7 @@ member fails its round everywhere and comes back healed, over real torchft and i
 
 from __future__ import annotations
 
+import pytest
 import threading
 import time
 
@@ -17,6 +18,9 @@ from farlink.testing import (
     lighthouse_server,
     run_replicas,
 )
+
+# torchft runs in this process: after every test that forks (see conftest)
+pytestmark = pytest.mark.torchft_threads
 
 torch.set_num_threads(1)
 

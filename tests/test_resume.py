@@ -19,6 +19,9 @@ from farlink.testing.runs import launch_in_threads
 from farlink.train.checkpoint import latest_checkpoint, load_checkpoint
 from farlink.train.metrics import read_metrics
 
+# torchft runs in this process: after every test that forks (see conftest)
+pytestmark = pytest.mark.torchft_threads
+
 BASE = {"model": "nano", "vocab_size": 512, "seq_len": 64, "batch_size": 4, "eval_batches": 2, "workers": 2,
         "steps": 40, "inner_steps": 10, "warmup_steps": 5, "join_timeout": 10,
         # every round holds both workers, so the two runs follow one schedule even when one

@@ -6,6 +6,7 @@ after the other, as a worker still loading its data on a busy machine does."""
 
 from __future__ import annotations
 
+import pytest
 import time
 from pathlib import Path
 
@@ -14,6 +15,9 @@ import torch
 from farlink.comm.torchft_backend import TorchftCollective
 from farlink.testing import in_threads, lighthouse_server
 from farlink.train.start_line import LINE_ENV, PEERS_ENV, StartLine
+
+# torchft runs in this process: after every test that forks (see conftest)
+pytestmark = pytest.mark.torchft_threads
 
 LATE_S = 4.0
 torch.set_num_threads(1)

@@ -4,11 +4,15 @@ the end-to-end run in test_train_integration."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from farlink.comm.base import ring_allgather_bytes, ring_allreduce_bytes
 from farlink.comm.torchft_backend import TorchftCollective
 from farlink.testing import in_threads, lighthouse_server
+
+# torchft runs in this process: after every test that forks (see conftest)
+pytestmark = pytest.mark.torchft_threads
 
 torch.set_num_threads(1)
 
