@@ -63,8 +63,10 @@ def launch_in_threads(cfg, timeout: float = 300.0):
         try:
             with building:
                 worker = Worker(cfg, index, address)
-        finally:
-            start_line.wait(cfg.join_timeout)
+        except BaseException:
+            start_line.abort()  # the others stop waiting for a worker that will not come
+            raise
+        start_line.wait(cfg.join_timeout)
         worker.born = born  # this worker's life began with its thread, not with the process
         try:
             return worker.run()
