@@ -67,11 +67,12 @@ def test_a_lost_member_fails_the_round_everywhere_and_comes_back_healed() -> Non
 def test_torchft_replica_crashed_at_a_round_restarts_and_heals_and_a_failed_exchange_commits_nowhere(
 ) -> None:
     faults = Faults().fail_at(replica=1, round=2).fail_exchange_at(round=0)
-    with lighthouse_server(min_replicas=1, join_timeout_s=1, heartbeat_timeout_s=1) as address:
+    # quorums of both: the survivor's next round waits for the restarted replica, which heals
+    with lighthouse_server(min_replicas=2, join_timeout_s=1, heartbeat_timeout_s=1) as address:
         def train(replica: int, attempt: int) -> list:
             state = {"x": torch.full((3,), 10.0 * (replica + 1) * (attempt + 1))}
             coll = FaultyCollective(
-                TorchftCollective(f"r{replica}", address, min_replicas=1, round_timeout=3),
+                TorchftCollective(f"r{replica}", address, min_replicas=2, round_timeout=3),
                 faults, replica)
             coll.register_state(lambda: {"x": state["x"].clone()},
                                 lambda s: state.update(x=s["x"].clone()))
