@@ -21,3 +21,16 @@ torch.set_num_threads(1)
 @pytest.fixture(scope="session")
 def cache_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp_path_factory.mktemp("farlink-cache")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line(
+        "markers", "torchft_threads: runs torchft (Managers, Gloo, an in-process Lighthouse) in "
+        "the test process; such tests run after all others")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Tests that ran torchft in this process run last: a process that did must not fork
+    afterwards (hivemind's DHT forks its process, and the child crashes on what torchft's
+    threads left behind); the other tests keep their order."""
+    items.sort(key=lambda item: item.get_closest_marker("torchft_threads") is not None)

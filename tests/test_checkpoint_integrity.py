@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from farlink.config import load_config
+from farlink.testing.runs import launch_in_threads
 from farlink.train.audit import audit_run
 from farlink.state.checkpoint import (
     CORRUPT_PREFIX,
@@ -20,10 +21,13 @@ from farlink.state.checkpoint import (
     load_newest_intact,
     save_checkpoint,
 )
-from farlink.train.launcher import export_model, launch
+from farlink.train.launcher import export_model
 from farlink.train.metrics import read_metrics
 
-TINY = {"vocab_size": 512, "seq_len": 64, "batch_size": 4, "eval_batches": 2, "workers": 2,
+# torchft runs in this process: after every test that forks (see conftest)
+pytestmark = pytest.mark.torchft_threads
+
+TINY = {"model": "nano", "vocab_size": 512, "seq_len": 64, "batch_size": 4, "eval_batches": 2, "workers": 2,
         "steps": 6, "inner_steps": 2, "warmup_steps": 2, "join_timeout": 5,
         # both workers in every round: the one that fell back heals from the other instead of
         # racing through rounds alone while a busy machine delays its peer
@@ -60,13 +64,13 @@ def test_resume_falls_back_from_a_damaged_newest_checkpoint_and_heals(
     run_dir = tmp_path / "run"
     cut = load_config(None, {**TINY, "run_dir": run_dir, "cache_dir": cache_dir,
                              "stop_at_step": 4})
-    assert launch(cut, show_progress=False).returncodes == [0, 0]
+    assert launch_in_threads(cut).returncodes == [0, 0]
     newest = run_dir / "checkpoints" / "w0" / "step-0000004"
     damage(newest / "state.safetensors")
 
     resumed = load_config(None, {**TINY, "run_dir": run_dir, "cache_dir": cache_dir,
                                  "resume": True})
-    result = launch(resumed, show_progress=False)
+    result = launch_in_threads(resumed)
     console = squash(capsys.readouterr().err)
     assert result.returncodes == [0, 0], (console, (run_dir / "logs" / "w0.log").read_text())
     # w0 said what it found and what it did instead
@@ -86,7 +90,7 @@ def test_resume_falls_back_from_a_damaged_newest_checkpoint_and_heals(
 def test_export_skips_a_final_model_that_changed_since_its_worker_wrote_it(
         tmp_path: Path, cache_dir: Path, capsys: pytest.CaptureFixture) -> None:
     cfg = load_config(None, {**TINY, "run_dir": tmp_path / "run", "cache_dir": cache_dir})
-    result = launch(cfg, show_progress=False)
+    result = launch_in_threads(cfg)
     assert result.returncodes == [0, 0] and result.summary["final_replicas"]["consistent"]
     ends = {w: [r for r in read_metrics(cfg.run_dir / "metrics" / f"{w}.jsonl")
                 if r["kind"] == "end"][-1] for w in ("w0", "w1")}

@@ -22,9 +22,12 @@ from farlink.model import preset_config
 from farlink.model.gpt import GPT
 from farlink.robust.aggregators import make_aggregator
 from farlink.sync.exchange import Exchange
+from farlink.testing.runs import launch_in_threads
 from farlink.train.compute import accumulate_gradients, autocast, micro_batches, resolve_device
-from farlink.train.launcher import launch
 from farlink.train.metrics import read_metrics
+
+# torchft runs in this process: after every test that forks (see conftest)
+pytestmark = pytest.mark.torchft_threads
 
 CUDA = torch.cuda.is_available()
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
@@ -166,7 +169,7 @@ def test_the_api_keeps_a_models_states_on_its_device(device: str, algorithm: str
 def _train(tmp_path: Path, cache_dir: Path, name: str, **overrides) -> list[dict]:
     cfg = load_config(None, {**RUN, "run_dir": tmp_path / name, "cache_dir": cache_dir,
                              **overrides})
-    assert launch(cfg, show_progress=False).returncodes == [0]
+    assert launch_in_threads(cfg).returncodes == [0]  # the worker as a thread: farlink.testing
     return read_metrics(cfg.run_dir / "metrics" / "w0.jsonl")
 
 
@@ -177,7 +180,7 @@ def _last_eval(records: list[dict]) -> float:
 def test_explicit_cpu_with_accumulation_trains_the_whole_batch(tmp_path: Path,
                                                                cache_dir: Path) -> None:
     records = _train(tmp_path, cache_dir, "cpu", device="cpu", grad_accum=2, steps=20,
-                     batch_size=4)
+                     batch_size=4, model="nano")
     start = next(r for r in records if r["kind"] == "start")
     assert start["device"] == "cpu" and start["precision"] == "fp32"
     end = next(r for r in records if r["kind"] == "end")

@@ -1,5 +1,7 @@
 """Checkpoints resume exactly: an interrupted-and-resumed run ends bit-identical to an
-uninterrupted one on the same schedule (parameters, optimizer states, data position, RNG)."""
+uninterrupted one on the same schedule (parameters, optimizer states, data position, RNG).
+The bit-for-bit runs are workers as threads (``farlink.testing``: torchft's real Lighthouse and
+Gloo in one process); stopping ``farlink train`` by a signal needs its processes."""
 
 from __future__ import annotations
 
@@ -14,10 +16,13 @@ from safetensors.torch import load_file
 
 from farlink.config import load_config
 from farlink.state.checkpoint import latest_checkpoint, load_checkpoint
-from farlink.train.launcher import launch
+from farlink.testing.runs import launch_in_threads
 from farlink.train.metrics import read_metrics
 
-BASE = {"vocab_size": 512, "seq_len": 64, "batch_size": 4, "eval_batches": 2, "workers": 2,
+# torchft runs in this process: after every test that forks (see conftest)
+pytestmark = pytest.mark.torchft_threads
+
+BASE = {"model": "nano", "vocab_size": 512, "seq_len": 64, "batch_size": 4, "eval_batches": 2, "workers": 2,
         "steps": 40, "inner_steps": 10, "warmup_steps": 5, "join_timeout": 10,
         # every round holds both workers, so the two runs follow one schedule even when one
         # worker starts late on a busy machine (an elastic round of one would differ)
@@ -27,11 +32,11 @@ BASE = {"vocab_size": 512, "seq_len": 64, "batch_size": 4, "eval_batches": 2, "w
 def test_resumed_run_matches_uninterrupted_run_bit_for_bit(tmp_path: Path,
                                                            cache_dir: Path) -> None:
     straight = load_config(None, {**BASE, "run_dir": tmp_path / "a", "cache_dir": cache_dir})
-    assert launch(straight, show_progress=False).returncodes == [0, 0]
+    assert launch_in_threads(straight).returncodes == [0, 0]
 
     cut = load_config(None, {**BASE, "run_dir": tmp_path / "b", "cache_dir": cache_dir,
                              "stop_at_step": 20})
-    first = launch(cut, show_progress=False)
+    first = launch_in_threads(cut)
     assert first.returncodes == [0, 0]
     assert not (cut.run_dir / "final").exists()  # it really stopped early
     _, meta = load_checkpoint(latest_checkpoint(cut.run_dir / "checkpoints" / "w0"))
@@ -39,7 +44,7 @@ def test_resumed_run_matches_uninterrupted_run_bit_for_bit(tmp_path: Path,
 
     resumed = load_config(None, {**BASE, "run_dir": tmp_path / "b", "cache_dir": cache_dir,
                                  "resume": True})
-    assert launch(resumed, show_progress=False).returncodes == [0, 0]
+    assert launch_in_threads(resumed).returncodes == [0, 0]
     for worker in ("w0", "w1"):
         a = load_file(str(straight.run_dir / "final" / f"{worker}.safetensors"))
         b = load_file(str(resumed.run_dir / "final" / f"{worker}.safetensors"))

@@ -21,7 +21,8 @@ from farlink.train.launcher import launch, write_run_config
 from farlink.train.lighthouse import Lighthouse
 from farlink.train.metrics import read_metrics
 
-TINY = {"steps": 4, "inner_steps": 2, "workers": 2, "vocab_size": 512, "seq_len": 64,
+TINY = {"model": "nano", "steps": 4, "inner_steps": 2, "workers": 2, "vocab_size": 512,
+        "seq_len": 64,
         "batch_size": 4, "eval_batches": 2, "warmup_steps": 1, "join_timeout": 10}
 
 

@@ -1,27 +1,29 @@
 """The workers one launch starts meet in their first round, however late one of them is ready.
 
-Real torchft Managers in separate processes and a real Lighthouse with ``min_replicas`` 1 (the
-elastic default); one peer gets its collective up 4 s after the other, as a worker still
-loading its data on a busy machine does."""
+Real torchft Managers as threads (``farlink.testing``) and torchft's real Lighthouse served
+in-process with ``min_replicas`` 1 (the elastic default); one peer gets its collective up 4 s
+after the other, as a worker still loading its data on a busy machine does."""
 
 from __future__ import annotations
 
-import multiprocessing as mp
+import pytest
 import time
 from pathlib import Path
 
 import torch
 
-from farlink.train.lighthouse import Lighthouse
+from farlink.comm.torchft_backend import TorchftCollective
+from farlink.testing import in_threads, lighthouse_server
 from farlink.train.start_line import LINE_ENV, PEERS_ENV, StartLine
 
+# torchft runs in this process: after every test that forks (see conftest)
+pytestmark = pytest.mark.torchft_threads
+
 LATE_S = 4.0
+torch.set_num_threads(1)
 
 
-def _peer(index: int, address: str, line: str | None, queue) -> None:  # noqa: ANN001
-    torch.set_num_threads(1)
-    from farlink.comm.torchft_backend import TorchftCollective
-
+def _peer(index: int, address: str, line: str | None) -> tuple[int, float]:
     if index == 1:
         time.sleep(LATE_S)  # the slow starter
     coll = TorchftCollective(f"p{index}", address, min_replicas=1, round_timeout=20,
@@ -32,33 +34,15 @@ def _peer(index: int, address: str, line: str | None, queue) -> None:  # noqa: A
         info = coll.begin_round()
         coll.all_reduce_sum([torch.ones(1)])
         coll.commit()
-        queue.put((index, info.world_size, waited))
+        return info.world_size, waited
     finally:
         coll.close()
 
 
 def first_round_groups(line: StartLine | None) -> dict[int, tuple[int, float]]:
-    lighthouse = Lighthouse(min_replicas=1, join_timeout=20).start()
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
     path = str(line.path) if line else None
-    procs = [ctx.Process(target=_peer, args=(i, lighthouse.address, path, queue))
-             for i in range(2)]
-    try:
-        for p in procs:
-            p.start()
-        results = {}
-        for _ in procs:
-            index, world, waited = queue.get(timeout=120)
-            results[index] = (world, waited)
-        for p in procs:
-            p.join(timeout=30)
-    finally:
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-        lighthouse.stop()
-    return results
+    with lighthouse_server(min_replicas=1, join_timeout_s=20) as address:
+        return in_threads(lambda i, _: _peer(i, address, path), {0: None, 1: None}, timeout=120)
 
 
 def test_without_a_start_line_the_first_worker_commits_alone() -> None:

@@ -15,6 +15,9 @@ from farlink.comm.torchft_admission import GatedHTTPTransport
 from farlink.robust.auth import SharedSecretAuth
 from farlink.robust.gate import GateRefused
 
+# torchft runs in this process: after every test that forks (see conftest)
+pytestmark = pytest.mark.torchft_threads
+
 TIMEOUT = timedelta(seconds=10)
 
 

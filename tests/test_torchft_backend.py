@@ -1,19 +1,23 @@
-"""The torchft collective with a real Lighthouse and real worker processes on localhost."""
+"""The torchft collective: torchft's real Lighthouse (served in-process) and replicas as threads
+over real Gloo (``farlink.testing``); the Lighthouse binary and worker processes are covered by
+the end-to-end run in test_train_integration."""
 
 from __future__ import annotations
 
-import multiprocessing as mp
-
+import pytest
 import torch
 
 from farlink.comm.base import ring_allgather_bytes, ring_allreduce_bytes
-from farlink.train.lighthouse import Lighthouse
+from farlink.comm.torchft_backend import TorchftCollective
+from farlink.testing import in_threads, lighthouse_server
+
+# torchft runs in this process: after every test that forks (see conftest)
+pytestmark = pytest.mark.torchft_threads
+
+torch.set_num_threads(1)
 
 
-def _peer(index: int, address: str, rounds: int, queue) -> None:  # noqa: ANN001
-    torch.set_num_threads(1)
-    from farlink.comm.torchft_backend import TorchftCollective
-
+def _peer(index: int, address: str, rounds: int) -> list:
     coll = TorchftCollective(f"p{index}", address, min_replicas=2, round_timeout=20)
     coll.register_state(lambda: {"x": torch.zeros(1)}, lambda s: None)
     out = []
@@ -31,27 +35,14 @@ def _peer(index: int, address: str, rounds: int, queue) -> None:  # noqa: ANN001
             ok = coll.commit()
             out.append((info.round_id, info.world_size, t.tolist(), gathered, ok,
                         reduce_bytes, gather_bytes))
-        queue.put((index, out))
+        return out
     finally:
         coll.close()
 
 
-def test_two_processes_allreduce_and_allgather_exact() -> None:
-    lighthouse = Lighthouse(min_replicas=2, join_timeout=10).start()
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    procs = [ctx.Process(target=_peer, args=(i, lighthouse.address, 3, queue)) for i in range(2)]
-    try:
-        for p in procs:
-            p.start()
-        results = dict(queue.get(timeout=120) for _ in procs)
-        for p in procs:
-            p.join(timeout=30)
-    finally:
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-        lighthouse.stop()
+def test_two_replicas_allreduce_and_allgather_exact() -> None:
+    with lighthouse_server(min_replicas=2, join_timeout_s=10) as address:
+        results = in_threads(lambda i, _: _peer(i, address, 3), {0: None, 1: None}, timeout=120)
     for index in range(2):
         for r, (round_id, world, summed, gathered, ok, rb, gb) in enumerate(results[index]):
             assert ok and world == 2 and round_id == r

@@ -17,6 +17,9 @@ from farlink.robust.auth import SharedSecretAuth
 from farlink.robust.gate import Gate
 from farlink.robust.heal import state_fingerprint
 
+# torchft runs in this process: after every test that forks (see conftest)
+pytestmark = pytest.mark.torchft_threads
+
 torch.set_num_threads(1)
 
 

@@ -18,6 +18,9 @@ import torch
 
 from farlink import interrupt
 
+# torchft runs in this process: after every test that forks (see conftest)
+pytestmark = pytest.mark.torchft_threads
+
 
 def test_a_quorum_wait_ends_on_the_stop_flag_and_says_what_it_waits_for(monkeypatch,
                                                                          caplog) -> None:

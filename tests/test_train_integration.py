@@ -1,4 +1,7 @@
-"""Real multi-process runs on localhost: a Lighthouse, worker processes, Gloo over TCP."""
+"""Whole runs on localhost: one with a Lighthouse and worker processes (the torchft backend's
+end-to-end run), the others with their workers as threads (``farlink.testing``) against
+torchft's real Lighthouse and Gloo, on the smallest model where the assertion is about
+agreement or time, not about learning."""
 
 from __future__ import annotations
 
@@ -9,9 +12,13 @@ from safetensors.torch import load_file
 from typer.testing import CliRunner
 
 from farlink.config import ConfigError, load_config
+from farlink.testing.runs import launch_in_threads
 from farlink.train.audit import audit_run
 from farlink.train.launcher import launch
 from farlink.train.metrics import read_metrics
+
+# torchft runs in this process: after every test that forks (see conftest)
+pytestmark = pytest.mark.torchft_threads
 
 SMALL = {"vocab_size": 512, "seq_len": 64, "batch_size": 4, "eval_batches": 4,
          "warmup_steps": 5, "log_every": 5, "join_timeout": 10, "heartbeat_timeout": 3}
@@ -70,9 +77,9 @@ def test_every_algorithm_keeps_replicas_in_agreement(tmp_path: Path, cache_dir: 
                                                      algorithm: str, codec: str) -> None:
     streaming = {"fragments": 2, "overlap_steps": 2} \
         if algorithm == "streaming_diloco" else {}  # options the others do not read
-    cfg = small_config(tmp_path, cache_dir, workers=2, steps=30, inner_steps=10,
+    cfg = small_config(tmp_path, cache_dir, workers=2, steps=30, inner_steps=10, model="nano",
                        algorithm=algorithm, codec=codec, **streaming)
-    result = launch(cfg, show_progress=False)
+    result = launch_in_threads(cfg)
     assert result.returncodes == [0, 0]
     if cfg.sync_every > 1:
         audit = audit_run(cfg.run_dir)
@@ -129,8 +136,8 @@ def test_paced_workers_run_at_their_emulated_speeds(tmp_path: Path, cache_dir: P
     """--pace-seconds pads every step to slowdown x pace: worker 1 (factor 2) spends twice as
     long per step as worker 0, whatever else shares the cores."""
     cfg = small_config(tmp_path, cache_dir, workers=2, steps=6, inner_steps=3, slowdown="1,2",
-                       pace_seconds=0.4)
-    result = launch(cfg, show_progress=False)
+                       pace_seconds=0.4, model="nano")
+    result = launch_in_threads(cfg)
     assert result.returncodes == [0, 0]
     w0, w1 = (result.summary["per_worker"][w] for w in ("w0", "w1"))
     assert w0["pace_overruns"] == 0 and w1["pace_overruns"] == 0
@@ -144,8 +151,8 @@ def test_time_budgeted_rounds_keep_a_slow_worker_in_every_round(tmp_path: Path,
     fewer inner steps per round instead of holding every round up, all replicas stay
     bit-identical, and the slow worker is in every quorum."""
     cfg = small_config(tmp_path, cache_dir, workers=3, steps=30, inner_steps=10,
-                       slowdown="1,1,4", pace_seconds=0.1, round_seconds=1.2)
-    result = launch(cfg, show_progress=False)
+                       slowdown="1,1,4", pace_seconds=0.1, round_seconds=1.2, model="nano")
+    result = launch_in_threads(cfg)
     assert result.returncodes == [0, 0, 0]
     audit = audit_run(cfg.run_dir)
     assert audit["consistent"] and audit["outer_steps"] == 3, audit

@@ -5,6 +5,7 @@ on both."""
 
 from __future__ import annotations
 
+import pytest
 import threading
 
 import torch
@@ -12,6 +13,9 @@ from torchft._torchft import LighthouseServer
 
 from farlink.comm.errors import CommError
 from farlink.comm.torchft_backend import TorchftCollective
+
+# torchft runs in this process: after every test that forks (see conftest)
+pytestmark = pytest.mark.torchft_threads
 
 torch.set_num_threads(1)
 

@@ -23,6 +23,7 @@ included after a resume).
 from __future__ import annotations
 
 import copy
+import glob
 import logging
 import math
 import os
@@ -37,7 +38,7 @@ from farlink.config import RunConfig
 from farlink.state.background import Background
 from farlink.state.checkpoint import (EXIT_DISK_FULL, DiskFull, is_disk_full,
                                       remove_stale_temps)
-from farlink.state.files import temp_path
+from farlink.state.files import TEMP_PREFIX, temp_path
 from farlink.train.metrics import MetricsLog
 
 log = logging.getLogger("farlink.worker")
@@ -455,7 +456,8 @@ class Worker:
         tmp = temp_path(path)
         try:
             final.mkdir(parents=True, exist_ok=True)
-            remove_stale_temps(final)
+            # this worker's own leftovers only: the others write theirs here at the same time
+            remove_stale_temps(final, f".{glob.escape(path.name)}{TEMP_PREFIX}*")
             save_model(model, str(tmp))
             digest = hashlib.sha256(tmp.read_bytes()).hexdigest()
             os.replace(tmp, path)
