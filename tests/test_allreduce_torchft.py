@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import threading
 
+import pytest
 import torch
 from torchft._torchft import LighthouseServer
 
@@ -16,6 +17,9 @@ from farlink.comm.inprocess import InProcessGroup
 from farlink.comm.torchft_backend import TorchftCollective
 from farlink.sync.allreduce import ShardedReduce
 from farlink.sync.exchange import Exchange
+
+# torchft runs in this process: after every test that forks (see conftest)
+pytestmark = pytest.mark.torchft_threads
 
 torch.set_num_threads(1)
 SHAPES = {"emb": (4096, 64), "blocks": (2, 12, 64, 64)}
