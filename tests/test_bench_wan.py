@@ -51,14 +51,15 @@ def test_streaming_overlap_defaults_to_half_the_gap_between_fragment_syncs() -> 
 
 def test_a_method_the_planner_cannot_price_is_measured_and_marked_not_planned(
         tmp_path: Path) -> None:
-    for label in ("sparse", "diloco"):
+    # hierarchical DiLoCo's two tiers have no model in the planner (SparseLoCo now has one)
+    for label in ("tiered", "diloco"):
         write_round_logs(tmp_path / label, rounds=4)
-    rows = [row("sparse", "sparseloco"), row("diloco", "diloco")]
+    rows = [row("tiered", "hierarchical_diloco"), row("diloco", "diloco")]
     result = validate_planner(rows, get_profile("intercontinental"), tmp_path)
-    sparse_measured, diloco_measured = result["measured"]
-    assert sparse_measured["round_seconds"] == pytest.approx(H * 0.1 + 0.5)
-    assert sparse_measured["utilization"] == pytest.approx(0.5 / 1.0)
-    assert "sparseloco" in result["predicted"][0]["not_planned"]
+    tiered_measured, diloco_measured = result["measured"]
+    assert tiered_measured["round_seconds"] == pytest.approx(H * 0.1 + 0.5)
+    assert tiered_measured["utilization"] == pytest.approx(0.5 / 1.0)
+    assert "hierarchical_diloco" in result["predicted"][0]["not_planned"]
     assert "round_seconds" not in result["predicted"][0]
     # the one it can price is still predicted and compared
     assert result["predicted"][1]["round_seconds"] > 0
