@@ -53,11 +53,12 @@ def test_two_sites_of_two_ranks_on_hivemind_match_one_rank_sites(tmp_path, cache
     loss2, loss1 = s2["final_heldout_loss"], s1["final_heldout_loss"]
     assert abs(loss2 - loss1) <= 1e-4 * loss1, (loss2, loss1)
     # each rank sends only its shard: a site moves what a one-rank site moves, up to each
-    # rank's payload carrying its own header (tensor names and shapes) and MAC
+    # rank's messages carrying their own headers (tensor names and shapes), MACs and, on the
+    # compressed all-reduce that --auth takes, its owner's signed reports (~2.4 kB a rank a round)
     for worker in ("w0", "w1"):
         bytes2 = s2["per_worker"][worker]["bytes_sent"]
         bytes1 = s1["per_worker"][worker]["bytes_sent"]
-        assert abs(bytes2 - bytes1) <= 1e-3 * bytes1, (worker, bytes2, bytes1)
+        assert abs(bytes2 - bytes1) <= 2e-3 * bytes1, (worker, bytes2, bytes1)
 
 
 # --- the collective alone: two sites of two ranks, one of them behind -------------------------
