@@ -140,9 +140,13 @@ def test_a_member_cannot_fill_other_members_slots(group: dict, caplog) -> None: 
         states.append(result.tensors["u"])
     torch.testing.assert_close(states[0], states[1])  # the replicas agree
     assert all(isinstance(a, tuple) for a in bad.answers)  # every forgery reached its target
-    assert all("error" in a[0] for a in bad.answers), bad.answers  # ... and was refused
+    # ... and was refused: at once (its answer says why), or, when it reached its target before
+    # the target knew the round's group, parked (answered "ok") and refused when filed; either
+    # way the refusal is logged, once per forgery
+    assert all("error" in a[0] or a[0].get("ok") for a in bad.answers), bad.answers
     refusals = [r.getMessage() for r in caplog.records if "refused a payload" in r.getMessage()]
-    assert refusals and all(str(bad.peer_id) in m and "slot" in m for m in refusals), refusals
+    assert len(refusals) >= len(bad.answers), (refusals, bad.answers)
+    assert all(str(bad.peer_id) in m and "slot" in m for m in refusals), refusals
 
 
 def test_a_member_that_sends_different_updates_is_named_and_nothing_commits(group: dict) -> None:
