@@ -129,7 +129,7 @@ def test_a_member_restarted_with_its_identity_is_proven_again_by_those_that_knew
     an empty cache. a leads the next round (it looks first), so b never handshakes: it trusts
     its cache and sends its join request. a must ask b for the proof itself, not refuse it for
     good (a swarm of two then waited out its quorum timeout)."""
-    from member_threads import in_threads
+    from farlink.testing import in_threads
 
     options = {**FAST, "round_timeout": 20.0}
     identity = str(tmp_path / "a.key")

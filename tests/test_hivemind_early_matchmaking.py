@@ -16,7 +16,7 @@ from farlink.comm.inprocess import InProcessCollective, InProcessGroup
 from farlink.config import RunConfig
 from farlink.sync import algorithm_class
 from farlink.sync.exchange import Exchange
-from member_threads import in_threads
+from farlink.testing import in_threads
 
 torch.set_num_threads(1)
 FAST = dict(matchmaking_time=1.5, request_timeout=1.0, allreduce_timeout=8.0, gather_timeout=8.0,

@@ -17,7 +17,7 @@ from farlink.comm.hivemind_backend import HivemindCollective
 from farlink.config import RunConfig
 from farlink.sync import algorithm_class, capabilities
 from farlink.sync.exchange import Exchange
-from member_threads import in_threads
+from farlink.testing import in_threads
 
 torch.set_num_threads(1)
 

@@ -12,7 +12,7 @@ import torch
 from torchft._torchft import LighthouseServer
 
 from farlink.comm.torchft_backend import TorchftCollective
-from member_threads import in_threads
+from farlink.testing import in_threads
 from farlink.robust.auth import SharedSecretAuth
 from farlink.robust.gate import Gate
 from farlink.robust.heal import state_fingerprint
