@@ -31,6 +31,7 @@ from farlink.robust.aggregators import make_aggregator
 from farlink.robust.attacks import make_attack
 from farlink.robust.auth import make_authenticator, run_authenticator, run_secret
 from farlink.robust.ledger import ContributionLedger
+from farlink.robust.score import LossScorer
 from farlink.robust.weights import CLAIM_FACTOR, TIMED_CLAIM_FACTOR, round_token_bound
 from farlink.state.background import Background
 from farlink.sync import ALGORITHMS, SyncAlgorithm, algorithm_class
@@ -153,10 +154,40 @@ def build_exchange(cfg: RunConfig, collective: Collective, sender: str, index: i
         if claims == "run" else None,
         claim_factor=None if claims == "none" else (
             TIMED_CLAIM_FACTOR if getattr(cfg, "round_seconds", None) else CLAIM_FACTOR),
+        # a fixed-step round credits at most its own tokens (a timed one: the claim bound)
+        round_allowance=None if claims != "run" else (
+            float(cfg.tokens_per_step * cfg.inner_steps)
+            if getattr(cfg, "round_seconds", None) is None
+            else round_token_bound(cfg.tokens_per_step, cfg.inner_steps, cfg.round_seconds)),
     )
     if protocol and cfg.is_attacker(index):
         hostile.arm(cfg.attack, collective, exchange, cfg.codec, name=sender)
     return exchange
+
+
+def build_scorer(cfg: RunConfig, algorithm: SyncAlgorithm, data) -> LossScorer:  # noqa: ANN001
+    """The loss scorer of ``--score loss`` (:mod:`farlink.robust.score`): it applies each peer's
+    update to the algorithm's global parameters and measures the loss on ``score_rows``
+    sequences of the peer's own shard (peer ``wI`` trained shard ``I``; a peer known by another
+    name is judged on held-out text alone) and on as many from the end of the held-out text,
+    which the run's evaluation (its start) does not read unless the held-out text is short."""
+    from farlink.data import ShardSampler, heldout_batches
+
+    rows, seq = cfg.score_rows, cfg.seq_len
+    tail = data.heldout[-(rows * seq + 1):]
+    heldout = heldout_batches(tail, seq, rows, 1)[0]
+    params = dict(zip(algorithm.names, algorithm.global_params))
+
+    def assigned(peer: str, round_id: int):  # noqa: ANN202 - a batch or None
+        if not (peer.startswith("w") and peer[1:].isdigit()):
+            return None
+        sampler = ShardSampler(data.train, shard=int(peer[1:]) % cfg.workers,
+                               num_shards=cfg.workers, seq_len=seq, batch_size=rows,
+                               seed=cfg.seed * 1_000_003 + round_id)
+        return sampler.next_batch()
+
+    return LossScorer(algorithm.model, lambda: params, assigned, heldout,
+                      threshold=cfg.score_threshold, turns=cfg.score_turns)
 
 
 @dataclass

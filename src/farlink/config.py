@@ -139,7 +139,8 @@ class RunConfig(RunDirOptions, EmulationOptions, PipelineOptions, SiteOptions, T
     heartbeat_timeout: float = Field(5.0, gt=0, description="Lighthouse: a silent peer is dead (s)")
     quorum_timeout: float = Field(120.0, gt=0, description="wait for a quorum (s)")
     attack: str = Field("none", description="emulated attack of the --attackers: sign_flip, "
-                        "scale:100, noise:STD, nan, free_rider[:stale]; or a hostile member's "
+                        "scale:100, noise:STD, nan, free_rider[:stale], alie:Z, ipm:EPS, "
+                        "copycat, inflate:K; or a hostile member's "
                         "protocol attack: round_inflation[:nan], weight_inflation[:X], "
                         "slot_forging, equivocation, bad_metadata, always_no "
                         "(farlink.robust.hostile)")
@@ -179,6 +180,19 @@ class RunConfig(RunDirOptions, EmulationOptions, PipelineOptions, SiteOptions, T
         if values.get("backend") == "hivemind" and local:
             values = {**values,
                       "min_replicas": values.get("workers", cls.model_fields["workers"].default)}
+        return values
+
+    @model_validator(mode="before")
+    @classmethod
+    def _open_members_are_judged(cls, values: Any) -> Any:
+        """A run whose members are not all trusted (``members = "open"``: ``farlink swarm``'s
+        default) aggregates with a robust rule and scores every contribution by its loss drop,
+        unless it names its rule or scoring itself; trusted replicas keep the plain mean."""
+        if isinstance(values, dict) and values.get("members") == "open":
+            from farlink.robust.auth import OPEN_DEFAULTS
+
+            values = {**values, **{k: v for k, v in OPEN_DEFAULTS.items()
+                                   if values.get(k) is None}}
         return values
 
     @model_validator(mode="before")

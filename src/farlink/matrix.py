@@ -204,6 +204,7 @@ CUDA_INDEX = Feature("device=cuda:N", lambda c: c.device.startswith("cuda:"),
 CODEC = _flag("codec", "int8")
 FIXED_ROUNDS = Feature("round_seconds unset", lambda c: c.round_seconds is None, {})
 ISLAND_SECONDS = _flag("island_seconds", 2.0)
+SCORE = _flag("score", "loss", label="score=loss")
 
 
 def _pipeline_refuses(name: str, feature: Feature, why: str) -> Pair:
@@ -301,6 +302,13 @@ RULES: list[Pair | Needs | Unread] = [
     Pair(ISLAND_SECONDS, FIXED_ROUNDS,
          lambda c: "island_seconds needs round_seconds (time-budgeted rounds)",
          extra={"algorithm": "hierarchical_diloco"}),
+    # loss-scored contributions judge a whole pseudo-gradient against the global parameters
+    Needs(SCORE, lambda caps: caps.outer_optimizer and not caps.fragments,
+          lambda c: f"--score loss applies a peer's pseudo-gradient to the global parameters "
+          f"and measures the loss: {able(lambda caps: caps.outer_optimizer and not caps.fragments)}"
+          f", not {c.algorithm}; use --aggregator alone"),
+    Pair(SCORE, SITES, lambda c: f"--score loss needs each peer's whole update; a site of "
+         f"ranks_per_worker={c.ranks_per_worker} ranks exchanges shards: use --aggregator alone"),
     # the options of other algorithms
     *_unread_rules(),
     # sites: several ranks per replica

@@ -1,9 +1,19 @@
 """``farlink bench attack``: clean vs attacked runs, plain mean vs each robust rule.
 
 Attacks are emulated (the attacker's worker rewrites its own pseudo-gradient before encoding:
-sign flip, x100, Gaussian noise, free rider). Every run uses the gathered exchange path (int8
-codec, run secret) so each peer's update is seen and judged individually. The norm screen is
-turned off here so the aggregation rules, not the screen, are what is compared.
+sign flip, x100, Gaussian noise, free rider, and the adaptive ALIE, IPM and copycat that learn
+from the updates they receive, and a token inflator; :mod:`farlink.robust.attacks`). Every run
+uses the gathered exchange path (int8 codec, run secret) so each peer's update is seen and
+judged individually. The norm screen is turned off here so the aggregation rules, not the
+screen, are what is compared. Besides the rules, ``loss`` is the plain mean with loss-scored
+contributions (``--score loss``) and ``open`` the default of a run whose members are not all
+trusted (``--members open``: centered clipping and loss scoring).
+
+``--in-process`` runs each variant's workers as threads of this process
+(:func:`farlink.bench.inprocess.train_in_process`: the real exchange, codec, authentication
+and scorer over the in-process collective), which makes the whole matrix affordable on a few
+cores; it also records the ratings over rounds, each peer's credited tokens and the scoring
+cost (``attack_ratings.png``).
 
 ``--protocol`` runs the other matrix: a hostile *member* (:mod:`farlink.robust.hostile`: round
 and weight inflation, forged mailbox slots, equivocation, malformed metadata, an always-no voter,
@@ -19,27 +29,45 @@ from pathlib import Path
 from farlink.bench.report import plot_panels, write_json
 from farlink.bench.runner import run_variant
 
-RULES = ["mean", "median", "trimmed_mean", "centered_clip", "norm_bounded"]
+RULES = ["mean", "median", "trimmed_mean", "centered_clip", "norm_bounded", "krum", "loss",
+         "open"]
+#: the emulated attacks the matrix runs by default
+ATTACKS = ["sign_flip", "scale:100", "noise:0.1", "free_rider", "alie:1", "alie:3", "alie:10",
+           "ipm:0.5", "ipm:4", "ipm:20", "copycat", "inflate:10"]
+#: the run settings of a pseudo-rule: loss scoring on the plain mean, an open run's defaults
+RULE_SETTINGS = {"loss": {"aggregator": "mean", "score": "loss"}, "open": {"members": "open"}}
+
+
+def rule_settings(rule: str) -> dict:
+    return RULE_SETTINGS.get(rule, {"aggregator": rule})
 
 
 def run(out: Path, attacks: list[str], setups: list[tuple[int, int]], steps: int,
-        inner_steps: int, rules: list[str], reuse: bool = False) -> dict:
+        inner_steps: int, rules: list[str], reuse: bool = False,
+        in_process: bool = False) -> dict:
     rows = []
+    train = _in_process if in_process else (
+        lambda label, base, **o: run_variant(label, base, out, reuse=reuse, **o))
     for workers, bad in setups:
         base = {"workers": workers, "steps": steps, "inner_steps": inner_steps,
                 "codec": "int8", "auth": "secret", "secret": "bench", "screen_ratio": 0,
                 "eval_batches": 8}
         attackers = ",".join(str(workers - 1 - i) for i in range(bad))
-        clean = run_variant(f"{workers}w-clean", base, out, reuse=reuse)
+        clean = train(f"{workers}w-clean", base)
         clean["attack"], clean["aggregator"], clean["malicious"] = "none", "mean", 0
+        clean["workers"] = workers
         rows.append(clean)
         for attack in attacks:
             for rule in rules:
                 label = f"{workers}w-{bad}bad-{attack.replace(':', '')}-{rule}"
-                row = run_variant(label, base, out, reuse=reuse, attack=attack,
-                                  attackers=attackers, aggregator=rule)
+                row = train(label, base, attack=attack, attackers=attackers,
+                            **rule_settings(rule))
                 row["attack"], row["aggregator"], row["malicious"] = attack, rule, bad
+                row["workers"] = workers
+                if in_process:
+                    row.update(_judged(row, {f"w{a}" for a in attackers.split(",")}))
                 rows.append(row)
+                print(f"{label}: {row['final_heldout_loss']:.4f}", flush=True)
         for r in rows:
             if r["workers"] == workers and r["final_heldout_loss"] and clean["final_heldout_loss"]:
                 r["loss_vs_clean"] = r["final_heldout_loss"] / clean["final_heldout_loss"] - 1
@@ -51,12 +79,93 @@ def run(out: Path, attacks: list[str], setups: list[tuple[int, int]], steps: int
         title = f"{r['malicious']} of {r['workers']}: {r['attack']}"
         panel = panels.setdefault(title, {"clean": _curve(cleans[r["workers"]])})
         panel[r["aggregator"]] = _curve(r)
-    write_json(out / "attack.json", "attack", [{k: v for k, v in r.items() if k != "per_worker"}
-                                              for r in rows],
-               {"emulation": "attackers rewrite their own update before encoding"})
+    write_json(out / "attack.json", "attack",
+               [{k: v for k, v in r.items() if k not in ("per_worker", "ledgers")} for r in rows],
+               {"emulation": "attackers rewrite their own update before encoding; ALIE, IPM "
+                             "and copycat learn from the updates they received last round",
+                "workers": "threads of one process" if in_process else "processes"})
     plot_panels(out / "attack_loss_vs_tokens.png", panels, "tokens (evaluating worker)",
                 "held-out loss (log)", columns=max(1, len(attacks)), logy=True)
+    rated = [r for r in rows if r.get("rating_curves")]
+    if rated:
+        plot_ratings(out / "attack_ratings.png", rated)
     return {"rows": rows}
+
+
+def _in_process(label: str, base: dict, **overrides) -> dict:
+    """One variant with its workers as threads (see the module doc)."""
+    from farlink.bench.inprocess import train_in_process
+    from farlink.compose import build_exchange
+    from farlink.config import load_config
+    from farlink.robust.ledger import ContributionLedger
+
+    values = {**base, **overrides}
+
+    def exchange(collective, rank, cfg):  # noqa: ANN001, ANN202
+        made = build_exchange(cfg, collective, f"w{rank}", rank, ContributionLedger())
+        made.path = "gathered"  # every peer's update judged on its own, as in the process runs
+        return made
+
+    cfg = load_config(None, values)
+    row = train_in_process(label, values, eval_points=4, exchange_factory=exchange)
+    row["aggregator_used"], row["score"] = cfg.aggregator, cfg.score
+    return row
+
+
+def _judged(row: dict, attackers: set[str]) -> dict:
+    """What the honest worker 0's ledger and ratings show about honest and attacking peers:
+    tokens credited, discounted updates, rating curves, and the first round from which every
+    honest rating stays above every attacker's."""
+    ledger = (row.get("ledgers") or [None])[0] or {"peers": {}}
+    peers = ledger["peers"]
+    credited = {p: r.get("tokens_credited", 0.0) for p, r in peers.items()}
+    curves: dict[str, list[tuple[int, float]]] = {}
+    for round_id, ratings in row.get("ratings", []):
+        for peer, rating in ratings.items():
+            curves.setdefault(peer, []).append((round_id, rating))
+    separated = None
+    rounds = [r for r, _ in row.get("ratings", [])]
+    for i, round_id in enumerate(rounds):
+        later = row["ratings"][i:]
+        if all(min((v for p, v in rs.items() if p not in attackers), default=1)
+               > max((v for p, v in rs.items() if p in attackers), default=-2)
+               for _, rs in later):
+            separated = i
+            break
+    return {"credited": credited,
+            "attacker_credited": sum(v for p, v in credited.items() if p in attackers),
+            "discounted": {p: r.get("rejections", {}) for p, r in peers.items() if r.get("rejections")},
+            "marks": {p: r.get("marks", {}) for p, r in peers.items() if r.get("marks")},
+            "rating_curves": curves, "rounds_to_separate": separated,
+            "attackers": sorted(attackers)}
+
+
+def plot_ratings(path: Path, rows: list[dict]) -> Path:
+    """Honest (blue) and attacker (red) ratings over rounds, one panel per rated run."""
+    from farlink.bench.report import pyplot, save_figure
+
+    plt = pyplot()
+    columns = 4
+    lines = math.ceil(len(rows) / columns)
+    fig, axes = plt.subplots(lines, columns, figsize=(4 * columns, 2.8 * lines), squeeze=False)
+    for ax, row in zip(axes.flat, rows):
+        for peer, curve in sorted(row["rating_curves"].items()):
+            bad = peer in row["attackers"]
+            ax.plot([r for r, _ in curve], [v for _, v in curve],
+                    color="tab:red" if bad else "tab:blue", alpha=0.8,
+                    label="attacker" if bad else "honest")
+        ax.set_title(f"{row['malicious']}/{row['workers']} {row['attack']} ({row['aggregator']})",
+                     fontsize=8)
+        ax.set_ylim(-1.1, 1.1)
+        ax.axhline(0.25, color="gray", lw=0.5, ls="--")
+    for ax in list(axes.flat)[len(rows):]:
+        ax.axis("off")
+    handles, labels = axes.flat[0].get_legend_handles_labels()
+    unique = dict(zip(labels, handles))
+    fig.legend(unique.values(), unique.keys(), loc="upper right")
+    fig.supxlabel("round")
+    fig.supylabel("rating (agreed)")
+    return save_figure(fig, path)
 
 
 def _curve(row: dict) -> list[tuple[float, float]]:

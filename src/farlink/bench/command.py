@@ -317,11 +317,14 @@ def register(app: typer.Typer, bench_app: typer.Typer) -> None:
     @bench_app.command("attack")
     def attack(
         out: Path = typer.Option(Path("bench/attack"), help="output directory"),
-        attacks: list[str] = typer.Option(["sign_flip", "scale:100", "noise:0.1", "free_rider"],
-                                          help="emulated attacks"),
+        attacks: list[str] | None = typer.Option(
+            None, help="emulated attacks (default: farlink.bench.attack.ATTACKS)"),
         setups: list[str] = typer.Option(["4:1", "8:2"], help="WORKERS:MALICIOUS"),
-        rules: list[str] = typer.Option(["mean", "median", "trimmed_mean", "centered_clip",
-                                         "norm_bounded"], help="aggregation rules"),
+        rules: list[str] | None = typer.Option(
+            None, help="aggregation rules, and loss (mean + --score loss) and open (an open "
+            "run's default) (default: farlink.bench.attack.RULES)"),
+        in_process: bool = typer.Option(False, help="workers as threads of this process "
+                                         "(records ratings, credits and the scoring cost)"),
         steps: int | None = typer.Option(None, help="inner steps per worker (default 200; "
                                          "--protocol: 12)"),
         inner_steps: int | None = typer.Option(None, help="H (default 20; --protocol: 3)"),
@@ -349,11 +352,13 @@ def register(app: typer.Typer, bench_app: typer.Typer) -> None:
                                         "returncodes", "verdict"],
                        "farlink bench attack --protocol")
             return
-        from farlink.bench.attack import run
+        from farlink.bench.attack import ATTACKS, RULES, run
 
         parsed = [tuple(int(x) for x in s.split(":")) for s in setups]
-        result = run(out, attacks, parsed, steps or 200, inner_steps or 20, rules, reuse)
-        print_rows(result["rows"], ["label", "final_heldout_loss", "loss_vs_clean"],
+        result = run(out, attacks or ATTACKS, parsed, steps or 200, inner_steps or 20,
+                     rules or RULES, reuse, in_process)
+        print_rows(result["rows"], ["label", "final_heldout_loss", "loss_vs_clean",
+                                    "attacker_credited", "rounds_to_separate", "score_share"],
                    "farlink bench attack")
 
     @bench_app.command("wan")

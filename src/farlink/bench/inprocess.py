@@ -56,10 +56,16 @@ def train_in_process(label: str, values: dict[str, Any], eval_points: int = 4,
             collective, make_compressor(cfg.codec), sender=f"w{rank}",
             aggregator=make_aggregator(cfg.aggregator))
         algo = algorithm_class(cfg.algorithm)(model, cfg, collective, exchange)
-        evals = []
+        if cfg.score == "loss":
+            from farlink.compose import build_scorer
+
+            exchange.scorer = build_scorer(cfg, algo, data)
+        evals, compute_s = [], 0.0
         while not algo.finished():
+            began = time.perf_counter()
             _, tokens = accumulate_gradients(
                 model, micro_batches(sampler.next_batch, cfg.grad_accum), device, cfg.precision)
+            compute_s += time.perf_counter() - began
             algo.step(tokens)
             if rank == 0 and algo.inner_steps_done in marks:
                 evals.append({"step": algo.inner_steps_done,
@@ -67,9 +73,13 @@ def train_in_process(label: str, values: dict[str, Any], eval_points: int = 4,
                               "bytes_sent": collective.stats.bytes_sent,
                               "loss": heldout_loss(model, device)})
         algo.finish()
+        scorer, ledger = getattr(exchange, "scorer", None), getattr(exchange, "ledger", None)
         return {"evals": evals, "bytes_sent": collective.stats.bytes_sent,
                 "final_loss": heldout_loss(model, device),
-                "params": sum(p.numel() for p in algo.params)}
+                "params": sum(p.numel() for p in algo.params), "compute_s": compute_s,
+                "score_s": scorer.seconds if scorer is not None else 0.0,
+                "ratings": scorer.history if scorer is not None else [],
+                "ledger": ledger.to_dict() if ledger is not None else None}
 
     def heldout_loss(model, device) -> float:  # noqa: ANN001
         with autocast(device, cfg.precision):
@@ -89,4 +99,9 @@ def train_in_process(label: str, values: dict[str, Any], eval_points: int = 4,
         "bytes_per_worker": bytes_sent,
         "bytes_per_token": bytes_sent / tokens,
         "wall_s": time.perf_counter() - started,
+        # loss scoring's cost: its seconds against the inner steps' forward and backward
+        "score_share": (sum(r["score_s"] for r in results)
+                        / max(sum(r["compute_s"] for r in results), 1e-9)),
+        "ratings": results[0]["ratings"],
+        "ledgers": [r["ledger"] for r in results],
     }

@@ -300,6 +300,11 @@ def make_authenticator(
     raise ValueError(f"unknown auth kind {kind!r}; choose from {', '.join(AUTH_KINDS)}")
 
 
+MEMBERS = ("trusted", "open")
+#: what a run of ``members = "open"`` aggregates with unless it says otherwise
+OPEN_DEFAULTS = {"aggregator": "centered_clip", "score": "loss"}
+
+
 class TrustOptions(BaseModel):
     """How a run's members prove membership: the kind (:data:`AUTH_KINDS`), the run secret's
     sources (never saved) and ed25519's key files. What :func:`run_authenticator` builds from;
@@ -316,11 +321,16 @@ class TrustOptions(BaseModel):
         "only (chmod 600); never saved")
     key_file: Path | None = Field(None, description="ed25519: this peer's private key file")
     allowed_keys: Path | None = Field(None, description="ed25519: file/dir of members' keys")
+    members: str = Field("trusted", description="trusted (one owner's replicas: the plain mean "
+                         "unless --aggregator says otherwise) or open (members not all trusted; "
+                         "farlink swarm's default: centered_clip and --score loss unless given)")
 
     @model_validator(mode="after")
     def _check_trust(self) -> TrustOptions:
         if self.auth not in AUTH_KINDS:
             raise ValueError(f"auth {self.auth!r} unknown; choose none, secret or ed25519")
+        if self.members not in MEMBERS:
+            raise ValueError(f"members {self.members!r} unknown; choose trusted or open")
         return self
 
 

@@ -1,4 +1,9 @@
-"""Who contributed what: tokens claimed, updates accepted and rejected (with reasons), per peer.
+"""Who contributed what: tokens claimed, accepted and credited, updates accepted and rejected
+(with reasons), and, in a loss-scored run, each peer's last score and rating.
+
+Tokens *credited* are what a peer earned: at most one round's worth per accepted update, and
+nothing for an update marked as a free ride, a replay or an inflated claim (the marks are
+counted by kind); tokens *accepted* are what its accepted updates weighed.
 
 A community run needs a record it can show: which peers did work that reached the model, which
 were turned away and why. The ledger is written from the receive path (possibly several threads),
@@ -33,6 +38,10 @@ class PeerRecord:
     rounds: int = 0  # distinct rounds it took part in
     first_round: int | None = None
     last_round: int | None = None
+    tokens_credited: float = 0.0  # what it earned: bounded per round, 0 for a marked update
+    marks: dict[str, int] = field(default_factory=dict)  # free_rider/replay/inflated -> count
+    score: float | None = None  # its last loss score (a loss-scored run)
+    rating: float | None = None  # its rating over rounds after that score
 
     @property
     def acceptance(self) -> float:
@@ -60,14 +69,26 @@ class ContributionLedger:
         return rec
 
     def record_accepted(self, peer: str, round_id: int, tokens: float,
-                        claimed: float | None = None, capped: bool = False) -> None:
-        """``tokens`` is what the update weighed (the bounded count, credited as accepted);
-        ``claimed`` what the peer said it trained on, when that was more (``capped``)."""
+                        claimed: float | None = None, capped: bool = False,
+                        credited: float | None = None, mark: str | None = None) -> None:
+        """``tokens`` is what the update weighed (the bounded count, counted as accepted);
+        ``claimed`` what the peer said it trained on, when that was more (``capped``);
+        ``credited`` what it earned (default ``tokens``), 0 with a ``mark`` saying why."""
         with self._lock:
             rec = self._touch(peer, round_id, tokens if claimed is None else claimed)
             rec.updates_accepted += 1
             rec.tokens_accepted += tokens
             rec.claims_capped += bool(capped)
+            rec.tokens_credited += tokens if credited is None else credited
+            if mark is not None:
+                kind = reason_kind(mark)
+                rec.marks[kind] = rec.marks.get(kind, 0) + 1
+
+    def record_score(self, peer: str, score: float, rating: float) -> None:
+        """A loss-scored round's judgement of ``peer``: its score and its rating after it."""
+        with self._lock:
+            rec = self._peers.setdefault(peer, PeerRecord())
+            rec.score, rec.rating = float(score), float(rating)
 
     def record_rejected(self, peer: str, round_id: int, tokens: float, reason: str) -> None:
         """``reason`` is counted by its kind (text before the first colon, e.g. ``norm``)."""
@@ -82,7 +103,8 @@ class ContributionLedger:
             rec = self._peers.get(peer)
             if rec is None:
                 raise KeyError(f"no record for peer {peer!r}")
-            return PeerRecord(**{**asdict(rec), "rejections": dict(rec.rejections)})
+            return PeerRecord(**{**asdict(rec), "rejections": dict(rec.rejections),
+                                 "marks": dict(rec.marks)})
 
     def peers(self) -> list[str]:
         with self._lock:
@@ -104,6 +126,8 @@ class ContributionLedger:
             for peer, fields in data["peers"].items():
                 fields = dict(fields)
                 ledger._seen[peer] = {int(r) for r in fields.pop("round_ids", [])}
+                # a ledger written before credits were counted credited what it accepted
+                fields.setdefault("tokens_credited", fields.get("tokens_accepted", 0.0))
                 ledger._peers[peer] = PeerRecord(**fields)
         except (KeyError, TypeError, AttributeError) as exc:
             raise ValueError(f"corrupt contribution ledger: {exc}") from exc
@@ -127,14 +151,22 @@ class ContributionLedger:
         with self._lock:
             rows = sorted(self._peers.items(), key=lambda kv: -kv[1].tokens_accepted)
             table = Table(title="Contributions")
-            for col in ("peer", "rounds", "tokens claimed", "tokens accepted", "accepted",
-                        "rejected", "reasons"):
+            scored = any(r.rating is not None for r in self._peers.values())
+            columns = ["peer", "rounds", "tokens claimed", "tokens accepted", "tokens credited",
+                       "accepted", "rejected", *(["score", "rating"] if scored else []),
+                       "reasons"]
+            for col in columns:
                 table.add_column(col, justify="left" if col in ("peer", "reasons") else "right")
             for peer, r in rows:
                 reasons = ", ".join(f"{k} x{n}" for k, n in sorted(r.rejections.items()))
                 if r.claims_capped:  # accepted, at a bounded weight
                     reasons = ", ".join(filter(None, [reasons, f"claim capped x{r.claims_capped}"]))
+                marks = ", ".join(f"{k} x{n} (credited 0)" for k, n in sorted(r.marks.items()))
+                reasons = ", ".join(filter(None, [reasons, marks]))
+                judged = [f"{r.score:+.2f}" if r.score is not None else "-",
+                          f"{r.rating:.2f}" if r.rating is not None else "-"] if scored else []
                 table.add_row(peer, str(r.rounds), f"{r.tokens_claimed:,.0f}",
-                              f"{r.tokens_accepted:,.0f}", str(r.updates_accepted),
-                              str(r.updates_rejected), reasons or "-")
+                              f"{r.tokens_accepted:,.0f}", f"{r.tokens_credited:,.0f}",
+                              str(r.updates_accepted), str(r.updates_rejected), *judged,
+                              reasons or "-")
             return table

@@ -30,6 +30,17 @@ digest of every slot they received so a member that sends different updates to d
 receivers fails the round everywhere and is named (:mod:`farlink.robust.equivocation`), and an
 aggregate that is not finite is never handed to the algorithm.
 
+Accounting that cannot be inflated (gathered path): a peer is credited at most one round's
+tokens (``round_allowance``), nothing when it claimed more than the run allows (``inflated``),
+and nothing for an all-zero update or one that repeats an update of an earlier round
+(:class:`farlink.robust.score.ReplayCheck`); the ledger marks each. With a ``scorer``
+(:class:`farlink.robust.score.LossScorer`, ``--score loss``) every member also scores each
+peer's update by the loss drop it gives, the members agree on each peer's rating (the median of
+their signed reports, checked for equivocation like the updates), and each peer weighs
+``tokens x factor(rating)``: a peer rated under the threshold is left out of the round and named.
+Scoring needs each peer's whole update, so a scored run takes the gathered path: an owner of the
+compressed all-reduce holds one shard of every update, and a loss is not a sum over shards.
+
 Robust rules aggregate each peer's whole update, flattened into one vector (Krum picks one peer,
 centered clipping bounds the whole update's norm); ``NAME+per_tensor`` applies them tensor by
 tensor instead (see :mod:`farlink.robust.aggregators`).
@@ -37,8 +48,10 @@ tensor instead (see :mod:`farlink.robust.aggregators`).
 
 from __future__ import annotations
 
+import json
 import logging
 import math
+import statistics
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -59,6 +72,7 @@ from farlink.comm.base import Collective
 from farlink.comm.errors import CommError
 from farlink.robust.aggregators import Aggregator, PerTensor, make_aggregator, weighted_mean
 from farlink.robust.auth import Authenticator, AuthError
+from farlink.robust.score import LossScorer, ReplayCheck
 from farlink.robust.equivocation import SLOT_DIGEST, differing_slots, slot_digests
 from farlink.robust.validate import UpdateRejected, check_update, screen_norms
 from farlink.robust.weights import CLAIM_FACTOR, bound_claims
@@ -68,6 +82,7 @@ from farlink.sync.result import ExchangeResult
 log = logging.getLogger(__name__)
 
 PATHS = ("auto", "allreduce", "gathered")
+SCORES = ("none", "loss")
 #: codecs whose payload is a dense tensor: their shards can be averaged by their owner
 DENSE_CODECS = (Float32Codec, Float16Codec, BFloat16Codec, BlockQuantCodec)
 
@@ -110,6 +125,8 @@ class Exchange:
         max_weight: float | None = None,
         claim_factor: float | None = CLAIM_FACTOR,
         path: str = "auto",
+        scorer: LossScorer | None = None,
+        round_allowance: float | None = None,
     ) -> None:
         self.collective = collective
         self.compressor = compressor
@@ -129,6 +146,10 @@ class Exchange:
         #: "auto": the cheapest path that is exact enough; "allreduce" or "gathered" by choice
         self.path = path
         self.last_path = ""  # the path of the last round, for the run's metrics
+        self.scorer = scorer  # loss-scored contributions (None: weights are the bounded claims)
+        #: tokens one peer can process in one round: the most one round credits it with
+        self.round_allowance = round_allowance
+        self.replays = ReplayCheck()
 
     @property
     def dense(self) -> bool:
@@ -145,6 +166,8 @@ class Exchange:
 
         if self.path == "gathered":
             return "chosen (path=gathered)"
+        if self.scorer is not None:
+            return "loss scoring needs each peer's whole update (an owner holds one shard)"
         if not self.collective.native_all_to_all and (
                 self.path == "auto"
                 or type(self.collective).all_to_all_bytes is Collective.all_to_all_bytes):
@@ -192,6 +215,7 @@ class Exchange:
         """
         if self.tamper is not None:  # an emulated attacker: its update is re-encoded below
             tensors = self.tamper({n: dense_of(t) for n, t in tensors.items()}, round_id)
+            weight *= getattr(self.tamper, "claim_factor", 1.0)  # an inflated token claim
         if self.dense and not any(isinstance(t, Encoded) for t in tensors.values()) \
                 and self.path != "allreduce":
             self.last_path = "dense"
@@ -282,16 +306,44 @@ class Exchange:
             self._reject(result, peer, round_id, claimed[peer], UpdateRejected(reason, "norm"))
         if not decoded:
             return result
+        observe = getattr(self.tamper, "observe", None)
+        if observe is not None:  # an emulated adaptive attacker learns what it received
+            observe({p: d for p, d in decoded.items() if p != self.sender}, round_id)
         peers = list(decoded)
         bounded, capped = bound_claims({p: claimed[p] for p in peers}, self.max_weight,
                                        self.claim_factor)
+        marks = self._marks(decoded, claimed, bounded)
+        factors = None
+        if self.scorer is not None:
+            factors = self._score(decoded, bounded, marks, round_id, result)
+            if factors is None:  # a member reported different ratings to different members
+                return result
+            for peer in list(peers):
+                if bounded[peer] > 0 and factors[peer] <= 0:
+                    peers.remove(peer)
+                    score, rating = result.scores[peer]
+                    why = marks.get(peer) or (f"loss score {score:+.2f}, rating {rating:.2f} "
+                                              f"under {self.scorer.threshold:g}")
+                    self._reject(result, peer, round_id, claimed[peer],
+                                 UpdateRejected(f"discounted: {why}", "score"))
+            if not peers:
+                return result
         for peer in peers:
             result.accepted.append(peer)
             result.tokens[peer], result.claimed[peer] = bounded[peer], claimed[peer]
+            credit = bounded[peer] if self.round_allowance is None \
+                else min(bounded[peer], self.round_allowance)
+            result.credited[peer] = 0.0 if peer in marks else credit
+            if peer in marks:
+                result.marks[peer] = marks[peer]
+                log.warning("round %d: %s is credited 0 tokens: %s", round_id, peer,
+                            marks[peer])
             if peer in capped:
                 result.capped[peer] = capped[peer]
                 log.warning("round %d: %s %s; it counts as %.4g tokens", round_id, peer,
                             capped[peer], bounded[peer])
+        if factors is not None:
+            bounded = {p: bounded[p] * factors[p] for p in peers}
         device = dense_of(next(iter(tensors.values()))).device if tensors else None
         # weights relative to the largest (in float64 first): a rule only uses their ratios,
         # and their sum in float32 could overflow
@@ -316,6 +368,76 @@ class Exchange:
             return ExchangeResult({}, 0.0, rejected={
                 **result.rejected, "aggregate": f"nonfinite: aggregate of {', '.join(bad[:3])}"})
         return result
+
+    def _marks(self, decoded: dict[str, dict[str, torch.Tensor]], claimed: dict[str, float],
+               bounded: dict[str, float]) -> dict[str, str]:
+        """Peers credited nothing this round, and why: an all-zero or replayed update
+        (:class:`ReplayCheck`; a zero-claim peer only receives and is not marked), or a claim
+        beyond what the run lets one peer process (``inflated``)."""
+        marks = {p: m for p, m in self.replays.marks(decoded).items() if claimed[p] > 0}
+        for peer in decoded:
+            if self.max_weight is not None and claimed[peer] > self.max_weight:
+                marks.setdefault(peer, f"inflated: claims {claimed[peer]:.4g} tokens, more than "
+                                 f"the {self.max_weight:.4g} the run allows one peer")
+        return marks
+
+    def _score(self, decoded: dict[str, dict[str, torch.Tensor]], bounded: dict[str, float],
+               marks: dict[str, str], round_id: int,
+               result: ExchangeResult) -> dict[str, float] | None:
+        """Each peer's weight factor. This member measures the loss drop of the peers whose
+        turn it is (:meth:`turn`), every member reports its measures and its ratings so far
+        (signed, all-gathered, checked for equivocation like the updates), and each peer's
+        drop and prior rating are the medians of the reports: identical on every member, so
+        every member weighs every peer alike (a joiner whose ratings start fresh, hardware
+        whose numbers differ by rounding, a minority of members that lie). None when a member
+        sent different reports to different members (the round fails, as for updates)."""
+        judged = sorted(p for p in decoded if bounded[p] > 0)
+        mine = self.scorer.measure(round_id, decoded, bounded, self.turn(judged, round_id),
+                                   marks)
+        report = json.dumps({"drops": mine, "priors": {
+            p: self.scorer.ratings[p] for p in judged if p in self.scorer.ratings}})
+        received = self.collective.all_gather_bytes(self.authenticator.sign(report.encode()))
+        if self._equivocation(received, round_id, result):
+            return None
+        drops: dict[str, list[float]] = {}
+        priors: dict[str, list[float]] = {}
+        for raw in received:
+            try:
+                _, body = self.authenticator.open(raw)
+                reported = json.loads(body)
+                for votes, key in ((drops, "drops"), (priors, "priors")):
+                    for peer, value in dict(reported[key]).items():
+                        if peer in bounded and isinstance(value, (int, float)) \
+                                and math.isfinite(value):
+                            votes.setdefault(peer, []).append(float(value))
+            except (AuthError, ValueError, UnicodeDecodeError, KeyError, TypeError):
+                continue  # a member's unreadable report is not a vote
+        verdicts = self.scorer.rate(
+            round_id, {p: statistics.median(v) for p, v in drops.items()},
+            {p: max(-1.0, min(1.0, statistics.median(priors[p]))) if p in priors else None
+             for p in judged}, judged, marks)
+        factors = {p: 1.0 for p in decoded}  # a zero-claim peer weighs 0 whatever its factor
+        for peer, verdict in verdicts.items():
+            verdict.factor = 0.0 if peer in marks else self.scorer.factor(verdict.rating)
+            factors[peer] = verdict.factor
+            result.scores[peer] = (verdict.score, verdict.rating)
+            if self.ledger is not None:
+                self.ledger.record_score(peer, verdict.score, verdict.rating)
+        return factors
+
+    def turn(self, judged: list[str], round_id: int) -> list[str]:
+        """The peers this member measures in round ``round_id``: the next ``scorer.turns`` of
+        the others in name order, starting one further on each round. Every peer is measured
+        by ``turns`` others and no member by itself; a member's cost stays bounded by ``turns``
+        however many peers the round has."""
+        ring = sorted(set(judged) | {self.sender})
+        me, n = ring.index(self.sender), len(ring)
+        if n == 1:
+            return list(judged)
+        others = [ring[(me + j) % n] for j in range(1, n)]
+        start = round_id % len(others)
+        rotated = others[start:] + others[:start]
+        return [p for p in rotated[: self.scorer.turns] if p in judged]
 
     def _equivocation(self, received: list[bytes], round_id: int,
                       result: ExchangeResult) -> bool:
@@ -375,7 +497,9 @@ class Exchange:
             for peer in result.accepted:
                 self.ledger.record_accepted(peer, round_id, result.tokens[peer],
                                             claimed=result.claimed.get(peer),
-                                            capped=peer in result.capped)
+                                            capped=peer in result.capped,
+                                            credited=result.credited.get(peer),
+                                            mark=result.marks.get(peer))
 
     def _reject(self, result: ExchangeResult, peer: str, round_id: int, tokens: float,
                 exc: Exception) -> None:
@@ -418,11 +542,22 @@ class ExchangeOptions(BaseModel):
     screen_ratio: float = Field(
         10.0, ge=0, description="reject an update whose norm exceeds this x the round's median "
         "(0 turns the screen off)")
+    score: str = Field("none", description="none, or loss: every peer's update judged by the "
+                       "loss drop it gives, rated over rounds, weighted by its rating "
+                       "(farlink.robust.score; default with --members open)")
+    score_rows: int = Field(2, ge=1, description="--score loss: sequences of each scoring "
+                            "batch (one of the peer's shard, one held out)")
+    score_threshold: float = Field(0.25, ge=0, le=1, description="--score loss: a peer rated "
+                                   "under this is left out of the round")
+    score_turns: int = Field(3, ge=1, description="--score loss: peers each member measures "
+                             "per round (each peer is measured by this many others)")
 
     @model_validator(mode="after")
     def _check_exchange(self) -> ExchangeOptions:
         make_compressor(self.codec)  # raises ValueError naming the valid codecs
         make_aggregator(self.aggregator)
+        if self.score not in SCORES:
+            raise ValueError(f"score {self.score!r} unknown; choose {' or '.join(SCORES)}")
         if 0 < self.screen_ratio <= 1:
             raise ValueError(f"screen_ratio={self.screen_ratio:g} would reject honest updates; "
                              "use a value above 1, or 0 to turn the screen off")

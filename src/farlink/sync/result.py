@@ -20,3 +20,8 @@ class ExchangeResult:
     claimed: dict[str, float] = field(default_factory=dict)  # what each accepted peer claimed
     capped: dict[str, str] = field(default_factory=dict)  # peer -> why its claim was bounded
     path: str = ""  # which path produced it: dense, allreduce or gathered
+    # tokens each accepted peer is credited with once the round commits (absent: its bounded
+    # weight); 0 for a marked update (free rider, replay, inflated claim)
+    credited: dict[str, float] = field(default_factory=dict)
+    marks: dict[str, str] = field(default_factory=dict)  # peer -> why it is credited nothing
+    scores: dict[str, tuple[float, float]] = field(default_factory=dict)  # peer -> score, rating

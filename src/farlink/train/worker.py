@@ -110,6 +110,11 @@ class Worker:
         self.sync = Optimizer(self.model, None, config=cfg, lighthouse=lighthouse, index=index,
                               lr_schedule=True, collective=collective, site=self.site)
         self.replica_id = self.sync.replica_id
+        if cfg.score == "loss":  # every peer's update judged by the loss drop it gives
+            from farlink.compose import build_scorer
+
+            self.sync.parts.exchange.scorer = build_scorer(cfg, self.sync.parts.algorithm,
+                                                           self.data)
         self.ckpt_dir = cfg.run_dir / "checkpoints" / self.replica_id
         # a site's rank 0 speaks for the replica: one metrics file per worker, as with K=1
         self.speaks = self.site is None or self.site.rank == 0

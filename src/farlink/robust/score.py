@@ -1,0 +1,216 @@
+"""Loss-scored contributions: each peer's update judged by what it does to the loss.
+
+Robust statistics judge an update by where it lies among the others; an adaptive attacker (ALIE,
+IPM) hides inside their spread, and a free rider or a copycat lies nowhere odd at all. A loss
+score judges an update by what it *does*, as Templar's Gauntlet does (arXiv 2505.21684): every
+member applies each peer's update alone to the round's starting parameters ``theta`` and measures
+the loss drop
+
+    drop_p = [L(theta; A_p) - L(theta - delta_p; A_p)] + [L(theta; H) - L(theta - delta_p; H)]
+
+on a small batch ``A_p`` of the shard ``p`` was assigned and a small held-out batch ``H`` (the
+same on every member). The score is the drop *per token claimed*, relative to the round's median
+positive one and clipped to [-1, 1]: an honest peer scores about 1 whatever its speed (a slow
+peer trained on fewer tokens and is weighted by fewer tokens already, so it is not scored down
+for it), a peer that sends nothing scores 0, one that makes the model worse scores below 0, and
+one that inflates its claim scores its true drop over its false claim.
+
+A rating over rounds (an exponential average, ``decay`` per round; a new peer starts at its first
+score) sets each peer's weight: ``tokens x rating`` when the rating is at least ``threshold``,
+0 below. Updates that repeat one seen in an earlier round (a replay, or a copycat resending a
+peer's update) and all-zero updates are marked (:class:`ReplayCheck`) and score 0 without being
+evaluated.
+
+Peers are measured in turn (:meth:`farlink.sync.exchange.Exchange.turn`): each member measures
+``turns`` other peers per round (the next ones in name order, one further each round), so every
+peer is measured by ``turns`` others and never by itself. The members then exchange what they
+measured and their ratings so far, and each peer's drop per token and prior rating are the
+medians of the reports: the same numbers on every member (so one aggregate), whatever a
+minority of lying members reports, whatever a joiner (no ratings yet) or hardware that rounds
+differently computes.
+
+Cost per member and round: ``1 + 3 x turns`` forward passes of ``rows`` sequences (the held-out
+batch at ``theta``; each measured peer's held-out batch moved, its shard batch at ``theta`` and
+moved), whatever the number of peers, against ``H x batch`` sequences forward and backward of
+the round's training; :attr:`LossScorer.seconds` measures it.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+import zlib
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch.func import functional_call
+
+Batch = tuple[torch.Tensor, torch.Tensor]
+#: cosine similarity above which an update counts as a copy of one seen in an earlier round
+REPLAY_SIMILARITY = 0.999
+
+
+@dataclass
+class Verdict:
+    """One peer's judgement in one round."""
+
+    score: float  # this round's score in [-1, 1] (0 for a marked update)
+    rating: float  # the rating over rounds, this round included
+    drop: float | None = None  # the loss drop per claimed token (None: not evaluated)
+    mark: str | None = None  # why it earns nothing this round: free_rider, replay, harmful, ...
+    factor: float = 0.0  # what its token weight is multiplied by (the agreed rating's factor)
+
+
+class ReplayCheck:
+    """Marks an all-zero update (a free rider) and one that repeats an update seen in one of
+    the last ``memory`` rounds (a replay, or a copycat resending a peer's update), from a fixed
+    seeded sample of ``probe`` coordinates: a copy has cosine near 1 with its original, two
+    honest updates of different rounds or peers do not."""
+
+    def __init__(self, memory: int = 2, probe: int = 4096) -> None:
+        self.probe = probe
+        self._seen: deque[dict[str, torch.Tensor]] = deque(maxlen=memory)
+        self._index: dict[str, torch.Tensor] = {}
+
+    def marks(self, updates: dict[str, dict[str, torch.Tensor]]) -> dict[str, str]:
+        """peer -> why its update earns nothing; remembers this round's updates."""
+        probes = {p: self._probe_of(u) for p, u in updates.items()}
+        out = {p: m for p, probe in probes.items() if (m := self._mark(probe)) is not None}
+        self._seen.append(probes)
+        return out
+
+    def _probe_of(self, update: dict[str, torch.Tensor]) -> torch.Tensor:
+        total = sum(t.numel() for t in update.values())
+        parts = []
+        for name in sorted(update):
+            flat = update[name].detach().reshape(-1)
+            index = self._index.get(name)
+            if index is None or (index.numel() and int(index.max()) >= flat.numel()):
+                count = max(1, math.ceil(self.probe * flat.numel() / max(total, 1)))
+                gen = torch.Generator().manual_seed(zlib.crc32(name.encode()))
+                index = torch.randint(flat.numel(), (min(count, flat.numel()),), generator=gen)
+                self._index[name] = index
+            parts.append(flat[index.to(flat.device)].double().cpu())
+        return torch.cat(parts) if parts else torch.zeros(1, dtype=torch.float64)
+
+    def _mark(self, probe: torch.Tensor) -> str | None:
+        norm = float(probe.norm())
+        if norm == 0.0:
+            return "free_rider: an all-zero update"
+        for earlier in self._seen:
+            for other, seen in earlier.items():
+                if seen.shape == probe.shape and float(seen.norm()) > 0:
+                    cos = float(probe @ seen) / (norm * float(seen.norm()))
+                    if cos > REPLAY_SIMILARITY:
+                        return f"replay: repeats {other}'s update of an earlier round"
+        return None
+
+
+class LossScorer:
+    """Scores each peer's update by the loss drop it gives (see the module doc).
+
+    ``model``: a module whose ``forward(inputs, targets)`` returns ``(logits, loss)``;
+    ``base()``: the named parameters the round's updates are relative to (DiLoCo's global
+    parameters: an update ``delta`` moves them to ``theta - delta``); ``assigned(peer, round_id)``:
+    a small batch of the shard ``peer`` was assigned (None when its shard is unknown: then the
+    held-out batch alone judges it); ``heldout``: a small held-out batch.
+    """
+
+    def __init__(self, model: nn.Module, base: Callable[[], dict[str, torch.Tensor]],
+                 assigned: Callable[[str, int], Batch | None], heldout: Batch,
+                 threshold: float = 0.25, decay: float = 0.5, turns: int = 3) -> None:
+        if not 0 <= decay < 1:
+            raise ValueError(f"rating decay must be in [0, 1), got {decay}")
+        self.model, self.base, self.assigned, self.heldout = model, base, assigned, heldout
+        if turns < 1:
+            raise ValueError(f"each member must measure at least one peer, got turns={turns}")
+        self.threshold, self.decay, self.turns = threshold, decay, turns
+        self.ratings: dict[str, float] = {}
+        self.history: list[tuple[int, dict[str, float]]] = []  # (round, agreed ratings)
+        self.seconds = 0.0  # time spent scoring, all rounds together
+        self.rounds = 0
+
+    # --- the round's judgement -----------------------------------------------------------------
+    def judge(self, round_id: int, updates: dict[str, dict[str, torch.Tensor]],
+              tokens: dict[str, float], marks: dict[str, str] | None = None) -> dict[str, Verdict]:
+        """One member alone: :meth:`measure` every peer, then :meth:`rate` on its own numbers."""
+        judged = [p for p in updates if tokens.get(p, 0.0) > 0]
+        drops = self.measure(round_id, updates, tokens, judged, marks)
+        return self.rate(round_id, drops, {p: self.ratings.get(p) for p in judged}, judged,
+                         marks)
+
+    def measure(self, round_id: int, updates: dict[str, dict[str, torch.Tensor]],
+                tokens: dict[str, float], evaluate: list[str],
+                marks: dict[str, str] | None = None) -> dict[str, float]:
+        """The loss drop per claimed token of each peer of ``evaluate`` that claimed tokens
+        and is not marked (``marks``: :class:`ReplayCheck`'s, earning nothing whatever they
+        do); the cost counted in :attr:`seconds`."""
+        started = time.perf_counter()
+        marks = marks or {}
+        chosen = [p for p in evaluate if tokens.get(p, 0.0) > 0 and p not in marks]
+        base = {n: t.detach() for n, t in self.base().items()}
+        at_base = self._loss(base, self.heldout) if chosen else 0.0
+        out = {p: self._drop(base, at_base, updates[p], p, round_id) / tokens[p]
+               for p in chosen}
+        self.seconds += time.perf_counter() - started
+        return out
+
+    def rate(self, round_id: int, per_token: dict[str, float],
+             priors: dict[str, float | None], judged: list[str],
+             marks: dict[str, str] | None = None) -> dict[str, Verdict]:
+        """Verdicts of the ``judged`` peers from their loss drops per token (``per_token``;
+        agreed among the members) and their ratings before this round (``priors``, None for
+        a new peer): the score is the drop per token over the round's median positive one,
+        clipped to [-1, 1] (0 for a marked peer, and for one nobody measured), and the rating
+        ``decay x prior + (1 - decay) x score`` (a new peer: its score). Adopts the ratings."""
+        marks = marks or {}
+        positive = sorted(v for p, v in per_token.items() if v > 0 and p not in marks)
+        reference = positive[(len(positive) - 1) // 2] if positive else None
+        verdicts = {}
+        for p in judged:
+            value = per_token.get(p)
+            if p in marks or value is None:
+                score = 0.0
+            elif reference is None:
+                score = -1.0 if value < 0 else 0.0
+            else:
+                score = max(-1.0, min(1.0, value / reference))
+            prior = priors.get(p)
+            rating = score if prior is None else self.decay * prior + (1 - self.decay) * score
+            self.ratings[p] = rating
+            mark = marks.get(p) or ("harmful" if score < 0 else None)
+            verdicts[p] = Verdict(score, rating, value, mark)
+        self.history.append((round_id, {p: v.rating for p, v in verdicts.items()}))
+        self.rounds += 1
+        return verdicts
+
+    def factor(self, rating: float) -> float:
+        """The weight multiplier of a peer rated ``rating``: the rating itself (at most 1) when
+        it reaches the threshold, else 0."""
+        return min(1.0, rating) if rating >= self.threshold and rating > 0 else 0.0
+
+    # --- parts -----------------------------------------------------------------------------------
+    def _drop(self, base: dict[str, torch.Tensor], heldout_at_base: float,
+              update: dict[str, torch.Tensor], peer: str, round_id: int) -> float:
+        """The loss drop of ``base - update`` on the held-out batch and on ``peer``'s own."""
+        moved = {n: base[n] - update[n].to(base[n]) for n in update if n in base}
+        drop = heldout_at_base - self._loss(moved, self.heldout)
+        mine = self.assigned(peer, round_id)
+        if mine is not None:
+            drop += self._loss(base, mine) - self._loss(moved, mine)
+        return drop
+
+    @torch.no_grad()
+    def _loss(self, params: dict[str, torch.Tensor], batch: Batch) -> float:
+        device = next(iter(params.values())).device
+        was_training = self.model.training
+        self.model.eval()
+        try:
+            inputs, targets = batch
+            _, loss = functional_call(self.model, params, (inputs.to(device), targets.to(device)))
+        finally:
+            self.model.train(was_training)
+        return float(loss)

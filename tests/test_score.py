@@ -1,0 +1,260 @@
+"""Contributions judged by what they do: adaptive attacks, loss scoring, accounting that cannot
+be inflated, and the defaults of an open run."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from farlink.config import load_config
+from farlink.model import GPT, preset_config
+from farlink.robust.attacks import make_attack
+from farlink.robust.score import LossScorer, ReplayCheck
+
+torch.set_num_threads(1)
+
+UPDATE = {"w": torch.tensor([1.0, -2.0, 3.0]), "b": torch.tensor([0.5])}
+
+
+def test_adaptive_attacks_use_what_they_received():
+    alie, ipm, copycat = make_attack("alie:2"), make_attack("ipm:4"), make_attack("copycat")
+    # before any round was received: ALIE has no spread (its own update), copycat sends zeros
+    assert torch.equal(alie(UPDATE, 0)["w"], UPDATE["w"])
+    assert float(copycat(UPDATE, 0)["w"].abs().sum()) == 0
+    assert torch.equal(ipm(UPDATE, 0)["w"], -4 * UPDATE["w"])
+    others = {"p1": {"w": torch.tensor([1.0, 0.0, 3.0]), "b": torch.tensor([1.0])},
+              "p2": {"w": torch.tensor([3.0, 0.0, 3.0]), "b": torch.tensor([1.0])}}
+    alie.observe(others, 0)
+    copycat.observe(others, 0)
+    spread = torch.stack([others["p1"]["w"], others["p2"]["w"]]).std(dim=0)
+    assert torch.allclose(alie(UPDATE, 1)["w"], UPDATE["w"] - 2 * spread)
+    assert torch.equal(alie(UPDATE, 1)["b"], UPDATE["b"])  # no spread there
+    assert torch.equal(copycat(UPDATE, 1)["w"], others["p1"]["w"])
+    inflate = make_attack("inflate:10")
+    assert inflate(UPDATE, 0) is UPDATE and inflate.claim_factor == 10.0
+    with pytest.raises(ValueError):
+        make_attack("inflate:-1")
+
+
+def test_replay_check_marks_zeros_and_copies_of_earlier_rounds_only():
+    gen = torch.Generator().manual_seed(0)
+    first = {p: {"x": torch.randn(5000, generator=gen)} for p in ("a", "b")}
+    check = ReplayCheck()
+    assert check.marks(first) == {}
+    second = {"a": {"x": torch.randn(5000, generator=gen)},
+              "b": {"x": torch.zeros(5000)},
+              "c": {"x": first["a"]["x"] * 1.0001}}  # a copy, even re-quantized
+    marks = check.marks(second)
+    assert set(marks) == {"b", "c"}
+    assert marks["b"].startswith("free_rider") and marks["c"].startswith("replay")
+    assert "a's update" in marks["c"]
+
+
+def _trained(model: GPT, batches: list, steps: int) -> dict[str, torch.Tensor]:
+    """The pseudo-gradient of ``steps`` AdamW steps from ``model``'s parameters."""
+    start = {n: p.detach().clone() for n, p in model.named_parameters()}
+    local = GPT(model.config)
+    local.load_state_dict(model.state_dict())
+    opt = torch.optim.AdamW(local.parameters(), lr=3e-3)
+    for inputs, targets in batches[:steps]:
+        _, loss = local(inputs, targets)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+    return {n: start[n] - p.detach() for n, p in local.named_parameters()}
+
+
+def test_scorer_ranks_by_loss_drop_and_spares_a_slow_peer():
+    """Real model, real training: a peer that trained half as many steps (and claims half the
+    tokens) scores like a full one; IPM, a free rider and an inflated claim do not."""
+    torch.manual_seed(0)
+    cfg = preset_config("tiny", vocab_size=64, seq_len=16)
+    model = GPT(cfg)
+    gen = torch.Generator().manual_seed(1)
+    # a learnable language: each token is the previous one plus one
+    starts = torch.randint(0, 64, (48, 1), generator=gen)
+    seqs = (starts + torch.arange(17)) % 64
+    batches = [(seqs[i:i + 4, :-1], seqs[i:i + 4, 1:]) for i in range(0, 40, 4)]
+    heldout = (seqs[40:44, :-1], seqs[40:44, 1:])
+    full, slow = _trained(model, batches, 8), _trained(model, batches[4:], 4)
+    updates = {"full": full, "slow": slow, "ipm": {n: -4 * v for n, v in full.items()},
+               "rider": {n: torch.zeros_like(v) for n, v in full.items()},
+               "inflator": _trained(model, batches[2:], 8)}
+    tokens = {"full": 8.0, "slow": 4.0, "ipm": 8.0, "rider": 8.0, "inflator": 80.0}
+    base = {n: p.detach() for n, p in model.named_parameters()}
+    scorer = LossScorer(model, lambda: base, lambda peer, r: batches[0], heldout)
+    marks = ReplayCheck().marks(updates)
+    verdicts = scorer.judge(0, updates, tokens, marks)
+    assert verdicts["full"].drop > 0 and verdicts["slow"].drop > 0
+    assert verdicts["slow"].score >= 0.5 and scorer.factor(verdicts["slow"].rating) >= 0.5
+    assert verdicts["ipm"].drop < 0 and verdicts["ipm"].score < 0
+    assert verdicts["ipm"].mark == "harmful"
+    assert verdicts["rider"].score == 0.0 and verdicts["rider"].mark.startswith("free_rider")
+    assert verdicts["inflator"].score < 0.25  # its true drop over its false claim
+    for bad in ("ipm", "rider", "inflator"):
+        assert scorer.factor(verdicts[bad].rating) == 0.0
+    assert scorer.seconds > 0 and scorer.rounds == 1
+    # ratings average over rounds: a peer that turns good climbs back, not at once
+    again = scorer.judge(1, {"full": full, "ipm": full}, {"full": 8.0, "ipm": 8.0})
+    assert -1.0 < again["ipm"].rating < again["full"].rating
+
+
+def test_open_runs_default_to_a_robust_rule_and_scoring():
+    trusted = load_config(None, {})
+    assert (trusted.members, trusted.aggregator, trusted.score) == ("trusted", "mean", "none")
+    open_run = load_config(None, {"members": "open"})
+    assert (open_run.aggregator, open_run.score) == ("centered_clip", "loss")
+    chosen = load_config(None, {"members": "open", "aggregator": "median", "score": "none"})
+    assert (chosen.aggregator, chosen.score) == ("median", "none")
+    with pytest.raises(Exception, match="members"):
+        load_config(None, {"members": "everyone"})
+
+
+# --- the exchange: accounting and scoring over real collectives ----------------------------------
+def _model_and_data():
+    torch.manual_seed(0)
+    model = GPT(preset_config("nano", vocab_size=64, seq_len=16))
+    gen = torch.Generator().manual_seed(1)
+    seqs = (torch.randint(0, 64, (48, 1), generator=gen) + torch.arange(17)) % 64
+    return model, [(seqs[i:i + 4, :-1], seqs[i:i + 4, 1:]) for i in range(0, 48, 4)]
+
+
+def _honest_update(model: GPT, batch, lr: float = 0.05) -> dict[str, torch.Tensor]:
+    """One SGD step's pseudo-gradient (``lr`` x the gradient) on ``batch``."""
+    model.zero_grad()
+    _, loss = model(*batch)
+    loss.backward()
+    out = {n: lr * p.grad.detach().clone() for n, p in model.named_parameters()}
+    model.zero_grad()
+    return out
+
+
+def _exchange(collective, name: str, ledger, scorer=None, tamper=None):
+    from farlink.codecs import make_compressor
+    from farlink.robust.auth import make_authenticator
+    from farlink.sync.exchange import Exchange
+
+    return Exchange(collective, make_compressor("int8"), name, ledger=ledger, tamper=tamper,
+                    authenticator=make_authenticator("secret", secret="s", peer_id=name),
+                    max_weight=4 * 100.0, round_allowance=100.0, scorer=scorer,
+                    path="gathered")
+
+
+def test_free_riders_copycats_and_inflators_are_credited_nothing_under_the_plain_mean():
+    """No scorer: the mean is what it was, but the ledger credits a zero update, a replay of
+    another peer's earlier update and a claim beyond the run's bound nothing, and marks each;
+    an honest peer is credited at most one round's tokens."""
+    from farlink.comm.inprocess import InProcessGroup
+    from farlink.robust.ledger import ContributionLedger
+
+    attacks = {1: "free_rider", 2: "copycat", 3: "inflate:10"}
+    ledgers = [ContributionLedger() for _ in range(5)]
+
+    def member(rank, collective):
+        tamper = make_attack(attacks[rank]) if rank in attacks else None
+        ex = _exchange(collective, f"w{rank}", ledgers[rank], tamper=tamper)
+        results = []
+        for round_id in range(3):
+            gen = torch.Generator().manual_seed(100 * round_id + rank)
+            result = ex.average({"x": torch.randn(3000, generator=gen)}, 100.0, round_id)
+            ex.settle(result, round_id, committed=True)
+            results.append(result)
+        return results
+
+    results = InProcessGroup(5).run(member)
+    for rank in (0, 4):  # honest members see the same rounds
+        peers = ledgers[rank].to_dict()["peers"]
+        assert peers["w0"]["tokens_credited"] == peers["w4"]["tokens_credited"] == 300.0
+        assert peers["w1"]["tokens_credited"] == 0 and peers["w1"]["marks"] == {"free_rider": 3}
+        assert peers["w2"]["marks"] == {"free_rider": 1, "replay": 2}  # nothing to copy at first
+        assert peers["w2"]["tokens_credited"] == 0
+        assert peers["w3"]["tokens_credited"] == 0 and peers["w3"]["marks"] == {"inflated": 3}
+        assert peers["w3"]["tokens_accepted"] <= 3 * 150.0  # its weight was bounded too
+    final = [r[-1] for r in results]
+    assert set(final[0].accepted) == {f"w{i}" for i in range(5)}  # the mean's set is unchanged
+    assert all(torch.equal(f.tensors["x"], final[0].tensors["x"]) for f in final)
+
+
+def _scored_round(collectives: dict, attacks: dict[str, str], runner) -> dict:
+    """Two scored rounds of honest SGD updates and the ``attacks``, each member its own model
+    copy and scorer; returns each member's results, ledger and scorer."""
+    from farlink.robust.ledger import ContributionLedger
+
+    model, batches = _model_and_data()
+    state = model.state_dict()
+
+    def member(name, collective):
+        local = GPT(model.config)
+        local.load_state_dict(state)
+        base = {n: p.detach() for n, p in local.named_parameters()}
+        scorer = LossScorer(local, lambda: base, lambda peer, r: batches[1], batches[0])
+        ledger = ContributionLedger()
+        tamper = make_attack(attacks[name]) if name in attacks else None
+        ex = _exchange(collective, name, ledger, scorer=scorer, tamper=tamper)
+        out = []
+        for round_id in range(2):
+            index = sorted(collectives).index(name)
+            update = _honest_update(local, batches[2 + 2 * index + round_id])
+            result = ex.average(update, 100.0, round_id)
+            ex.settle(result, round_id, committed=True)
+            out.append(result)
+        return out, ledger, scorer
+
+    return runner(member)
+
+
+def _check_scored(rows: dict, attacker: str, honest: list[str]) -> None:
+    results = {name: r[0] for name, r in rows.items()}
+    for name in honest:
+        out, ledger, scorer = rows[name]
+        for result in out:
+            assert attacker in result.rejected and "discounted" in result.rejected[attacker]
+            assert sorted(result.accepted) == sorted(honest)
+            ratings = dict(result.scores)
+            assert min(ratings[h][1] for h in honest) > ratings[attacker][1]
+        peers = ledger.to_dict()["peers"]
+        assert peers[attacker]["tokens_credited"] == 0
+        assert peers[attacker]["rating"] < 0 < min(peers[h]["rating"] for h in honest)
+        assert peers[attacker]["rejections"] == {"score": 2}
+        assert scorer.seconds > 0
+    for round_id in range(2):  # one aggregate on every honest member: the ratings were agreed
+        first = results[honest[0]][round_id].tensors
+        for name in honest[1:]:
+            assert all(torch.equal(first[k], results[name][round_id].tensors[k]) for k in first)
+
+
+def test_scored_exchange_in_threads_discounts_ipm_and_agrees_on_one_aggregate():
+    from farlink.comm.inprocess import InProcessGroup
+
+    names = ["w0", "w1", "w2", "w3"]
+    group = InProcessGroup(4)
+    rows = _scored_round(dict.fromkeys(names), {"w3": "ipm:4"},
+                         lambda fn: dict(zip(names, group.run(
+                             lambda rank, c: fn(names[rank], c), timeout=120))))
+    _check_scored(rows, "w3", ["w0", "w1", "w2"])
+
+
+@pytest.mark.slow
+def test_scored_exchange_on_hivemind_peers_in_one_process():
+    pytest.importorskip("hivemind")
+    from test_hivemind_early_matchmaking import SHORT, in_threads
+
+    from farlink.comm.hivemind_backend import HivemindCollective
+
+    opts = dict(target_group_size=3, min_group_size=3, **SHORT)
+    first = HivemindCollective("scored", **opts)
+    peers = {"w0": first, "w1": HivemindCollective("scored", first.maddrs, **opts),
+             "w2": HivemindCollective("scored", first.maddrs, **opts)}
+    try:
+        def runner(fn):
+            def one(name, coll):
+                class Rounds:  # each exchange round inside a hivemind round
+                    pass
+                return fn(name, coll)
+            return in_threads(one, peers, timeout=180)
+
+        rows = _scored_round(peers, {"w2": "ipm:4"}, runner)
+        _check_scored(rows, "w2", ["w0", "w1"])
+    finally:
+        for coll in peers.values():
+            coll.close()
