@@ -86,7 +86,8 @@ SETTINGS: list[dict[str, Any]] = [
     {"topology": "0,1|2,3"}, {"intra_link": "home"}, {"inter_link": "dsl"},
     {"emulate_link": "datacenter"}, {"lighthouse": "127.0.0.1:29510"},
     {"initial_peers": "/ip4/127.0.0.1/tcp/1/p2p/x"}, {"min_replicas": 2},
-    {"codec": "int8"}, {"codec": "topk:0.1+ef"}, {"codec": "dct_topk"}, {"aggregator": "median"},
+    {"codec": "int8"}, {"codec": "topk:0.1+ef"}, {"codec": "dct_topk"}, {"aggregator": "median"}, {"score": "loss"},
+    {"members": "open"},
     {"screen_ratio": 0.0}, {"auth": "secret"}, {"auth": "ed25519"}, {"secret": "s3cret"},
     {"secret_file": "secret.txt"}, {"key_file": "key"}, {"allowed_keys": "keys"},
     {"attackers": "1"}, {"attack": "sign_flip", "attackers": "1"},
@@ -104,7 +105,8 @@ ON_THEIR_OWN = {
     "sparseloco_lr", "sparseloco_beta", "sparseloco_chunk", "sparseloco_topk", "overlap_steps",
     "mix_alpha", "vocab_size", "seq_len", "batch_size", "seed", "round_timeout",
     "join_timeout", "heartbeat_timeout", "quorum_timeout", "run_dir", "cache_dir", "eval_every",
-    "eval_batches", "checkpoint_every", "log_every",
+    "eval_batches", "checkpoint_every", "log_every", "score_rows", "score_threshold",
+    "score_turns",
 }
 
 

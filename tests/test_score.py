@@ -192,11 +192,12 @@ def _scored_round(collectives: dict, attacks: dict[str, str], runner) -> dict:
         tamper = make_attack(attacks[name]) if name in attacks else None
         ex = _exchange(collective, name, ledger, scorer=scorer, tamper=tamper)
         out = []
-        for round_id in range(2):
+        for step in range(2):
+            round_id = collective.begin_round().round_id  # a round of the backend's own
             index = sorted(collectives).index(name)
-            update = _honest_update(local, batches[2 + 2 * index + round_id])
+            update = _honest_update(local, batches[2 + 2 * index + step])
             result = ex.average(update, 100.0, round_id)
-            ex.settle(result, round_id, committed=True)
+            ex.settle(result, round_id, committed=collective.commit())
             out.append(result)
         return out, ledger, scorer
 
@@ -246,14 +247,8 @@ def test_scored_exchange_on_hivemind_peers_in_one_process():
     peers = {"w0": first, "w1": HivemindCollective("scored", first.maddrs, **opts),
              "w2": HivemindCollective("scored", first.maddrs, **opts)}
     try:
-        def runner(fn):
-            def one(name, coll):
-                class Rounds:  # each exchange round inside a hivemind round
-                    pass
-                return fn(name, coll)
-            return in_threads(one, peers, timeout=180)
-
-        rows = _scored_round(peers, {"w2": "ipm:4"}, runner)
+        rows = _scored_round(peers, {"w2": "ipm:4"},
+                             lambda fn: in_threads(fn, peers, timeout=180))
         _check_scored(rows, "w2", ["w0", "w1"])
     finally:
         for coll in peers.values():

@@ -187,12 +187,19 @@ class RunConfig(RunDirOptions, EmulationOptions, PipelineOptions, SiteOptions, T
     def _open_members_are_judged(cls, values: Any) -> Any:
         """A run whose members are not all trusted (``members = "open"``: ``farlink swarm``'s
         default) aggregates with a robust rule and scores every contribution by its loss drop,
-        unless it names its rule or scoring itself; trusted replicas keep the plain mean."""
+        unless it names its rule or scoring itself (scoring where the algorithm's updates can be
+        scored, :func:`farlink.matrix.scorable`, on one rank per worker); trusted replicas keep
+        the plain mean."""
         if isinstance(values, dict) and values.get("members") == "open":
             from farlink.robust.auth import OPEN_DEFAULTS
 
-            values = {**values, **{k: v for k, v in OPEN_DEFAULTS.items()
-                                   if values.get(k) is None}}
+            name = values.get("algorithm") or cls.model_fields["algorithm"].default
+            ranks = values.get("ranks_per_worker") or 1
+            defaults = dict(OPEN_DEFAULTS)
+            if (name not in ALGORITHMS or int(ranks) > 1
+                    or not matrix.scorable(algorithm_class(name).capabilities)):
+                defaults["score"] = "none"  # the robust rule alone
+            values = {**values, **{k: v for k, v in defaults.items() if values.get(k) is None}}
         return values
 
     @model_validator(mode="before")

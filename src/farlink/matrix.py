@@ -155,6 +155,12 @@ def _unread_rules() -> list[Unread]:
             if f not in worded and not all(f in _options(n) for n in ALGORITHMS)]
 
 
+def scorable(caps: Capabilities) -> bool:
+    """Whether ``--score loss`` can judge the algorithm's updates: a whole pseudo-gradient
+    against global parameters (not a fragment applied later, not a gradient or a DCT step)."""
+    return caps.outer_optimizer and not caps.fragments
+
+
 def _caps(name: str) -> Capabilities:
     return algorithm_class(name).capabilities
 
@@ -303,10 +309,10 @@ RULES: list[Pair | Needs | Unread] = [
          lambda c: "island_seconds needs round_seconds (time-budgeted rounds)",
          extra={"algorithm": "hierarchical_diloco"}),
     # loss-scored contributions judge a whole pseudo-gradient against the global parameters
-    Needs(SCORE, lambda caps: caps.outer_optimizer and not caps.fragments,
+    Needs(SCORE, scorable,
           lambda c: f"--score loss applies a peer's pseudo-gradient to the global parameters "
-          f"and measures the loss: {able(lambda caps: caps.outer_optimizer and not caps.fragments)}"
-          f", not {c.algorithm}; use --aggregator alone"),
+          f"and measures the loss: {able(scorable)}, not {c.algorithm}; use --aggregator "
+          "alone"),
     Pair(SCORE, SITES, lambda c: f"--score loss needs each peer's whole update; a site of "
          f"ranks_per_worker={c.ranks_per_worker} ranks exchanges shards: use --aggregator alone"),
     # the options of other algorithms

@@ -24,6 +24,7 @@ a served NaN state) on each backend, each run judged refused, bounded or FAILED
 from __future__ import annotations
 
 import math
+import os
 from pathlib import Path
 
 from farlink.bench.report import plot_panels, write_json
@@ -44,33 +45,44 @@ def rule_settings(rule: str) -> dict:
 
 def run(out: Path, attacks: list[str], setups: list[tuple[int, int]], steps: int,
         inner_steps: int, rules: list[str], reuse: bool = False,
-        in_process: bool = False) -> dict:
-    rows = []
-    train = _in_process if in_process else (
-        lambda label, base, **o: run_variant(label, base, out, reuse=reuse, **o))
+        in_process: bool = False, model: str = "tiny", parallel: int = 1) -> dict:
+    """Clean run and every attack x rule, per ``setups`` (workers, attackers); with
+    ``in_process``, ``parallel`` variants at once (each in its own process)."""
+    jobs = []  # (label, base, overrides, row fields)
     for workers, bad in setups:
         base = {"workers": workers, "steps": steps, "inner_steps": inner_steps,
                 "codec": "int8", "auth": "secret", "secret": "bench", "screen_ratio": 0,
-                "eval_batches": 8}
+                "eval_batches": 8, "model": model,
+                "warmup_steps": min(30, steps // 4)}
         attackers = ",".join(str(workers - 1 - i) for i in range(bad))
-        clean = train(f"{workers}w-clean", base)
-        clean["attack"], clean["aggregator"], clean["malicious"] = "none", "mean", 0
-        clean["workers"] = workers
-        rows.append(clean)
+        jobs.append((f"{workers}w-clean", base, {},
+                     {"attack": "none", "aggregator": "mean", "malicious": 0,
+                      "workers": workers, "attackers": ""}))
         for attack in attacks:
             for rule in rules:
                 label = f"{workers}w-{bad}bad-{attack.replace(':', '')}-{rule}"
-                row = train(label, base, attack=attack, attackers=attackers,
-                            **rule_settings(rule))
-                row["attack"], row["aggregator"], row["malicious"] = attack, rule, bad
-                row["workers"] = workers
-                if in_process:
-                    row.update(_judged(row, {f"w{a}" for a in attackers.split(",")}))
-                rows.append(row)
-                print(f"{label}: {row['final_heldout_loss']:.4f}", flush=True)
-        for r in rows:
-            if r["workers"] == workers and r["final_heldout_loss"] and clean["final_heldout_loss"]:
-                r["loss_vs_clean"] = r["final_heldout_loss"] / clean["final_heldout_loss"] - 1
+                jobs.append((label, base, {"attack": attack, "attackers": attackers,
+                                           **rule_settings(rule)},
+                             {"attack": attack, "aggregator": rule, "malicious": bad,
+                              "workers": workers, "attackers": attackers}))
+    if in_process:
+        from concurrent.futures import ProcessPoolExecutor
+
+        with ProcessPoolExecutor(max(1, parallel)) as pool:
+            trained = list(pool.map(_in_process, *zip(*[(j[0], j[1], j[2]) for j in jobs])))
+    else:
+        trained = [run_variant(label, base, out, reuse=reuse, **o) for label, base, o, _ in jobs]
+    rows = []
+    for (label, _, _, fields), row in zip(jobs, trained):
+        attackers = fields.pop("attackers")
+        row.update(fields)
+        if in_process and attackers:
+            row.update(_judged(row, {f"w{a}" for a in attackers.split(",")}))
+        rows.append(row)
+    for r in rows:
+        clean = next(c for c in rows if c["attack"] == "none" and c["workers"] == r["workers"])
+        if r["final_heldout_loss"] and clean["final_heldout_loss"]:
+            r["loss_vs_clean"] = r["final_heldout_loss"] / clean["final_heldout_loss"] - 1
     panels: dict[str, dict[str, list[tuple[float, float]]]] = {}
     cleans = {r["workers"]: r for r in rows if r["attack"] == "none"}
     for r in rows:
@@ -83,7 +95,9 @@ def run(out: Path, attacks: list[str], setups: list[tuple[int, int]], steps: int
                [{k: v for k, v in r.items() if k not in ("per_worker", "ledgers")} for r in rows],
                {"emulation": "attackers rewrite their own update before encoding; ALIE, IPM "
                              "and copycat learn from the updates they received last round",
-                "workers": "threads of one process" if in_process else "processes"})
+                "workers": "threads of one process" if in_process else "processes",
+                "load_average_at_end": list(os.getloadavg()), "model": model,
+                "steps": steps, "inner_steps": inner_steps})
     plot_panels(out / "attack_loss_vs_tokens.png", panels, "tokens (evaluating worker)",
                 "held-out loss (log)", columns=max(1, len(attacks)), logy=True)
     rated = [r for r in rows if r.get("rating_curves")]
@@ -92,8 +106,11 @@ def run(out: Path, attacks: list[str], setups: list[tuple[int, int]], steps: int
     return {"rows": rows}
 
 
-def _in_process(label: str, base: dict, **overrides) -> dict:
+def _in_process(label: str, base: dict, overrides: dict) -> dict:
     """One variant with its workers as threads (see the module doc)."""
+    import logging
+
+    logging.basicConfig(level=logging.ERROR)  # each discounted update is logged per member
     from farlink.bench.inprocess import train_in_process
     from farlink.compose import build_exchange
     from farlink.config import load_config
@@ -109,6 +126,8 @@ def _in_process(label: str, base: dict, **overrides) -> dict:
     cfg = load_config(None, values)
     row = train_in_process(label, values, eval_points=4, exchange_factory=exchange)
     row["aggregator_used"], row["score"] = cfg.aggregator, cfg.score
+    print(f"{label}: held-out loss {row['final_heldout_loss']:.4f}, {row['wall_s']:.0f} s",
+          flush=True)
     return row
 
 

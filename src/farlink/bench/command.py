@@ -325,6 +325,8 @@ def register(app: typer.Typer, bench_app: typer.Typer) -> None:
             "run's default) (default: farlink.bench.attack.RULES)"),
         in_process: bool = typer.Option(False, help="workers as threads of this process "
                                          "(records ratings, credits and the scoring cost)"),
+        model: str = typer.Option("tiny", help="model preset"),
+        parallel: int = typer.Option(1, help="--in-process: variants run at once"),
         steps: int | None = typer.Option(None, help="inner steps per worker (default 200; "
                                          "--protocol: 12)"),
         inner_steps: int | None = typer.Option(None, help="H (default 20; --protocol: 3)"),
@@ -356,7 +358,7 @@ def register(app: typer.Typer, bench_app: typer.Typer) -> None:
 
         parsed = [tuple(int(x) for x in s.split(":")) for s in setups]
         result = run(out, attacks or ATTACKS, parsed, steps or 200, inner_steps or 20,
-                     rules or RULES, reuse, in_process)
+                     rules or RULES, reuse, in_process, model, parallel)
         print_rows(result["rows"], ["label", "final_heldout_loss", "loss_vs_clean",
                                     "attacker_credited", "rounds_to_separate", "score_share"],
                    "farlink bench attack")

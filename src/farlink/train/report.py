@@ -40,12 +40,32 @@ def report(run_dir: Path, plot: bool = True) -> dict:
     console.print(f"held-out loss {summary['final_heldout_loss']} (ppl "
                   f"{summary['final_heldout_ppl']}); outer steps {audit['outer_steps']}, "
                   f"replicas consistent: {audit['consistent']}, restarts {audit['restarts']}")
+    contributions(console, run_dir)
     if audit["redone_committed_steps"]:
         console.print(f"rounds computed again to the same state after their checkpoint was lost: "
                       f"{audit['redone_steps']}")
     if plot and summary["evals"]:
         _plot(console, run_dir, cfg.algorithm, summary["evals"], "tokens (evaluating worker)")
     return {"summary": summary, "audit": audit, "workers": workers}
+
+
+def contributions(console: Console, run_dir: Path) -> None:
+    """The first worker's ledger (every member judges every peer alike): tokens claimed,
+    accepted and credited per peer, its score and rating in a loss-scored run, and why a peer
+    was discounted, rejected or credited nothing."""
+    from farlink.robust.ledger import ContributionLedger
+
+    ledgers = sorted((run_dir / "ledger").glob("w*.json"))
+    if not ledgers:
+        return
+    try:
+        ledger = ContributionLedger.load(ledgers[0])
+    except ValueError as exc:
+        console.print(f"contributions: {exc}")
+        return
+    table = ledger.summary()
+    table.title = f"Contributions (as {ledgers[0].stem} judged them)"
+    console.print(table)
 
 
 def worker_rows(run_dir: Path, ended: dict[str, dict]) -> dict[str, dict]:
