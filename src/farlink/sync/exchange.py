@@ -331,9 +331,7 @@ class Exchange:
         for peer in peers:
             result.accepted.append(peer)
             result.tokens[peer], result.claimed[peer] = bounded[peer], claimed[peer]
-            credit = bounded[peer] if self.round_allowance is None \
-                else min(bounded[peer], self.round_allowance)
-            result.credited[peer] = 0.0 if peer in marks else credit
+            result.credited[peer] = 0.0 if peer in marks else self._credit(bounded[peer])
             if peer in marks:
                 result.marks[peer] = marks[peer]
                 log.warning("round %d: %s is credited 0 tokens: %s", round_id, peer,
@@ -368,6 +366,11 @@ class Exchange:
             return ExchangeResult({}, 0.0, rejected={
                 **result.rejected, "aggregate": f"nonfinite: aggregate of {', '.join(bad[:3])}"})
         return result
+
+    def _credit(self, tokens: float) -> float:
+        """What an accepted update of ``tokens`` (its bounded weight) earns: at most one
+        round's tokens (on every path; the compressed all-reduce cannot see free riders)."""
+        return tokens if self.round_allowance is None else min(tokens, self.round_allowance)
 
     def _marks(self, decoded: dict[str, dict[str, torch.Tensor]], claimed: dict[str, float],
                bounded: dict[str, float]) -> dict[str, str]:
@@ -498,7 +501,8 @@ class Exchange:
                 self.ledger.record_accepted(peer, round_id, result.tokens[peer],
                                             claimed=result.claimed.get(peer),
                                             capped=peer in result.capped,
-                                            credited=result.credited.get(peer),
+                                            credited=result.credited.get(
+                                                peer, self._credit(result.tokens[peer])),
                                             mark=result.marks.get(peer))
 
     def _reject(self, result: ExchangeResult, peer: str, round_id: int, tokens: float,
