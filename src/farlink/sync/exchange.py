@@ -322,10 +322,13 @@ class Exchange:
                 if bounded[peer] > 0 and factors[peer] <= 0:
                     peers.remove(peer)
                     score, rating = result.scores[peer]
-                    why = marks.get(peer) or (f"loss score {score:+.2f}, rating {rating:.2f} "
-                                              f"under {self.scorer.threshold:g}")
+                    kind, why = "score", (f"discounted: loss score {score:+.2f}, rating "
+                                          f"{rating:.2f} under {self.scorer.threshold:g}")
+                    if peer in marks:  # counted by its mark: free_rider, replay, inflated
+                        kind, _, why = marks[peer].partition(": ")
+                        why = f"discounted: {why}"
                     self._reject(result, peer, round_id, claimed[peer],
-                                 UpdateRejected(f"discounted: {why}", "score"))
+                                 UpdateRejected(why, kind))
             if not peers:
                 return result
         for peer in peers:
