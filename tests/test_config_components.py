@@ -33,8 +33,12 @@ def test_a_config_toml_written_before_the_components_loads_and_resumes(tmp_path:
     # as `farlink train --resume --config run/config.toml` reads it
     cfg = load_config(run_dir / "config.toml", {"resume": True, "run_dir": run_dir})
     dumped = cfg.model_dump(mode="json")
-    assert {k: v for k, v in dumped.items() if k != "run_dir"} == \
+    assert {k: v for k, v in dumped.items() if k != "run_dir" and k in saved} == \
         {k: v for k, v in saved.items() if k != "run_dir"}
+    # fields added since the file was written take their defaults
+    added = {k: v for k, v in dumped.items() if k not in saved}
+    assert added == {k: RunConfig.model_fields[k].default for k in added}
+    assert set(added) <= {"members", "score", "score_rows", "score_threshold", "score_turns"}
     assert (cfg.algorithm, cfg.codec, cfg.fragments, cfg.emulate_link) == \
         ("streaming_diloco", "int8+ef", 2, "home")
     resumed, link = plan_run_dir(cfg)  # RunDirError if the run's fixed fields changed
@@ -54,7 +58,9 @@ def test_a_section_per_component_loads_as_the_flat_keys(tmp_path: Path) -> None:
                       'emulate_link = "home"\n[sync]\ninner_steps = 10\n')
     assert load_config(nested) == load_config(flat)
     assert load_config(nested).tree()["exchange"] == {"codec": "int8", "aggregator": "mean",
-                                                      "screen_ratio": 10.0}
+                                                      "screen_ratio": 10.0, "score": "none",
+                                                      "score_rows": 2, "score_threshold": 0.25,
+                                                      "score_turns": 3}
 
 
 @pytest.mark.parametrize("text, says", [
