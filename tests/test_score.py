@@ -253,3 +253,35 @@ def test_scored_exchange_on_hivemind_peers_in_one_process():
     finally:
         for coll in peers.values():
             coll.close()
+
+
+@pytest.mark.torchft_threads
+def test_farlink_train_with_loss_scoring_on_torchft_names_and_credits_nothing_to_ipm(
+        tmp_path, cache_dir):
+    """A whole ``farlink train --score loss`` run (workers as threads, torchft's real
+    Lighthouse, real Gloo): the IPM attacker is discounted in the honest ledgers, credited
+    nothing while discounted, and the report shows scores and ratings."""
+    import json
+
+    from rich.console import Console
+
+    from farlink.testing.runs import launch_in_threads
+    from farlink.train.report import contributions
+
+    cfg = load_config(None, {
+        "model": "nano", "vocab_size": 512, "seq_len": 64, "batch_size": 4, "eval_batches": 2,
+        "workers": 3, "steps": 8, "inner_steps": 2, "warmup_steps": 2, "join_timeout": 5,
+        "min_replicas": 3, "score": "loss",
+        "attack": "ipm:4", "attackers": "2", "run_dir": tmp_path / "run",
+        "cache_dir": cache_dir})
+    assert launch_in_threads(cfg).returncodes == [0, 0, 0]
+    for honest in ("w0", "w1"):
+        peers = json.loads((cfg.run_dir / "ledger" / f"{honest}.json").read_text())["peers"]
+        assert "w2" in peers, peers
+        assert peers["w2"]["rejections"].get("score", 0) >= 1
+        assert peers["w2"]["rating"] < 0.25 <= min(peers["w0"]["rating"], peers["w1"]["rating"])
+        assert peers["w2"]["tokens_credited"] < peers["w0"]["tokens_credited"]
+    console = Console(record=True, width=200)
+    contributions(console, cfg.run_dir)
+    text = console.export_text()
+    assert "tokens credited" in text and "rating" in text and "score x" in text

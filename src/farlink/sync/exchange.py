@@ -158,6 +158,7 @@ class Exchange:
             and not self.compressor.error_feedback
             and self.aggregator is weighted_mean
             and self.authenticator.name == "none"
+            and self.scorer is None  # scores need each peer's update
             and self.collective.exact_all_reduce
         )  # decided by the run's configuration alone, so every peer takes the same path
 
