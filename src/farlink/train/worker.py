@@ -111,10 +111,10 @@ class Worker:
                               lr_schedule=True, collective=collective, site=self.site)
         self.replica_id = self.sync.replica_id
         self.ckpt_dir = cfg.run_dir / "checkpoints" / self.replica_id
-        # a site's rank 0 speaks for the replica: one metrics file per worker, as with K=1
-        self.speaks = self.site is None or self.site.rank == 0
+        # a site's rank 0 reports for the replica: one metrics file per worker, as with K=1
+        self.reports = self.site is None or self.site.rank == 0
         self.metrics = (MetricsLog(cfg.run_dir / "metrics" / f"{self.replica_id}.jsonl")
-                        if self.speaks else SilentLog())
+                        if self.reports else SilentLog())
         self.joining = joining
         self.tokens = 0
         self.pace_overruns = 0  # inner steps slower than --pace-seconds allowed
@@ -125,9 +125,9 @@ class Worker:
         self.checkpoint_s = 0.0  # checkpoints' cost to the loop: snapshot, waiting for a write
         self.setup_s = 0.0  # process start to the first step, every life
         self.wall_offset = 0.0  # wall-clock of earlier lives of this worker (resume)
-        self.born = process_started_at()
+        self.started_at = process_started_at()
         self.evaluations = Background("evaluation", nice=19)  # spare CPU only
-        self.shadow: torch.nn.Module | None = None  # the model copy evaluations read
+        self.eval_model: torch.nn.Module | None = None  # the model copy evaluations read
         if cfg.resume:
             self._resume()
         #: a volunteer's claim on its shard (``farlink swarm join``): where the shard's last
@@ -255,22 +255,22 @@ class Worker:
             return
         t0 = time.perf_counter()
         self.evaluations.wait()
-        if self.shadow is None:
-            self.shadow = copy.deepcopy(self.model).requires_grad_(False)
+        if self.eval_model is None:
+            self.eval_model = copy.deepcopy(self.model).requires_grad_(False)
         with torch.no_grad():
-            for mine, live in zip(self.shadow.state_dict().values(),
+            for mine, live in zip(self.eval_model.state_dict().values(),
                                   self.model.state_dict().values()):
                 mine.copy_(live)
         fields = dict(worker=self.replica_id, step=step, tokens=self.tokens,
                       outer_step=self.sync.outer_step, bytes_sent=self.sync.bytes_sent(),
                       wall_s=round(self.wall(), 3))
-        shadow, heldout, metrics = self.shadow, self.heldout, self.metrics
+        eval_model, heldout, metrics = self.eval_model, self.heldout, self.metrics
         device, precision = self.device, self.cfg.precision
 
         def job() -> None:
             started = time.perf_counter()
             with autocast(device, precision):  # autocast state is per thread
-                loss = evaluate(shadow, heldout)
+                loss = evaluate(eval_model, heldout)
             metrics.write("eval", loss=round(loss, 5), ppl=round(math.exp(loss), 3),
                           eval_s=round(time.perf_counter() - started, 3), **fields)
 
@@ -332,7 +332,7 @@ class Worker:
 
     def wall(self) -> float:
         """Wall-clock of this worker: since its process started, plus its earlier lives."""
-        return self.wall_offset + time.time() - self.born
+        return self.wall_offset + time.time() - self.started_at
 
     def run(self) -> int:
         """Train until the run's end or a stop request (SIGINT/SIGTERM, checked between steps)."""
@@ -342,7 +342,7 @@ class Worker:
         self.metrics.write("start", worker=self.replica_id, params=self.model.num_parameters(),
                            device=str(self.device), precision=cfg.precision,
                            inner_steps=sync.inner_steps, pid=os.getpid())
-        life_started = time.perf_counter() - (time.time() - self.born)  # on perf_counter's clock
+        life_started = time.perf_counter() - (time.time() - self.started_at)  # on perf_counter's clock
         first_step = True
         loss_value = float("nan")
         if self.joining:
@@ -447,7 +447,7 @@ class Worker:
             from farlink.parallel.sharding import full_state_dict
 
             tensors = full_state_dict(self.model)
-            if not self.speaks:
+            if not self.reports:
                 return None
             model = build_model(self.cfg.model, self.data.vocab_size, self.cfg.seq_len)
             model.load_state_dict(tensors)
