@@ -13,6 +13,7 @@ from torch import nn
 
 import farlink
 from farlink.comm.inprocess import InProcessGroup
+from farlink.sync import ALGORITHMS, capabilities
 from farlink.testing.threads import in_threads
 
 torch.set_num_threads(1)
@@ -157,3 +158,37 @@ def test_a_round_weighs_replicas_by_counted_tokens_or_else_by_steps() -> None:
 
     assert InProcessGroup(2).run(member) == [3 * H, 3 * H]
     assert InProcessGroup(1).run(member) == [2 * H]
+
+
+@pytest.mark.parametrize("algorithm", [a for a in ALGORITHMS if not capabilities(a).islands])
+def test_every_algorithms_state_dict_goes_through_torch_load_and_back(algorithm: str) -> None:
+    """One replica, 3 steps (mid-round where rounds are longer), its state_dict through
+    torch.save and torch.load(weights_only=True) into a fresh replica: the same committed state,
+    round position and next step."""
+
+    def build(seed: int):  # noqa: ANN202
+        torch.manual_seed(seed)
+        model = Tiny()
+        inner = (torch.optim.AdamW(model.parameters(), lr=0.01)
+                 if capabilities(algorithm).inner_optimizer else None)
+        return model, farlink.Optimizer(model, inner, algorithm=algorithm, inner_steps=2,
+                                        steps=100, backend="inprocess")
+
+    def one_step(model: nn.Module, opt: farlink.Optimizer, step: int) -> None:
+        x, y = data(0, step)
+        nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+
+    model, opt = build(0)
+    for step in range(3):
+        one_step(model, opt, step)
+    saved = io.BytesIO()
+    torch.save(opt.state_dict(), saved)
+    again_model, again = build(1)
+    again.load_state_dict(torch.load(io.BytesIO(saved.getvalue()), weights_only=True))
+    assert again.fingerprint() == opt.fingerprint() and again.inner_steps == opt.inner_steps == 3
+    one_step(model, opt, 3)
+    one_step(again_model, again, 3)
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), again_model.parameters()))
+    opt.close()
+    again.close()
