@@ -127,7 +127,6 @@ def lightning_fit(max_steps: int, root: Path, ckpt_path: Path | None = None):  #
     return module, trainer, trainer.optimizers[0]
 
 
-@pytest.mark.slow
 def test_lightning_checkpoint_resumes_farlink_exactly(tmp_path: Path) -> None:
     """Lightning's own checkpoint after the first epoch (6 steps: mid-round, rounds every 4),
     resumed by fit(ckpt_path=...) in a new Trainer, continues exactly: the committed state and
