@@ -192,3 +192,26 @@ def test_every_algorithms_state_dict_goes_through_torch_load_and_back(algorithm:
     assert all(torch.equal(a, b) for a, b in zip(model.parameters(), again_model.parameters()))
     opt.close()
     again.close()
+
+
+def test_a_scheduler_farlink_does_not_read_is_said_at_the_first_step(
+        caplog: pytest.LogCaptureFixture) -> None:
+    def first_step(algorithm: str, inner: bool, **options) -> list[str]:  # noqa: ANN003
+        caplog.clear()
+        model = Tiny()
+        opt = farlink.Optimizer(model, torch.optim.AdamW(model.parameters()) if inner else None,
+                                algorithm=algorithm, steps=100, inner_steps=5,
+                                backend="inprocess", **options)
+        torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1.0)
+        for step in range(2):
+            x, y = data(0, step)
+            nn.functional.mse_loss(model(x), y).backward()
+            opt.step()
+        opt.close()
+        return [r.getMessage() for r in caplog.records if "scheduler" in r.getMessage()]
+
+    assert first_step("diloco", inner=True) == []
+    [demo] = first_step("demo", inner=False)
+    assert demo.startswith("demo steps with its own lr")
+    [scheduled] = first_step("diloco", inner=True, lr_schedule=True)
+    assert "lr_schedule=False" in scheduled

@@ -132,6 +132,7 @@ class Optimizer(torch.optim.Optimizer):
         self.rejected_checkpoints: list[tuple[Path, str]] = []  # set aside by the last load
         self.last_outcome = StepOutcome()  # what the last step did (a framework drops it)
         self._tokens_counted = 0  # count_tokens() since the last step
+        self._first_step = True
         self._start_torch_optimizer()
 
     # --- torch.optim.Optimizer -----------------------------------------------------------------
@@ -214,6 +215,18 @@ class Optimizer(torch.optim.Optimizer):
             for group, saved in zip(self._own_groups, torch_format["param_groups"]):
                 group.update({k: v for k, v in saved.items() if k != "params"})
 
+    def _warn_of_an_unread_scheduler(self) -> None:
+        """A torch lr scheduler marks the groups it drives (``initial_lr``): say once, at the
+        first step, when farlink does not step with the lr it sets."""
+        if not any("initial_lr" in group for group in self.param_groups):
+            return
+        if self.algorithm.inner_opt is None:
+            log.warning("%s steps with its own lr and update rule: the lr scheduler on this "
+                        "optimizer changes nothing", self.algorithm.name)
+        elif self.algorithm.lr_schedule:
+            log.warning("farlink's lr schedule (lr_schedule=True) sets the inner lr every step, "
+                        "over the lr scheduler's; give lr_schedule=False to use yours")
+
     def __repr__(self) -> str:
         inner = self.algorithm.inner_opt
         return (f"farlink.Optimizer({self.algorithm.name}, "
@@ -242,6 +255,9 @@ class Optimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        if self._first_step:
+            self._first_step = False
+            self._warn_of_an_unread_scheduler()
         counted, self._tokens_counted = self._tokens_counted, 0
         weight = tokens if tokens is not None else counted or 1
         if self.whole_replica_site:
