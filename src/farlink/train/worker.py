@@ -375,7 +375,7 @@ class Worker:
             elif slowdown > 1:  # emulated slower device: stretch this step's compute
                 time.sleep((slowdown - 1) * (time.perf_counter() - t0))
             waited_before = sync.checkpoint_wait_seconds
-            outcome = self.sync.step(tokens)  # a round first lands the last checkpoint write
+            outcome = self.sync.step(tokens=tokens)  # a round first lands the last checkpoint write
             if outcome.synced and outcome.committed:
                 self.widest_group = max(self.widest_group, outcome.world_size)
                 if self.shard_claim is not None:
