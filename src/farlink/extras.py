@@ -17,6 +17,8 @@ EXTRAS = {
     "datasets": "hf",
     "hivemind": "community",
     "matplotlib": "plots",
+    "tensorboard": "metrics",
+    "wandb": "metrics",
 }
 
 
