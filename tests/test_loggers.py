@@ -183,3 +183,60 @@ def test_log_to_without_the_metrics_extra_names_it_before_anything_starts(
     assert "--log-to tensorboard needs tensorboard" in done.stderr
     assert "pip install 'farlink[metrics]'" in done.stderr and "Traceback" not in done.stderr
     assert not (tmp_path / "run" / "metrics").exists()  # no worker started
+
+
+def test_a_trainer_logs_the_optimizers_figures_through_its_own_tensorboard_callback(
+        tmp_path: Path) -> None:
+    """A real ``transformers.Trainer`` with ``report_to=["tensorboard"]``: with
+    ``add_to_trainer`` the optimizer's figures land in the Trainer's own event files (as
+    ``train/net/bytes_sent``, ...); appended after the Trainer's callbacks, as
+    ``trainer.add_callback`` would, they come too late for its TensorBoard callback."""
+    from transformers import Trainer, TrainingArguments
+
+    from farlink.integrations import add_to_trainer, trainer_callback
+
+    def member(rank: int, collective):  # noqa: ANN001, ANN202
+        with _INIT:
+            torch.manual_seed(0)
+            model = nn.Linear(4, 1)
+        sync = farlink.Optimizer(model, torch.optim.SGD(model.parameters(), lr=0.05),
+                                 collective=collective, index=rank, backend="inprocess",
+                                 algorithm="diloco", inner_steps=2, steps=4)
+        for _ in range(4):
+            model(torch.randn(8, 4)).sum().backward()
+            sync.step(tokens=8)
+        return sync
+
+    sync = InProcessGroup(2).run(member)[0]
+    assert sync.bytes_sent() > 0 and sync.outer_step == 2
+
+    class Regression(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(4, 1)
+
+        def forward(self, x: torch.Tensor, labels: torch.Tensor) -> dict:
+            return {"loss": nn.functional.mse_loss(self.lin(x).squeeze(-1), labels)}
+
+    gen = torch.Generator().manual_seed(0)
+    data = [{"x": (x := torch.randn(4, generator=gen)), "labels": x.sum()} for _ in range(32)]
+
+    def train(out: Path, first: bool) -> dict:
+        args = TrainingArguments(output_dir=str(out), max_steps=4, logging_steps=2,
+                                 report_to=["tensorboard"], per_device_train_batch_size=4,
+                                 use_cpu=True, save_strategy="no", disable_tqdm=True)
+        trainer = Trainer(model=Regression(), args=args, train_dataset=data)
+        if first:
+            add_to_trainer(trainer, sync)
+        else:
+            trainer.add_callback(trainer_callback(sync))
+        trainer.train()
+        (events,) = {p.parent for p in out.rglob("events.out.tfevents.*")}
+        return tensorboard_scalars(events)
+
+    added = train(tmp_path / "first", first=True)
+    assert added["train/net/bytes_sent"][-1] == (4, sync.bytes_sent())
+    assert added["train/round/outer_step"][-1] == (4, 2)
+    assert "train/loss" in added
+    appended = train(tmp_path / "last", first=False)
+    assert "train/loss" in appended and "train/net/bytes_sent" not in appended
