@@ -197,6 +197,9 @@ def register(app: typer.Typer, bench_app: typer.Typer) -> None:
     ) -> None:
         """Join a swarm as a volunteer and train the run on a shard of its own until the run
         ends or Ctrl-C."""
+        from farlink.loggers import require_sinks
+
+        require_sinks(log_to)  # --log-to's packages (farlink[metrics]), before fetching the run
         if int(os.environ.get("WORLD_SIZE", "1")) > 1:
             raise _fail("a volunteer is one process: start `farlink swarm join` without "
                         "torchrun (this process is one of WORLD_SIZE="
