@@ -49,14 +49,14 @@ def tensorboard_scalars(directory: Path) -> dict[str, list[tuple[int, float]]]:
             for tag in acc.Tags()["scalars"]}
 
 
-def test_farlink_train_logs_to_tensorboard_and_wandb(tmp_path: Path) -> None:
+def test_farlink_train_logs_to_tensorboard_and_wandb(tmp_path: Path, cache_dir: Path) -> None:
     """A real 2-worker run with ``--log-to tensorboard,wandb``: every worker's curves in both,
     equal to its JSONL records (the run's own record)."""
     run = tmp_path / "run"
     flags = [f"--{k.replace('_', '-')}={v}" for k, v in TINY.items()]
     done = subprocess.run(
         [sys.executable, "-m", "farlink.cli", "train", *flags, "--run-dir", str(run),
-         "--cache-dir", str(tmp_path / "cache"), "--log-to", "tensorboard,wandb"],
+         "--cache-dir", str(cache_dir), "--log-to", "tensorboard,wandb"],
         env={**os.environ, "COLUMNS": "200"}, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
     runs = {r.name: r for r in offline_runs(run / "wandb")}
