@@ -104,7 +104,7 @@ ON_THEIR_OWN = {
     "sparseloco_lr", "sparseloco_beta", "sparseloco_chunk", "sparseloco_topk", "overlap_steps",
     "mix_alpha", "vocab_size", "seq_len", "batch_size", "seed", "round_timeout",
     "join_timeout", "heartbeat_timeout", "quorum_timeout", "run_dir", "cache_dir", "eval_every",
-    "eval_batches", "checkpoint_every", "log_every",
+    "eval_batches", "checkpoint_every", "log_every", "log_to",
 }
 
 

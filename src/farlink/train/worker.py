@@ -39,6 +39,7 @@ from farlink.state.background import Background
 from farlink.state.checkpoint import (EXIT_DISK_FULL, DiskFull, is_disk_full,
                                       remove_stale_temps)
 from farlink.state.files import TEMP_PREFIX, temp_path
+from farlink.loggers import rejected_by_peer
 from farlink.train.metrics import MetricsLog
 
 log = logging.getLogger("farlink.worker")
@@ -59,7 +60,7 @@ def process_started_at() -> float:
 class SilentLog:
     """The metrics log of a site's ranks other than 0: rank 0 writes the worker's records."""
 
-    def write(self, kind: str, **fields) -> None:
+    def write(self, kind: str, *, extra_scalars=None, **fields) -> None:
         pass
 
     def close(self) -> None:
@@ -113,8 +114,8 @@ class Worker:
         self.ckpt_dir = cfg.run_dir / "checkpoints" / self.replica_id
         # a site's rank 0 reports for the replica: one metrics file per worker, as with K=1
         self.reports = self.site is None or self.site.rank == 0
-        self.metrics = (MetricsLog(cfg.run_dir / "metrics" / f"{self.replica_id}.jsonl")
-                        if self.reports else SilentLog())
+        self.metrics = (MetricsLog(cfg.run_dir / "metrics" / f"{self.replica_id}.jsonl",
+                                   self._open_sinks()) if self.reports else SilentLog())
         self.joining = joining
         self.tokens = 0
         self.pace_overruns = 0  # inner steps slower than --pace-seconds allowed
@@ -135,6 +136,17 @@ class Worker:
         self.shard_claim = shard_claim
         if shard_claim is not None:
             self._take_over_position(shard_claim.committed_position())
+
+    def _open_sinks(self) -> list:
+        """The ``--log-to`` sinks of this worker: its own TensorBoard dir and W&B run (named by
+        its replica, grouped by the run dir's name, the run's config attached)."""
+        if not self.cfg.log_to:
+            return []
+        from farlink.loggers import open_sinks
+
+        run = self.cfg.run_dir.resolve().name
+        return open_sinks(self.cfg.log_to, self.cfg.run_dir, name=self.replica_id,
+                          group=run, config=self.cfg.model_dump(mode="json"))
 
     @staticmethod
     def _join_site(cfg: RunConfig, index: int):
@@ -399,7 +411,9 @@ class Worker:
                                    **({"skipped": True} if outcome.skipped else {}),
                                    **({"group": group} if (group := sync.round_group) else {}),
                                    round_s=round(outcome.comm_seconds, 4),
-                                   rejected=outcome.rejected, **fields)
+                                   rejected=outcome.rejected, **fields,
+                                   extra_scalars={"rejected_by_peer": rejected_by_peer(
+                                       sync.ledger)})
             elif step % cfg.log_every == 0 or (outcome.synced and not outcome.committed):
                 self.metrics.write("step", **fields)
             if sync.at_boundary(outcome) or sync.finished:
