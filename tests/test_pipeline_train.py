@@ -16,9 +16,8 @@ from farlink.config import RunConfig
 from farlink.model import GPTConfig
 from farlink.parallel import wire
 from farlink.parallel.stage_server import StageWorker
-from farlink.parallel.stage_sync import StageOuterSync
+from farlink.parallel.stage_sync import StageAveraging
 from farlink.parallel.stages import build_stage
-from farlink.sync import algorithm_class
 from farlink.state.checkpoint import checkpoint_path, load_checkpoint
 from farlink.train.metrics import read_metrics
 
@@ -37,7 +36,7 @@ def test_peers_per_stage_alone_sets_the_number_of_peers() -> None:
     ({"algorithm": "streaming_diloco"}, "use local_sgd or diloco"),
     ({"ranks_per_worker": 2}, "ranks_per_worker"),
     ({"grad_accum": 2}, "raise batch_size and pipeline_micro_batches"),
-    ({"codec": "int8"}, "--activation-codec"),
+    ({"auth": "ed25519"}, "use --auth secret"),
     ({"batch_size": 6}, "multiple of it"),
     ({"activation_codec": "int3"}, "activation_codec"),
 ])
@@ -53,36 +52,68 @@ def test_peers_per_stage_without_pipeline_stages_is_refused() -> None:
 
 
 # -- the outer step within a stage -------------------------------------------------------------
-def _stage_of_two_peers(algorithm: str) -> tuple[StageOuterSync, dict[str, dict]]:
+class _OneWeight(torch.nn.Module):
+    """A stage module of one parameter ``w`` (the run's initial θ = 0)."""
+
+    def __init__(self, size: int = 1) -> None:
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.zeros(size))
+
+
+def _stage_of_two_peers(algorithm: str) -> tuple[StageAveraging, dict[str, dict]]:
+    from farlink import compose
+
     weights = {"a": {"w": torch.tensor([0.0])}, "b": {"w": torch.tensor([0.0])}}
-    cfg = RunConfig(algorithm=algorithm)
-    sync = StageOuterSync(1, algorithm_class(algorithm).outer_optimizer_of(cfg),
-                          lambda stage: ["a", "b"], lambda peer: weights[peer],
+    stage = compose.build_stage(RunConfig(algorithm=algorithm), 0, ["a", "b"], _OneWeight)
+    sync = StageAveraging([stage], lambda stage: ["a", "b"], lambda peer: weights[peer],
                           lambda peer, theta: weights.__setitem__(
-                              peer, {n: t.clone() for n, t in theta.items()}))
+                              peer, {n: t.detach().clone() for n, t in theta.items()}))
     weights["a"], weights["b"] = {"w": torch.tensor([1.0])}, {"w": torch.tensor([3.0])}
     return sync, weights
 
 
 def test_local_sgd_within_a_stage_takes_the_peers_mean() -> None:
     sync, weights = _stage_of_two_peers("local_sgd")
-    sync.sync()
+    sync.sync(tokens=64)
     assert weights["a"]["w"].item() == weights["b"]["w"].item() == pytest.approx(2.0)
 
 
 def test_diloco_within_a_stage_is_nesterov_sgd_on_the_pseudo_gradient() -> None:
     """θ=0, peers at 1 and 3: Δ = θ - mean = -2; Nesterov (lr 0.7, momentum 0.9) steps by
     Δ + 0.9 Δ = -3.8, so θ = 0 - 0.7 x -3.8 = 2.66; both peers continue from it."""
+    from farlink import compose
+
     sync, weights = _stage_of_two_peers("diloco")
-    sync.sync()
+    sync.sync(tokens=64)
     assert weights["a"]["w"].item() == weights["b"]["w"].item() == pytest.approx(2.66)
     assert sync.globals[0]["w"].item() == pytest.approx(2.66)
-    again = StageOuterSync(1, algorithm_class("diloco").outer_optimizer_of(RunConfig()),
+    again = StageAveraging([compose.build_stage(RunConfig(), 0, ["a"], _OneWeight)],
                            lambda stage: ["a"], lambda peer: {"w": torch.tensor([0.0])},
                            lambda peer, theta: None)
     again.load_state_dict(sync.state_dict())  # θ and the momentum buffer travel together
     assert again.globals[0]["w"].item() == pytest.approx(2.66)
     assert again.rounds == 1
+    momentum = {k: v for k, v in sync.state_dict().items() if ".outer." in k}
+    assert momentum and all(torch.equal(v, again.state_dict()[k]) for k, v in momentum.items()
+                            if k.startswith("stage0.member0."))
+
+
+def test_a_checkpoint_of_one_theta_per_stage_still_resumes() -> None:
+    """A trainer checkpoint written before a stage's peers were members of a collective holds
+    one θ and outer optimizer per stage (``stage0.global.w``, ``stage0.outer.0.*``): every
+    member takes them."""
+    from farlink import compose
+
+    sync = StageAveraging([compose.build_stage(RunConfig(), 0, ["a", "b"], _OneWeight)],
+                          lambda stage: ["a", "b"], lambda peer: None, lambda peer, theta: None)
+    sync.load_state_dict({"rounds": torch.tensor(3), "stage0.global.w": torch.tensor([2.5]),
+                          "stage0.outer.0.momentum_buffer": torch.tensor([0.5])})
+    assert sync.rounds == 3 and sync.globals[0]["w"].item() == 2.5
+    for member in sync.stages[0].members:
+        assert member.algorithm.outer_step == 3
+        assert member.weights()["w"].item() == 2.5
+        assert member.algorithm.outer_opt.state[member.algorithm.global_params[0]][
+            "momentum_buffer"].item() == 0.5
 
 
 # -- a stage peer's own checkpoint -------------------------------------------------------------

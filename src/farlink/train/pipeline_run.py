@@ -6,7 +6,8 @@ pipeline, and each step feeds every replica ``batch_size`` sequences of its own 
 ``pipeline_micro_batches`` micro-batches. Replica p's micro-batches are wired through its own
 peers while they live; when one dies, its stage's other peers take its micro-batches. Every
 ``inner_steps`` steps the peers of each stage meet in the run's outer step
-(:mod:`farlink.parallel.stage_sync`: DiLoCo or local SGD within a stage).
+(:mod:`farlink.parallel.stage_sync`: a round of the run's algorithm among a stage's peers,
+through its exchange: codec, authentication, robust aggregation as in any run).
 
 The run's outputs are those of any ``farlink train``: ``metrics/pipeline.jsonl`` (steps, outer
 rounds, held-out evaluations, checkpoints), ``checkpoints/sSpJ/`` written by each stage peer
@@ -34,10 +35,9 @@ from farlink.model import GPT, preset_config
 from farlink.parallel import stage_auth, wire
 from farlink.parallel.peers import StagePeer, start_stage_peer, stop_pipeline
 from farlink.parallel.pipeline import PeerFailure, PipelineTrainer, StageError
-from farlink.parallel.stage_sync import StageOuterSync
+from farlink.parallel.stage_sync import StageAveraging
 from farlink.parallel.swarm_router import StageUnavailable
-from farlink.parallel.stages import model_parameter_name, stage_bounds
-from farlink.sync import algorithm_class
+from farlink.parallel.stages import build_stage, model_parameter_name, stage_bounds
 from farlink.state.checkpoint import (is_disk_full, load_newest_intact,
                                       remove_stale_temps, save_checkpoint)
 from farlink.state.files import temp_path
@@ -113,9 +113,13 @@ class PipelineRun:
             timeout=cfg.stage_peer_timeout, width=self.config.d_model,
             pipelines=[[addresses[s][p] for s in range(self.stages)]
                        for p in range(self.replicas)])
-        self.outer = StageOuterSync(self.stages,
-                                    algorithm_class(cfg.algorithm).outer_optimizer_of(cfg),
-                                    self.trainer.router.live, self._fetch, self._store)
+        from farlink import compose
+
+        self.outer = StageAveraging(
+            [compose.build_stage(cfg, s, addresses[s],
+                                 lambda s=s: build_stage(self.config, cfg.seed, s, self.stages))
+             for s in range(self.stages)],
+            self.trainer.router.live, self._fetch, self._store)
 
     def _fetch(self, peer: str) -> dict[str, torch.Tensor] | None:
         try:
@@ -236,7 +240,9 @@ class PipelineRun:
     def outer_round(self, final: bool) -> None:
         """The stages' outer step, then (on their cadence) evaluation and checkpoint."""
         started = time.perf_counter()
-        self.outer.sync()
+        # what each pipeline replica trained on since the stages' last round
+        steps = self.step - (self.outer.rounds * self.cfg.inner_steps)
+        self.outer.sync(max(steps, 1) * self.cfg.batch_size * self.cfg.seq_len)
         rounds = self.outer.rounds
         left_out = {self.names.get(p, p): why for _, p, why in self.outer.left_out}
         for name, why in left_out.items():
@@ -244,6 +250,7 @@ class PipelineRun:
                           f"average ({why}); it continues from the stage's new weights[/]")
         self.metrics.write("sync", step=self.step, outer_step=rounds, left_out=left_out,
                            seconds=round(time.perf_counter() - started, 3),
+                           exchange_bytes=self.outer.exchange_bytes,
                            live_peers=[len(self.trainer.router.live(s))
                                        for s in range(self.stages)])
         if rounds % self.cfg.eval_every == 0 or final:
@@ -284,6 +291,8 @@ class PipelineRun:
             "final_heldout_ppl": final["ppl"] if final else None,
             "total_tokens": self.tokens, "wall_s": round(wall_s, 3),
             "bytes_by_kind": dict(moved),
+            # what the stages' members sent each other in their rounds (codec, signatures)
+            "stage_exchange_bytes": self.outer.exchange_bytes,
             "bytes_per_token": sum(moved.values()) / max(self.tokens, 1),
             "live_peers": {self.names[peer.address]: peer.address in self.trainer.router.live(s)
                            for s, row in enumerate(self.peers) for peer in row},
