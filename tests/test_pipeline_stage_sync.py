@@ -11,6 +11,8 @@ ignored.
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 
@@ -176,3 +178,46 @@ def test_a_left_out_member_is_healed_at_its_next_round() -> None:
     sync.sync(TOKENS)
     assert [m.algorithm.outer_step for m in members] == [2, 2, 2]
     assert members[2].algorithm.fingerprint() == members[0].algorithm.fingerprint()
+
+
+def test_an_emulated_link_holds_a_stage_s_round_as_long_as_the_link_would() -> None:
+    """--emulate-link with pipelines (refused before): the members' collectives take as long
+    as the profile's upload rate and latency say (here DSL: 5 Mbit/s, 100 ms one way)."""
+    from farlink.comm.base import LinkModel
+    from farlink.links import get_profile
+
+    peers = _peers(2)
+    sync = _averaging(compose.build_stage(RunConfig(emulate_link="dsl", **PIPELINE), 0,
+                                          list(peers), _module), peers)
+    started = time.perf_counter()
+    sync.sync(TOKENS)
+    took = time.perf_counter() - started
+    link = LinkModel.of_profile(get_profile("dsl"))
+    assert sync.stages[0].group.link == link
+    member = sync.stages[0].members[0].algorithm.collective
+    floor = link.seconds(member.stats.bytes_sent, 2)  # one ring all-reduce of two members
+    assert floor > 0.25 and took >= floor, (took, floor)
+
+
+def test_grad_accum_makes_each_replica_s_step_its_grad_accum_batches(tmp_path) -> None:
+    """--grad-accum with pipelines (refused before): a replica's step holds its next
+    grad_accum batches, one after another, cut into pipeline_micro_batches each, so the
+    trainer accumulates one gradient over all of them, as a worker does over its batches."""
+    import numpy as np
+
+    from farlink.data import ShardSampler
+    from farlink.data.prepare import PreparedData
+    from farlink.train.pipeline_run import PipelineRun
+
+    tokens = np.arange(20_000, dtype=np.int64) % 64
+    data = PreparedData(tokens, tokens[:2_000], None, 64, "synthetic")
+    cfg = RunConfig(grad_accum=2, workers=4, pipeline_micro_batches=2, vocab_size=512,
+                    run_dir=tmp_path / "run", **PIPELINE)
+    run = PipelineRun(cfg, data)
+    x, y = run.next_batch()
+    assert run.micro_batches_per_replica == 4
+    assert tuple(x.shape) == (2 * 2 * 4, 16)  # replicas x grad_accum x batch_size rows
+    alone = ShardSampler(tokens, 0, 2, 16, 4, cfg.seed)  # replica 0's shard, as the run's
+    first, second = alone.next_batch()[0], alone.next_batch()[0]
+    mine = torch.cat([x[i * 2:(i + 1) * 2] for i in range(0, 8, 2)])  # replica 0's chunks
+    assert torch.equal(mine, torch.cat([first, second]))

@@ -320,8 +320,11 @@ def build_stage(cfg: RunConfig, stage: int, peers: list[str],
     each of its ``peers`` (peer p of stage s is worker ``s x P + p``, as ``--slowdown`` and
     ``--attackers`` count), the run's algorithm around ``module()`` (a copy of the stage's
     module at the run's initial weights) with its own exchange: the run's codec, aggregator,
-    authentication, screen and emulated attack, as every replica of a run has."""
-    group = DrivenGroup(len(peers))
+    authentication, screen and emulated attack, as every replica of a run has. With
+    ``emulate_link``, the members' collectives take as long as that link would."""
+    link = (LinkModel.of_profile(get_profile(cfg.emulate_link))
+            if cfg.emulate_link is not None else None)
+    group = DrivenGroup(len(peers), link)
     ledger = ContributionLedger()
     cls = algorithm_class(cfg.algorithm)
     members = []

@@ -335,8 +335,6 @@ RULES: list[Pair | Needs | Unread] = [
           f"use {able(lambda caps: caps.stage_averaging, ' or ')}"),
     _pipeline_refuses("ranks_per_worker", SITES, "a stage peer is one process; use "
                       "ranks_per_worker=1"),
-    _pipeline_refuses("grad_accum", _flag("grad_accum", 2), "a pipeline accumulates over its "
-                      "micro-batches; raise batch_size and pipeline_micro_batches instead"),
     _pipeline_refuses("auth", _flag("auth", "ed25519", lambda c: (c.auth or "").strip().lower()
                                     == "ed25519", "auth=ed25519"), "a stage's members sign in the "
                       "pipeline trainer's process, where one --key-file would name them all "
@@ -347,11 +345,9 @@ RULES: list[Pair | Needs | Unread] = [
                       "a stage's members are threads of the pipeline trainer, with no "
                       "transport of their own for a hostile member to abuse; emulate an "
                       "update attack (sign_flip, scale:X, ...) instead"),
-    _pipeline_refuses("topology", Feature("topology/emulate_link", lambda c: bool(c.topology)
-                                          or c.emulate_link is not None,
-                                          {"emulate_link": "datacenter"}),
-                      "emulated links of stage peers are set by farlink bench pipeline and the "
-                      "namespace emulator, not by --topology / --emulate-link yet"),
+    _pipeline_refuses("topology", TOPOLOGY, "a pipeline's replicas are not grouped in "
+                      "islands; emulate one link for every stage peer with --emulate-link, or "
+                      "links per peer with farlink bench pipeline and the namespace emulator"),
     _pipeline_refuses("hf_model", Feature("model=hf:DIR", lambda c: c.hf_model_dir is not None,
                                           {"model": "hf:model-dir"}),
                       "stages cut farlink's GPT presets"),

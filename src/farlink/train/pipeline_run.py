@@ -28,7 +28,9 @@ from pathlib import Path
 import torch
 
 from farlink import interrupt, lifeline
+from farlink.comm.base import LinkModel
 from farlink.config import RunConfig
+from farlink.links import get_profile
 from farlink.data import PreparedData, ShardSampler, heldout_batches
 from farlink.data.eval import perplexity
 from farlink.model import GPT, preset_config
@@ -76,6 +78,10 @@ class PipelineRun:
         # the per-run token only this launcher and the stage peers it starts hold: nobody
         # else on the machine can drive them (docs/trust.md)
         self.token = stage_auth.new_token()
+        #: --emulate-link: every stage peer's link (activations, gradients, the trainer's
+        #: averaging traffic) and the link its stage's members exchange over
+        self.link = (LinkModel.of_profile(get_profile(cfg.emulate_link))
+                     if cfg.emulate_link is not None else None)
 
     # -- peers --------------------------------------------------------------------------------
     def start(self) -> None:
@@ -107,10 +113,12 @@ class PipelineRun:
                       for p, peer in enumerate(row)}
         addresses = [[peer.address for peer in row] for row in self.peers]
         self.trainer = PipelineTrainer(
-            addresses, micro_batches=self.replicas * cfg.pipeline_micro_batches,
+            addresses, micro_batches=self.replicas * self.micro_batches_per_replica,
             activation_codec=cfg.activation_codec, lr=cfg.lr, warmup_steps=cfg.warmup_steps,
             total_steps=cfg.steps, auth=stage_auth.driver_auth(self.token),
             timeout=cfg.stage_peer_timeout, width=self.config.d_model,
+            links={address: self.link for row in addresses for address in row}
+            if self.link is not None else None,
             pipelines=[[addresses[s][p] for s in range(self.stages)]
                        for p in range(self.replicas)])
         from farlink import compose
@@ -138,11 +146,23 @@ class PipelineRun:
         stop_pipeline(self.peers)
 
     # -- data ---------------------------------------------------------------------------------
+    @property
+    def micro_batches_per_replica(self) -> int:
+        """Micro-batches of one replica's step: ``pipeline_micro_batches`` per batch of its
+        ``grad_accum`` batches (a step's gradient is accumulated over all of them, as a worker
+        accumulates over its ``grad_accum`` batches)."""
+        return self.cfg.pipeline_micro_batches * self.cfg.grad_accum
+
+    def _replica_batch(self, sampler: ShardSampler) -> tuple[torch.Tensor, torch.Tensor]:
+        """One replica's step: ``grad_accum`` batches of its shard, one after another."""
+        batches = [sampler.next_batch() for _ in range(self.cfg.grad_accum)]
+        return torch.cat([x for x, _ in batches]), torch.cat([y for _, y in batches])
+
     def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Every replica's batch from its own shard, laid out so that the trainer's micro-batch
         i (wired to replica i mod P) holds rows of replica i mod P's shard."""
-        m = self.cfg.pipeline_micro_batches
-        batches = [sampler.next_batch() for sampler in self.samplers]
+        m = self.micro_batches_per_replica
+        batches = [self._replica_batch(sampler) for sampler in self.samplers]
         xs = [x.chunk(m) for x, _ in batches]
         ys = [y.chunk(m) for _, y in batches]
         order = [(j, p) for j in range(m) for p in range(self.replicas)]
@@ -242,7 +262,7 @@ class PipelineRun:
         started = time.perf_counter()
         # what each pipeline replica trained on since the stages' last round
         steps = self.step - (self.outer.rounds * self.cfg.inner_steps)
-        self.outer.sync(max(steps, 1) * self.cfg.batch_size * self.cfg.seq_len)
+        self.outer.sync(max(steps, 1) * self.cfg.tokens_per_step)
         rounds = self.outer.rounds
         left_out = {self.names.get(p, p): why for _, p, why in self.outer.left_out}
         for name, why in left_out.items():
