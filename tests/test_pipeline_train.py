@@ -35,7 +35,7 @@ def test_peers_per_stage_alone_sets_the_number_of_peers() -> None:
     ({"algorithm": "ddp"}, "use local_sgd or diloco"),
     ({"algorithm": "streaming_diloco"}, "use local_sgd or diloco"),
     ({"ranks_per_worker": 2}, "ranks_per_worker"),
-    ({"grad_accum": 2}, "raise batch_size and pipeline_micro_batches"),
+    ({"topology": "0,1|2,3"}, "with --emulate-link"),
     ({"auth": "ed25519"}, "use --auth secret"),
     ({"batch_size": 6}, "multiple of it"),
     ({"activation_codec": "int3"}, "activation_codec"),

@@ -116,23 +116,23 @@ class StageAveraging:
             self.left_out.append((s, peer, why))
             log.warning("stage %d outer step leaves out stage peer %s: %s; it continues from "
                         "the stage's new weights", s, peer, why)
-        rounds = [i for i, m in enumerate(stage.members) if m.peer in kept]
-        if not rounds:
+        taking_part = [i for i, m in enumerate(stage.members) if m.peer in kept]
+        if not taking_part:
             for peer in left_out:
                 self.store(peer, theta)
             return
-        for i in rounds:
+        for i in taking_part:
             member = stage.members[i]
             with torch.no_grad():
                 for name, param in member.weights().items():
                     param.copy_(kept[member.peer][name])
             member.algorithm.count_tokens(tokens)
-        stage.group.form(rounds)
+        stage.group.form(taking_part)
         stage.group.run(lambda i: stage.members[i].algorithm.sync())
         theta = self.leader(s).theta()
         for i, member in enumerate(stage.members):
             if member.peer in self.peers(s):  # a failed round leaves a member's own weights
-                self.store(member.peer, member.weights() if i in rounds else theta)
+                self.store(member.peer, member.weights() if i in taking_part else theta)
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """Every member's algorithm state (θ, outer optimizer, codec residuals, counters), as
