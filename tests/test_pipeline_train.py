@@ -260,3 +260,27 @@ def test_a_pipeline_runs_with_the_exchange_options_of_any_run(tmp_path: Path,
     assert rounds[0] < fetched / 3, (rounds[0], fetched)
     evals = [r["loss"] for r in records if r["kind"] == "eval"]
     assert evals[-1] < evals[0] - 0.3, evals
+
+
+@pytest.mark.slow
+def test_a_pipeline_with_round_seconds_runs_as_many_steps_as_fit_in_each_round(
+        tmp_path: Path, cache_dir: Path) -> None:
+    """--round-seconds with pipelines (refused before): the run lasts steps / inner_steps
+    rounds of round_seconds each, and a round ends at the step boundary nearest its deadline,
+    however many steps that is (here 2 rounds of 6 s: more than the 2 steps a run of
+    --steps 2 --inner-steps 1 would take without the budget)."""
+    run_dir = tmp_path / "run"
+    result = _train(run_dir, cache_dir, "--pipeline-stages", "2", "--workers", "4", "--steps",
+                    "2", "--inner-steps", "1", "--round-seconds", "6", "--vocab-size", "512",
+                    "--seq-len", "32", "--batch-size", "4", "--pipeline-micro-batches", "2",
+                    "--eval-batches", "2", "--warmup-steps", "1", "--lr", "1e-2",
+                    "--log-every", "1")
+    assert result.returncode == 0, result.stderr[-2000:]
+    records = read_metrics(run_dir / "metrics" / "pipeline.jsonl")
+    steps = [r["step"] for r in records if r["kind"] == "step"]
+    rounds = [r for r in records if r["kind"] == "sync"]
+    assert [r["outer_step"] for r in rounds] == [1, 2]
+    assert len(steps) > 2 and steps == list(range(1, len(steps) + 1)), steps
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["outer_steps"] == 2 and summary["round_seconds"] == 6.0
+    assert (run_dir / "model.safetensors").is_file()

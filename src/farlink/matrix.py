@@ -356,8 +356,6 @@ RULES: list[Pair | Needs | Unread] = [
                                         {"device": "cuda"}), "stage peers compute on the CPU"),
     _pipeline_refuses("pace_seconds", _flag("pace_seconds", 0.5), "give --slowdown factors "
                       "(one per stage peer) instead"),
-    _pipeline_refuses("round_seconds", ROUND_SECONDS, "a pipeline's stage averages every "
-                      "inner_steps steps"),
     _pipeline_refuses("lighthouse", LIGHTHOUSE, "joining a pipeline is not supported; farlink "
                       "train starts every stage peer itself"),
     # commands that start processes

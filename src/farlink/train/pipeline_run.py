@@ -43,6 +43,7 @@ from farlink.parallel.stages import build_stage, model_parameter_name, stage_bou
 from farlink.state.checkpoint import (is_disk_full, load_newest_intact,
                                       remove_stale_temps, save_checkpoint)
 from farlink.state.files import temp_path
+from farlink.sync.schedule import make_schedule
 from farlink.train.console import console
 from farlink.train.metrics import MetricsLog, read_metrics
 from farlink.train.result import RunResult
@@ -78,6 +79,10 @@ class PipelineRun:
         # the per-run token only this launcher and the stage peers it starts hold: nobody
         # else on the machine can drive them (docs/trust.md)
         self.token = stage_auth.new_token()
+        #: when the stages' rounds fall and when the run ends: every inner_steps steps, or
+        #: with --round-seconds every round_seconds of training (steps / inner_steps rounds)
+        self.schedule = make_schedule(cfg.inner_steps, cfg.steps, cfg.round_seconds)
+        self.round_step = 0  # the step of the stages' last round
         #: --emulate-link: every stage peer's link (activations, gradients, the trainer's
         #: averaging traffic) and the link its stage's members exchange over
         self.link = (LinkModel.of_profile(get_profile(cfg.emulate_link))
@@ -213,6 +218,8 @@ class PipelineRun:
                       for r in read_metrics(self.metrics.path)
                       if r["kind"] == "eval" and r["step"] <= self.step]
         self.outer.load_state_dict(restored.tensors)
+        self.round_step = (self.step if self.schedule.timed
+                           else self.step - self.step % self.cfg.inner_steps)
         for sampler, state in zip(self.samplers, meta["samplers"]):
             sampler.load_state_dict(state)
         self.trainer.steps = self.step
@@ -241,9 +248,21 @@ class PipelineRun:
         self.evals.append(record)
         return record
 
+    @property
+    def done(self) -> bool:
+        """Whether the run's budget is spent: its steps, or a time budget's rounds."""
+        return self.schedule.finished(self.step, self.outer.rounds)
+
+    def round_due(self) -> bool:
+        """Whether the stages' round falls after the step just taken (and the run's last
+        step, in steps, ends with one)."""
+        return self.schedule.due(self.step) or (not self.schedule.timed and self.done)
+
     def train_step(self) -> float:
         tokens, targets = self.next_batch()
-        report = self.trainer.step(tokens, targets)
+        report = self.trainer.step(tokens, targets,
+                                   self.schedule.lr_step(self.step, self.outer.rounds))
+        self.schedule.step_taken()
         self.step += 1
         self.tokens += report.tokens
         refused = {self.names.get(p, p): why for p, why in report.refused.items()}
@@ -257,12 +276,14 @@ class PipelineRun:
                                refused=refused, bytes=report.bytes)
         return report.loss
 
-    def outer_round(self, final: bool) -> None:
-        """The stages' outer step, then (on their cadence) evaluation and checkpoint."""
+    def outer_round(self) -> None:
+        """The stages' outer step, then (on their cadence) evaluation and checkpoint; the next
+        round's period starts after them."""
         started = time.perf_counter()
+        final = self.schedule.last_round_due(self.step, self.outer.rounds)
         # what each pipeline replica trained on since the stages' last round
-        steps = self.step - (self.outer.rounds * self.cfg.inner_steps)
-        self.outer.sync(max(steps, 1) * self.cfg.tokens_per_step)
+        self.outer.sync(max(self.step - self.round_step, 1) * self.cfg.tokens_per_step)
+        self.round_step = self.step
         rounds = self.outer.rounds
         left_out = {self.names.get(p, p): why for _, p, why in self.outer.left_out}
         for name, why in left_out.items():
@@ -277,6 +298,7 @@ class PipelineRun:
             self.evaluate()
         if rounds % self.cfg.checkpoint_every == 0 or final:
             self.save()
+        self.schedule.start_period()
 
     def save_model(self) -> tuple[Path, str]:
         """The stages' shared θ as one unsplit GPT in ``model.safetensors`` (atomic); its
@@ -307,6 +329,7 @@ class PipelineRun:
             "peers_per_stage": self.replicas, "workers": self.stages * self.replicas,
             "activation_codec": cfg.activation_codec, "inner_steps": cfg.inner_steps,
             "steps": cfg.steps, "steps_done": self.step, "outer_steps": self.outer.rounds,
+            "round_seconds": cfg.round_seconds,
             "final_heldout_loss": final["loss"] if final else None,
             "final_heldout_ppl": final["ppl"] if final else None,
             "total_tokens": self.tokens, "wall_s": round(wall_s, 3),
@@ -334,7 +357,7 @@ def train_pipeline(cfg: RunConfig, data: PreparedData, show_progress: bool = Tru
                   f"each, {cfg.algorithm} within a stage every {cfg.inner_steps} steps, "
                   f"activations {cfg.activation_codec}")
     columns = [TextColumn("[bold blue]{task.description}"), BarColumn(),
-               TextColumn("{task.completed}/{task.total} steps"),
+               TextColumn("{task.completed}/{task.total} {task.fields[unit]}"),
                TextColumn("{task.fields[info]}"), TimeElapsedColumn(), TimeRemainingColumn()]
     try:
         with console.status("starting stage peers"):
@@ -342,22 +365,27 @@ def train_pipeline(cfg: RunConfig, data: PreparedData, show_progress: bool = Tru
         if not (cfg.resume and run.resume()):
             run.evaluate()  # the initial state's held-out loss: what training improves on
         with Progress(*columns, console=console, disable=not show_progress) as progress:
-            task = progress.add_task("training", total=cfg.steps, completed=run.step, info="")
-            while run.step < cfg.steps:
+            timed = run.schedule.timed  # a time budget's progress is its rounds
+            task = progress.add_task(
+                "training", total=run.schedule.total_rounds if timed else cfg.steps,
+                completed=run.outer.rounds if timed else run.step, info="",
+                unit="rounds" if timed else "steps")
+            run.schedule.start_period()
+            while not run.done:
                 interrupt.check()
                 loss = run.train_step()
-                final = run.step == cfg.steps
-                if run.step % cfg.inner_steps == 0 or final:
-                    run.outer_round(final)
+                if run.round_due():
+                    run.outer_round()
                 if cfg.stop_at_step == run.step and run.saved_step != run.step:
                     run.save()  # each peer keeps its own drifted weights: nothing is lost
                 info = f"loss {loss:.3f}"
                 if run.evals:
                     info += f" | held-out {run.evals[-1]['loss']:.3f}"
-                progress.update(task, completed=run.step, info=info)
+                progress.update(task, completed=run.outer.rounds if timed else run.step,
+                                info=info)
                 if cfg.stop_at_step == run.step:
                     break
-        if run.step == cfg.steps:
+        if run.done:
             model = run.save_model()
     except (StageUnavailable, StageError) as exc:
         problem = str(exc)
@@ -380,7 +408,7 @@ def train_pipeline(cfg: RunConfig, data: PreparedData, show_progress: bool = Tru
         if not is_disk_full(exc):
             raise
         console.print(f"[red]disk full writing {cfg.run_dir / 'summary.json'}[/]")
-    if interrupted or run.step < cfg.steps:
+    if interrupted or not run.done:
         console.print(f"checkpoints kept under {run.checkpoints}; continue with "
                       f"`farlink train --resume --run-dir {cfg.run_dir}`")
     return RunResult(cfg.run_dir, [], summary, interrupted, problem)
