@@ -3,7 +3,7 @@ average them, so what a run's exchange does (codecs, --auth, robust aggregation,
 attackers) and the algorithms with stage averaging run in pipelines too.
 
 Each test builds the members from a pipelined run's config exactly as ``farlink train``
-does (:func:`farlink.compose.build_stage`), around real stage peers (:class:`StageWorker`,
+does (:func:`farlink.compose.build_stage_members`), around real stage peers (:class:`StageWorker`,
 reached in-process instead of over a socket) that have trained apart, and runs real rounds
 (members as threads of an in-process group); each checks what fails if the option is
 ignored.
@@ -59,7 +59,7 @@ def _averaging(stage: Stage, peers: dict[str, StageWorker]) -> StageAveraging:
 def _round(cfg: RunConfig, n: int = 2) -> tuple[StageAveraging, dict[str, StageWorker]]:
     """One round of stage 0's ``n`` peers, built from ``cfg`` as farlink train builds it."""
     peers = _peers(n)
-    sync = _averaging(compose.build_stage(cfg, 0, list(peers), _module), peers)
+    sync = _averaging(compose.build_stage_members(cfg, 0, list(peers), _module), peers)
     sync.sync(TOKENS)
     return sync, peers
 
@@ -79,8 +79,9 @@ def test_a_stage_round_in_fp32_takes_the_mean_of_the_peers_weights() -> None:
     dense all-reduce of the members, float noise only)."""
     peers = _peers(2)
     mean = torch.stack([_weights(w) for w in peers.values()]).mean(0)
-    sync = _averaging(compose.build_stage(RunConfig(algorithm="local_sgd", **PIPELINE), 0,
-                                          list(peers), _module), peers)
+    stage = compose.build_stage_members(RunConfig(algorithm="local_sgd", **PIPELINE), 0,
+                                        list(peers), _module)
+    sync = _averaging(stage, peers)
     sync.sync(TOKENS)
     for worker in peers.values():
         torch.testing.assert_close(_weights(worker), mean, rtol=0, atol=1e-6)
@@ -167,8 +168,8 @@ def test_a_left_out_member_is_healed_at_its_next_round() -> None:
     its member is healed from the others (θ, outer momentum, the round count) and the stage's
     members agree again."""
     peers = _peers(3)
-    sync = _averaging(compose.build_stage(RunConfig(**PIPELINE), 0, list(peers), _module),
-                      peers)
+    sync = _averaging(compose.build_stage_members(RunConfig(**PIPELINE), 0, list(peers),
+                                                  _module), peers)
     fetch = sync.fetch
     sync.fetch = lambda peer: None if peer == "s0p2" else fetch(peer)
     sync.sync(TOKENS)
@@ -187,8 +188,9 @@ def test_an_emulated_link_holds_a_stage_s_round_as_long_as_the_link_would() -> N
     from farlink.links import get_profile
 
     peers = _peers(2)
-    sync = _averaging(compose.build_stage(RunConfig(emulate_link="dsl", **PIPELINE), 0,
-                                          list(peers), _module), peers)
+    stage = compose.build_stage_members(RunConfig(emulate_link="dsl", **PIPELINE), 0,
+                                        list(peers), _module)
+    sync = _averaging(stage, peers)
     started = time.perf_counter()
     sync.sync(TOKENS)
     took = time.perf_counter() - started

@@ -64,7 +64,8 @@ def _stage_of_two_peers(algorithm: str) -> tuple[StageAveraging, dict[str, dict]
     from farlink import compose
 
     weights = {"a": {"w": torch.tensor([0.0])}, "b": {"w": torch.tensor([0.0])}}
-    stage = compose.build_stage(RunConfig(algorithm=algorithm), 0, ["a", "b"], _OneWeight)
+    stage = compose.build_stage_members(RunConfig(algorithm=algorithm), 0, ["a", "b"],
+                                        _OneWeight)
     sync = StageAveraging([stage], lambda stage: ["a", "b"], lambda peer: weights[peer],
                           lambda peer, theta: weights.__setitem__(
                               peer, {n: t.detach().clone() for n, t in theta.items()}))
@@ -87,7 +88,7 @@ def test_diloco_within_a_stage_is_nesterov_sgd_on_the_pseudo_gradient() -> None:
     sync.sync(tokens=64)
     assert weights["a"]["w"].item() == weights["b"]["w"].item() == pytest.approx(2.66)
     assert sync.globals[0]["w"].item() == pytest.approx(2.66)
-    again = StageAveraging([compose.build_stage(RunConfig(), 0, ["a"], _OneWeight)],
+    again = StageAveraging([compose.build_stage_members(RunConfig(), 0, ["a"], _OneWeight)],
                            lambda stage: ["a"], lambda peer: {"w": torch.tensor([0.0])},
                            lambda peer, theta: None)
     again.load_state_dict(sync.state_dict())  # θ and the momentum buffer travel together
@@ -104,7 +105,8 @@ def test_a_checkpoint_of_one_theta_per_stage_still_resumes() -> None:
     member takes them."""
     from farlink import compose
 
-    sync = StageAveraging([compose.build_stage(RunConfig(), 0, ["a", "b"], _OneWeight)],
+    stage = compose.build_stage_members(RunConfig(), 0, ["a", "b"], _OneWeight)
+    sync = StageAveraging([stage],
                           lambda stage: ["a", "b"], lambda peer: None, lambda peer, theta: None)
     sync.load_state_dict({"rounds": torch.tensor(3), "stage0.global.w": torch.tensor([2.5]),
                           "stage0.outer.0.momentum_buffer": torch.tensor([0.5])})

@@ -277,7 +277,8 @@ def test_stage_outer_sync_leaves_out_a_member_with_non_finite_weights() -> None:
     weights = {"a": {"w": torch.tensor([1.0, 2.0])}, "b": {"w": torch.tensor([3.0, 4.0])},
                "bad": {"w": torch.tensor([NAN, 1.0])}, "odd": {"w": torch.zeros(3)}}
     stored: dict[str, torch.Tensor] = {}
-    stage = compose.build_stage(RunConfig(algorithm="local_sgd"), 0, list(weights), TwoWeights)
+    stage = compose.build_stage_members(RunConfig(algorithm="local_sgd"), 0, list(weights),
+                                        TwoWeights)
     sync = StageAveraging([stage], lambda stage: list(weights), lambda peer: weights[peer],
                           lambda peer, theta: stored.__setitem__(peer, theta["w"].clone()))
     sync.sync(tokens=64)

@@ -314,8 +314,8 @@ def compose(
                  trainable=[p for p in model.parameters() if p.requires_grad])
 
 
-def build_stage(cfg: RunConfig, stage: int, peers: list[str],
-                module: Callable[[], nn.Module]) -> Stage:
+def build_stage_members(cfg: RunConfig, stage: int, peers: list[str],
+                        module: Callable[[], nn.Module]) -> Stage:
     """The members of one pipeline stage's rounds (:mod:`farlink.parallel.stage_sync`): for
     each of its ``peers`` (peer p of stage s is worker ``s x P + p``, as ``--slowdown`` and
     ``--attackers`` count), the run's algorithm around ``module()`` (a copy of the stage's

@@ -29,10 +29,11 @@ import torch
 
 from farlink import interrupt, lifeline
 from farlink.comm.base import LinkModel
+from farlink.compose import build_stage_members
 from farlink.config import RunConfig
-from farlink.links import get_profile
 from farlink.data import PreparedData, ShardSampler, heldout_batches
 from farlink.data.eval import perplexity
+from farlink.links import get_profile
 from farlink.model import GPT, preset_config
 from farlink.parallel import stage_auth, wire
 from farlink.parallel.peers import StagePeer, start_stage_peer, stop_pipeline
@@ -126,10 +127,8 @@ class PipelineRun:
             if self.link is not None else None,
             pipelines=[[addresses[s][p] for s in range(self.stages)]
                        for p in range(self.replicas)])
-        from farlink import compose
-
         self.outer = StageAveraging(
-            [compose.build_stage(cfg, s, addresses[s],
+            [build_stage_members(cfg, s, addresses[s],
                                  lambda s=s: build_stage(self.config, cfg.seed, s, self.stages))
              for s in range(self.stages)],
             self.trainer.router.live, self._fetch, self._store)
