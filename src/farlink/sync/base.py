@@ -80,8 +80,10 @@ class Capabilities:
     wire_codec: str | None = None  # the codec family it must send with (DeMo: dct_topk)
     sharded: bool = False  # runs on a site's local shards (FSDP2): each rank owns the part of
     #                        its state that matches its shard (elementwise, or per-shard chunks)
-    stage_averaging: bool = False  # its outer step (``outer_optimizer_of``) can join the peers
-    #                                of one pipeline stage (farlink train --pipeline-stages)
+    stage_averaging: bool = False  # its rounds can average the peers of one pipeline stage
+    #                                (farlink train --pipeline-stages): a round at the
+    #                                trainer's call (``count_tokens``, ``sync``) on weights the
+    #                                peer trained elsewhere (:mod:`farlink.parallel.stage_sync`)
     partial_groups: bool = False  # it averages its committed state in groups smaller than the
     #                               swarm (hivemind --group-size, :meth:`mix_group_states`)
 

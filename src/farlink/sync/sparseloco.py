@@ -152,7 +152,7 @@ class SparseLoCo(DiLoCo):
     # DiLoCo's rounds; its plain outer SGD is part of the method (not injected), and it sends
     # with its own codec (the planner prices it: farlink.plan.payload)
     capabilities = Capabilities(planned=True, sharded=True, wire_codec="sparseloco",
-                                time_budget=True, partial_groups=True)
+                                time_budget=True, partial_groups=True, stage_averaging=True)
 
     @classmethod
     def check_run(cls, cfg) -> None:  # noqa: ANN001 - a RunConfig
