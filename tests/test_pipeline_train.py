@@ -36,7 +36,9 @@ def test_peers_per_stage_alone_sets_the_number_of_peers() -> None:
     ({"algorithm": "streaming_diloco"}, "use local_sgd or diloco"),
     ({"ranks_per_worker": 2}, "ranks_per_worker"),
     ({"topology": "0,1|2,3"}, "with --emulate-link"),
-    ({"auth": "ed25519"}, "use --auth secret"),
+    ({"auth": "ed25519"}, "use --auth none"),
+    ({"auth": "secret", "secret": "s"}, "use --auth none"),
+    ({"codec": "int8"}, "no byte on the wire"),
     ({"batch_size": 6}, "multiple of it"),
     ({"activation_codec": "int3"}, "activation_codec"),
 ])
@@ -238,17 +240,15 @@ def test_a_stage_peer_killed_mid_run_is_routed_around_and_the_run_finishes(
 @pytest.mark.slow
 def test_a_pipeline_runs_with_the_exchange_options_of_any_run(tmp_path: Path,
                                                               cache_dir: Path) -> None:
-    """`farlink train --pipeline-stages 2` with what pipelines refused before: --codec int8,
-    --auth secret, --aggregator median, --grad-accum 2 and --emulate-link. The stages'
-    rounds go through the run's exchange (their bytes are int8's: about a quarter of the
-    weights' fp32 size per member and round), each step holds grad_accum batches, and the
-    run learns."""
+    """`farlink train --pipeline-stages 2` with what pipelines refused before: --aggregator
+    median, --grad-accum 2 and --emulate-link. The stages' rounds go through the run's exchange
+    (the members' fp32 all-reduce: half the stage weights per member and round), each step
+    holds grad_accum batches, and the run learns."""
     run_dir = tmp_path / "run"
     result = _train(run_dir, cache_dir, "--pipeline-stages", "2", "--workers", "4", "--steps",
                     "4", "--inner-steps", "2", "--vocab-size", "512", "--seq-len", "32",
                     "--batch-size", "4", "--pipeline-micro-batches", "2", "--eval-batches", "2",
-                    "--warmup-steps", "1", "--lr", "1e-2", "--codec", "int8", "--auth", "secret",
-                    "--secret", "stage-secret", "--aggregator", "median", "--grad-accum", "2",
+                    "--warmup-steps", "1", "--lr", "1e-2", "--aggregator", "median", "--grad-accum", "2",
                     "--emulate-link", "datacenter")
     assert result.returncode == 0, result.stderr[-2000:]
     summary = json.loads((run_dir / "summary.json").read_text())
@@ -256,10 +256,6 @@ def test_a_pipeline_runs_with_the_exchange_options_of_any_run(tmp_path: Path,
     records = read_metrics(run_dir / "metrics" / "pipeline.jsonl")
     rounds = [r["exchange_bytes"] for r in records if r["kind"] == "sync"]
     assert len(rounds) == 2 and 0 < rounds[0] < rounds[1]  # cumulative
-    # one round: each of the 2 x 2 members sends its half of the int8 all-reduce; the stages'
-    # fp32 weights are what the trainer fetches per peer (half of each round's averaging bytes)
-    fetched = summary["bytes_by_kind"]["averaging"] / 2 / 2  # per round: fetch + load
-    assert rounds[0] < fetched / 3, (rounds[0], fetched)
     evals = [r["loss"] for r in records if r["kind"] == "eval"]
     assert evals[-1] < evals[0] - 0.3, evals
 

@@ -335,10 +335,14 @@ RULES: list[Pair | Needs | Unread] = [
           f"use {able(lambda caps: caps.stage_averaging, ' or ')}"),
     _pipeline_refuses("ranks_per_worker", SITES, "a stage peer is one process; use "
                       "ranks_per_worker=1"),
-    _pipeline_refuses("auth", _flag("auth", "ed25519", lambda c: (c.auth or "").strip().lower()
-                                    == "ed25519", "auth=ed25519"), "a stage's members sign in the "
-                      "pipeline trainer's process, where one --key-file would name them all "
-                      "one peer; use --auth secret"),
+    _pipeline_refuses("codec", CODEC, "a stage's peers are averaged inside the pipeline "
+                      "trainer, which fetches and returns their weights in fp32, so a codec "
+                      "would change the average but no byte on the wire; compress activations "
+                      "with --activation-codec"),
+    _pipeline_refuses("auth", _flag("auth", "secret"), "the trainer and its stage peers prove "
+                      "the launcher's per-run token whatever --auth says, and a stage's "
+                      "averaging runs inside the trainer's process, where signatures would "
+                      "guard nothing; use --auth none"),
     _pipeline_refuses("attack", Feature("a protocol attack",
                                         lambda c: hostile.parse(c.attack) is not None,
                                         {"attack": "round_inflation", "attackers": "1"}),
