@@ -307,6 +307,13 @@ class SyncAlgorithm(ABC):
         """Raise ValueError if a run's configuration cannot run this algorithm (its own rules;
         the generic ones come from :attr:`capabilities`)."""
 
+    @classmethod
+    def wire_spec(cls, cfg) -> str:  # noqa: ANN001 - a RunConfig
+        """The codec spec this algorithm's updates go on the wire with under ``cfg``, as the
+        planner (:mod:`farlink.plan.payload`) reads it: the run's ``--codec`` unless the
+        algorithm sends with its own codec (DeMo, SparseLoCo), whose knobs then set it."""
+        return cfg.codec
+
     # --- the training loop's view -------------------------------------------------------------
     @abstractmethod
     def step(self, tokens: int) -> StepOutcome:

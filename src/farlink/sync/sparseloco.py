@@ -162,6 +162,10 @@ class SparseLoCo(DiLoCo):
                              f"chunk holds; lower it or raise --sparseloco-chunk "
                              f"({cfg.sparseloco_chunk})")
 
+    @classmethod
+    def wire_spec(cls, cfg) -> str:  # noqa: ANN001 - a RunConfig
+        return f"sparseloco:{cfg.sparseloco_chunk}:{cfg.sparseloco_topk}"
+
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         cfg = self.cfg
