@@ -102,6 +102,7 @@ ON_THEIR_OWN = {
     "inner_steps", "steps", "lr", "warmup_steps", "weight_decay", "grad_clip", "round_retries",
     "demo_beta", "demo_chunk", "demo_topk", "demo_lr", "outer_lr", "outer_momentum",
     "sparseloco_lr", "sparseloco_beta", "sparseloco_chunk", "sparseloco_topk", "overlap_steps",
+    "sparseloco_variant", "sparseloco_tile",
     "mix_alpha", "vocab_size", "seq_len", "batch_size", "seed", "round_timeout",
     "join_timeout", "heartbeat_timeout", "quorum_timeout", "run_dir", "cache_dir", "eval_every",
     "eval_batches", "checkpoint_every", "log_every",

@@ -79,7 +79,8 @@ def test_payload_bytes_per_codec(spec, per_param):
 # every codec a run can send with, as a run names it; SparseLoCo's own is built by the algorithm
 REAL_MODEL_SPECS = ["fp32", "fp16", "bf16", "int8", "int4", "int8:128:fp32", "topk",
                     "topk:0.05:fp16", "dct_topk", "dct_topk:64:32", "dct_topk:64:32:fp16",
-                    "dct_topk:32:16", "sparseloco", "sparseloco:1024:8"]
+                    "dct_topk:32:16", "sparseloco", "sparseloco:1024:8", "sparseloco:tiles",
+                    "sparseloco:tiles:32:16"]
 
 
 @pytest.fixture(scope="module")
@@ -102,10 +103,12 @@ def test_planner_payload_is_what_the_codec_encodes_on_a_real_model(spec, tiny_mo
     ``dct_topk:64:32`` was once priced as 32 of every 64 values: 41x its real size."""
     from farlink.codecs import make_codec
     from farlink.sync.sparseloco import SparseTwoBitCodec
+    from farlink.sync.sparseloco_tiles import TiledTwoBitCodec
 
     name, _, arg = spec.partition(":")
-    codec = (SparseTwoBitCodec(*map(int, arg.split(":"))) if arg else SparseTwoBitCodec()) \
-        if name == "sparseloco" else make_codec(spec)
+    numbers = [int(a) for a in arg.split(":") if a.isdigit()]
+    codec = make_codec(spec) if name != "sparseloco" else TiledTwoBitCodec(*numbers) \
+        if arg.startswith("tiles") else SparseTwoBitCodec(*numbers)
     encoded = sum(len(codec.encode(t)) for t in tiny_model_tensors)
     n_params = sum(t.numel() for t in tiny_model_tensors)
     assert codec_cost(spec).payload_bytes(n_params) == pytest.approx(encoded, rel=0.05)

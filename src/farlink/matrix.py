@@ -27,6 +27,7 @@ indices in range) are not rows: they are not pairs of features, and stay with th
 
 from __future__ import annotations
 
+import typing
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -138,10 +139,14 @@ def _options(name: str) -> dict[str, Any]:
 
 
 def _other_value(config: type, name: str) -> Any:
-    """A value of option ``name`` other than its default (half of it), for a row's example."""
-    default = config.model_fields[name].default
+    """A value of option ``name`` other than its default (half of it; another choice of a
+    ``Literal``), for a row's example."""
+    info = config.model_fields[name]
+    default = info.default
     if isinstance(default, bool):
         return not default
+    if isinstance(default, str):
+        return next(c for c in typing.get_args(info.annotation) if c != default)
     return default // 2 if isinstance(default, int) else default / 2
 
 

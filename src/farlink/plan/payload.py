@@ -24,6 +24,7 @@ TOPK_VALUE = "fp32"  # a kept entry's value, fp32 unless ``topk:FRACTION:fp16``
 TOPK_INDEX_BYTES = 4  # the largest fixed index format (uint32) the top-k codec falls back to
 DCT_VALUE_BYTES = {"fp32": 4, "fp16": 2}  # a kept DCT coefficient on farlink's wire
 SPARSELOCO_CHUNK, SPARSELOCO_TOPK = 4096, 64  # SparseLoCo's defaults (the paper's density)
+SPARSELOCO_TILE = 64  # the authors' variant: 64x64 tiles
 DEFAULT_TOPK_FRACTION = 0.01
 DEFAULT_DCT_CHUNK = 64  # side of a DCT tile: DeMo cuts matrices into 64x64 blocks
 DEFAULT_DCT_TOPK = 32  # coefficients kept per tile (DeMo reference: compression_topk=32)
@@ -106,7 +107,10 @@ def _dct_topk(arg: str | None) -> float:
 def _sparseloco(arg: str | None) -> float:
     """``sparseloco[:CHUNK:TOPK]``: TOPK entries kept per CHUNK, each a 2-bit value and a
     ``ceil(log2 CHUNK)``-bit index (:mod:`farlink.sync.sparseloco`; its 16 bytes of bin means
-    per tensor are a negligible share of a large model). 4096:64 by default, the paper's."""
+    per tensor are a negligible share of a large model). 4096:64 by default, the paper's.
+    ``sparseloco:tiles[:TILE:TOPK]`` is the authors' variant (:func:`_sparseloco_tiles`)."""
+    if arg is not None and arg.partition(":")[0] == "tiles":
+        return _sparseloco_tiles(arg.partition(":")[2] or None)
     chunk, k = SPARSELOCO_CHUNK, SPARSELOCO_TOPK
     if arg is not None:
         left, sep, right = arg.partition(":")
@@ -116,6 +120,25 @@ def _sparseloco(arg: str | None) -> float:
     if not 0 < k <= chunk:
         raise PlanInputError(f"sparseloco needs 0 < topk <= chunk, got {chunk}:{k}")
     return k / chunk * (2 + max(1, (chunk - 1).bit_length())) / 8
+
+
+def _sparseloco_tiles(arg: str | None) -> float:
+    """``sparseloco:tiles[:TILE:TOPK]``, SparseLoCo as its authors run it
+    (:mod:`farlink.sync.sparseloco_tiles`): TOPK entries kept per TILE x TILE tile of a matrix,
+    each a 2-bit value and a ``ceil(log2 TILE**2)``-bit index; 64:64 by default (12-bit indices,
+    the same density as the paper's 64 of 4096). 1-D tensors, sent whole at 2 bits an entry,
+    are a negligible share of a large model."""
+    tile, k = SPARSELOCO_TILE, SPARSELOCO_TOPK
+    if arg is not None:
+        left, sep, right = arg.partition(":")
+        if not sep:
+            raise PlanInputError(f"sparseloco:tiles argument must look like TILE:TOPK, got {arg!r}")
+        tile, k = int(_number(left, "sparseloco tile")), int(_number(right, "sparseloco topk"))
+    if tile < 1 or k < 1:
+        raise PlanInputError(f"sparseloco:tiles needs TILE and TOPK >= 1, got {tile}:{k}")
+    cells = tile * tile
+    k = min(k, cells)
+    return k / cells * (2 + max(1, (cells - 1).bit_length())) / 8
 
 
 def _number(text: str, what: str) -> float:
