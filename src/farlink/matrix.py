@@ -297,6 +297,9 @@ RULES: list[Pair | Needs | Unread] = [
             f"backend, not {c.backend}") for backend in BACKENDS],
     Needs(_flag("codec", "int8", _codec_not_own, "codec (not the algorithm's own)"), _own_codec,
           _codec_why),
+    Needs(_flag("inner", "muon"), lambda caps: caps.inner_optimizer,
+          lambda c: f"{c.algorithm} steps with its own update rule, not an inner optimizer; "
+          f"--inner {c.inner} applies to {able(lambda caps: caps.inner_optimizer)}"),
     Needs(ISLAND_OPTIONS, lambda caps: caps.islands,
           lambda c: "islands, island_seconds and overlap_global apply to "
           f"{able(lambda caps: caps.islands, ', ')} only"),
