@@ -32,6 +32,10 @@ meths = [
     Method("sparseloco-authors-k64", "sparseloco-authors", {"sparseloco_topk": 64}),
     Method("diloco-muon", "diloco", {"inner": "muon"}),
     Method("sparseloco-muon-k64", "sparseloco", {"sparseloco_topk": 64, "inner": "muon"}),
+    # the outer step off the critical path: one fragment whose averaged update lands 9 of the
+    # 10 inner steps later, mixed half-and-half into the local model (Streaming DiLoCo, P = 1)
+    Method("diloco-delayed-9", "diloco",
+           {"algorithm": "streaming_diloco", "fragments": 1, "overlap_steps": 9}),
 ]
 base = {"model": "nano", "workers": 4, "steps": int(sys.argv[2]), "batch_size": 8, "seq_len": 64,
         "warmup_steps": 20, "eval_batches": 16}
