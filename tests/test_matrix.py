@@ -105,7 +105,7 @@ ON_THEIR_OWN = {
     "sparseloco_variant", "sparseloco_tile",
     "mix_alpha", "vocab_size", "seq_len", "batch_size", "seed", "round_timeout",
     "join_timeout", "heartbeat_timeout", "quorum_timeout", "run_dir", "cache_dir", "eval_every",
-    "eval_batches", "checkpoint_every", "log_every",
+    "eval_batches", "checkpoint_every", "log_every", "log_to",
 }
 
 

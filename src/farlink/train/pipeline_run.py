@@ -42,6 +42,7 @@ from farlink.state.checkpoint import (is_disk_full, load_newest_intact,
                                       remove_stale_temps, save_checkpoint)
 from farlink.state.files import temp_path
 from farlink.train.console import console
+from farlink.loggers import open_sinks
 from farlink.train.metrics import MetricsLog, read_metrics
 from farlink.train.result import RunResult
 
@@ -62,7 +63,8 @@ class PipelineRun:
         self.config = preset_config(cfg.model, vocab_size=data.vocab_size, seq_len=cfg.seq_len)
         self.bounds = stage_bounds(self.config.n_layer, self.stages)
         self.checkpoints = cfg.run_dir / "checkpoints"
-        self.metrics = MetricsLog(cfg.run_dir / "metrics" / "pipeline.jsonl")
+        self.metrics = MetricsLog(cfg.run_dir / "metrics" / "pipeline.jsonl",
+                                  open_sinks(cfg.log_to, cfg.run_dir, name="pipeline"))
         self.samplers = [ShardSampler(data.train, p, self.replicas, cfg.seq_len, cfg.batch_size,
                                       cfg.seed) for p in range(self.replicas)]
         self.heldout = heldout_batches(data.heldout, cfg.seq_len, cfg.batch_size,
