@@ -27,6 +27,7 @@ indices in range) are not rows: they are not pairs of features, and stay with th
 
 from __future__ import annotations
 
+import typing
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -139,10 +140,14 @@ def _options(name: str) -> dict[str, Any]:
 
 
 def _other_value(config: type, name: str) -> Any:
-    """A value of option ``name`` other than its default (half of it), for a row's example."""
-    default = config.model_fields[name].default
+    """A value of option ``name`` other than its default (half of it; another choice of a
+    ``Literal``), for a row's example."""
+    info = config.model_fields[name]
+    default = info.default
     if isinstance(default, bool):
         return not default
+    if isinstance(default, str):
+        return next(c for c in typing.get_args(info.annotation) if c != default)
     return default // 2 if isinstance(default, int) else default / 2
 
 
@@ -293,6 +298,9 @@ RULES: list[Pair | Needs | Unread] = [
             f"backend, not {c.backend}") for backend in BACKENDS],
     Needs(_flag("codec", "int8", _codec_not_own, "codec (not the algorithm's own)"), _own_codec,
           _codec_why),
+    Needs(_flag("inner", "muon"), lambda caps: caps.inner_optimizer,
+          lambda c: f"{c.algorithm} steps with its own update rule, not an inner optimizer; "
+          f"--inner {c.inner} applies to {able(lambda caps: caps.inner_optimizer)}"),
     Needs(ISLAND_OPTIONS, lambda caps: caps.islands,
           lambda c: "islands, island_seconds and overlap_global apply to "
           f"{able(lambda caps: caps.islands, ', ')} only"),

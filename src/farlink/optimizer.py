@@ -25,7 +25,9 @@ all is :data:`farlink.ALGORITHMS`). Any backend
 ``inprocess``: peers as threads, or one process alone), any codec and aggregator, and
 authentication (``auth="secret"``/``"ed25519"``) work the same way, since they sit below the
 algorithm. Peers that join late heal from live ones (``join()``); a lagging one heals inside a
-round. Every option is a ``farlink train`` flag (same name, ``_`` for ``-``).
+round. Every option is a ``farlink train`` flag (same name, ``_`` for ``-``). Without an
+optimizer of yours, farlink builds AdamW, or with ``inner="muon"`` Muon for the hidden matrices
+and AdamW for the rest (:class:`farlink.sync.muon.MuonAdamW`, which you may also build and pass).
 
 The model may live on any device (move it there before building its optimizer): the global
 copy, the outer optimizer's state, pseudo-gradients and codec residuals are kept on that device
