@@ -108,7 +108,13 @@ def test_frontier_toy_run_has_every_method_exact_bytes_and_the_sweep(
 
     # the sweep: every point recorded with its loss, the best used by every method of the family
     sweep = doc["sweep"]
-    assert set(sweep) == {"ddp", "ddp-small-batch", "diloco", "sparseloco", "demo"}
+    assert set(sweep) == {"ddp", "ddp-small-batch", "diloco", "sparseloco",
+                          "sparseloco-authors", "demo"}
+    authors, muon = by_label["sparseloco-authors-k64"], by_label["diloco-muon"]
+    assert authors["config"]["sparseloco_variant"] == "authors"
+    assert authors["lrs_from_sweep"] == sweep["sparseloco-authors"]["best"]
+    assert muon["config"]["inner"] == "muon" and muon["lrs_from_sweep"] == sweep["diloco"]["best"]
+    assert by_label["sparseloco-muon-k64"]["config"]["inner"] == "muon"
     points = sweep["ddp"]["points"]
     # two points: the better is on an edge, so one more step outwards was tried (one round)
     first_best = min(points[:2], key=lambda p: p["final_heldout_loss"])["lr"]
@@ -131,7 +137,7 @@ def test_frontier_toy_run_has_every_method_exact_bytes_and_the_sweep(
 
     # --reuse: nothing is trained again, the table is the same
     trained = len(calls)
-    assert trained == 7 + len(methods())  # ddp 3 (one extension), 4 other families 1 each
+    assert trained == 8 + len(methods())  # ddp 3 (one extension), 5 other families 1 each
     again = run(tmp_path, base, SWEEP_STEPS, H, family_list=toy_families(), reuse=True,
                 train=train, plot=False, max_extensions=1)
     assert len(calls) == trained

@@ -65,3 +65,37 @@ def test_a_method_the_planner_cannot_price_is_measured_and_marked_not_planned(
     assert result["predicted"][1]["round_seconds"] > 0
     assert result["errors"]["metrics"]["round_seconds"]["n"] == 1
     assert diloco_measured["round_seconds"] == pytest.approx(1.0)
+
+
+def test_demo_and_sparseloco_are_priced_with_the_codec_their_run_sent_with(
+        tmp_path: Path) -> None:
+    """The planner check once priced DeMo's and SparseLoCo's payloads as ``NAME:64:32`` whatever
+    the run sent: DeMo at 41x its size, SparseLoCo at 50% density instead of 1.56%. Each run's
+    row carries its algorithm's wire spec (the run's chunk and k), and that is what is priced."""
+    from farlink.config import RunConfig
+    from farlink.plan import predict_round
+    from farlink.sync import algorithm_class
+
+    link = get_profile("intercontinental")
+    specs = {a: algorithm_class(a).wire_spec(RunConfig(algorithm=a)) for a in ("demo", "sparseloco")}
+    assert specs == {"demo": "dct_topk:64:32", "sparseloco": "sparseloco:4096:64"}
+    assert algorithm_class("sparseloco").wire_spec(RunConfig(
+        algorithm="sparseloco", sparseloco_chunk=1024, sparseloco_topk=8)) == "sparseloco:1024:8"
+    for label in specs:
+        write_round_logs(tmp_path / label, rounds=4)
+    rows = [row(a, a) | {"wire_spec": specs[a]} for a in specs]
+    result = validate_planner(rows, get_profile("intercontinental"), tmp_path)
+    from farlink.model import preset_config
+
+    n_params = preset_config("tiny").num_parameters()
+    for r, predicted, measured in zip(rows, result["predicted"], result["measured"]):
+        expected = predict_round(
+            r["algorithm"], WORKERS, measured["step_seconds"], link.bandwidth_bps,
+            link.latency_s, jitter_s=link.jitter_s, loss=link.loss, n_params=n_params,
+            inner_steps=H, codec=specs[r["algorithm"]],
+            straggler_sigma=measured["straggler_sigma"], local_seconds=measured["local_seconds"])
+        assert predicted["comm_seconds"] == pytest.approx(expected.comm_seconds)
+    # the old price: 32 of every 64 values
+    wrong = predict_round("demo", WORKERS, 0.1, link.bandwidth_bps, link.latency_s,
+                          n_params=n_params, codec="dct_topk:64:32")
+    assert wrong.bytes_sent_per_round < 0.1 * WORKERS * n_params

@@ -95,7 +95,7 @@ SETTINGS: list[dict[str, Any]] = [
     {"model": "hf:model-dir"}, {"tokenizer": "tokenizer.json"}, {"corpus": "text.txt"},
     {"grad_accum": 2}, {"precision": "bf16"}, {"device": "cuda"}, {"device": "cuda:0"},
     {"device": "cpu"}, {"slowdown": "1,2"}, {"pace_seconds": 0.5}, {"threads": 2},
-    {"resume": True}, {"overwrite": True}, {"stop_at_step": 10}, {"host": "10.0.0.1"},
+    {"resume": True}, {"overwrite": True}, {"inner": "muon"}, {"stop_at_step": 10}, {"host": "10.0.0.1"},
 ]
 # Fields whose values have no pair rule: each checked on its own (a bound, a parse) or read by
 # one component only. A new field goes above (it may refuse a pair) or here, deliberately.
@@ -103,9 +103,10 @@ ON_THEIR_OWN = {
     "inner_steps", "steps", "lr", "warmup_steps", "weight_decay", "grad_clip", "round_retries",
     "demo_beta", "demo_chunk", "demo_topk", "demo_lr", "outer_lr", "outer_momentum",
     "sparseloco_lr", "sparseloco_beta", "sparseloco_chunk", "sparseloco_topk", "overlap_steps",
+    "sparseloco_variant", "sparseloco_tile",
     "mix_alpha", "vocab_size", "seq_len", "batch_size", "seed", "round_timeout",
     "join_timeout", "heartbeat_timeout", "quorum_timeout", "run_dir", "cache_dir", "eval_every",
-    "eval_batches", "checkpoint_every", "log_every", "score_rows", "score_threshold",
+    "eval_batches", "checkpoint_every", "log_every", "log_to", "score_rows", "score_threshold",
     "score_turns",
 }
 

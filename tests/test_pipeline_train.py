@@ -16,9 +16,8 @@ from farlink.config import RunConfig
 from farlink.model import GPTConfig
 from farlink.parallel import wire
 from farlink.parallel.stage_server import StageWorker
-from farlink.parallel.stage_sync import StageOuterSync
+from farlink.parallel.stage_sync import StageAveraging
 from farlink.parallel.stages import build_stage
-from farlink.sync import algorithm_class
 from farlink.state.checkpoint import checkpoint_path, load_checkpoint
 from farlink.train.metrics import read_metrics
 
@@ -36,8 +35,10 @@ def test_peers_per_stage_alone_sets_the_number_of_peers() -> None:
     ({"algorithm": "ddp"}, "use local_sgd or diloco"),
     ({"algorithm": "streaming_diloco"}, "use local_sgd or diloco"),
     ({"ranks_per_worker": 2}, "ranks_per_worker"),
-    ({"grad_accum": 2}, "raise batch_size and pipeline_micro_batches"),
-    ({"codec": "int8"}, "--activation-codec"),
+    ({"topology": "0,1|2,3"}, "with --emulate-link"),
+    ({"auth": "ed25519"}, "use --auth none"),
+    ({"auth": "secret", "secret": "s"}, "use --auth none"),
+    ({"codec": "int8"}, "no byte on the wire"),
     ({"batch_size": 6}, "multiple of it"),
     ({"activation_codec": "int3"}, "activation_codec"),
 ])
@@ -53,36 +54,70 @@ def test_peers_per_stage_without_pipeline_stages_is_refused() -> None:
 
 
 # -- the outer step within a stage -------------------------------------------------------------
-def _stage_of_two_peers(algorithm: str) -> tuple[StageOuterSync, dict[str, dict]]:
+class _OneWeight(torch.nn.Module):
+    """A stage module of one parameter ``w`` (the run's initial θ = 0)."""
+
+    def __init__(self, size: int = 1) -> None:
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.zeros(size))
+
+
+def _stage_of_two_peers(algorithm: str) -> tuple[StageAveraging, dict[str, dict]]:
+    from farlink import compose
+
     weights = {"a": {"w": torch.tensor([0.0])}, "b": {"w": torch.tensor([0.0])}}
-    cfg = RunConfig(algorithm=algorithm)
-    sync = StageOuterSync(1, algorithm_class(algorithm).outer_optimizer_of(cfg),
-                          lambda stage: ["a", "b"], lambda peer: weights[peer],
+    stage = compose.build_stage_members(RunConfig(algorithm=algorithm), 0, ["a", "b"],
+                                        _OneWeight)
+    sync = StageAveraging([stage], lambda stage: ["a", "b"], lambda peer: weights[peer],
                           lambda peer, theta: weights.__setitem__(
-                              peer, {n: t.clone() for n, t in theta.items()}))
+                              peer, {n: t.detach().clone() for n, t in theta.items()}))
     weights["a"], weights["b"] = {"w": torch.tensor([1.0])}, {"w": torch.tensor([3.0])}
     return sync, weights
 
 
 def test_local_sgd_within_a_stage_takes_the_peers_mean() -> None:
     sync, weights = _stage_of_two_peers("local_sgd")
-    sync.sync()
+    sync.sync(tokens=64)
     assert weights["a"]["w"].item() == weights["b"]["w"].item() == pytest.approx(2.0)
 
 
 def test_diloco_within_a_stage_is_nesterov_sgd_on_the_pseudo_gradient() -> None:
     """θ=0, peers at 1 and 3: Δ = θ - mean = -2; Nesterov (lr 0.7, momentum 0.9) steps by
     Δ + 0.9 Δ = -3.8, so θ = 0 - 0.7 x -3.8 = 2.66; both peers continue from it."""
+    from farlink import compose
+
     sync, weights = _stage_of_two_peers("diloco")
-    sync.sync()
+    sync.sync(tokens=64)
     assert weights["a"]["w"].item() == weights["b"]["w"].item() == pytest.approx(2.66)
     assert sync.globals[0]["w"].item() == pytest.approx(2.66)
-    again = StageOuterSync(1, algorithm_class("diloco").outer_optimizer_of(RunConfig()),
+    again = StageAveraging([compose.build_stage_members(RunConfig(), 0, ["a"], _OneWeight)],
                            lambda stage: ["a"], lambda peer: {"w": torch.tensor([0.0])},
                            lambda peer, theta: None)
     again.load_state_dict(sync.state_dict())  # θ and the momentum buffer travel together
     assert again.globals[0]["w"].item() == pytest.approx(2.66)
     assert again.rounds == 1
+    momentum = {k: v for k, v in sync.state_dict().items() if ".outer." in k}
+    assert momentum and all(torch.equal(v, again.state_dict()[k]) for k, v in momentum.items()
+                            if k.startswith("stage0.member0."))
+
+
+def test_a_checkpoint_of_one_theta_per_stage_still_resumes() -> None:
+    """A trainer checkpoint written before a stage's peers were members of a collective holds
+    one θ and outer optimizer per stage (``stage0.global.w``, ``stage0.outer.0.*``): every
+    member takes them."""
+    from farlink import compose
+
+    stage = compose.build_stage_members(RunConfig(), 0, ["a", "b"], _OneWeight)
+    sync = StageAveraging([stage],
+                          lambda stage: ["a", "b"], lambda peer: None, lambda peer, theta: None)
+    sync.load_state_dict({"rounds": torch.tensor(3), "stage0.global.w": torch.tensor([2.5]),
+                          "stage0.outer.0.momentum_buffer": torch.tensor([0.5])})
+    assert sync.rounds == 3 and sync.globals[0]["w"].item() == 2.5
+    for member in sync.stages[0].members:
+        assert member.algorithm.outer_step == 3
+        assert member.weights()["w"].item() == 2.5
+        assert member.algorithm.outer_opt.state[member.algorithm.global_params[0]][
+            "momentum_buffer"].item() == 0.5
 
 
 # -- a stage peer's own checkpoint -------------------------------------------------------------
@@ -199,4 +234,51 @@ def test_a_stage_peer_killed_mid_run_is_routed_around_and_the_run_finishes(
     assert list(summary["live_peers"].values()).count(False) == 1
     evals = [r["loss"] for r in records if r["kind"] == "eval"]
     assert evals[-1] < evals[0] - 0.5, evals
+    assert (run_dir / "model.safetensors").is_file()
+
+
+@pytest.mark.slow
+def test_a_pipeline_runs_with_the_exchange_options_of_any_run(tmp_path: Path,
+                                                              cache_dir: Path) -> None:
+    """`farlink train --pipeline-stages 2` with what pipelines refused before: --aggregator
+    median, --grad-accum 2 and --emulate-link. The stages' rounds go through the run's exchange
+    (the members' fp32 all-reduce: half the stage weights per member and round), each step
+    holds grad_accum batches, and the run learns."""
+    run_dir = tmp_path / "run"
+    result = _train(run_dir, cache_dir, "--pipeline-stages", "2", "--workers", "4", "--steps",
+                    "4", "--inner-steps", "2", "--vocab-size", "512", "--seq-len", "32",
+                    "--batch-size", "4", "--pipeline-micro-batches", "2", "--eval-batches", "2",
+                    "--warmup-steps", "1", "--lr", "1e-2", "--aggregator", "median", "--grad-accum", "2",
+                    "--emulate-link", "datacenter")
+    assert result.returncode == 0, result.stderr[-2000:]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["total_tokens"] == 4 * 2 * 2 * 4 * 32  # steps x replicas x grad_accum x batch
+    records = read_metrics(run_dir / "metrics" / "pipeline.jsonl")
+    rounds = [r["exchange_bytes"] for r in records if r["kind"] == "sync"]
+    assert len(rounds) == 2 and 0 < rounds[0] < rounds[1]  # cumulative
+    evals = [r["loss"] for r in records if r["kind"] == "eval"]
+    assert evals[-1] < evals[0] - 0.3, evals
+
+
+@pytest.mark.slow
+def test_a_pipeline_with_round_seconds_runs_as_many_steps_as_fit_in_each_round(
+        tmp_path: Path, cache_dir: Path) -> None:
+    """--round-seconds with pipelines (refused before): the run lasts steps / inner_steps
+    rounds of round_seconds each, and a round ends at the step boundary nearest its deadline,
+    however many steps that is (here 2 rounds of 6 s: more than the 2 steps a run of
+    --steps 2 --inner-steps 1 would take without the budget)."""
+    run_dir = tmp_path / "run"
+    result = _train(run_dir, cache_dir, "--pipeline-stages", "2", "--workers", "4", "--steps",
+                    "2", "--inner-steps", "1", "--round-seconds", "6", "--vocab-size", "512",
+                    "--seq-len", "32", "--batch-size", "4", "--pipeline-micro-batches", "2",
+                    "--eval-batches", "2", "--warmup-steps", "1", "--lr", "1e-2",
+                    "--log-every", "1")
+    assert result.returncode == 0, result.stderr[-2000:]
+    records = read_metrics(run_dir / "metrics" / "pipeline.jsonl")
+    steps = [r["step"] for r in records if r["kind"] == "step"]
+    rounds = [r for r in records if r["kind"] == "sync"]
+    assert [r["outer_step"] for r in rounds] == [1, 2]
+    assert len(steps) > 2 and steps == list(range(1, len(steps) + 1)), steps
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["outer_steps"] == 2 and summary["round_seconds"] == 6.0
     assert (run_dir / "model.safetensors").is_file()

@@ -265,20 +265,28 @@ def test_stage_average_leaves_out_a_member_with_non_finite_weights() -> None:
 
 
 def test_stage_outer_sync_leaves_out_a_member_with_non_finite_weights() -> None:
+    from farlink import compose
     from farlink.config import RunConfig
-    from farlink.parallel.stage_sync import StageOuterSync
-    from farlink.sync import algorithm_class
+    from farlink.parallel.stage_sync import StageAveraging
+
+    class TwoWeights(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.zeros(2))
 
     weights = {"a": {"w": torch.tensor([1.0, 2.0])}, "b": {"w": torch.tensor([3.0, 4.0])},
                "bad": {"w": torch.tensor([NAN, 1.0])}, "odd": {"w": torch.zeros(3)}}
     stored: dict[str, torch.Tensor] = {}
-    sync = StageOuterSync(1, algorithm_class("local_sgd").outer_optimizer_of(RunConfig()),
-                          lambda stage: list(weights), lambda peer: weights[peer],
+    stage = compose.build_stage_members(RunConfig(algorithm="local_sgd"), 0, list(weights),
+                                        TwoWeights)
+    sync = StageAveraging([stage], lambda stage: list(weights), lambda peer: weights[peer],
                           lambda peer, theta: stored.__setitem__(peer, theta["w"].clone()))
-    sync.sync()
+    sync.sync(tokens=64)
     assert torch.equal(sync.globals[0]["w"], torch.tensor([2.0, 3.0]))  # mean of a and b
     assert {peer for _, peer, _ in sync.left_out} == {"bad", "odd"}
     assert all(torch.isfinite(w).all() for w in stored.values())
+    assert set(stored) == set(weights)  # the left-out members take the new θ too
+    assert torch.equal(stored["bad"], torch.tensor([2.0, 3.0]))
 
 
 class Silent(StageWorker):

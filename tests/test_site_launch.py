@@ -3,8 +3,8 @@
 Real processes: a torchft Lighthouse, and two sites, each a real ``torchrun`` of 2 ranks (site 0
 plain torchrun, site 1 through ``farlink.parallel.site_agent``, which binds its store) with
 its own run dir (as two nodes would have), told the Lighthouse and their replica group only
-through ``TORCHFT_LIGHTHOUSE`` and ``REPLICA_GROUP_ID``. The README's two-node recipe is this
-command.
+through ``TORCHFT_LIGHTHOUSE`` and ``REPLICA_GROUP_ID``. The two-node recipe of
+docs/guides/gpus.md is this command.
 """
 
 from __future__ import annotations
@@ -25,8 +25,8 @@ RUN_FLAGS = ["--workers", "2", "--steps", "30", "--inner-steps", "10", "--warmup
 
 
 def site_command(run_dir: Path, cache_dir: Path, *extra: str, bound: bool = False) -> list[str]:
-    """The README's recipe: plain torchrun, or (``bound``) farlink's site agent, which is torchrun
-    with the site's store on ``--host`` only."""
+    """The recipe of docs/guides/gpus.md: plain torchrun, or (``bound``) farlink's site agent,
+    which is torchrun with the site's store on ``--host`` only."""
     launcher = (["-m", "farlink.parallel.site_agent", "--host", "127.0.0.1"] if bound
                 else ["-m", "torch.distributed.run", "--standalone"])
     return [sys.executable, *launcher, "--nproc-per-node", "2", "-m", "farlink.worker",
@@ -46,7 +46,7 @@ def start_sites(tmp_path: Path, cache_dir: Path, lighthouse: str,
                "OMP_NUM_THREADS": "1"}
         log = open(tmp_path / f"site{index}.log", "wb")
         argv = site_command(tmp_path / f"site{index}", cache_dir, *flags_of(index),
-                            bound=index == 1)  # both launchers of the README's recipe
+                            bound=index == 1)  # both launchers of the recipe
         sites.append(subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT))
     return sites
 

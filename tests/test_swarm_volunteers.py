@@ -160,13 +160,15 @@ def test_definition_holds_no_secret_and_no_paths_of_the_starting_machine(
 
     cfg = load_config(None, {"vocab_size": 512, "workers": 2, "backend": "hivemind",
                              "auth": "secret", "secret": SECRET, "run_dir": tmp_path / "run",
-                             "cache_dir": cache_dir})
+                             "cache_dir": cache_dir, "log_to": "tensorboard"})
     data = prepare_data(cfg.corpus, cfg.vocab_size, cfg.cache_dir)
     blob = make_definition(cfg, data)
     assert SECRET.encode() not in blob
     body = json.loads(blob)
-    for field in ("secret", "secret_file", "run_dir", "cache_dir", "key_file", "host"):
+    for field in ("secret", "secret_file", "run_dir", "cache_dir", "key_file", "host", "log_to"):
         assert field not in body["config"], field
+    # where the organizer's metrics go is its machine's: volunteers choose their own --log-to
+    assert make_definition(cfg.model_copy(update={"log_to": ""}), data) == blob
     assert str(tmp_path).encode() not in blob and str(cache_dir).encode() not in blob
     assert body["config"]["workers"] == 2 and body["data"]["train_tokens"] == len(data.train)
     assert make_definition(cfg, data) == blob  # one run, one digest

@@ -5,7 +5,8 @@ The public API is :class:`farlink.Optimizer` (see :mod:`farlink.optimizer`): it 
 :data:`ALGORITHMS` names them all: DDP, local SGD, DiLoCo and its streaming and hierarchical
 forms, DeMo, SparseLoCo, ...) on any backend (``torchft``, ``hivemind``, ``inprocess``) with any
 codec and aggregator; ``farlink train`` and ``farlink join`` are its first clients. Also
-exported: :class:`RunConfig` (every option, the same as the CLI flags) and :data:`ALGORITHMS`.
+exported: :class:`RunConfig` (every option, the same as the CLI flags), :data:`ALGORITHMS`, and
+:class:`Reporter` with :func:`open_sinks` (TensorBoard and W&B, :mod:`farlink.loggers`).
 
 Data flows one way: ``data`` -> ``train`` (inner steps) -> ``sync`` (outer step through ``comm``,
 with ``codecs`` and ``robust`` aggregation) -> ``train``. An algorithm never imports a backend;
@@ -19,9 +20,12 @@ _EXPORTS = {
     "RunConfig": "farlink.config",
     "ALGORITHMS": "farlink.sync",
     "StepOutcome": "farlink.sync",
+    "Reporter": "farlink.loggers",
+    "open_sinks": "farlink.loggers",
 }
 # _EXPORTS by name: a literal list, so that linters and IDEs read it
-__all__ = ["__version__", "Optimizer", "RunConfig", "ALGORITHMS", "StepOutcome"]
+__all__ = ["__version__", "Optimizer", "RunConfig", "ALGORITHMS", "StepOutcome", "Reporter",
+           "open_sinks"]
 
 
 def __getattr__(name: str) -> object:

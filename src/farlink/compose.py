@@ -14,6 +14,7 @@ into :func:`compose`.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -22,10 +23,11 @@ from torch import nn
 
 from farlink.codecs import make_compressor
 from farlink.comm.base import Collective, LinkModel
-from farlink.comm.inprocess import InProcessGroup
+from farlink.comm.inprocess import DrivenGroup, InProcessGroup
 from farlink.config import RunConfig
 from farlink.links import get_profile
 from farlink.parallel.sharding import Site, model_is_sharded
+from farlink.parallel.stage_sync import Stage, StageMember
 from farlink.robust import hostile
 from farlink.robust.aggregators import make_aggregator
 from farlink.robust.attacks import make_attack
@@ -341,3 +343,27 @@ def compose(
                  checkpoint_writes=checkpoint_writes, tiers=tiers, site=site,
                  whole_replica_site=whole_replica_site,
                  trainable=[p for p in model.parameters() if p.requires_grad])
+
+
+def build_stage_members(cfg: RunConfig, stage: int, peers: list[str],
+                        module: Callable[[], nn.Module]) -> Stage:
+    """The members of one pipeline stage's rounds (:mod:`farlink.parallel.stage_sync`): for
+    each of its ``peers`` (peer p of stage s is worker ``s x P + p``, as ``--slowdown`` and
+    ``--attackers`` count), the run's algorithm around ``module()`` (a copy of the stage's
+    module at the run's initial weights) with its own exchange: the run's codec, aggregator,
+    authentication, screen and emulated attack, as every replica of a run has. With
+    ``emulate_link``, the members' collectives take as long as that link would."""
+    link = (LinkModel.of_profile(get_profile(cfg.emulate_link))
+            if cfg.emulate_link is not None else None)
+    group = DrivenGroup(len(peers), link)
+    ledger = ContributionLedger()
+    cls = algorithm_class(cfg.algorithm)
+    members = []
+    for p, peer in enumerate(peers):
+        collective = group.member(p)
+        exchange = build_exchange(cfg, collective, f"s{stage}p{p}", stage * len(peers) + p,
+                                  ledger)
+        # no inner steps here (the peer takes them): the inner optimizer is never stepped
+        members.append(StageMember(peer, cls(module(), cfg, collective, exchange,
+                                             lr_schedule=False)))
+    return Stage(group, members)

@@ -69,6 +69,16 @@ class RunDirOptions(BaseModel):
         False, exclude=True, description="start afresh in a run dir that holds a run: the old "
         "one is moved aside to DIR.old-<time>, never deleted")
     log_every: int = Field(10, ge=1, description="inner steps between metric lines")
+    log_to: str = Field("", description="also send the metrics to tensorboard, wandb or both "
+                        "(comma-separated; farlink[metrics]): RUN_DIR/tensorboard/wK, a W&B "
+                        "run per worker (WANDB_MODE=offline keeps it in RUN_DIR/wandb)")
+
+    @field_validator("log_to")
+    @classmethod
+    def _known_sinks(cls, value: str) -> str:
+        from farlink.loggers import parse_spec
+
+        return ",".join(parse_spec(value))
 
 
 #: The components a run's config composes, each a config that lives next to what it configures

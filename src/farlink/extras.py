@@ -17,7 +17,11 @@ EXTRAS = {
     "datasets": "hf",
     "hivemind": "community",
     "matplotlib": "plots",
+    "tensorboard": "metrics",
+    "wandb": "metrics",
 }
+#: extras ``farlink[all]`` leaves out (``farlink[test]`` installs them as well)
+NOT_IN_ALL = frozenset({"metrics"})
 
 
 class MissingExtra(ImportError):
@@ -38,5 +42,6 @@ def require(module: str, purpose: str) -> ModuleType:
     except ImportError as exc:
         if exc.name is not None and exc.name.split(".")[0] != top:
             raise  # the package is there but one of its own dependencies is broken: show that
+        also = "" if extra in NOT_IN_ALL else " (or 'farlink[all]')"
         raise MissingExtra(f"{purpose} needs {top}, which is not installed: "
-                           f"{install_hint(extra)} (or 'farlink[all]')") from exc
+                           f"{install_hint(extra)}{also}") from exc

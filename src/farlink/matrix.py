@@ -27,10 +27,12 @@ indices in range) are not rows: they are not pairs of features, and stay with th
 
 from __future__ import annotations
 
+import typing
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from farlink.robust import hostile
 from farlink.robust.hostile import NOT_ON_TORCHFT
 from farlink.sync import ALGORITHMS, Capabilities, algorithm_class, algorithm_options
 
@@ -138,10 +140,14 @@ def _options(name: str) -> dict[str, Any]:
 
 
 def _other_value(config: type, name: str) -> Any:
-    """A value of option ``name`` other than its default (half of it), for a row's example."""
-    default = config.model_fields[name].default
+    """A value of option ``name`` other than its default (half of it; another choice of a
+    ``Literal``), for a row's example."""
+    info = config.model_fields[name]
+    default = info.default
     if isinstance(default, bool):
         return not default
+    if isinstance(default, str):
+        return next(c for c in typing.get_args(info.annotation) if c != default)
     return default // 2 if isinstance(default, int) else default / 2
 
 
@@ -214,7 +220,7 @@ SCORE = _flag("score", "loss", label="score=loss")
 
 
 def _pipeline_refuses(name: str, feature: Feature, why: str) -> Pair:
-    """A pipeline's stage peers lack ``name``: one wording for all twelve."""
+    """A pipeline's stage peers lack ``name``: one wording for all of them."""
     return Pair(PIPELINE, feature, lambda c: f"pipeline_stages={c.pipeline_stages} does not run "
                 f"with this {name} yet: {why}")
 
@@ -299,6 +305,9 @@ RULES: list[Pair | Needs | Unread] = [
             f"backend, not {c.backend}") for backend in BACKENDS],
     Needs(_flag("codec", "int8", _codec_not_own, "codec (not the algorithm's own)"), _own_codec,
           _codec_why),
+    Needs(_flag("inner", "muon"), lambda caps: caps.inner_optimizer,
+          lambda c: f"{c.algorithm} steps with its own update rule, not an inner optimizer; "
+          f"--inner {c.inner} applies to {able(lambda caps: caps.inner_optimizer)}"),
     Needs(ISLAND_OPTIONS, lambda caps: caps.islands,
           lambda c: "islands, island_seconds and overlap_global apply to "
           f"{able(lambda caps: caps.islands, ', ')} only"),
@@ -338,7 +347,7 @@ RULES: list[Pair | Needs | Unread] = [
          f"{c.ranks_per_worker} ranks of a site on one GPU (NCCL refuses that): give --device "
          "cuda (or auto), which puts rank r on cuda:LOCAL_RANK, and choose the GPUs with "
          "CUDA_VISIBLE_DEVICES"),
-    # pipelines: stage peers average with a copy of the outer step of their own
+    # pipelines: the peers of a stage are the members of a collective in the trainer
     Pair(_flag("peers_per_stage", 2), ONE_STAGE,
          lambda c: "peers_per_stage applies to pipelines: give --pipeline-stages S (2 or more) "
          "too, or drop --peers-per-stage"),
@@ -348,20 +357,23 @@ RULES: list[Pair | Needs | Unread] = [
           f"use {able(lambda caps: caps.stage_averaging, ' or ')}"),
     _pipeline_refuses("ranks_per_worker", SITES, "a stage peer is one process; use "
                       "ranks_per_worker=1"),
-    _pipeline_refuses("grad_accum", _flag("grad_accum", 2), "a pipeline accumulates over its "
-                      "micro-batches; raise batch_size and pipeline_micro_batches instead"),
-    _pipeline_refuses("codec", CODEC, "a stage's peers are averaged in fp32 by the pipeline "
-                      "trainer; compress activations with --activation-codec"),
-    _pipeline_refuses("auth", _flag("auth", "secret"), "stage peers listen on loopback for the "
-                      "trainer that started them and do not authenticate it yet; use --auth "
-                      "none"),
-    _pipeline_refuses("attackers", _flag("attackers", "1"), "robust aggregation of stage peers "
-                      "is not implemented"),
-    _pipeline_refuses("topology", Feature("topology/emulate_link", lambda c: bool(c.topology)
-                                          or c.emulate_link is not None,
-                                          {"emulate_link": "datacenter"}),
-                      "emulated links of stage peers are set by farlink bench pipeline and the "
-                      "namespace emulator, not by --topology / --emulate-link yet"),
+    _pipeline_refuses("codec", CODEC, "a stage's peers are averaged inside the pipeline "
+                      "trainer, which fetches and returns their weights in fp32, so a codec "
+                      "would change the average but no byte on the wire; compress activations "
+                      "with --activation-codec"),
+    _pipeline_refuses("auth", _flag("auth", "secret"), "the trainer and its stage peers prove "
+                      "the launcher's per-run token whatever --auth says, and a stage's "
+                      "averaging runs inside the trainer's process, where signatures would "
+                      "guard nothing; use --auth none"),
+    _pipeline_refuses("attack", Feature("a protocol attack",
+                                        lambda c: hostile.parse(c.attack) is not None,
+                                        {"attack": "round_inflation", "attackers": "1"}),
+                      "a stage's members are threads of the pipeline trainer, with no "
+                      "transport of their own for a hostile member to abuse; emulate an "
+                      "update attack (sign_flip, scale:X, ...) instead"),
+    _pipeline_refuses("topology", TOPOLOGY, "a pipeline's replicas are not grouped in "
+                      "islands; emulate one link for every stage peer with --emulate-link, or "
+                      "links per peer with farlink bench pipeline and the namespace emulator"),
     _pipeline_refuses("hf_model", Feature("model=hf:DIR", lambda c: c.hf_model_dir is not None,
                                           {"model": "hf:model-dir"}),
                       "stages cut farlink's GPT presets"),
@@ -370,8 +382,6 @@ RULES: list[Pair | Needs | Unread] = [
                                         {"device": "cuda"}), "stage peers compute on the CPU"),
     _pipeline_refuses("pace_seconds", _flag("pace_seconds", 0.5), "give --slowdown factors "
                       "(one per stage peer) instead"),
-    _pipeline_refuses("round_seconds", ROUND_SECONDS, "a pipeline's stage averages every "
-                      "inner_steps steps"),
     _pipeline_refuses("lighthouse", LIGHTHOUSE, "joining a pipeline is not supported; farlink "
                       "train starts every stage peer itself"),
     # commands that start processes

@@ -25,7 +25,9 @@ all is :data:`farlink.ALGORITHMS`). Any backend
 ``inprocess``: peers as threads, or one process alone), any codec and aggregator, and
 authentication (``auth="secret"``/``"ed25519"``) work the same way, since they sit below the
 algorithm. Peers that join late heal from live ones (``join()``); a lagging one heals inside a
-round. Every option is a ``farlink train`` flag (same name, ``_`` for ``-``).
+round. Every option is a ``farlink train`` flag (same name, ``_`` for ``-``). Without an
+optimizer of yours, farlink builds AdamW, or with ``inner="muon"`` Muon for the hidden matrices
+and AdamW for the rest (:class:`farlink.sync.muon.MuonAdamW`, which you may also build and pass).
 
 The model may live on any device (move it there before building its optimizer): the global
 copy, the outer optimizer's state, pseudo-gradients and codec residuals are kept on that device
@@ -35,6 +37,17 @@ gradient accumulation are your loop's (``farlink train`` has ``--precision`` and
 
 Your optimizer keeps its own lr and scheduler: farlink neither rescales nor clips your gradients
 unless you ask (``lr_schedule=True`` uses warmup + cosine over ``steps``; ``grad_clip=1.0``).
+
+The object is itself a ``torch.optim.Optimizer``, so it goes wherever a loop or framework expects
+one (Hugging Face ``Trainer(optimizers=(sync, scheduler))``, ``accelerator.prepare``, Lightning's
+``configure_optimizers``): its ``param_groups`` and ``state`` are your optimizer's (a scheduler
+built on it drives your lr), ``step(closure)`` runs the closure, your step and, when due, the
+round, ``zero_grad`` clears the gradients, and ``state_dict()`` is torch's format (your
+optimizer's ``state`` and ``param_groups``) plus a ``"farlink"`` entry with the rest of an exact
+resume: the committed state, the outer optimizer, codec residuals, local parameters, the round
+position. A round weighs each replica by its tokens: ``step(tokens=N)`` or
+``count_tokens(N)`` (once per micro-batch) where the loop knows them; a step with neither counts
+as one (every replica's steps then weigh the same). docs/frameworks.md shows each framework.
 """
 
 from __future__ import annotations
@@ -42,6 +55,8 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+from collections import OrderedDict, defaultdict
+from collections.abc import Callable
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -65,8 +80,9 @@ SITE_RANKS = "site_ranks"  # a site's checkpoint meta: how many ranks wrote it
 BYTES_SENT = "counter.bytes_sent"  # a site's checkpoint: this rank's bytes (each sends its shard)
 
 
-class Optimizer:
-    """One replica of a farlink run around a model farlink did not build.
+class Optimizer(torch.optim.Optimizer):
+    """One replica of a farlink run around a model farlink did not build; a
+    ``torch.optim.Optimizer`` whose parameters, groups and state are ``inner_optimizer``'s.
 
     ``model``: any ``nn.Module``; its trainable parameters are what is synchronized.
     ``inner_optimizer``: any ``torch.optim.Optimizer`` over exactly those parameters, or None
@@ -116,20 +132,144 @@ class Optimizer:
         self.whole_replica_site = parts.whole_replica_site
         self.checkpoint_writes = parts.checkpoint_writes
         self.rejected_checkpoints: list[tuple[Path, str]] = []  # set aside by the last load
+        self.last_outcome = StepOutcome()  # what the last step did (a framework drops it)
+        self._tokens_counted = 0  # count_tokens() since the last step
+        self._first_step = True
+        self._start_torch_optimizer()
+
+    # --- torch.optim.Optimizer -----------------------------------------------------------------
+    def _start_torch_optimizer(self) -> None:
+        """torch's bookkeeping (defaults, hooks, the profiled step) without its own
+        ``param_groups`` and ``state``: those are the inner optimizer's, so whatever a framework
+        or scheduler does to them reaches the optimizer that steps. An algorithm with its own
+        update rule (DeMo) has one group of its own, whose lr it does not read."""
+        inner = self.algorithm.inner_opt
+        self._own_groups = None if inner is not None else [
+            {"params": list(self.algorithm.module_params), "lr": self.algorithm.current_lr()}]
+        self._own_state: dict = defaultdict(dict)
+        self.defaults = dict(inner.defaults) if inner is not None else {"lr": 0.0}
+        for hooks in ("step_pre", "step_post", "state_dict_pre", "state_dict_post",
+                      "load_state_dict_pre", "load_state_dict_post"):
+            setattr(self, f"_optimizer_{hooks}_hooks", OrderedDict())
+        self._patch_step_function()
+
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:
+        """The inner optimizer's parameter groups (an lr scheduler writes their ``lr``)."""
+        inner = self.algorithm.inner_opt
+        return inner.param_groups if inner is not None else self._own_groups
+
+    @param_groups.setter
+    def param_groups(self, groups: list[dict[str, Any]]) -> None:
+        if self.algorithm.inner_opt is None:
+            self._own_groups = groups
+        else:
+            self.algorithm.inner_opt.param_groups = groups
+
+    @property
+    def state(self) -> dict:
+        """The inner optimizer's per-parameter state (a framework moves it between devices)."""
+        inner = self.algorithm.inner_opt
+        return inner.state if inner is not None else self._own_state
+
+    @state.setter
+    def state(self, value: dict) -> None:
+        if self.algorithm.inner_opt is None:
+            self._own_state = value
+        else:
+            self.algorithm.inner_opt.state = value
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        raise ValueError("farlink synchronizes the parameters it was built with; build "
+                         "farlink.Optimizer over all of them (an inner optimizer of several "
+                         "groups is fine)")
+
+    def state_dict(self) -> dict[str, Any]:
+        """torch's format: the inner optimizer's ``state`` and ``param_groups``, and under
+        ``"farlink"`` the rest of an exact resume (the algorithm's name and its tensors:
+        committed state, outer optimizer, codec residuals, local parameters, round position).
+        Plain tensors, numbers and strings, so ``torch.load(weights_only=True)`` reads it."""
+        inner = self.algorithm.inner_opt
+        torch_format = (inner.state_dict() if inner is not None
+                        else torch.optim.Optimizer.state_dict(self))
+        tensors = {k: v for k, v in self.algorithm.state_dict().items()
+                   if not k.startswith("inner.")}  # the inner state is torch's "state" above
+        return {**torch_format, "farlink": {"algorithm": self.algorithm.name,
+                                            "tensors": tensors}}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Resume from :meth:`state_dict`: this replica continues exactly where it was
+        (a live peer ahead of it heals it at its next round, as after :meth:`load`)."""
+        own = state_dict.get("farlink")
+        if own is None:
+            raise ValueError("not a farlink.Optimizer state (no 'farlink' entry): load the "
+                             "inner optimizer's own state into it before wrapping it")
+        if own["algorithm"] != self.algorithm.name:
+            raise ValueError(f"this optimizer state was written by algorithm "
+                             f"{own['algorithm']!r}, not {self.algorithm.name!r}; resume "
+                             f"with the same algorithm")
+        self._load_tensors(own["tensors"])
+        torch_format = {k: v for k, v in state_dict.items() if k != "farlink"}
+        inner = self.algorithm.inner_opt
+        if inner is not None:  # after the algorithm's load, which leaves it no state
+            inner.load_state_dict(torch_format)
+        else:
+            for group, saved in zip(self._own_groups, torch_format["param_groups"]):
+                group.update({k: v for k, v in saved.items() if k != "params"})
+
+    def _warn_of_an_unread_scheduler(self) -> None:
+        """A torch lr scheduler marks the groups it drives (``initial_lr``): say once, at the
+        first step, when farlink does not step with the lr it sets."""
+        if not any("initial_lr" in group for group in self.param_groups):
+            return
+        if self.algorithm.inner_opt is None:
+            log.warning("%s steps with its own lr and update rule: the lr scheduler on this "
+                        "optimizer changes nothing", self.algorithm.name)
+        elif self.algorithm.lr_schedule:
+            log.warning("farlink's lr schedule (lr_schedule=True) sets the inner lr every step, "
+                        "over the lr scheduler's; give lr_schedule=False to use yours")
+
+    def __repr__(self) -> str:
+        inner = self.algorithm.inner_opt
+        return (f"farlink.Optimizer({self.algorithm.name}, "
+                f"inner={type(inner).__name__ if inner is not None else None})")
 
     # --- the loop ------------------------------------------------------------------------------
-    def step(self, tokens: int = 1) -> StepOutcome:
-        """After ``loss.backward()``: the inner step and, when due, the outer round. ``tokens``
-        weighs this replica's contribution (a slower replica that did less counts less).
+    def count_tokens(self, tokens: int) -> None:
+        """Add ``tokens`` to the next step's count (call once per micro-batch where the loop
+        knows its batches' tokens but does not call :meth:`step` itself)."""
+        self._tokens_counted += int(tokens)
+
+    def step(self, closure: Callable[[], Any] | None = None, *,
+             tokens: int | None = None) -> Any:
+        """After ``loss.backward()`` (or with a ``closure`` that computes the loss and its
+        gradients, as torch optimizers take it): the inner step and, when due, the outer round.
+        ``tokens`` weighs this replica's contribution (a slower replica that did less counts
+        less); without it, the tokens given to :meth:`count_tokens` since the last step, or 1.
         On a DDP site it first averages the gradients over the site's ranks, and after a round
-        gives every rank the slices the others updated."""
+        gives every rank the slices the others updated. Returns the closure's loss when given
+        one (torch's contract), else the :class:`~farlink.sync.StepOutcome` (also kept in
+        :attr:`last_outcome`)."""
+        if closure is not None and not callable(closure):
+            raise TypeError("step(closure) takes a function that computes the loss; give the "
+                            "batch's token count as step(tokens=N)")
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        if self._first_step:
+            self._first_step = False
+            self._warn_of_an_unread_scheduler()
+        counted, self._tokens_counted = self._tokens_counted, 0
+        weight = tokens if tokens is not None else counted or 1
         if self.whole_replica_site:
             self.site.average_gradients(self.trainable)
-        outcome = self.algorithm.step(tokens)
+        outcome = self.algorithm.step(weight)
         # every round (an island's too) rewrote each rank's own slice
         if self.whole_replica_site and (outcome.synced or outcome.island_round):
             self.site.share_parts(self.trainable)
-        return outcome
+        self.last_outcome = outcome
+        return outcome if closure is None else loss
 
     def join(self) -> StepOutcome | None:
         """A newcomer's first act, before any inner step: a zero-weight round that heals it from
@@ -257,18 +397,23 @@ class Optimizer:
                 **self.traffic()}
 
     # --- state ---------------------------------------------------------------------------------
-    def state_dict(self) -> dict[str, torch.Tensor]:
-        """Everything an exact resume needs from farlink's side: committed state, this replica's
-        local parameters, optimizer states, codec residuals, torch's RNG."""
+    def checkpoint_tensors(self) -> dict[str, torch.Tensor]:
+        """What :meth:`save` writes, as named tensors: committed state, this replica's local
+        parameters, optimizer states, codec residuals, torch's RNG (a loop of one's own owns
+        no other copy of it; a framework's checkpoint holds :meth:`state_dict` instead)."""
         tensors = self.algorithm.state_dict()
         tensors["rng.torch"] = torch.get_rng_state()
         return tensors
 
-    def load_state_dict(self, tensors: dict[str, torch.Tensor]) -> None:
+    def load_checkpoint_tensors(self, tensors: dict[str, torch.Tensor]) -> None:
+        """Restore :meth:`checkpoint_tensors` (what :meth:`load` does with a checkpoint)."""
+        self._load_tensors(tensors)
+        torch.set_rng_state(tensors["rng.torch"])
+
+    def _load_tensors(self, tensors: dict[str, torch.Tensor]) -> None:
         self.algorithm.load_state_dict(tensors)
         if self.whole_replica_site:  # each rank restored its own slice
             self.site.share_parts(self.trainable)
-        torch.set_rng_state(tensors["rng.torch"])
         self.collective.load_committed_step(self.algorithm.outer_step)
 
     def save(self, directory: str | Path, *, background: bool = False, **meta: Any) -> Path:
@@ -290,9 +435,9 @@ class Optimizer:
             return self._save_site(directory, step, meta, background)
         if not background:
             self.checkpoint_writes.wait()
-            return save_checkpoint(directory, step, self.state_dict(), meta)
+            return save_checkpoint(directory, step, self.checkpoint_tensors(), meta)
         # the live tensors change at the next inner step: the write gets its own copy
-        snapshot = {k: v.detach().clone() for k, v in self.state_dict().items()}
+        snapshot = {k: v.detach().clone() for k, v in self.checkpoint_tensors().items()}
         self.checkpoint_writes.submit(lambda: save_checkpoint(directory, step, snapshot, meta))
         return checkpoint_path(directory, step)
 
@@ -304,7 +449,7 @@ class Optimizer:
         group = self.site.checkpoint_group()  # created by every rank, in the training thread
         meta = {**meta, SITE_RANKS: self.site.size}
         # bytes differ by rank (each sends its own shard): each rank's count travels with it
-        tensors = {**self.state_dict(), BYTES_SENT: torch.tensor(self.bytes_sent())}
+        tensors = {**self.checkpoint_tensors(), BYTES_SENT: torch.tensor(self.bytes_sent())}
         write = partial(save_sharded_checkpoint, directory, step, meta=meta,
                         rank=self.site.rank, group=group)
         if not background:
@@ -341,7 +486,7 @@ class Optimizer:
         if written_by != ranks:  # each rank's part is its own shard: cut them again
             tensors = self._resharded(path, meta)
         bytes_sent = tensors.pop(BYTES_SENT, None)
-        self.load_state_dict(tensors)
+        self.load_checkpoint_tensors(tensors)
         self.collective.stats.bytes_sent = (meta["bytes_sent"] if bytes_sent is None
                                             else int(bytes_sent))
         return {**meta, "path": str(path)}

@@ -2,7 +2,8 @@
 
 A comparison of communication-efficient methods is only fair when each runs at its own best
 learning rates: DiLoCo at DDP's AdamW lr, or DDP at a lr tuned for DiLoCo, says more about the lr
-than about the method. So every *family* (DDP, DiLoCo, SparseLoCo, DeMo) first runs a small grid
+than about the method. So every *family* (DDP, DiLoCo, SparseLoCo in the paper's and in its
+authors' variant, DeMo) first runs a small grid
 of inner lr (and outer lr where it has one) at a shorter token budget (``sweep_steps``); the lrs
 with the lowest held-out loss there are used by the family's methods for the full budget. Variants
 of one family share its sweep (DiLoCo's codecs and Streaming DiLoCo use DiLoCo's lrs; SparseLoCo's
@@ -81,6 +82,9 @@ def families(inner_steps: int, small_batch: int = SMALL_BATCH) -> list[Family]:
                grid(lr=[3e-3, 1e-2], outer_lr=[0.1, 0.3, 0.5, 0.7])),
         Family("sparseloco", {"algorithm": "sparseloco", **local},
                grid(lr=[1e-2, 3e-2], sparseloco_lr=[1.0, 1.5, 2.0])),
+        Family("sparseloco-authors",
+               {"algorithm": "sparseloco", "sparseloco_variant": "authors", **local},
+               grid(lr=[1e-2, 3e-2], sparseloco_lr=[0.5, 1.0, 1.5])),
         Family("demo", {"algorithm": "demo"}, grid(demo_lr=[1e-3, 3e-3, 1e-2])),
     ]
 
@@ -134,6 +138,13 @@ def methods(sparse_topks: Sequence[int] = (64, 32)) -> list[Method]:
                {"algorithm": "streaming_diloco", "codec": "int4+ef"}),
     ]
     out += [Method(f"sparseloco-k{k}", "sparseloco", {"sparseloco_topk": k}) for k in sparse_topks]
+    out += [Method(f"sparseloco-authors-k{k}", "sparseloco-authors", {"sparseloco_topk": k})
+            for k in sparse_topks]
+    # Muon inside (MuLoCo) at the lrs swept with AdamW inside: Muon's step is matched to
+    # AdamW's size (farlink.sync.muon), so the same lr is its natural starting point
+    out += [Method("diloco-muon", "diloco", {"inner": "muon"}),
+            Method(f"sparseloco-muon-k{sparse_topks[0]}", "sparseloco",
+                   {"sparseloco_topk": sparse_topks[0], "inner": "muon"})]
     out.append(Method("demo", "demo"))
     return out
 

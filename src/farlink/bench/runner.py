@@ -6,7 +6,7 @@ from pathlib import Path
 from typing import Any
 
 from farlink.config import RunConfig, load_config
-from farlink.sync import capabilities
+from farlink.sync import algorithm_class, capabilities
 from farlink.train.launcher import launch, result_evals
 
 
@@ -62,6 +62,8 @@ def run_variant(label: str, base: dict[str, Any], out: Path, reuse: bool = False
         "label": label,
         "algorithm": cfg.algorithm,
         "codec": cfg.codec,
+        # what went on the wire, as the planner reads specs (DeMo's, SparseLoCo's own codec)
+        "wire_spec": algorithm_class(cfg.algorithm).wire_spec(cfg),
         "inner_steps": cfg.inner_steps,
         "workers": cfg.workers,
         "tokens": s["total_tokens"],

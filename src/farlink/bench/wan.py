@@ -154,8 +154,7 @@ def validate_planner(rows: list[dict], link: LinkProfile, runs_dir: Path) -> dic
             predicted.append({"label": r["label"], "not_planned":
                               f"the planner has no model of {r['algorithm']}'s exchange"})
             continue
-        codec = (f"{caps.wire_codec}:64:32" if caps.wire_codec  # the run's default chunk, k
-                 else r["codec"].removesuffix("+ef"))
+        codec = r.get("wire_spec", r["codec"]).removesuffix("+ef")  # DeMo's, SparseLoCo's own
         codec = "fp32" if codec == "none" else codec
         try:
             pred = predict_round(

@@ -23,7 +23,7 @@ from farlink.comm.base import (
     ring_allreduce_bytes,
 )
 
-__all__ = ["InProcessCollective", "InProcessGroup", "LinkModel"]
+__all__ = ["DrivenGroup", "DrivenMember", "InProcessCollective", "InProcessGroup", "LinkModel"]
 
 T = TypeVar("T")
 
@@ -152,6 +152,96 @@ class InProcessCollective(Collective):
             return False
         self.committed_rounds += 1
         return True
+
+    def close(self) -> None:
+        pass
+
+    def load_committed_step(self, step: int) -> None:
+        self.committed_rounds = step
+
+
+class DrivenGroup:
+    """In-process members whose driver picks each round's members (``form``) between rounds.
+
+    A pipeline's trainer holds one member per peer of a stage; a round takes only the peers
+    whose weights arrived usable, so a dead or broken peer is simply not formed into the round
+    (a fixed :class:`InProcessGroup` would wait on it, or count it). Each round runs on a fresh
+    :class:`InProcessGroup` of the members formed; a member keeps its committed rounds and its
+    byte counts across rounds, and one that missed rounds is healed at its next round's start
+    from the member with the most committed rounds, as in every backend."""
+
+    def __init__(self, size: int, link: LinkModel | None = None) -> None:
+        self.size, self.link = size, link
+        self._members = [DrivenMember(self, i) for i in range(size)]
+        self._round: InProcessGroup | None = None
+        self._ranks: dict[int, int] = {}  # member id -> rank in the formed round
+
+    def member(self, member: int) -> DrivenMember:
+        return self._members[member]
+
+    def form(self, members: list[int]) -> None:
+        """The next round's members (ids, in rank order); called before any of them begins it."""
+        if not members or any(not 0 <= m < self.size for m in members):
+            raise ValueError(f"a round of members {members} in a group of {self.size}")
+        self._round = InProcessGroup(len(members), self.link)
+        self._ranks = {m: rank for rank, m in enumerate(members)}
+
+    def run(self, fn: Callable[[int], T], timeout: float = 600.0) -> list[T]:
+        """``fn(member)`` for every member of the formed round, each in its own thread (see
+        :meth:`InProcessGroup.run`: the first failure aborts the round and is raised here)."""
+        members = sorted(self._ranks, key=self._ranks.__getitem__)
+        return self._round.run(lambda rank, _: fn(members[rank]), timeout)
+
+    def seat(self, member: int) -> InProcessCollective:
+        """``member``'s collective in the formed round."""
+        if self._round is None or member not in self._ranks:
+            raise RuntimeError(f"member {member} was not formed into this round")
+        return self._round.member(self._ranks[member])
+
+
+class DrivenMember(Collective):
+    """One member of a :class:`DrivenGroup`: its collectives run on the formed round's group."""
+
+    native_all_to_all = True
+
+    def __init__(self, group: DrivenGroup, member: int) -> None:
+        super().__init__()
+        self.group, self.id = group, member
+        self.committed_rounds = 0
+        self._get_state = self._set_state = None
+        self._seat: InProcessCollective | None = None
+
+    def begin_round(self, final: bool = False) -> RoundInfo:
+        seat = self._seat = self.group.seat(self.id)
+        seat.stats = self.stats  # the bytes this member sends, whichever round it sat in
+        seat.committed_rounds = self.committed_rounds
+        seat.register_state(self._get_state, self._set_state)
+        info = seat.begin_round(final)
+        self.committed_rounds = seat.committed_rounds
+        return info
+
+    def all_reduce_sum(self, tensors: list[torch.Tensor]) -> None:
+        self._seat.all_reduce_sum(tensors)
+
+    def all_gather_bytes(self, payload: bytes) -> list[bytes]:
+        return self._seat.all_gather_bytes(payload)
+
+    def all_to_all_bytes(self, outgoing: list[bytes]) -> list[bytes]:
+        return self._seat.all_to_all_bytes(outgoing)
+
+    def round_members(self) -> int:
+        return self._seat.round_members()
+
+    def round_rank(self) -> int:
+        return self._seat.round_rank()
+
+    def fail_round(self, error: Exception, blame=()) -> None:  # noqa: ANN001 - ranks
+        self._seat.fail_round(error, blame)
+
+    def commit(self) -> bool:
+        committed = self._seat.commit()
+        self.committed_rounds = self._seat.committed_rounds
+        return committed
 
     def close(self) -> None:
         pass

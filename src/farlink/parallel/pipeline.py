@@ -329,9 +329,11 @@ class PipelineTrainer:
                 else self.lr
         return lr_at(step, self.lr, self.warmup_steps, self.total_steps)
 
-    def step(self, tokens: torch.Tensor, targets: torch.Tensor) -> StepReport:
+    def step(self, tokens: torch.Tensor, targets: torch.Tensor,
+             lr_step: int | None = None) -> StepReport:
         """One optimizer step on ``tokens``/``targets`` ([batch, time]), split into
-        ``micro_batches`` along the batch."""
+        ``micro_batches`` along the batch; ``lr_step``: the step the lr schedule reads (default
+        this step; a time-budgeted run reads its share of rounds behind)."""
         started = time.perf_counter()
         before = dict(self.bytes)
         stats: dict = {"reroutes": 0, "failed": [], "refused": {}}
@@ -339,7 +341,7 @@ class PipelineTrainer:
         if not all(math.isfinite(loss) for loss in losses):  # every answer is checked: a bug
             raise StageError(f"step {self.steps + 1}: a non-finite loss {losses}; nothing is "
                              "stepped")
-        lost = self._apply(len(losses), stats)
+        lost = self._apply(len(losses), stats, self.steps if lr_step is None else lr_step)
         self.steps += 1
         if self.average_every and self.steps % self.average_every == 0:
             self.average_stages()
@@ -365,7 +367,7 @@ class PipelineTrainer:
                        for i, (x, y) in enumerate(chunks)]
             return [f.result() for f in futures]
 
-    def _apply(self, n_micro: int, stats: dict) -> int:
+    def _apply(self, n_micro: int, stats: dict, lr_step: int) -> int:
         """Sum the tied gradients across the first and last stage, then step every live peer
         (the peers are asked side by side). Returns how many micro-batch gradients died with
         peers before this step."""
@@ -388,7 +390,7 @@ class PipelineTrainer:
                     tied_of[p] = g
                     tied[s] = g if s not in tied else tied[s] + g
         lost = sum(n for p, n in self._served.items() if p in stats["failed"])
-        lr = self.lr_at(self.steps)
+        lr = self.lr_at(lr_step)
 
         def step(stage: int, peer: str) -> None:
             served = self._served.get(peer, 0)

@@ -192,9 +192,16 @@ def register(app: typer.Typer, bench_app: typer.Typer) -> None:
         allowed_keys: Annotated[
             Path | None, typer.Option(help="--auth ed25519: the members' public keys.")
         ] = None,
+        log_to: Annotated[
+            str, typer.Option(help="Also send this volunteer's metrics to tensorboard, wandb "
+                              "or both (comma-separated; farlink[metrics]).")
+        ] = "",
     ) -> None:
         """Join a swarm as a volunteer and train the run on a shard of its own until the run
         ends or Ctrl-C."""
+        from farlink.loggers import require_sinks
+
+        require_sinks(log_to)  # --log-to's packages (farlink[metrics]), before fetching the run
         if int(os.environ.get("WORLD_SIZE", "1")) > 1:
             raise _fail("a volunteer is one process: start `farlink swarm join` without "
                         "torchrun (this process is one of WORLD_SIZE="
@@ -245,7 +252,8 @@ def register(app: typer.Typer, bench_app: typer.Typer) -> None:
                 **body["config"], "run_dir": run_dir, "cache_dir": cache_dir,
                 "tokenizer": str(run_dir / "tokenizer.json"),
                 "initial_peers": ",".join(initial_peers), "host": host, "secret": secret,
-                "secret_file": secret_file, "key_file": key_file, "allowed_keys": allowed_keys})
+                "secret_file": secret_file, "key_file": key_file, "allowed_keys": allowed_keys,
+                "log_to": log_to})
             data = prepare_data(cfg.corpus, cfg.vocab_size, cfg.cache_dir,
                                 tokenizer=cfg.given_tokenizer)
             if data_fingerprint(data) != body["data"]["fingerprint"]:

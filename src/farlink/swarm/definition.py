@@ -47,7 +47,7 @@ REQUEST_BYTES = 4096  # a definition request is one small map
 
 # RunConfig fields that name things on the machine that started the run: a volunteer has its own
 MACHINE_FIELDS = frozenset({"run_dir", "cache_dir", "key_file", "allowed_keys", "initial_peers",
-                            "lighthouse", "host", "tokenizer"})
+                            "lighthouse", "host", "tokenizer", "log_to"})
 SECRET_FIELDS = frozenset({"secret", "secret_file"})
 
 

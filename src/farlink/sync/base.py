@@ -30,7 +30,7 @@ import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import ClassVar, Literal
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field
@@ -56,7 +56,10 @@ class SyncOptions(BaseModel):
 
     inner_steps: int = Field(50, ge=1, description="H: inner steps between outer syncs")
     steps: int | None = Field(None, ge=1, description="inner steps per worker (the token budget)")
-    lr: float = Field(3e-3, gt=0, description="inner (AdamW) learning rate")
+    lr: float = Field(3e-3, gt=0, description="inner learning rate")
+    inner: Literal["adamw", "muon"] = Field(
+        "adamw", description="inner optimizer farlink builds: adamw (betas 0.9/0.95), or muon "
+        "for the hidden matrices with AdamW for embeddings, norms and biases (MuLoCo)")
     warmup_steps: int = Field(30, ge=0, description="linear warmup of the inner lr")
     weight_decay: float = Field(0.1, ge=0)
     grad_clip: float = Field(1.0, ge=0, description="max grad norm, 0 disables")
@@ -80,8 +83,10 @@ class Capabilities:
     wire_codec: str | None = None  # the codec family it must send with (DeMo: dct_topk)
     sharded: bool = False  # runs on a site's local shards (FSDP2): each rank owns the part of
     #                        its state that matches its shard (elementwise, or per-shard chunks)
-    stage_averaging: bool = False  # its outer step (``outer_optimizer_of``) can join the peers
-    #                                of one pipeline stage (farlink train --pipeline-stages)
+    stage_averaging: bool = False  # its rounds can average the peers of one pipeline stage
+    #                                (farlink train --pipeline-stages): a round at the
+    #                                trainer's call (``count_tokens``, ``sync``) on weights the
+    #                                peer trained elsewhere (:mod:`farlink.parallel.stage_sync`)
     partial_groups: bool = False  # it averages its committed state in groups smaller than the
     #                               swarm (hivemind --group-size, :meth:`mix_group_states`)
 
@@ -249,7 +254,7 @@ class SyncAlgorithm(ABC):
             self._check_covers(inner_optimizer)
             self.inner_opt = inner_optimizer
         else:
-            self.inner_opt = self.default_inner_optimizer(self.module_params, options)
+            self.inner_opt = self.default_inner_optimizer(self.module_params, options, model)
         if outer_optimizer is not None and not self.capabilities.outer_optimizer:
             raise ValueError(f"{self.name} takes no injected outer optimizer")
         self.outer_factory = outer_optimizer
@@ -288,9 +293,17 @@ class SyncAlgorithm(ABC):
         collective.register_state(self.export_state, self.import_state)
 
     @classmethod
-    def default_inner_optimizer(cls, params: list[nn.Parameter],
-                                options: SyncOptions) -> torch.optim.Optimizer:
-        """AdamW(betas=(0.9, 0.95)), the inner optimizer of DiLoCo's paper and nanoGPT."""
+    def default_inner_optimizer(cls, params: list[nn.Parameter], options: SyncOptions,
+                                model: nn.Module | None = None) -> torch.optim.Optimizer:
+        """AdamW(betas=(0.9, 0.95)), the inner optimizer of DiLoCo's paper and nanoGPT; with
+        ``inner="muon"``, Muon for ``model``'s hidden matrices and AdamW for the rest
+        (:class:`farlink.sync.muon.MuonAdamW`)."""
+        if options.inner == "muon":
+            from farlink.sync.muon import MuonAdamW
+
+            if model is None:
+                raise ValueError("inner=muon sorts the model's parameters: give the model")
+            return MuonAdamW.for_model(model, options.lr, options.weight_decay)
         return torch.optim.AdamW(params, lr=options.lr, betas=(0.9, 0.95),
                                  weight_decay=options.weight_decay)
 
@@ -306,6 +319,13 @@ class SyncAlgorithm(ABC):
     def check_run(cls, cfg) -> None:  # noqa: ANN001 - a RunConfig (imports it would cycle)
         """Raise ValueError if a run's configuration cannot run this algorithm (its own rules;
         the generic ones come from :attr:`capabilities`)."""
+
+    @classmethod
+    def wire_spec(cls, cfg) -> str:  # noqa: ANN001 - a RunConfig
+        """The codec spec this algorithm's updates go on the wire with under ``cfg``, as the
+        planner (:mod:`farlink.plan.payload`) reads it: the run's ``--codec`` unless the
+        algorithm sends with its own codec (DeMo, SparseLoCo), whose knobs then set it."""
+        return cfg.codec
 
     # --- the training loop's view -------------------------------------------------------------
     @abstractmethod

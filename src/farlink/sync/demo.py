@@ -74,6 +74,13 @@ class DeMo(SyncAlgorithm):
     capabilities = Capabilities(syncs_every_step=True, inner_optimizer=False,
                                 wire_codec="dct_topk", sharded=True)
 
+    @classmethod
+    def wire_spec(cls, cfg) -> str:  # noqa: ANN001 - a RunConfig
+        """``--codec dct_topk:...`` as given, else the DCT top-k of --demo-chunk/--demo-topk."""
+        if cfg.codec.strip().lower().startswith("dct_topk"):
+            return cfg.codec
+        return f"dct_topk:{cfg.demo_chunk}:{cfg.demo_topk}"
+
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         cfg, compressor = self.cfg, self.exchange.compressor

@@ -65,8 +65,7 @@ class DiLoCo(SyncAlgorithm):
 
     @classmethod
     def outer_optimizer_of(cls, options: DiLoCoOptions) -> OuterOptimizerFactory:
-        """Nesterov SGD with the options' lr and momentum (DiLoCo: 0.7, 0.9); also what a
-        pipeline's stage peers are averaged with (:mod:`farlink.parallel.stage_sync`)."""
+        """Nesterov SGD with the options' lr and momentum (DiLoCo: 0.7, 0.9)."""
         return nesterov(options.outer_lr, options.outer_momentum)
 
     def default_outer_optimizer(self) -> OuterOptimizerFactory:
@@ -151,6 +150,12 @@ class DiLoCo(SyncAlgorithm):
             self.inner_steps_done = self.schedule.step_after_join(self.inner_steps_done,
                                                                   self.outer_step)
         return outcome
+
+    def count_tokens(self, tokens: int) -> None:
+        """Tokens this replica processed where :meth:`step` did not see them (a pipeline stage
+        peer steps in its own process, :mod:`farlink.parallel.stage_sync`): they weigh its
+        update in the next round."""
+        self.tokens_since_sync += tokens
 
     def sync(self) -> StepOutcome:
         committed, seconds, info = self.run_round(

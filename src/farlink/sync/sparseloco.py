@@ -28,6 +28,10 @@ and ``--sparseloco-beta`` (0.95); DiLoCo's ``--outer-lr``/``--outer-momentum`` d
 leaves the accumulator as it was before the round (the next round's Δ spans the missed steps, as
 in DiLoCo).
 
+``--sparseloco-variant authors`` runs it as its authors' code does instead (2-D tiles, 1-D
+tensors whole, their quantizer, median-norm clipping and a per-position mean over contributors:
+:mod:`farlink.sync.sparseloco_tiles`).
+
 Choices of this implementation: the chunks are consecutive elements of the flattened tensor (the
 last one zero-padded); the 2-bit bins are sign x (above/below the median kept magnitude) with
 bin-mean reconstruction; the average is weighted by tokens (equal to the plain mean when every
@@ -42,6 +46,8 @@ import logging
 
 import numpy as np
 import torch
+from typing import Literal
+
 from pydantic import Field
 
 from farlink.codecs import Compressor
@@ -51,6 +57,7 @@ from farlink.comm.base import RoundInfo
 from farlink.sync.base import Capabilities, StepOutcome, TensorState
 from farlink.sync.diloco import DiLoCo, DiLoCoOptions
 from farlink.sync.exchange import Encoded
+from farlink.sync.sparseloco_tiles import TILE, TiledTwoBitCodec, clipped_contributor_mean
 
 CHUNK = 4096
 TOPK = 64
@@ -143,7 +150,14 @@ class SparseLoCoOptions(DiLoCoOptions):
                                    "error-feedback accumulator (it stands in for outer momentum)")
     sparseloco_chunk: int = Field(CHUNK, ge=1, description="sparseloco: elements per top-k chunk")
     sparseloco_topk: int = Field(TOPK, ge=1, description="sparseloco: entries kept per chunk "
-                                 "(density = topk / chunk)")
+                                 "(density = topk / chunk; per tile with the authors' variant)")
+    sparseloco_variant: Literal["paper", "authors"] = Field(
+        "paper", description="sparseloco: 'paper' (chunks of consecutive elements, sign/median "
+        "2-bit bins, token-weighted mean) or 'authors' (their code: 2-D tiles, 1-D tensors "
+        "whole, 6-sigma 2-bit bins, median-norm clipping and per-position contributor mean)")
+    sparseloco_tile: int = Field(TILE, ge=1, description="sparseloco (authors' variant): "
+                                 "largest tile side; each side is the largest divisor of its "
+                                 "dimension up to this")
 
 
 class SparseLoCo(DiLoCo):
@@ -152,7 +166,7 @@ class SparseLoCo(DiLoCo):
     # DiLoCo's rounds; its plain outer SGD is part of the method (not injected), and it sends
     # with its own codec (the planner prices it: farlink.plan.payload)
     capabilities = Capabilities(planned=True, sharded=True, wire_codec="sparseloco",
-                                time_budget=True, partial_groups=True)
+                                time_budget=True, partial_groups=True, stage_averaging=True)
 
     @classmethod
     def check_run(cls, cfg) -> None:  # noqa: ANN001 - a RunConfig
@@ -161,6 +175,12 @@ class SparseLoCo(DiLoCo):
             raise ValueError(f"--sparseloco-topk ({cfg.sparseloco_topk}) keeps more entries than a "
                              f"chunk holds; lower it or raise --sparseloco-chunk "
                              f"({cfg.sparseloco_chunk})")
+
+    @classmethod
+    def wire_spec(cls, cfg) -> str:  # noqa: ANN001 - a RunConfig
+        if cfg.sparseloco_variant == "authors":
+            return f"sparseloco:tiles:{cfg.sparseloco_tile}:{cfg.sparseloco_topk}"
+        return f"sparseloco:{cfg.sparseloco_chunk}:{cfg.sparseloco_topk}"
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
@@ -173,11 +193,16 @@ class SparseLoCo(DiLoCo):
         if self.exchange.compressor.codec.name != "fp32" or self.exchange.compressor.error_feedback:
             raise ValueError(f"sparseloco sends its own sparse 2-bit values with its own error "
                              f"feedback; drop --codec {self.exchange.compressor.spec}")
-        self.codec = SparseTwoBitCodec(cfg.sparseloco_chunk, cfg.sparseloco_topk)
+        if cfg.sparseloco_variant == "authors":
+            self.codec = TiledTwoBitCodec(cfg.sparseloco_tile, cfg.sparseloco_topk)
+            self.exchange.combine = self._combine
+        else:
+            self.codec = SparseTwoBitCodec(cfg.sparseloco_chunk, cfg.sparseloco_topk)
         self.exchange.compressor = Compressor(self.codec)
         self.beta = cfg.sparseloco_beta
         self.outer_opt = torch.optim.SGD(self.global_params, lr=cfg.sparseloco_lr, momentum=0.0)
         self.error = [torch.zeros_like(p) for p in self.params]
+        self._devices = {n: p.device for n, p in zip(self.names, self.params)}
 
     def sync(self) -> StepOutcome:
         before = [e.clone() for e in self.error]
@@ -207,6 +232,13 @@ class SparseLoCo(DiLoCo):
                 e.sub_(sent)
                 out[n] = Encoded(payload, sent)
         return out
+
+    def _combine(self, name: str, payloads: list[bytes], shape: torch.Size) -> torch.Tensor:
+        """The authors' variant: median-norm clipping, then a mean over each position's
+        contributors (:func:`farlink.sync.sparseloco_tiles.clipped_contributor_mean`)."""
+        device = self._devices[name]
+        return clipped_contributor_mean(
+            [self.codec.decode_with_mask(p, tuple(shape), device) for p in payloads])
 
     def state_dict(self) -> TensorState:
         state = super().state_dict()

@@ -67,7 +67,7 @@ def launch_in_threads(cfg, timeout: float = 300.0):
             start_line.abort()  # the others stop waiting for a worker that will not come
             raise
         start_line.wait(cfg.join_timeout)
-        worker.born = born  # this worker's life began with its thread, not with the process
+        worker.started_at = born  # this worker's life began with its thread, not with the process
         try:
             return worker.run()
         finally:

@@ -60,6 +60,7 @@ def register(app: typer.Typer, bench_app: typer.Typer) -> None:
         each rank running this command; each heals its own shard from the same rank of a live
         site.
         """
+        from farlink.loggers import require_sinks
         from farlink.robust.auth import run_secret
         from farlink.train.index_lock import check_joinable
         from farlink.train.rundir import check_resume, check_writable
@@ -75,6 +76,7 @@ def register(app: typer.Typer, bench_app: typer.Typer) -> None:
             if os.environ.get("RANK", "0") == "0":  # a site's rank 0 speaks for it (its lock)
                 check_joinable(cfg.run_dir, index, cfg.resume)
             run_secret(cfg)  # a missing or exposed secret fails here, not in the first round
+            require_sinks(cfg.log_to)  # --log-to's packages (farlink[metrics]), before joining
             if cfg.resume:
                 check_resume(cfg)
         except ValueError as exc:

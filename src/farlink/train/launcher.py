@@ -28,6 +28,7 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, Ti
 from farlink import interrupt
 from farlink import lifeline
 from farlink.config import ConfigError, RunConfig
+from farlink.loggers import require_sinks
 from farlink.robust.auth import SECRET_ENV, run_authenticator, run_secret
 from farlink.state.checkpoint import EXIT_DISK_FULL, is_disk_full
 from farlink.train.console import console as console  # where callers find it
@@ -267,6 +268,7 @@ def check_launch(cfg: RunConfig, network: Topology | None = None) -> None:
         run_authenticator(cfg, "w0")  # a member's authenticator loads its keys and secret
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
+    require_sinks(cfg.log_to)  # --log-to's packages (farlink[metrics]), before any process
 
 
 def check_data(cfg: RunConfig, data) -> None:

@@ -6,7 +6,8 @@ pipeline, and each step feeds every replica ``batch_size`` sequences of its own 
 ``pipeline_micro_batches`` micro-batches. Replica p's micro-batches are wired through its own
 peers while they live; when one dies, its stage's other peers take its micro-batches. Every
 ``inner_steps`` steps the peers of each stage meet in the run's outer step
-(:mod:`farlink.parallel.stage_sync`: DiLoCo or local SGD within a stage).
+(:mod:`farlink.parallel.stage_sync`: a round of the run's algorithm among a stage's peers,
+through its exchange: codec, authentication, robust aggregation as in any run).
 
 The run's outputs are those of any ``farlink train``: ``metrics/pipeline.jsonl`` (steps, outer
 rounds, held-out evaluations, checkpoints), ``checkpoints/sSpJ/`` written by each stage peer
@@ -27,21 +28,25 @@ from pathlib import Path
 import torch
 
 from farlink import interrupt, lifeline
+from farlink.comm.base import LinkModel
+from farlink.compose import build_stage_members
 from farlink.config import RunConfig
 from farlink.data import PreparedData, ShardSampler, heldout_batches
 from farlink.data.eval import perplexity
+from farlink.links import get_profile
 from farlink.model import GPT, preset_config
 from farlink.parallel import stage_auth, wire
 from farlink.parallel.peers import StagePeer, start_stage_peer, stop_pipeline
 from farlink.parallel.pipeline import PeerFailure, PipelineTrainer, StageError
-from farlink.parallel.stage_sync import StageOuterSync
+from farlink.parallel.stage_sync import StageAveraging
 from farlink.parallel.swarm_router import StageUnavailable
-from farlink.parallel.stages import model_parameter_name, stage_bounds
-from farlink.sync import algorithm_class
+from farlink.parallel.stages import build_stage, model_parameter_name, stage_bounds
 from farlink.state.checkpoint import (is_disk_full, load_newest_intact,
                                       remove_stale_temps, save_checkpoint)
 from farlink.state.files import temp_path
+from farlink.sync.schedule import make_schedule
 from farlink.train.console import console
+from farlink.loggers import open_sinks
 from farlink.train.metrics import MetricsLog, read_metrics
 from farlink.train.result import RunResult
 
@@ -62,7 +67,8 @@ class PipelineRun:
         self.config = preset_config(cfg.model, vocab_size=data.vocab_size, seq_len=cfg.seq_len)
         self.bounds = stage_bounds(self.config.n_layer, self.stages)
         self.checkpoints = cfg.run_dir / "checkpoints"
-        self.metrics = MetricsLog(cfg.run_dir / "metrics" / "pipeline.jsonl")
+        self.metrics = MetricsLog(cfg.run_dir / "metrics" / "pipeline.jsonl",
+                                  open_sinks(cfg.log_to, cfg.run_dir, name="pipeline"))
         self.samplers = [ShardSampler(data.train, p, self.replicas, cfg.seq_len, cfg.batch_size,
                                       cfg.seed) for p in range(self.replicas)]
         self.heldout = heldout_batches(data.heldout, cfg.seq_len, cfg.batch_size,
@@ -76,6 +82,14 @@ class PipelineRun:
         # the per-run token only this launcher and the stage peers it starts hold: nobody
         # else on the machine can drive them (docs/trust.md)
         self.token = stage_auth.new_token()
+        #: when the stages' rounds fall and when the run ends: every inner_steps steps, or
+        #: with --round-seconds every round_seconds of training (steps / inner_steps rounds)
+        self.schedule = make_schedule(cfg.inner_steps, cfg.steps, cfg.round_seconds)
+        self.round_step = 0  # the step of the stages' last round
+        #: --emulate-link: every stage peer's link (activations, gradients, the trainer's
+        #: averaging traffic) and the link its stage's members exchange over
+        self.link = (LinkModel.of_profile(get_profile(cfg.emulate_link))
+                     if cfg.emulate_link is not None else None)
 
     # -- peers --------------------------------------------------------------------------------
     def start(self) -> None:
@@ -107,15 +121,19 @@ class PipelineRun:
                       for p, peer in enumerate(row)}
         addresses = [[peer.address for peer in row] for row in self.peers]
         self.trainer = PipelineTrainer(
-            addresses, micro_batches=self.replicas * cfg.pipeline_micro_batches,
+            addresses, micro_batches=self.replicas * self.micro_batches_per_replica,
             activation_codec=cfg.activation_codec, lr=cfg.lr, warmup_steps=cfg.warmup_steps,
             total_steps=cfg.steps, auth=stage_auth.driver_auth(self.token),
             timeout=cfg.stage_peer_timeout, width=self.config.d_model,
+            links={address: self.link for row in addresses for address in row}
+            if self.link is not None else None,
             pipelines=[[addresses[s][p] for s in range(self.stages)]
                        for p in range(self.replicas)])
-        self.outer = StageOuterSync(self.stages,
-                                    algorithm_class(cfg.algorithm).outer_optimizer_of(cfg),
-                                    self.trainer.router.live, self._fetch, self._store)
+        self.outer = StageAveraging(
+            [build_stage_members(cfg, s, addresses[s],
+                                 lambda s=s: build_stage(self.config, cfg.seed, s, self.stages))
+             for s in range(self.stages)],
+            self.trainer.router.live, self._fetch, self._store)
 
     def _fetch(self, peer: str) -> dict[str, torch.Tensor] | None:
         try:
@@ -134,11 +152,23 @@ class PipelineRun:
         stop_pipeline(self.peers)
 
     # -- data ---------------------------------------------------------------------------------
+    @property
+    def micro_batches_per_replica(self) -> int:
+        """Micro-batches of one replica's step: ``pipeline_micro_batches`` per batch of its
+        ``grad_accum`` batches (a step's gradient is accumulated over all of them, as a worker
+        accumulates over its ``grad_accum`` batches)."""
+        return self.cfg.pipeline_micro_batches * self.cfg.grad_accum
+
+    def _replica_batch(self, sampler: ShardSampler) -> tuple[torch.Tensor, torch.Tensor]:
+        """One replica's step: ``grad_accum`` batches of its shard, one after another."""
+        batches = [sampler.next_batch() for _ in range(self.cfg.grad_accum)]
+        return torch.cat([x for x, _ in batches]), torch.cat([y for _, y in batches])
+
     def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Every replica's batch from its own shard, laid out so that the trainer's micro-batch
         i (wired to replica i mod P) holds rows of replica i mod P's shard."""
-        m = self.cfg.pipeline_micro_batches
-        batches = [sampler.next_batch() for sampler in self.samplers]
+        m = self.micro_batches_per_replica
+        batches = [self._replica_batch(sampler) for sampler in self.samplers]
         xs = [x.chunk(m) for x, _ in batches]
         ys = [y.chunk(m) for _, y in batches]
         order = [(j, p) for j in range(m) for p in range(self.replicas)]
@@ -189,6 +219,8 @@ class PipelineRun:
                       for r in read_metrics(self.metrics.path)
                       if r["kind"] == "eval" and r["step"] <= self.step]
         self.outer.load_state_dict(restored.tensors)
+        self.round_step = (self.step if self.schedule.timed
+                           else self.step - self.step % self.cfg.inner_steps)
         for sampler, state in zip(self.samplers, meta["samplers"]):
             sampler.load_state_dict(state)
         self.trainer.steps = self.step
@@ -217,9 +249,21 @@ class PipelineRun:
         self.evals.append(record)
         return record
 
+    @property
+    def done(self) -> bool:
+        """Whether the run's budget is spent: its steps, or a time budget's rounds."""
+        return self.schedule.finished(self.step, self.outer.rounds)
+
+    def round_due(self) -> bool:
+        """Whether the stages' round falls after the step just taken (and the run's last
+        step, in steps, ends with one)."""
+        return self.schedule.due(self.step) or (not self.schedule.timed and self.done)
+
     def train_step(self) -> float:
         tokens, targets = self.next_batch()
-        report = self.trainer.step(tokens, targets)
+        report = self.trainer.step(tokens, targets,
+                                   self.schedule.lr_step(self.step, self.outer.rounds))
+        self.schedule.step_taken()
         self.step += 1
         self.tokens += report.tokens
         refused = {self.names.get(p, p): why for p, why in report.refused.items()}
@@ -233,10 +277,14 @@ class PipelineRun:
                                refused=refused, bytes=report.bytes)
         return report.loss
 
-    def outer_round(self, final: bool) -> None:
-        """The stages' outer step, then (on their cadence) evaluation and checkpoint."""
+    def outer_round(self) -> None:
+        """The stages' outer step, then (on their cadence) evaluation and checkpoint; the next
+        round's period starts after them."""
         started = time.perf_counter()
-        self.outer.sync()
+        final = self.schedule.last_round_due(self.step, self.outer.rounds)
+        # what each pipeline replica trained on since the stages' last round
+        self.outer.sync(max(self.step - self.round_step, 1) * self.cfg.tokens_per_step)
+        self.round_step = self.step
         rounds = self.outer.rounds
         left_out = {self.names.get(p, p): why for _, p, why in self.outer.left_out}
         for name, why in left_out.items():
@@ -244,12 +292,14 @@ class PipelineRun:
                           f"average ({why}); it continues from the stage's new weights[/]")
         self.metrics.write("sync", step=self.step, outer_step=rounds, left_out=left_out,
                            seconds=round(time.perf_counter() - started, 3),
+                           exchange_bytes=self.outer.exchange_bytes,
                            live_peers=[len(self.trainer.router.live(s))
                                        for s in range(self.stages)])
         if rounds % self.cfg.eval_every == 0 or final:
             self.evaluate()
         if rounds % self.cfg.checkpoint_every == 0 or final:
             self.save()
+        self.schedule.start_period()
 
     def save_model(self) -> tuple[Path, str]:
         """The stages' shared θ as one unsplit GPT in ``model.safetensors`` (atomic); its
@@ -280,10 +330,13 @@ class PipelineRun:
             "peers_per_stage": self.replicas, "workers": self.stages * self.replicas,
             "activation_codec": cfg.activation_codec, "inner_steps": cfg.inner_steps,
             "steps": cfg.steps, "steps_done": self.step, "outer_steps": self.outer.rounds,
+            "round_seconds": cfg.round_seconds,
             "final_heldout_loss": final["loss"] if final else None,
             "final_heldout_ppl": final["ppl"] if final else None,
             "total_tokens": self.tokens, "wall_s": round(wall_s, 3),
             "bytes_by_kind": dict(moved),
+            # what the stages' members sent each other in their rounds (codec, signatures)
+            "stage_exchange_bytes": self.outer.exchange_bytes,
             "bytes_per_token": sum(moved.values()) / max(self.tokens, 1),
             "live_peers": {self.names[peer.address]: peer.address in self.trainer.router.live(s)
                            for s, row in enumerate(self.peers) for peer in row},
@@ -305,7 +358,7 @@ def train_pipeline(cfg: RunConfig, data: PreparedData, show_progress: bool = Tru
                   f"each, {cfg.algorithm} within a stage every {cfg.inner_steps} steps, "
                   f"activations {cfg.activation_codec}")
     columns = [TextColumn("[bold blue]{task.description}"), BarColumn(),
-               TextColumn("{task.completed}/{task.total} steps"),
+               TextColumn("{task.completed}/{task.total} {task.fields[unit]}"),
                TextColumn("{task.fields[info]}"), TimeElapsedColumn(), TimeRemainingColumn()]
     try:
         with console.status("starting stage peers"):
@@ -313,22 +366,27 @@ def train_pipeline(cfg: RunConfig, data: PreparedData, show_progress: bool = Tru
         if not (cfg.resume and run.resume()):
             run.evaluate()  # the initial state's held-out loss: what training improves on
         with Progress(*columns, console=console, disable=not show_progress) as progress:
-            task = progress.add_task("training", total=cfg.steps, completed=run.step, info="")
-            while run.step < cfg.steps:
+            timed = run.schedule.timed  # a time budget's progress is its rounds
+            task = progress.add_task(
+                "training", total=run.schedule.total_rounds if timed else cfg.steps,
+                completed=run.outer.rounds if timed else run.step, info="",
+                unit="rounds" if timed else "steps")
+            run.schedule.start_period()
+            while not run.done:
                 interrupt.check()
                 loss = run.train_step()
-                final = run.step == cfg.steps
-                if run.step % cfg.inner_steps == 0 or final:
-                    run.outer_round(final)
+                if run.round_due():
+                    run.outer_round()
                 if cfg.stop_at_step == run.step and run.saved_step != run.step:
                     run.save()  # each peer keeps its own drifted weights: nothing is lost
                 info = f"loss {loss:.3f}"
                 if run.evals:
                     info += f" | held-out {run.evals[-1]['loss']:.3f}"
-                progress.update(task, completed=run.step, info=info)
+                progress.update(task, completed=run.outer.rounds if timed else run.step,
+                                info=info)
                 if cfg.stop_at_step == run.step:
                     break
-        if run.step == cfg.steps:
+        if run.done:
             model = run.save_model()
     except (StageUnavailable, StageError) as exc:
         problem = str(exc)
@@ -351,7 +409,7 @@ def train_pipeline(cfg: RunConfig, data: PreparedData, show_progress: bool = Tru
         if not is_disk_full(exc):
             raise
         console.print(f"[red]disk full writing {cfg.run_dir / 'summary.json'}[/]")
-    if interrupted or run.step < cfg.steps:
+    if interrupted or not run.done:
         console.print(f"checkpoints kept under {run.checkpoints}; continue with "
                       f"`farlink train --resume --run-dir {cfg.run_dir}`")
     return RunResult(cfg.run_dir, [], summary, interrupted, problem)

@@ -39,6 +39,7 @@ from farlink.state.background import Background
 from farlink.state.checkpoint import (EXIT_DISK_FULL, DiskFull, is_disk_full,
                                       remove_stale_temps)
 from farlink.state.files import TEMP_PREFIX, temp_path
+from farlink.loggers import rejected_by_peer
 from farlink.train.metrics import MetricsLog
 
 log = logging.getLogger("farlink.worker")
@@ -59,7 +60,7 @@ def process_started_at() -> float:
 class SilentLog:
     """The metrics log of a site's ranks other than 0: rank 0 writes the worker's records."""
 
-    def write(self, kind: str, **fields) -> None:
+    def write(self, kind: str, *, extra_scalars=None, **fields) -> None:
         pass
 
     def close(self) -> None:
@@ -116,10 +117,10 @@ class Worker:
             self.sync.parts.exchange.scorer = build_scorer(cfg, self.sync.parts.algorithm,
                                                            self.data)
         self.ckpt_dir = cfg.run_dir / "checkpoints" / self.replica_id
-        # a site's rank 0 speaks for the replica: one metrics file per worker, as with K=1
-        self.speaks = self.site is None or self.site.rank == 0
-        self.metrics = (MetricsLog(cfg.run_dir / "metrics" / f"{self.replica_id}.jsonl")
-                        if self.speaks else SilentLog())
+        # a site's rank 0 reports for the replica: one metrics file per worker, as with K=1
+        self.reports = self.site is None or self.site.rank == 0
+        self.metrics = (MetricsLog(cfg.run_dir / "metrics" / f"{self.replica_id}.jsonl",
+                                   self._open_sinks()) if self.reports else SilentLog())
         self.joining = joining
         self.tokens = 0
         self.pace_overruns = 0  # inner steps slower than --pace-seconds allowed
@@ -130,9 +131,9 @@ class Worker:
         self.checkpoint_s = 0.0  # checkpoints' cost to the loop: snapshot, waiting for a write
         self.setup_s = 0.0  # process start to the first step, every life
         self.wall_offset = 0.0  # wall-clock of earlier lives of this worker (resume)
-        self.born = process_started_at()
+        self.started_at = process_started_at()
         self.evaluations = Background("evaluation", nice=19)  # spare CPU only
-        self.shadow: torch.nn.Module | None = None  # the model copy evaluations read
+        self.eval_model: torch.nn.Module | None = None  # the model copy evaluations read
         if cfg.resume:
             self._resume()
         #: a volunteer's claim on its shard (``farlink swarm join``): where the shard's last
@@ -140,6 +141,17 @@ class Worker:
         self.shard_claim = shard_claim
         if shard_claim is not None:
             self._take_over_position(shard_claim.committed_position())
+
+    def _open_sinks(self) -> list:
+        """The ``--log-to`` sinks of this worker: its own TensorBoard dir and W&B run (named by
+        its replica, grouped by the run dir's name, the run's config attached)."""
+        if not self.cfg.log_to:
+            return []
+        from farlink.loggers import open_sinks
+
+        run = self.cfg.run_dir.resolve().name
+        return open_sinks(self.cfg.log_to, self.cfg.run_dir, name=self.replica_id,
+                          group=run, config=self.cfg.model_dump(mode="json"))
 
     @staticmethod
     def _join_site(cfg: RunConfig, index: int):
@@ -260,22 +272,22 @@ class Worker:
             return
         t0 = time.perf_counter()
         self.evaluations.wait()
-        if self.shadow is None:
-            self.shadow = copy.deepcopy(self.model).requires_grad_(False)
+        if self.eval_model is None:
+            self.eval_model = copy.deepcopy(self.model).requires_grad_(False)
         with torch.no_grad():
-            for mine, live in zip(self.shadow.state_dict().values(),
+            for mine, live in zip(self.eval_model.state_dict().values(),
                                   self.model.state_dict().values()):
                 mine.copy_(live)
         fields = dict(worker=self.replica_id, step=step, tokens=self.tokens,
                       outer_step=self.sync.outer_step, bytes_sent=self.sync.bytes_sent(),
                       wall_s=round(self.wall(), 3))
-        shadow, heldout, metrics = self.shadow, self.heldout, self.metrics
+        eval_model, heldout, metrics = self.eval_model, self.heldout, self.metrics
         device, precision = self.device, self.cfg.precision
 
         def job() -> None:
             started = time.perf_counter()
             with autocast(device, precision):  # autocast state is per thread
-                loss = evaluate(shadow, heldout)
+                loss = evaluate(eval_model, heldout)
             metrics.write("eval", loss=round(loss, 5), ppl=round(math.exp(loss), 3),
                           eval_s=round(time.perf_counter() - started, 3), **fields)
 
@@ -337,7 +349,7 @@ class Worker:
 
     def wall(self) -> float:
         """Wall-clock of this worker: since its process started, plus its earlier lives."""
-        return self.wall_offset + time.time() - self.born
+        return self.wall_offset + time.time() - self.started_at
 
     def run(self) -> int:
         """Train until the run's end or a stop request (SIGINT/SIGTERM, checked between steps)."""
@@ -347,7 +359,7 @@ class Worker:
         self.metrics.write("start", worker=self.replica_id, params=self.model.num_parameters(),
                            device=str(self.device), precision=cfg.precision,
                            inner_steps=sync.inner_steps, pid=os.getpid())
-        life_started = time.perf_counter() - (time.time() - self.born)  # on perf_counter's clock
+        life_started = time.perf_counter() - (time.time() - self.started_at)  # on perf_counter's clock
         first_step = True
         loss_value = float("nan")
         if self.joining:
@@ -380,7 +392,7 @@ class Worker:
             elif slowdown > 1:  # emulated slower device: stretch this step's compute
                 time.sleep((slowdown - 1) * (time.perf_counter() - t0))
             waited_before = sync.checkpoint_wait_seconds
-            outcome = self.sync.step(tokens)  # a round first lands the last checkpoint write
+            outcome = self.sync.step(tokens=tokens)  # a round first lands the last checkpoint write
             if outcome.synced and outcome.committed:
                 self.widest_group = max(self.widest_group, outcome.world_size)
                 if self.shard_claim is not None:
@@ -404,7 +416,9 @@ class Worker:
                                    **({"skipped": True} if outcome.skipped else {}),
                                    **({"group": group} if (group := sync.round_group) else {}),
                                    round_s=round(outcome.comm_seconds, 4),
-                                   rejected=outcome.rejected, **fields)
+                                   rejected=outcome.rejected, **fields,
+                                   extra_scalars={"rejected_by_peer": rejected_by_peer(
+                                       sync.ledger)})
             elif step % cfg.log_every == 0 or (outcome.synced and not outcome.committed):
                 self.metrics.write("step", **fields)
             if sync.at_boundary(outcome) or sync.finished:
@@ -452,7 +466,7 @@ class Worker:
             from farlink.parallel.sharding import full_state_dict
 
             tensors = full_state_dict(self.model)
-            if not self.speaks:
+            if not self.reports:
                 return None
             model = build_model(self.cfg.model, self.data.vocab_size, self.cfg.seq_len)
             model.load_state_dict(tensors)
