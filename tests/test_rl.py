@@ -221,3 +221,52 @@ def test_the_trainer_bans_every_kind_of_cheat_and_keeps_the_honest_worker(codec)
         assert trainer.ledger.get(cheat).updates_accepted == 0, cheat
     for cheat in ("stale", "replay"):
         assert trainer.ledger.get(cheat).updates_accepted <= 1, cheat
+
+
+def _even_task() -> CallableTask:
+    return CallableTask("even", lambda rng: (f"{rng.randint(10, 99)}+{rng.randint(10, 99)}=", "4"),
+                        lambda prompt, answer, completion: sum(map(ord, completion)) % 2 == 0)
+
+
+def test_a_worker_gone_mid_job_costs_no_step_and_the_deadline_bounds_the_wait(codec) -> None:
+    import time
+
+    policy = confident_gpt(0)
+    cfg = RLConfig(group_size=4, groups_per_step=3, deadline_s=0.3, fingerprint_every=2)
+    publisher = PolicyPublisher(policy, make_codec("int4"))
+    board = RolloutBoard(_even_task(), codec, cfg.group_size, version=lambda: publisher.version)
+    optimizer = torch.optim.SGD(policy.parameters(), lr=0.1)
+    trainer = GRPOTrainer(policy, lambda tokens: (optimizer.step(), optimizer.zero_grad()),
+                          board, publisher, worker_model(policy), cfg)
+    started = time.monotonic()
+    assert trainer.train_step() is None  # nothing came: no step, no new version
+    assert 0.3 <= time.monotonic() - started < 5 and publisher.version == 0
+    board.request("gone")  # took a job and was killed before handing it in
+    alive = RolloutWorker("alive", board, publisher,
+                          PolicyReplica(worker_model(policy), make_codec("int4")), cfg)
+    for _ in range(2):
+        alive.do_job()
+    log = trainer.train_step()  # two of three groups: the step commits at the deadline
+    assert log is not None and log.groups == 2 and trainer.step == 1 and publisher.version == 1
+    assert trainer.ledger.peers() == ["alive"]
+
+
+def test_groups_older_than_max_staleness_are_dropped_and_staleness_is_recorded(codec) -> None:
+    policy = confident_gpt(0)
+    cfg = RLConfig(group_size=4, groups_per_step=8, deadline_s=0.2, fingerprint_every=2,
+                   max_staleness=1)
+    publisher = PolicyPublisher(policy, make_codec("int4"))
+    board = RolloutBoard(_even_task(), codec, cfg.group_size, version=lambda: publisher.version)
+    optimizer = torch.optim.SGD(policy.parameters(), lr=0.1)
+    trainer = GRPOTrainer(policy, lambda tokens: (optimizer.step(), optimizer.zero_grad()),
+                          board, publisher, worker_model(policy), cfg)
+    worker = RolloutWorker("w", board, publisher,
+                           PolicyReplica(worker_model(policy), make_codec("int4")), cfg)
+    worker.do_job()  # version 0
+    for _ in range(2):
+        publisher.publish(policy)  # two versions later
+    worker.do_job()  # version 2
+    publisher.publish(policy)
+    log = trainer.train_step()
+    assert log.groups == 1 and log.dropped_stale == 1 and log.staleness == [1]
+    assert trainer.ledger.get("w").updates_rejected == 0  # late is not dishonest
