@@ -25,7 +25,7 @@ LIBRARY = ("farlink.codecs", "farlink.robust", "farlink.comm", "farlink.sync", "
            "farlink.data", "farlink.state", "farlink.rl")
 APPLICATION = ("farlink.config", "farlink.train", "farlink.bench", "farlink.plan",
                "farlink.emulate", "farlink.cli", "farlink.swarm", "farlink.worker",
-               "farlink.compose", "farlink.flags")
+               "farlink.compose", "farlink.flags", "farlink.rl_command")
 
 
 @dataclass(frozen=True)

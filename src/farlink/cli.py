@@ -29,7 +29,7 @@ COMMAND_MODULES = [
     "farlink.robust.command",
     "farlink.swarm.command",
     "farlink.worker",
-    "farlink.train.rl",
+    "farlink.rl_command",
 ]
 
 

@@ -36,9 +36,9 @@ def _session(seed: int, steps: int, **options) -> dict:
     base = make_base(TASK, seed=0)
     config = RLConfig(seed=seed, max_staleness=options.pop("max_staleness", 2))
     torch.manual_seed(seed)
+    max_wall_s = options.pop("max_wall_s", 1e9)
     session = make_session(base, config, **options)
-    summary = run_session(session, steps, eval_every=max(steps // 3, 1),
-                          max_wall_s=options.get("max_wall_s", 1e9))
+    summary = run_session(session, steps, eval_every=max(steps // 3, 1), max_wall_s=max_wall_s)
     summary["curve"] = [{k: r.get(k) for k in ("step", "reward", "wall_s", "rollouts_total",
                                                "heldout_accuracy", "staleness_mean")}
                         for r in session.logs]
@@ -98,15 +98,15 @@ def false_rejects(groups: int = 40) -> dict:
     return rates
 
 
-def run(out: Path, steps: int = 30, seeds: int = 3) -> dict:
+def run(out: Path, steps: int = 40, seeds: int = 3, worker_wall_s: float = 15.0) -> dict:
     torch.set_num_threads(1)
     started = time.monotonic()
     result: dict = {"task": TASK, "steps": steps, "load_before": os.getloadavg()}
     result["rise"] = [_session(s, steps, workers=2) for s in range(seeds)]
-    result["workers"] = {n: _session(0, 10_000, workers=n, pace_seconds=PACE, max_wall_s=15.0)
+    result["workers"] = {n: _session(0, 10_000, workers=n, pace_seconds=PACE, max_wall_s=worker_wall_s)
                          for n in (1, 2, 4)}
     for row in result["workers"].values():
-        row["rollouts_per_s"] = row["rollouts_made"] / row["wall_s"]
+        row["rollouts_per_s"] = row["rollouts_made"] / row["loop_s"]
     result["staleness"] = {k: _session(0, steps, workers=4, max_staleness=k) for k in (0, 2, 8)}
     result["cheats"] = _session(0, steps, workers=2,
                                 malicious=["fabricate", "wrong_model", "stale", "replay"])

@@ -42,3 +42,21 @@ def accuracy(model: nn.Module, codec: TextCodec, task: Task, problems: list[Prob
     """Mean reward of greedy completions over ``problems``."""
     completions = greedy_completions(model, codec, [p.prompt for p in problems], max_new_tokens)
     return sum(task.reward(p, c) for p, c in zip(problems, completions)) / len(problems)
+
+
+@torch.no_grad()
+def sampled_accuracy(model: nn.Module, codec: TextCodec, task: Task, problems: list[Problem],
+                     max_new_tokens: int, samples: int = 4, temperature: float = 1.0) -> float:
+    """Mean reward of ``samples`` seeded completions per problem at ``temperature`` (pass@1 of
+    the policy as it samples): smoother than greedy on a few hundred problems, and what RL
+    raises first."""
+    from farlink.rl.policy import sample_group
+
+    total = 0.0
+    for i, problem in enumerate(problems):
+        group = sample_group(model, codec.prompt_ids(problem.prompt),
+                             [1_000_003 * i + s for s in range(samples)], worker="eval", job=i,
+                             version=0, stop_id=codec.eot, max_new_tokens=max_new_tokens,
+                             temperature=temperature)
+        total += sum(task.reward(problem, codec.completion_text(r.completion_ids)) for r in group)
+    return total / (len(problems) * samples)

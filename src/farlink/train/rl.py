@@ -16,7 +16,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-import typer
 from torch import nn
 
 from farlink.codecs import make_codec
@@ -25,7 +24,7 @@ from farlink.model.build import build_model, load_run_model
 from farlink.rl.base import TextCodec, pretrain
 from farlink.rl.board import RolloutBoard
 from farlink.rl.broadcast import PolicyPublisher, PolicyReplica
-from farlink.rl.evaluate import accuracy
+from farlink.rl.evaluate import accuracy, sampled_accuracy
 from farlink.rl.loop import run_group
 from farlink.rl.tasks import Task, demonstrations, make_task
 from farlink.rl.trainer import GRPOTrainer, RLConfig, StepLog
@@ -49,7 +48,7 @@ _BASES: dict[tuple, dict] = {}  # one process's pre-trained weights, reused by b
 
 
 def make_base(task_spec: str, base_dir: Path | None = None, pretrain_steps: int = 300,
-              correct_fraction: float = 0.3, seed: int = 0, heldout: int = 100,
+              correct_fraction: float = 0.6, seed: int = 0, heldout: int = 100,
               model_name: str = "nano") -> Base:
     """The base policy: read from a ``farlink train`` run, or the short recipe (cached in
     this process per arguments, so a bench's scenarios start from one base)."""
@@ -110,7 +109,7 @@ def make_session(base: Base, config: RLConfig, *, workers: int = 2, lr: float = 
     kinds = ["honest"] * workers + list(malicious)
     for kind in malicious:
         if kind not in BEHAVIOURS:
-            raise typer.BadParameter(f"unknown worker kind {kind!r}; one of {BEHAVIOURS}")
+            raise ValueError(f"unknown worker kind {kind!r}; one of {BEHAVIOURS}")
     other = worker_model(model)
     with torch.no_grad():  # another model: the base with its weights perturbed
         for p in other.parameters():
@@ -130,11 +129,15 @@ def run_session(session: Session, steps: int, eval_every: int = 10, max_wall_s: 
     base = session.base
     started = time.monotonic()
 
-    def heldout() -> float:
+    def heldout() -> float:  # sampled pass@1; greedy is kept for the summary
+        return sampled_accuracy(base.model, base.codec, base.task, base.heldout,
+                                session.trainer.config.max_new_tokens)
+
+    def greedy() -> float:
         return accuracy(base.model, base.codec, base.task, base.heldout,
                         session.trainer.config.max_new_tokens)
 
-    first = heldout()
+    first, first_greedy = heldout(), greedy()
     session.logs.append({"step": -1, "heldout_accuracy": first, "wall_s": 0.0, "rollouts_total": 0})
     total = 0
 
@@ -149,13 +152,16 @@ def run_session(session: Session, steps: int, eval_every: int = 10, max_wall_s: 
         if echo is not None:
             echo(row)
 
+    loop_started = time.monotonic()
     run_group(session.trainer, session.workers, steps, on_step, max_wall_s)
+    loop_s = time.monotonic() - loop_started
     final = heldout()
     summary = {
         "heldout_accuracy_base": first, "heldout_accuracy_final": final,
+        "heldout_greedy_base": first_greedy, "heldout_greedy_final": greedy(),
         "steps": session.trainer.step, "rollouts_used": total,
         "rollouts_made": sum(w.rollouts_done for w in session.workers),
-        "wall_s": time.monotonic() - started,
+        "wall_s": time.monotonic() - started, "loop_s": loop_s,
         "rejections": [list(r) for r in session.trainer.rejections],
         "bytes_full_fp32": session.publisher.full_bytes,
         "workers": {w.name: {"rollouts": w.rollouts_done, "bytes_received": w.replica.bytes_received,
@@ -169,59 +175,3 @@ def run_session(session: Session, steps: int, eval_every: int = 10, max_wall_s: 
         session.trainer.ledger.save(out / "ledger.json")
         (out / "summary.json").write_text(json.dumps(summary, indent=1))
     return summary
-
-
-def register(app: typer.Typer, bench_app: typer.Typer) -> None:
-    @app.command("rl")
-    def rl(
-        task: str = typer.Option("addition:1", help="addition[:D], sorting[:N], countdown[:N] "
-                                 "or FILE.jsonl ({prompt, answer} a line)"),
-        base: Path | None = typer.Option(None, help="a `farlink train` run directory to start "
-                                         "from (default: pre-train on the task's examples)"),
-        pretrain_steps: int = typer.Option(300, help="steps of the base-model recipe"),
-        steps: int = typer.Option(40, help="GRPO steps"),
-        workers: int = typer.Option(2, help="honest rollout workers (threads)"),
-        malicious: list[str] = typer.Option([], help=f"add a cheating worker: {BEHAVIOURS[1:]}"),
-        group_size: int = typer.Option(8, help="completions per prompt"),
-        groups_per_step: int = typer.Option(8, help="prompts per step"),
-        max_staleness: int = typer.Option(2, help="oldest policy version a rollout may use"),
-        deadline: float = typer.Option(5.0, help="seconds a step waits for rollouts"),
-        lr: float = typer.Option(1e-3),
-        kl_coef: float = typer.Option(0.0, help="KL penalty to the base model"),
-        codec: str = typer.Option("int4", help="codec of policy deltas to workers"),
-        verify_fraction: float = typer.Option(0.25, help="groups recomputed (>= 1 per worker)"),
-        pace_seconds: float = typer.Option(0.0, help="each job takes at least this long"),
-        out: Path = typer.Option(Path("runs/rl"), help="logs, ledger and summary"),
-        seed: int = typer.Option(0),
-    ) -> None:
-        """GRPO post-training with rollout workers whose rollouts are verified."""
-        torch.set_num_threads(1)
-        config = RLConfig(group_size=group_size, groups_per_step=groups_per_step,
-                          max_staleness=max_staleness, deadline_s=deadline, kl_coef=kl_coef,
-                          verify_fraction=verify_fraction, seed=seed)
-        session = make_session(make_base(task, base, pretrain_steps, seed=seed), config,
-                               workers=workers, lr=lr, codec=codec, malicious=malicious,
-                               pace_seconds=pace_seconds)
-
-        def echo(row: dict) -> None:
-            acc = row.get("heldout_accuracy")
-            typer.echo(f"step {row['step']:4d} reward {row['reward']:.3f} kl {row['kl']:.4f} "
-                       f"len {row['response_len']:.1f} staleness {row['staleness_mean']:.1f} "
-                       f"rejected {row['rejected_groups']}"
-                       + (f" heldout {acc:.3f}" if acc is not None else ""))
-
-        summary = run_session(session, steps, out=out, echo=echo)
-        typer.echo(f"held-out accuracy {summary['heldout_accuracy_base']:.3f} -> "
-                   f"{summary['heldout_accuracy_final']:.3f}; rejected: "
-                   f"{len(summary['rejections'])}; logs in {out}")
-
-    @bench_app.command("rl")
-    def bench_rl(
-        out: Path = typer.Option(Path("docs/results"), help="output directory"),
-        steps: int = typer.Option(30, help="GRPO steps per scenario"),
-        seeds: int = typer.Option(3, help="seeds of the accuracy-rise scenario"),
-    ) -> None:
-        """Accuracy and reward vs wall-clock and rollouts; workers 1/2/4, staleness, cheats."""
-        from farlink.bench.rl import run
-
-        run(out, steps, seeds)
