@@ -24,7 +24,7 @@ def register(app: typer.Typer, bench_app: typer.Typer) -> None:
         groups_per_step: int = typer.Option(8, help="prompts per step"),
         max_staleness: int = typer.Option(2, help="oldest policy version a rollout may use"),
         deadline: float = typer.Option(5.0, help="seconds a step waits for rollouts"),
-        lr: float = typer.Option(1e-3),
+        lr: float = typer.Option(5e-4, help="AdamW learning rate of the policy"),
         kl_coef: float = typer.Option(0.0, help="KL penalty to the base model"),
         codec: str = typer.Option("int4", help="codec of policy deltas to workers"),
         verify_fraction: float = typer.Option(0.25, help="groups recomputed (>= 1 per worker)"),
@@ -36,7 +36,7 @@ def register(app: typer.Typer, bench_app: typer.Typer) -> None:
         import torch
 
         from farlink.rl.trainer import RLConfig
-        from farlink.train.rl import make_base, make_session, run_session
+        from farlink.train.rl import make_base, make_session, restore_state, run_session
 
         torch.set_num_threads(1)
         config = RLConfig(group_size=group_size, groups_per_step=groups_per_step,
@@ -53,7 +53,11 @@ def register(app: typer.Typer, bench_app: typer.Typer) -> None:
                        f"rejected {row['rejected_groups']}"
                        + (f" heldout {acc:.3f}" if acc is not None else ""))
 
-        summary = run_session(session, steps, out=out, echo=echo)
+        checkpoints = out / "checkpoints"  # every committed step; a rerun resumes from it
+        done = restore_state(checkpoints, session) or 0
+        if done:
+            typer.echo(f"resuming after committed step {done}")
+        summary = run_session(session, steps - done, out=out, echo=echo, checkpoints=checkpoints)
         typer.echo(f"held-out accuracy {summary['heldout_accuracy_base']:.3f} -> "
                    f"{summary['heldout_accuracy_final']:.3f}; rejected: "
                    f"{len(summary['rejections'])}; logs in {out}")

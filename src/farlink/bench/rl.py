@@ -45,7 +45,7 @@ def _session(seed: int, steps: int, **options) -> dict:
     return summary
 
 
-def diloco_groups(steps: int, inner_steps: int = 5, lr: float = 1e-3) -> dict:
+def diloco_groups(steps: int, inner_steps: int = 5, lr: float = 5e-4) -> dict:
     """Two trainer replica groups (2 workers each) with DiLoCo between them: each steps its
     own AdamW and every ``inner_steps`` steps they average their pseudo-gradients."""
     import farlink

@@ -62,6 +62,6 @@ def pretrain(model: nn.Module, codec: TextCodec, documents: list[str], steps: in
         loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        losses.append(float(loss))
+        losses.append(float(loss.detach()))
     model.eval()
     return losses

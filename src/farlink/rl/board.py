@@ -19,6 +19,10 @@ from farlink.rl.policy import Rollout
 from farlink.rl.tasks import Problem, Task
 
 
+#: job numbers skipped at a restart: more than a trainer issues between two checkpoints
+RESTART_GAP = 1 << 20
+
+
 @dataclass(frozen=True)
 class Job:
     job: int
@@ -42,14 +46,16 @@ class RolloutBoard:
     handlers)."""
 
     def __init__(self, task: Task, codec: TextCodec, group_size: int, seed: int = 0,
-                 version: callable = lambda: 0) -> None:
+                 version: callable = lambda: 0, first_job: int = 0) -> None:
+        """``first_job``: where job numbers start; a restarted trainer starts after the ones
+        it issued before, so a late hand-in of an old job expires instead of looking forged."""
         if group_size < 2:
             raise ValueError(f"a GRPO group needs at least 2 completions, got {group_size}")
         self.task, self.codec, self.group_size = task, codec, group_size
         self._version = version
         self._rng = random.Random(seed)
         self._lock = threading.Lock()
-        self._next_job = 0
+        self.first_job = self._next_job = first_job
         self.jobs: dict[int, Job] = {}
         self.consumed: set[int] = set()
         self.banned: set[str] = set()
@@ -69,6 +75,18 @@ class RolloutBoard:
             self.jobs[job.job] = job
             self._next_job += 1
             return job
+
+    @property
+    def next_job(self) -> int:
+        return self._next_job
+
+    def restart_at(self, next_job: int) -> None:
+        """A restarted trainer's board: ``next_job`` was the next number at its checkpoint, and
+        jobs issued after it (before the crash) are unknown, so numbering resumes
+        :data:`RESTART_GAP` later and every hand-in of an unknown lower number expires."""
+        with self._lock:
+            self.first_job = self._next_job = next_job + RESTART_GAP
+            self.jobs.clear()
 
     def submit(self, worker: str, job: int, rollouts: list[Rollout]) -> None:
         with self._lock:

@@ -78,6 +78,16 @@ class PolicyPublisher:
             self._snapshot = None
             return self.version
 
+    def restore(self, served: dict[str, torch.Tensor], version: int) -> None:
+        """Serve ``served`` as ``version`` (a restarted trainer): no deltas are kept from
+        before, so every worker's next refresh is a full fetch."""
+        with self._lock:
+            self.served = {k: v.float().clone() for k, v in served.items()}
+            self.version = version
+            self._deltas = {}
+            self._weights = {version: self._copy()}
+            self._snapshot = None
+
     def weights(self, version: int) -> dict[str, torch.Tensor] | None:
         """The served weights of ``version`` while kept (for the verifier), else None."""
         with self._lock:
@@ -108,7 +118,9 @@ class PolicyReplica:
         self.version: int | None = None
         self.bytes_received = 0
         self.full_fetches = 0
-        self.delta_updates = 0
+        self.delta_updates = 0  # refreshes by deltas
+        self.delta_versions = 0  # versions those refreshes covered (a chain covers several)
+        self.delta_bytes = 0
 
     def refresh(self, publisher: PolicyPublisher) -> int:
         """Bring the copy to the newest version; the version held afterwards."""
@@ -126,10 +138,12 @@ class PolicyReplica:
                 for payloads in chain:
                     for name, payload in payloads.items():
                         self.bytes_received += len(payload)
+                        self.delta_bytes += len(payload)
                         target = state[name]
                         target += self.codec.decode(payload, target.shape, torch.float32)
             self.version = version
             self.delta_updates += 1
+            self.delta_versions += len(chain)
         return self.version
 
     def _fetch_full(self, snapshot: Snapshot) -> None:

@@ -93,6 +93,8 @@ class GRPOTrainer:
     def admit(self, sub: Submission) -> str | None:
         """Why ``sub`` cannot be this step's (a reason the ledger counts), or None."""
         job = self.board.jobs.get(sub.job)
+        if job is None and sub.job < self.board.first_job:
+            return None  # issued before this trainer restarted: dropped as expired, not blamed
         if job is None:
             return f"replay: job {sub.job} was never issued"
         if job.worker != sub.worker:
@@ -164,8 +166,11 @@ class GRPOTrainer:
             if reason is not None:
                 self._reject(sub, reason)
                 rejected += 1
-            elif version - sub.rollouts[0].version > cfg.max_staleness:
+            elif sub.job not in self.board.jobs:
                 dropped += 1
+            elif (version - sub.rollouts[0].version > cfg.max_staleness
+                  or self.publisher.weights(sub.rollouts[0].version) is None):
+                dropped += 1  # too old, or a version this trainer cannot check (restarted)
             else:
                 kept.append(sub)
         workers = sorted({s.worker for s in kept})

@@ -83,10 +83,11 @@ class Session:
     publisher: PolicyPublisher
     board: RolloutBoard
     base: Base
+    optimizer: torch.optim.Optimizer | None = None
     logs: list[dict] = field(default_factory=list)
 
 
-def make_session(base: Base, config: RLConfig, *, workers: int = 2, lr: float = 1e-3,
+def make_session(base: Base, config: RLConfig, *, workers: int = 2, lr: float = 5e-4,
                  codec: str = "int4", malicious: list[str] = (), pace_seconds: float = 0.0,
                  worker_dtype: torch.dtype = torch.float32, step_fn=None) -> Session:
     """Trainer and workers around ``base.model`` (trained in place). ``step_fn`` replaces the
@@ -95,6 +96,7 @@ def make_session(base: Base, config: RLConfig, *, workers: int = 2, lr: float = 
     publisher = PolicyPublisher(model, make_codec(codec), keep=max(config.max_staleness + 2, 4))
     board = RolloutBoard(base.task, base.codec, config.group_size, seed=config.seed,
                          version=lambda: publisher.version)
+    optimizer = None
     if step_fn is None:
         optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
 
@@ -120,11 +122,61 @@ def make_session(base: Base, config: RLConfig, *, workers: int = 2, lr: float = 
                           config, behaviour=kind, pace_seconds=pace_seconds, dtype=worker_dtype,
                           other_model=other)
             for i, kind in enumerate(kinds)]
-    return Session(trainer, crew, publisher, board, base)
+    return Session(trainer, crew, publisher, board, base, optimizer)
+
+
+def save_state(root: Path, session: Session) -> Path:
+    """Checkpoint a committed step: the model, the AdamW state, the served copy and its
+    version, the next job number and the ledger (atomic; a crash keeps the previous one)."""
+    from farlink.state.checkpoint import save_checkpoint
+
+    # parameters, not state_dict(): a tied weight is saved once
+    tensors = {f"model.{k}": v for k, v in session.base.model.named_parameters()}
+    tensors.update({f"served.{k}": v for k, v in session.publisher.served.items()})
+    groups = []
+    if session.optimizer is not None:
+        state = session.optimizer.state_dict()
+        for index, values in state["state"].items():
+            for key, value in values.items():
+                tensors[f"opt.{index}.{key}"] = torch.as_tensor(value)
+        groups = state["param_groups"]
+    meta = {"step": session.trainer.step, "version": session.publisher.version,
+            "next_job": session.board.next_job, "param_groups": groups,
+            "ledger": session.trainer.ledger.to_dict()}
+    return save_checkpoint(root, session.trainer.step, tensors, meta)
+
+
+def restore_state(root: Path, session: Session) -> int | None:
+    """Resume ``session`` from the newest intact checkpoint under ``root``; its step."""
+    from farlink.robust.ledger import ContributionLedger
+    from farlink.state.checkpoint import load_newest_intact
+
+    restored = load_newest_intact(root)
+    if restored.path is None:
+        return None
+    tensors, meta = restored.tensors, restored.meta
+    model_state = {k[6:]: v for k, v in tensors.items() if k.startswith("model.")}
+    missing = set(dict(session.base.model.named_parameters())) - set(model_state)
+    if missing:
+        raise ValueError(f"checkpoint {restored.path} lacks {sorted(missing)[:3]}")
+    session.base.model.load_state_dict(model_state, strict=False)
+    if session.optimizer is not None and meta["param_groups"]:
+        state: dict = {}
+        for key, value in tensors.items():
+            if key.startswith("opt."):
+                _, index, name = key.split(".", 2)
+                state.setdefault(int(index), {})[name] = value
+        session.optimizer.load_state_dict({"state": state, "param_groups": meta["param_groups"]})
+    session.publisher.restore({k[7:]: v for k, v in tensors.items() if k.startswith("served.")},
+                              meta["version"])
+    session.board.restart_at(meta["next_job"])
+    session.trainer.step = meta["step"]
+    session.trainer.ledger = ContributionLedger.from_dict(meta["ledger"])
+    return meta["step"]
 
 
 def run_session(session: Session, steps: int, eval_every: int = 10, max_wall_s: float = 1e9,
-                out: Path | None = None, echo=None) -> dict:
+                out: Path | None = None, echo=None, checkpoints: Path | None = None) -> dict:
     """Train ``steps`` steps; held-out accuracy before, every ``eval_every`` steps and after."""
     base = session.base
     started = time.monotonic()
@@ -149,6 +201,8 @@ def run_session(session: Session, steps: int, eval_every: int = 10, max_wall_s: 
         if (log.step + 1) % eval_every == 0:
             row["heldout_accuracy"] = heldout()
         session.logs.append(row)
+        if checkpoints is not None:
+            save_state(checkpoints, session)
         if echo is not None:
             echo(row)
 
@@ -166,7 +220,9 @@ def run_session(session: Session, steps: int, eval_every: int = 10, max_wall_s: 
         "bytes_full_fp32": session.publisher.full_bytes,
         "workers": {w.name: {"rollouts": w.rollouts_done, "bytes_received": w.replica.bytes_received,
                              "full_fetches": w.replica.full_fetches,
-                             "delta_updates": w.replica.delta_updates}
+                             "delta_updates": w.replica.delta_updates,
+                             "delta_bytes_per_version": w.replica.delta_bytes
+                             / max(w.replica.delta_versions, 1)}
                     for w in session.workers},
     }
     if out is not None:
