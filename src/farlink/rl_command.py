@@ -69,6 +69,8 @@ def register(app: typer.Typer, bench_app: typer.Typer) -> None:
         seeds: int = typer.Option(3, help="seeds of the accuracy-rise scenario"),
     ) -> None:
         """Accuracy and reward vs wall-clock and rollouts; workers 1/2/4, staleness, cheats."""
-        from farlink.bench.rl import run
+        import json
 
-        run(out, steps, seeds)
+        from farlink.bench.rl import headline, run
+
+        typer.echo(json.dumps(headline(run(out, steps, seeds)), indent=1))

@@ -152,3 +152,28 @@ def _plot(result: dict, path: Path) -> None:
         ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=90)
+
+
+def headline(result: dict) -> dict:
+    """The numbers the issue's targets are stated in, from a bench result."""
+    rise = [(r["heldout_accuracy_base"], r["heldout_accuracy_final"]) for r in result["rise"]]
+    speeds = {int(n): r["rollouts_per_s"] for n, r in result["workers"].items()}
+    cheats = result["cheats"]
+    banned = sorted({w for w, _ in cheats["rejections"]})
+    ledger_accepted = {name: info.get("groups_accepted") for name, info in cheats["workers"].items()}
+    per_version = [w["delta_bytes_per_version"] / r["bytes_full_fp32"]
+                   for r in result["rise"] for w in r["workers"].values()
+                   if "delta_bytes_per_version" in w]
+    return {
+        "heldout_rise_per_seed": [round(b2 - b1, 4) for b1, b2 in rise],
+        "heldout_base_final": rise,
+        "throughput_4_over_1": speeds[4] / speeds[1],
+        "throughput_2_over_1": speeds[2] / speeds[1],
+        "staleness_final_accuracy": {k: r["heldout_accuracy_final"]
+                                     for k, r in result["staleness"].items()},
+        "cheats_banned": banned,
+        "cheat_groups_accepted": {k: v for k, v in ledger_accepted.items() if "honest" not in k},
+        "false_reject_rate": {k: v["rate"] for k, v in result["false_rejects"].items()},
+        "delta_bytes_per_version_over_fp32": max(per_version) if per_version else None,
+        "diloco_two_groups_final": result["diloco_two_groups"]["heldout_accuracy_final"],
+    }

@@ -175,6 +175,11 @@ def restore_state(root: Path, session: Session) -> int | None:
     return meta["step"]
 
 
+def _accepted(session: Session, worker: str) -> int:
+    ledger = session.trainer.ledger
+    return ledger.get(worker).updates_accepted if worker in ledger.peers() else 0
+
+
 def run_session(session: Session, steps: int, eval_every: int = 10, max_wall_s: float = 1e9,
                 out: Path | None = None, echo=None, checkpoints: Path | None = None) -> dict:
     """Train ``steps`` steps; held-out accuracy before, every ``eval_every`` steps and after."""
@@ -221,6 +226,7 @@ def run_session(session: Session, steps: int, eval_every: int = 10, max_wall_s: 
         "workers": {w.name: {"rollouts": w.rollouts_done, "bytes_received": w.replica.bytes_received,
                              "full_fetches": w.replica.full_fetches,
                              "delta_updates": w.replica.delta_updates,
+                             "groups_accepted": _accepted(session, w.name),
                              "delta_bytes_per_version": w.replica.delta_bytes
                              / max(w.replica.delta_versions, 1)}
                     for w in session.workers},
