@@ -233,7 +233,8 @@ def run_session(session: Session, steps: int, eval_every: int = 10, max_wall_s: 
     }
     if out is not None:
         out.mkdir(parents=True, exist_ok=True)
-        (out / "steps.jsonl").write_text("".join(json.dumps(r) + "\n" for r in session.logs))
+        with open(out / "steps.jsonl", "a") as fh:  # a resumed run continues the log
+            fh.write("".join(json.dumps(r) + "\n" for r in session.logs))
         session.trainer.ledger.save(out / "ledger.json")
         (out / "summary.json").write_text(json.dumps(summary, indent=1))
     return summary
