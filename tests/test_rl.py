@@ -273,6 +273,86 @@ def test_groups_older_than_max_staleness_are_dropped_and_staleness_is_recorded(c
 
 
 @pytest.mark.slow
+def test_the_whole_loop_on_a_real_base_model_with_two_async_workers() -> None:
+    """The short recipe's base model, 30 GRPO steps with two workers at staleness 2: the base
+    is right sometimes, honest workers are never rejected, every group is within the staleness
+    bound, and each policy version reaches a worker in at most a quarter of its fp32 bytes."""
+    from farlink.train.rl import make_base, make_session, run_session
+
+    base = make_base("addition:1", seed=0)
+    session = make_session(base, RLConfig(seed=0), workers=2)
+    summary = run_session(session, 30, eval_every=30)
+    assert summary["heldout_accuracy_base"] > 0  # low but non-zero: the recipe's promise
+    assert summary["steps"] == 30 and summary["rejections"] == []
+    assert all(row["staleness_max"] <= 2 for row in session.logs if "staleness_max" in row)
+    assert any(row.get("reward", 0) > 0 for row in session.logs)
+    full = summary["bytes_full_fp32"]
+    for worker in summary["workers"].values():
+        assert 0 < worker["delta_bytes_per_version"] <= full / 4, worker
+
+
+@pytest.mark.slow
+@pytest.mark.xfail(reason="open: held-out pass@1 on addition:1 does not rise yet (bench rl: "
+                          "-0.04 to +0.008 over 20 steps, 3 seeds); the training reward does",
+                   strict=False)
+def test_grpo_raises_heldout_accuracy_above_the_base() -> None:
+    from farlink.train.rl import make_base, make_session, run_session
+
+    base = make_base("addition:1", seed=0)
+    summary = run_session(make_session(base, RLConfig(seed=0), workers=2), 60, eval_every=60)
+    assert summary["heldout_accuracy_final"] > summary["heldout_accuracy_base"] + 0.03, summary
+
+
+def _even_task() -> CallableTask:
+    return CallableTask("even", lambda rng: (f"{rng.randint(10, 99)}+{rng.randint(10, 99)}=", "4"),
+                        lambda prompt, answer, completion: sum(map(ord, completion)) % 2 == 0)
+
+
+def test_a_worker_gone_mid_job_costs_no_step_and_the_deadline_bounds_the_wait(codec) -> None:
+    import time
+
+    policy = confident_gpt(0)
+    cfg = RLConfig(group_size=4, groups_per_step=3, deadline_s=0.3, fingerprint_every=2)
+    publisher = PolicyPublisher(policy, make_codec("int4"))
+    board = RolloutBoard(_even_task(), codec, cfg.group_size, version=lambda: publisher.version)
+    optimizer = torch.optim.SGD(policy.parameters(), lr=0.1)
+    trainer = GRPOTrainer(policy, lambda tokens: (optimizer.step(), optimizer.zero_grad()),
+                          board, publisher, worker_model(policy), cfg)
+    started = time.monotonic()
+    assert trainer.train_step() is None  # nothing came: no step, no new version
+    assert 0.3 <= time.monotonic() - started < 5 and publisher.version == 0
+    board.request("gone")  # took a job and was killed before handing it in
+    alive = RolloutWorker("alive", board, publisher,
+                          PolicyReplica(worker_model(policy), make_codec("int4")), cfg)
+    for _ in range(2):
+        alive.do_job()
+    log = trainer.train_step()  # two of three groups: the step commits at the deadline
+    assert log is not None and log.groups == 2 and trainer.step == 1 and publisher.version == 1
+    assert trainer.ledger.peers() == ["alive"]
+
+
+def test_groups_older_than_max_staleness_are_dropped_and_staleness_is_recorded(codec) -> None:
+    policy = confident_gpt(0)
+    cfg = RLConfig(group_size=4, groups_per_step=8, deadline_s=0.2, fingerprint_every=2,
+                   max_staleness=1)
+    publisher = PolicyPublisher(policy, make_codec("int4"))
+    board = RolloutBoard(_even_task(), codec, cfg.group_size, version=lambda: publisher.version)
+    optimizer = torch.optim.SGD(policy.parameters(), lr=0.1)
+    trainer = GRPOTrainer(policy, lambda tokens: (optimizer.step(), optimizer.zero_grad()),
+                          board, publisher, worker_model(policy), cfg)
+    worker = RolloutWorker("w", board, publisher,
+                           PolicyReplica(worker_model(policy), make_codec("int4")), cfg)
+    worker.do_job()  # version 0
+    for _ in range(2):
+        publisher.publish(policy)  # two versions later
+    worker.do_job()  # version 2
+    publisher.publish(policy)
+    log = trainer.train_step()
+    assert log.groups == 1 and log.dropped_stale == 1 and log.staleness == [1]
+    assert trainer.ledger.get("w").updates_rejected == 0  # late is not dishonest
+
+
+@pytest.mark.slow
 def test_grpo_with_two_async_workers_raises_heldout_accuracy_above_the_base() -> None:
     """The whole loop on a real base model (the short recipe): pass@1 on held-out problems
     rises above the base model's after 60 steps with two workers at staleness 2."""
