@@ -22,10 +22,10 @@ from pathlib import Path
 SRC = Path(__file__).resolve().parent.parent / "src"
 
 LIBRARY = ("farlink.codecs", "farlink.robust", "farlink.comm", "farlink.sync", "farlink.model",
-           "farlink.data", "farlink.state")
+           "farlink.data", "farlink.state", "farlink.rl")
 APPLICATION = ("farlink.config", "farlink.train", "farlink.bench", "farlink.plan",
                "farlink.emulate", "farlink.cli", "farlink.swarm", "farlink.worker",
-               "farlink.compose", "farlink.flags")
+               "farlink.compose", "farlink.flags", "farlink.rl_command")
 
 
 @dataclass(frozen=True)

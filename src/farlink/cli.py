@@ -29,6 +29,7 @@ COMMAND_MODULES = [
     "farlink.robust.command",
     "farlink.swarm.command",
     "farlink.worker",
+    "farlink.rl_command",
 ]
 
 

@@ -12,13 +12,12 @@ updates, safetensors state) as bytes end to end, with no protobuf re-encoding.
 from __future__ import annotations
 
 import asyncio
-import hashlib
 
 import msgpack
-import torch
 from hivemind.p2p import P2P
-from safetensors.torch import load as st_load
-from safetensors.torch import save as st_save
+
+from farlink.state.snapshot import (STATE_CHUNK_BYTES, chunk_digests, chunk_ok,  # noqa: F401
+                                    pack_state, unpack_state)
 
 
 async def send_message(writer: asyncio.StreamWriter, header: dict, bodies: list[bytes]) -> int:
@@ -69,30 +68,3 @@ async def recv_message(reader: asyncio.StreamReader, max_body: int = MAX_BODY_BY
     return header, bodies
 
 
-def pack_state(state: dict[str, torch.Tensor]) -> tuple[bytes, str]:
-    """Serialized state and its SHA-256, so a receiver can check it before adopting it."""
-    tensors = {k: v.detach().cpu().contiguous().clone() for k, v in state.items()}
-    blob = st_save(tensors)
-    return blob, hashlib.sha256(blob).hexdigest()
-
-
-def unpack_state(blob: bytes, expected_sha256: str) -> dict[str, torch.Tensor]:
-    actual = hashlib.sha256(blob).hexdigest()
-    if actual != expected_sha256:
-        raise ValueError(f"state hash mismatch: got {actual[:16]}, expected {expected_sha256[:16]}")
-    return st_load(blob)
-
-
-STATE_CHUNK_BYTES = 4 << 20  # 4 MiB: big enough to stream, small enough to spread over peers
-
-
-def chunk_digests(blob: bytes, chunk_bytes: int) -> list[str]:
-    """SHA-256 of each ``chunk_bytes`` slice of ``blob`` (one digest for an empty blob)."""
-    if chunk_bytes < 1:
-        raise ValueError(f"chunk size must be >= 1 byte, got {chunk_bytes}")
-    starts = range(0, len(blob), chunk_bytes) if blob else [0]
-    return [hashlib.sha256(blob[i : i + chunk_bytes]).hexdigest() for i in starts]
-
-
-def chunk_ok(data: bytes, expected_sha256: str) -> bool:
-    return hashlib.sha256(data).hexdigest() == expected_sha256

@@ -1,0 +1,179 @@
+"""``farlink bench rl``: GRPO with rollout workers, side by side, in one process.
+
+Scenarios (one base model, pre-trained once by the short recipe):
+
+- ``rise``: held-out accuracy before and after, for several seeds (2 workers, staleness 2);
+- ``workers``: 1, 2 and 4 workers paced at ``PACE`` seconds per job: rollouts per second;
+- ``staleness``: max staleness 0, 2 and 8 with 4 unpaced workers;
+- ``cheats``: 2 honest workers beside one of each dishonest kind: who is banned, and how many
+  of a cheat's groups reached a step;
+- ``diloco_two_groups``: the trainer as two replica groups, DiLoCo between them;
+- ``false_rejects``: honest groups sampled with 1 and 2 threads and in bf16, checked against
+  the fp32 policy: the rate the verifier wrongly rejects.
+
+Writes ``rl.json`` and ``rl.png`` to ``out``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+
+import torch
+
+from farlink.rl.policy import completion_logits, sample_group
+from farlink.rl.trainer import RLConfig
+from farlink.rl.verify import check
+from farlink.train.rl import make_base, make_session, run_session
+
+TASK = "addition:1"
+PACE = 0.4
+
+
+def _session(seed: int, steps: int, **options) -> dict:
+    base = make_base(TASK, seed=0)
+    config = RLConfig(seed=seed, max_staleness=options.pop("max_staleness", 2))
+    torch.manual_seed(seed)
+    max_wall_s = options.pop("max_wall_s", 1e9)
+    session = make_session(base, config, **options)
+    summary = run_session(session, steps, eval_every=max(steps // 3, 1), max_wall_s=max_wall_s)
+    summary["curve"] = [{k: r.get(k) for k in ("step", "reward", "wall_s", "rollouts_total",
+                                               "heldout_accuracy", "staleness_mean")}
+                        for r in session.logs]
+    return summary
+
+
+def diloco_groups(steps: int, inner_steps: int = 5, lr: float = 5e-4) -> dict:
+    """Two trainer replica groups (2 workers each) with DiLoCo between them: each steps its
+    own AdamW and every ``inner_steps`` steps they average their pseudo-gradients."""
+    import farlink
+    from farlink.comm.inprocess import InProcessGroup
+
+    def member(rank: int, collective) -> dict:  # noqa: ANN001
+        base = make_base(TASK, seed=0)
+        model = base.model
+        inner = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
+        sync = farlink.Optimizer(model, inner, collective=collective, index=rank,
+                                 backend="inprocess", algorithm="diloco",
+                                 inner_steps=inner_steps, grad_clip=1.0)
+        session = make_session(base, RLConfig(seed=rank), workers=2,
+                               step_fn=lambda tokens: sync.step(tokens=tokens))
+        summary = run_session(session, steps, eval_every=max(steps // 3, 1))
+        summary["outer_steps"] = sync.outer_step
+        summary["bytes_sent"] = sync.metrics().get("bytes_sent")
+        return summary
+
+    groups = InProcessGroup(2).run(member, timeout=3600)
+    return {"groups": groups,
+            "heldout_accuracy_final": [g["heldout_accuracy_final"] for g in groups]}
+
+
+def false_rejects(groups: int = 40) -> dict:
+    """Honest groups under other thread counts and bf16, checked by the fp32 policy."""
+    base = make_base(TASK, seed=0)
+    config = RLConfig()
+    rates = {}
+    for label, threads, dtype in (("fp32_1thread", 1, torch.float32),
+                                  ("fp32_2threads", 2, torch.float32),
+                                  ("bf16", 1, torch.bfloat16)):
+        rejected = total = 0
+        for g in range(groups):
+            problem = base.task.draw(__import__("random").Random(g))
+            torch.set_num_threads(threads)
+            rollouts = sample_group(base.model, base.codec.prompt_ids(problem.prompt),
+                                    [g * 100 + i for i in range(config.group_size)], worker="h",
+                                    job=g, version=0, stop_id=base.codec.eot,
+                                    max_new_tokens=config.max_new_tokens,
+                                    every=config.fingerprint_every, k=config.fingerprint_k,
+                                    dtype=dtype)
+            torch.set_num_threads(1)
+            with torch.no_grad():
+                logits = completion_logits(base.model, rollouts)
+            for r, lg in zip(rollouts, logits):
+                total += 1
+                rejected += check(r, lg, config.temperature, config.fingerprint_every) is not None
+        rates[label] = {"rollouts": total, "rejected": rejected, "rate": rejected / total}
+    return rates
+
+
+def run(out: Path, steps: int = 40, seeds: int = 3, worker_wall_s: float = 15.0) -> dict:
+    torch.set_num_threads(1)
+    started = time.monotonic()
+    result: dict = {"task": TASK, "steps": steps, "load_before": os.getloadavg()}
+    result["rise"] = [_session(s, steps, workers=2) for s in range(seeds)]
+    result["workers"] = {n: _session(0, 10_000, workers=n, pace_seconds=PACE, max_wall_s=worker_wall_s)
+                         for n in (1, 2, 4)}
+    for row in result["workers"].values():
+        row["rollouts_per_s"] = row["rollouts_made"] / row["loop_s"]
+    result["staleness"] = {k: _session(0, steps, workers=4, max_staleness=k) for k in (0, 2, 8)}
+    result["cheats"] = _session(0, steps, workers=2,
+                                malicious=["fabricate", "wrong_model", "stale", "replay"])
+    result["diloco_two_groups"] = diloco_groups(steps)
+    result["false_rejects"] = false_rejects()
+    result["load_after"] = os.getloadavg()
+    result["wall_s"] = time.monotonic() - started
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "rl.json").write_text(json.dumps(result, indent=1, default=str))
+    _plot(result, out / "rl.png")
+    return result
+
+
+def _plot(result: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4))
+    for i, row in enumerate(result["rise"]):
+        curve = [c for c in row["curve"] if c["reward"] is not None]
+        axes[0].plot([c["wall_s"] for c in curve], [c["reward"] for c in curve], label=f"seed {i}")
+        axes[1].plot([c["rollouts_total"] for c in curve], [c["reward"] for c in curve],
+                     label=f"seed {i}")
+    for n, row in result["workers"].items():
+        curve = [c for c in row["curve"] if c["reward"] is not None]
+        axes[0].plot([c["wall_s"] for c in curve], [c["reward"] for c in curve], "--",
+                     label=f"{n} paced workers")
+    axes[0].set(xlabel="wall-clock (s)", ylabel="batch reward", title="reward vs wall-clock")
+    axes[1].set(xlabel="rollouts consumed", ylabel="batch reward", title="reward vs rollouts")
+    labels, values = [], []
+    for i, row in enumerate(result["rise"]):
+        labels += [f"s{i} base", f"s{i} RL"]
+        values += [row["heldout_accuracy_base"], row["heldout_accuracy_final"]]
+    for k, row in result["staleness"].items():
+        labels.append(f"stale {k}")
+        values.append(row["heldout_accuracy_final"])
+    axes[2].bar(labels, values)
+    axes[2].set(ylabel="held-out accuracy (greedy)", title="accuracy")
+    axes[2].tick_params(axis="x", rotation=60)
+    for ax in axes[:2]:
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+
+
+def headline(result: dict) -> dict:
+    """The numbers the issue's targets are stated in, from a bench result."""
+    rise = [(r["heldout_accuracy_base"], r["heldout_accuracy_final"]) for r in result["rise"]]
+    speeds = {int(n): r["rollouts_per_s"] for n, r in result["workers"].items()}
+    cheats = result["cheats"]
+    banned = sorted({w for w, _ in cheats["rejections"]})
+    ledger_accepted = {name: info.get("groups_accepted") for name, info in cheats["workers"].items()}
+    per_version = [w["delta_bytes_per_version"] / r["bytes_full_fp32"]
+                   for r in result["rise"] for w in r["workers"].values()
+                   if "delta_bytes_per_version" in w]
+    return {
+        "heldout_rise_per_seed": [round(b2 - b1, 4) for b1, b2 in rise],
+        "heldout_base_final": rise,
+        "throughput_4_over_1": speeds[4] / speeds[1],
+        "throughput_2_over_1": speeds[2] / speeds[1],
+        "staleness_final_accuracy": {k: r["heldout_accuracy_final"]
+                                     for k, r in result["staleness"].items()},
+        "cheats_banned": banned,
+        "cheat_groups_accepted": {k: v for k, v in ledger_accepted.items() if "honest" not in k},
+        "false_reject_rate": {k: v["rate"] for k, v in result["false_rejects"].items()},
+        "delta_bytes_per_version_over_fp32": max(per_version) if per_version else None,
+        "diloco_two_groups_final": result["diloco_two_groups"]["heldout_accuracy_final"],
+    }
