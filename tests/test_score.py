@@ -50,6 +50,19 @@ def test_replay_check_marks_zeros_and_copies_of_earlier_rounds_only():
     assert "a's update" in marks["c"]
 
 
+def test_a_round_tried_again_is_no_replay_of_itself():
+    """A round that failed is tried again with the same honest updates: they repeat the first
+    try's, not an earlier round's, and earn their credit; a copy from an earlier round is
+    still caught after the retry."""
+    gen = torch.Generator().manual_seed(1)
+    round_3 = {p: {"x": torch.randn(5000, generator=gen)} for p in ("a", "b")}
+    check = ReplayCheck()
+    assert check.marks(round_3, 3) == {}
+    assert check.marks(round_3, 3) == {}  # the retry of round 3
+    round_4 = {"a": {"x": torch.randn(5000, generator=gen)}, "b": round_3["b"]}
+    assert set(check.marks(round_4, 4)) == {"b"}
+
+
 def _trained(model: GPT, batches: list, steps: int) -> dict[str, torch.Tensor]:
     """The pseudo-gradient of ``steps`` AdamW steps from ``model``'s parameters."""
     start = {n: p.detach().clone() for n, p in model.named_parameters()}

@@ -72,14 +72,23 @@ class ReplayCheck:
 
     def __init__(self, memory: int = 2, probe: int = 4096) -> None:
         self.probe = probe
-        self._seen: deque[dict[str, torch.Tensor]] = deque(maxlen=memory)
+        self.memory = memory
+        self._seen: dict[int | None, dict[str, torch.Tensor]] = {}  # round -> its probes
         self._index: dict[str, torch.Tensor] = {}
 
-    def marks(self, updates: dict[str, dict[str, torch.Tensor]]) -> dict[str, str]:
-        """peer -> why its update earns nothing; remembers this round's updates."""
+    def marks(self, updates: dict[str, dict[str, torch.Tensor]],
+              round_id: int | None = None) -> dict[str, str]:
+        """peer -> why its update earns nothing; remembers this round's updates. An update is
+        compared with those of *other* rounds only: a round that failed and is tried again
+        carries the same honest updates, which are no replay."""
         probes = {p: self._probe_of(u) for p, u in updates.items()}
-        out = {p: m for p, probe in probes.items() if (m := self._mark(probe)) is not None}
-        self._seen.append(probes)
+        earlier = [seen for r, seen in self._seen.items() if r is None or r != round_id]
+        out = {p: m for p, probe in probes.items()
+               if (m := self._mark(probe, earlier)) is not None}
+        self._seen.pop(round_id, None)
+        self._seen[round_id] = probes
+        while len(self._seen) > self.memory:
+            del self._seen[next(iter(self._seen))]
         return out
 
     def _probe_of(self, update: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -96,11 +105,12 @@ class ReplayCheck:
             parts.append(flat[index.to(flat.device)].double().cpu())
         return torch.cat(parts) if parts else torch.zeros(1, dtype=torch.float64)
 
-    def _mark(self, probe: torch.Tensor) -> str | None:
+    @staticmethod
+    def _mark(probe: torch.Tensor, rounds: list[dict[str, torch.Tensor]]) -> str | None:
         norm = float(probe.norm())
         if norm == 0.0:
             return "free_rider: an all-zero update"
-        for earlier in self._seen:
+        for earlier in rounds:
             for other, seen in earlier.items():
                 if seen.shape == probe.shape and float(seen.norm()) > 0:
                     cos = float(probe @ seen) / (norm * float(seen.norm()))

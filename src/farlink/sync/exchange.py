@@ -313,7 +313,7 @@ class Exchange:
         peers = list(decoded)
         bounded, capped = bound_claims({p: claimed[p] for p in peers}, self.max_weight,
                                        self.claim_factor)
-        marks = self._marks(decoded, claimed, bounded)
+        marks = self._marks(decoded, claimed, round_id)
         factors = None
         if self.scorer is not None:
             factors = self._score(decoded, bounded, marks, round_id, result)
@@ -377,11 +377,11 @@ class Exchange:
         return tokens if self.round_allowance is None else min(tokens, self.round_allowance)
 
     def _marks(self, decoded: dict[str, dict[str, torch.Tensor]], claimed: dict[str, float],
-               bounded: dict[str, float]) -> dict[str, str]:
+               round_id: int) -> dict[str, str]:
         """Peers credited nothing this round, and why: an all-zero or replayed update
         (:class:`ReplayCheck`; a zero-claim peer only receives and is not marked), or a claim
         beyond what the run lets one peer process (``inflated``)."""
-        marks = {p: m for p, m in self.replays.marks(decoded).items() if claimed[p] > 0}
+        marks = {p: m for p, m in self.replays.marks(decoded, round_id).items() if claimed[p] > 0}
         for peer in decoded:
             if self.max_weight is not None and claimed[peer] > self.max_weight:
                 marks.setdefault(peer, f"inflated: claims {claimed[peer]:.4g} tokens, more than "
@@ -401,17 +401,23 @@ class Exchange:
         judged = sorted(p for p in decoded if bounded[p] > 0)
         mine = self.scorer.measure(round_id, decoded, bounded, self.turn(judged, round_id),
                                    marks)
-        report = json.dumps({"drops": mine, "priors": {
+        report = json.dumps({"drops": mine, "marks": marks, "priors": {
             p: self.scorer.ratings[p] for p in judged if p in self.scorer.ratings}})
         received = self.collective.all_gather_bytes(self.authenticator.sign(report.encode()))
         if self._equivocation(received, round_id, result):
             return None
         drops: dict[str, list[float]] = {}
         priors: dict[str, list[float]] = {}
+        marked: dict[str, list[str]] = {}
+        reports = 0
         for raw in received:
             try:
                 _, body = self.authenticator.open(raw)
                 reported = json.loads(body)
+                for peer, why in dict(reported["marks"]).items():
+                    if peer in bounded and isinstance(why, str):
+                        marked.setdefault(peer, []).append(why[:200])
+                reports += 1
                 for votes, key in ((drops, "drops"), (priors, "priors")):
                     for peer, value in dict(reported[key]).items():
                         if peer in bounded and isinstance(value, (int, float)) \
@@ -419,6 +425,10 @@ class Exchange:
                             votes.setdefault(peer, []).append(float(value))
             except (AuthError, ValueError, UnicodeDecodeError, KeyError, TypeError):
                 continue  # a member's unreadable report is not a vote
+        # marks by majority of the reports, as drops are by median: a member that has not seen
+        # the earlier rounds (it resumed or joined) weighs every peer as the others do
+        marks.clear()
+        marks.update({p: sorted(whys)[0] for p, whys in marked.items() if 2 * len(whys) > reports})
         verdicts = self.scorer.rate(
             round_id, {p: statistics.median(v) for p, v in drops.items()},
             {p: max(-1.0, min(1.0, statistics.median(priors[p]))) if p in priors else None
