@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from farlink.config import ConfigError, load_config
+from farlink.testing.runs import launch_in_threads
 from farlink.train.launcher import launch, write_run_config
 from farlink.train.lighthouse import Lighthouse
 from farlink.train.metrics import read_metrics
@@ -53,12 +54,12 @@ def end_record(run_dir: Path, worker: str = "w0") -> dict:
 
 # --- a fresh run never deletes a run dir -----------------------------------------------------
 
+@pytest.mark.torchft_threads
 def test_fresh_run_in_a_used_run_dir_is_refused_and_overwrite_moves_it_aside(
         tmp_path: Path, cache_dir: Path) -> None:
     run = tmp_path / "run"
-    code, out = farlink("train", *tiny_flags(), "--run-dir", str(run), "--cache-dir",
-                        str(cache_dir))
-    assert code == 0, out
+    made = launch_in_threads(load_config(None, {**TINY, "run_dir": run, "cache_dir": cache_dir}))
+    assert made.returncodes == [0, 0]
     (run / "notes.txt").write_text("the user's own notes")
     before = snapshot(run)
     assert any(name.startswith("checkpoints/") for name in before)
@@ -83,20 +84,24 @@ def test_fresh_run_in_a_used_run_dir_is_refused_and_overwrite_moves_it_aside(
     assert not (run / "notes.txt").exists() and (run / "final" / "w0.safetensors").is_file()
 
 
+@pytest.mark.torchft_threads
 def test_default_run_dir_is_a_new_dir_per_run_and_resume_follows_latest(
-        tmp_path: Path, cache_dir: Path) -> None:
+        tmp_path: Path, cache_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Two fresh runs with no --run-dir land in two runs/<time> dirs (the first one kept);
     runs/latest names the newest, and `--resume` alone continues it. A stop point belongs to
-    its invocation: the resume runs to the end instead of stopping again."""
-    code, out = farlink("train", *tiny_flags(), "--cache-dir", str(cache_dir), cwd=tmp_path)
-    assert code == 0, out
+    its invocation: the resume runs to the end instead of stopping again. The two fresh runs
+    are the launcher's run dir planning with workers as threads (a config with no run dir, as
+    the CLI builds it without --run-dir); the resume is the CLI's."""
+    monkeypatch.chdir(tmp_path)
+    made = launch_in_threads(load_config(None, {**TINY, "cache_dir": cache_dir}))
+    assert made.returncodes == [0, 0]
     runs = tmp_path / "runs"
     [first] = [p for p in runs.iterdir() if not p.is_symlink()]
     kept = snapshot(first)
 
-    code, out = farlink("train", *tiny_flags(), "--stop-at-step", "2", "--cache-dir",
-                        str(cache_dir), cwd=tmp_path)
-    assert code == 0, out
+    made = launch_in_threads(load_config(None, {**TINY, "stop_at_step": 2,
+                                                "cache_dir": cache_dir}))
+    assert made.returncodes == [0, 0]
     dirs = sorted(p for p in runs.iterdir() if not p.is_symlink())
     assert len(dirs) == 2 and snapshot(first) == kept
     [second] = [p for p in dirs if p != first]
