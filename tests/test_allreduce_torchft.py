@@ -6,17 +6,13 @@ round cleanly on the others, which commit the next round without it."""
 
 from __future__ import annotations
 
-import threading
-
 import pytest
 import torch
-from torchft._torchft import LighthouseServer
-
 from farlink.codecs import make_compressor
 from farlink.comm.inprocess import InProcessGroup
-from farlink.comm.torchft_backend import TorchftCollective
 from farlink.sync.allreduce import ShardedReduce
 from farlink.sync.exchange import Exchange
+from farlink.testing import torchft_replicas
 
 # torchft runs in this process: after every test that forks (see conftest)
 pytestmark = pytest.mark.torchft_threads
@@ -34,38 +30,7 @@ def data(members: int) -> list[dict[str, torch.Tensor]]:
 
 def replicas(count: int, body, min_replicas: int | None = None) -> dict:  # noqa: ANN001
     """body(index, collective) in a thread per replica; their results by index."""
-    lighthouse = LighthouseServer(bind="127.0.0.1:0", min_replicas=min_replicas or count,
-                                  join_timeout_ms=5000, heartbeat_timeout_ms=2000)
-    results: dict[int, object] = {}
-    errors: list[BaseException] = []
-    # every replica heartbeats before any asks for a quorum: the first one holds them all
-    started = threading.Barrier(count)
-
-    def run(index: int) -> None:
-        coll = TorchftCollective(f"r{index}", lighthouse.address(),
-                                 min_replicas=min_replicas or count, round_timeout=15,
-                                 join_timeout=5)
-        coll.register_state(lambda: {"x": torch.zeros(1)}, lambda s: None)
-        try:
-            started.wait(60)
-            results[index] = body(index, coll)
-        except BaseException as exc:  # noqa: BLE001 - re-raised in the test's thread
-            errors.append(exc)
-        finally:
-            coll.close()
-
-    threads = [threading.Thread(target=run, args=(i,)) for i in range(count)]
-    try:
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(180)
-    finally:
-        lighthouse.shutdown()
-    if errors:
-        raise errors[0]
-    assert set(results) == set(range(count)), "replicas still running"
-    return results
+    return torchft_replicas(count, body, min_replicas, round_timeout=15)
 
 
 def flat(tensors: dict[str, torch.Tensor]) -> torch.Tensor:
