@@ -41,6 +41,21 @@ def farlink(*args: str, cwd: Path | None = None, env: dict[str, str] | None = No
     return proc.returncode, proc.stdout
 
 
+def farlink_here(*args: str) -> tuple[int, str]:
+    """The CLI run in this process (typer's runner) for an invocation that ends before any
+    process starts (a refusal, a report): the same app, options and messages as ``python -m
+    farlink.cli``, without a fresh interpreter importing torch. An error the CLI does not turn
+    into a message and an exit code is raised here (a user would have seen a traceback)."""
+    from typer.testing import CliRunner
+
+    from farlink.cli import app
+
+    result = CliRunner().invoke(app, list(args), env={"COLUMNS": "200"})
+    if result.exception is not None and not isinstance(result.exception, SystemExit):
+        raise result.exception
+    return result.exit_code, result.output
+
+
 def snapshot(root: Path) -> dict[str, str]:
     """Every file under ``root`` and the digest of its bytes."""
     return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
@@ -65,12 +80,12 @@ def test_fresh_run_in_a_used_run_dir_is_refused_and_overwrite_moves_it_aside(
     assert any(name.startswith("checkpoints/") for name in before)
 
     # a bad invocation and a forgotten --resume: refused, not one byte of the run changed
-    code, out = farlink("train", *tiny_flags(), "--run-dir", str(run), "--cache-dir",
-                        str(cache_dir), "--corpus", str(tmp_path / "missing.txt"))
+    code, out = farlink_here("train", *tiny_flags(), "--run-dir", str(run), "--cache-dir",
+                             str(cache_dir), "--corpus", str(tmp_path / "missing.txt"))
     assert code == 2, out
     assert snapshot(run) == before
-    code, out = farlink("train", *tiny_flags(), "--run-dir", str(run), "--cache-dir",
-                        str(cache_dir))
+    code, out = farlink_here("train", *tiny_flags(), "--run-dir", str(run), "--cache-dir",
+                             str(cache_dir))
     assert code == 2, out
     assert "--resume" in out and "--run-dir" in out and "--overwrite" in out, out
     assert snapshot(run) == before
@@ -229,7 +244,7 @@ def test_resume_may_change_what_does_not_define_the_run(tmp_path: Path,
     the set of fields that are fixed is the documented one."""
     run = tmp_path / "run"
     write_run_config(load_config(None, {**TINY, "run_dir": run, "cache_dir": cache_dir}))
-    code, out = farlink("train", "--resume", "--run-dir", str(run), "--model", "small")
+    code, out = farlink_here("train", "--resume", "--run-dir", str(run), "--model", "small")
     assert code == 2 and "model" in out and "--run-dir" in out, out
     from farlink.train.rundir import FIXED_ON_RESUME
 
