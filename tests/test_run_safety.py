@@ -285,8 +285,8 @@ def test_secret_sources_and_a_secret_file_others_can_read(tmp_path: Path,
 
     with pytest.raises(ValueError, match="chmod 600"):
         read_secret_file(exposed)
-    code, out = farlink("train", "--auth", "secret", "--secret-file", str(exposed),
-                        "--run-dir", str(tmp_path / "run"))
+    code, out = farlink_here("train", "--auth", "secret", "--secret-file", str(exposed),
+                             "--run-dir", str(tmp_path / "run"))
     assert code == 2 and "chmod 600" in out, out
     assert not (tmp_path / "run").exists()
 
@@ -342,8 +342,8 @@ def test_a_run_that_cannot_work_is_refused_before_anything_starts(
                  "no-such-keys"),
     }[case]
     run = tmp_path / "run"
-    code, out = farlink("train", *tiny_flags(), *flags, "--run-dir", str(run),
-                        "--cache-dir", str(cache_dir))
+    code, out = farlink_here("train", *tiny_flags(), *flags, "--run-dir", str(run),
+                             "--cache-dir", str(cache_dir))
     assert code == 2 and reason in out, out
     assert not run.exists()  # no config written, no Lighthouse log, no worker log
 
