@@ -28,9 +28,10 @@ def data(members: int) -> list[dict[str, torch.Tensor]]:
             for _ in range(members)]
 
 
-def replicas(count: int, body, min_replicas: int | None = None) -> dict:  # noqa: ANN001
+def replicas(count: int, body, min_replicas: int | None = None,  # noqa: ANN001
+             round_timeout: float = 15) -> dict:
     """body(index, collective) in a thread per replica; their results by index."""
-    return torchft_replicas(count, body, min_replicas, round_timeout=15)
+    return torchft_replicas(count, body, min_replicas, round_timeout=round_timeout)
 
 
 def flat(tensors: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -93,7 +94,8 @@ def test_a_replica_dying_while_it_owns_a_shard_fails_the_round_and_the_rest_go_o
                         coll.commit()))
         return out
 
-    rows = replicas(3, member, min_replicas=2)
+    # the survivors wait the round timeout for the dead owner's shard: a short one
+    rows = replicas(3, member, min_replicas=2, round_timeout=6)
     assert rows[2] == [("died", 0)]
     for index in (0, 1):
         (size0, path0, _, ok0), (size1, path1, accepted1, ok1) = rows[index]
