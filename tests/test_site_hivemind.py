@@ -20,7 +20,7 @@ from site_ledgers import assert_every_rank_accepted
 
 pytest.importorskip("hivemind")
 
-SITE_RUN = {"model": "nano", "workers": 2, "steps": 20, "inner_steps": 10, "warmup_steps": 10, "batch_size": 8,
+SITE_RUN = {"workers": 2, "steps": 20, "inner_steps": 10, "warmup_steps": 10, "batch_size": 8,
             "vocab_size": 512, "seq_len": 64, "eval_batches": 4, "backend": "hivemind",
             "auth": "secret", "secret": "the-run-secret"}
 
