@@ -17,7 +17,7 @@ from farlink.train.audit import audit_run
 from farlink.state.checkpoint import EXIT_DISK_FULL
 from farlink.train.launcher import launch
 
-TINY = {"model": "nano", "vocab_size": 512, "seq_len": 64, "batch_size": 4, "eval_batches": 2, "workers": 2,
+TINY = {"vocab_size": 512, "seq_len": 64, "batch_size": 4, "eval_batches": 2, "workers": 2,
         "steps": 6, "inner_steps": 2, "warmup_steps": 2, "join_timeout": 5,
         # both workers in every round: the one that fell back heals from the other instead of
         # racing through rounds alone while a busy machine delays its peer
