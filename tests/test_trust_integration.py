@@ -21,7 +21,8 @@ from farlink.train.launcher import _stop_all, spawn_worker, summarize, write_run
 from farlink.train.lighthouse import Lighthouse
 from farlink.train.metrics import read_metrics
 
-BASE = {"model": "nano", "vocab_size": 512, "seq_len": 64, "batch_size": 4, "eval_batches": 2, "workers": 3,
+BASE = {"model": "nano",
+        "vocab_size": 512, "seq_len": 64, "batch_size": 4, "eval_batches": 2, "workers": 3,
         "steps": 30, "inner_steps": 10, "warmup_steps": 5, "join_timeout": 10,
         "auth": "secret", "codec": "int8"}
 
