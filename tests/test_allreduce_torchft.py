@@ -6,17 +6,13 @@ round cleanly on the others, which commit the next round without it."""
 
 from __future__ import annotations
 
-import threading
-
 import pytest
 import torch
-from torchft._torchft import LighthouseServer
-
 from farlink.codecs import make_compressor
 from farlink.comm.inprocess import InProcessGroup
-from farlink.comm.torchft_backend import TorchftCollective
 from farlink.sync.allreduce import ShardedReduce
 from farlink.sync.exchange import Exchange
+from farlink.testing import torchft_replicas
 
 # torchft runs in this process: after every test that forks (see conftest)
 pytestmark = pytest.mark.torchft_threads
@@ -32,40 +28,10 @@ def data(members: int) -> list[dict[str, torch.Tensor]]:
             for _ in range(members)]
 
 
-def replicas(count: int, body, min_replicas: int | None = None) -> dict:  # noqa: ANN001
+def replicas(count: int, body, min_replicas: int | None = None,  # noqa: ANN001
+             round_timeout: float = 15) -> dict:
     """body(index, collective) in a thread per replica; their results by index."""
-    lighthouse = LighthouseServer(bind="127.0.0.1:0", min_replicas=min_replicas or count,
-                                  join_timeout_ms=5000, heartbeat_timeout_ms=2000)
-    results: dict[int, object] = {}
-    errors: list[BaseException] = []
-    # every replica heartbeats before any asks for a quorum: the first one holds them all
-    started = threading.Barrier(count)
-
-    def run(index: int) -> None:
-        coll = TorchftCollective(f"r{index}", lighthouse.address(),
-                                 min_replicas=min_replicas or count, round_timeout=15,
-                                 join_timeout=5)
-        coll.register_state(lambda: {"x": torch.zeros(1)}, lambda s: None)
-        try:
-            started.wait(60)
-            results[index] = body(index, coll)
-        except BaseException as exc:  # noqa: BLE001 - re-raised in the test's thread
-            errors.append(exc)
-        finally:
-            coll.close()
-
-    threads = [threading.Thread(target=run, args=(i,)) for i in range(count)]
-    try:
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(180)
-    finally:
-        lighthouse.shutdown()
-    if errors:
-        raise errors[0]
-    assert set(results) == set(range(count)), "replicas still running"
-    return results
+    return torchft_replicas(count, body, min_replicas, round_timeout=round_timeout)
 
 
 def flat(tensors: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -128,7 +94,8 @@ def test_a_replica_dying_while_it_owns_a_shard_fails_the_round_and_the_rest_go_o
                         coll.commit()))
         return out
 
-    rows = replicas(3, member, min_replicas=2)
+    # the survivors wait the round timeout for the dead owner's shard: a short one
+    rows = replicas(3, member, min_replicas=2, round_timeout=6)
     assert rows[2] == [("died", 0)]
     for index in (0, 1):
         (size0, path0, _, ok0), (size1, path1, accepted1, ok1) = rows[index]

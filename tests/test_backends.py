@@ -11,7 +11,8 @@ from farlink.config import load_config
 from farlink.train.audit import audit_run
 from farlink.train.launcher import launch
 
-BASE = {"vocab_size": 512, "seq_len": 64, "batch_size": 4, "eval_batches": 2, "workers": 3,
+BASE = {"model": "nano",
+        "vocab_size": 512, "seq_len": 64, "batch_size": 4, "eval_batches": 2, "workers": 3,
         "steps": 30, "inner_steps": 10, "warmup_steps": 5, "min_replicas": 3,
         "join_timeout": 10}
 

@@ -22,7 +22,7 @@ from farlink.config import ConfigError, RunConfig, load_config
 from farlink.train.launcher import write_run_config
 from farlink.train.metrics import read_metrics
 
-from test_run_safety import TINY, farlink, snapshot, tiny_flags
+from test_run_safety import TINY, farlink_here, snapshot, tiny_flags
 
 BINARY = bytes(range(128, 256)) * 4  # no UTF-8 text starts with a continuation byte
 
@@ -38,7 +38,7 @@ def assert_one_line_error(out: str, *names: str) -> None:
 def test_a_binary_config_file_is_one_line_naming_it(tmp_path: Path) -> None:
     given = tmp_path / "config.toml"
     given.write_bytes(BINARY)
-    code, out = farlink("train", "-c", str(given), "--run-dir", str(tmp_path / "run"))
+    code, out = farlink_here("train", "-c", str(given), "--run-dir", str(tmp_path / "run"))
     assert code == 2
     assert_one_line_error(out, str(given), "not a text file", "TOML")
     assert not (tmp_path / "run").exists()
@@ -48,13 +48,14 @@ def test_a_binary_config_file_is_one_line_naming_it(tmp_path: Path) -> None:
     write_run_config(load_config(None, {**TINY, "run_dir": run}))
     (run / "config.toml").write_bytes(BINARY)
     before = snapshot(run)
-    code, out = farlink("train", "--resume", "--run-dir", str(run))
+    code, out = farlink_here("train", "--resume", "--run-dir", str(run))
     assert code == 2
     assert_one_line_error(out, str(run / "config.toml"), "not a text file")
     assert snapshot(run) == before
 
     # the planner's own tables go through the same reader
-    code, out = farlink("plan", "--model", "tiny", "--workers", "2", "--links-file", str(given))
+    code, out = farlink_here("plan", "--model", "tiny", "--workers", "2", "--links-file",
+                             str(given))
     assert code != 0
     assert_one_line_error(out, str(given), "not a text file")
 
@@ -76,13 +77,14 @@ def test_every_float_option_refuses_inf_and_nan_naming_its_flag() -> None:
 
 def test_outer_lr_inf_is_refused_before_the_run_dir_is_taken(tmp_path: Path) -> None:
     run = tmp_path / "run"
-    code, out = farlink("train", *tiny_flags(), "--outer-lr", "inf", "--run-dir", str(run))
+    code, out = farlink_here("train", *tiny_flags(), "--outer-lr", "inf", "--run-dir",
+                             str(run))
     assert code == 2
     assert_one_line_error(out, "--outer-lr", "finite")
     assert not run.exists()
     given = tmp_path / "inf.toml"  # TOML has inf too
     given.write_text("[train]\nround_timeout = inf\n")
-    code, out = farlink("train", "-c", str(given), "--run-dir", str(run))
+    code, out = farlink_here("train", "-c", str(given), "--run-dir", str(run))
     assert code == 2 and "--round-timeout" in out and not run.exists(), out
 
 
@@ -90,8 +92,8 @@ def test_outer_lr_inf_is_refused_before_the_run_dir_is_taken(tmp_path: Path) -> 
 
 def test_attackers_outside_the_launched_workers_are_refused(tmp_path: Path) -> None:
     run = tmp_path / "run"
-    code, out = farlink("train", *tiny_flags(workers=4, steps=4), "--attack", "sign_flip",
-                        "--attackers", "9", "--run-dir", str(run))
+    code, out = farlink_here("train", *tiny_flags(workers=4, steps=4), "--attack", "sign_flip",
+                             "--attackers", "9", "--run-dir", str(run))
     assert code == 2
     assert_one_line_error(out, "--attackers 9", "0 to 3")
     assert not run.exists()
@@ -188,7 +190,7 @@ def test_report_after_a_crash_lists_every_worker_that_trained(tmp_path: Path,
             launcher.wait()
     assert not _records(run, "w0", "end") and not _records(run, "w1", "end")
 
-    code, out = farlink("report", str(run))
+    code, out = farlink_here("report", str(run))
     assert code == 0, out
     lasts = {name: [r for r in read_metrics(run / "metrics" / f"{name}.jsonl")
                     if "tokens" in r][-1] for name in ("w0", "w1")}

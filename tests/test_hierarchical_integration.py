@@ -15,7 +15,7 @@ from farlink.train.audit import audit_run
 from farlink.train.launcher import launch
 from farlink.train.metrics import read_metrics
 
-SMALL = {"vocab_size": 512, "seq_len": 64, "batch_size": 4, "eval_batches": 4,
+SMALL = {"model": "nano", "vocab_size": 512, "seq_len": 64, "batch_size": 4, "eval_batches": 4,
          "warmup_steps": 5, "log_every": 5, "join_timeout": 10, "heartbeat_timeout": 3}
 
 

@@ -99,7 +99,7 @@ def test_served_nan_weights_are_refused_and_the_source_named() -> None:
     members = {"x": attacker, "n": newcomer}
     try:
         states = {"x": with_state(attacker, math.nan), "n": with_state(newcomer, 0.5)}
-        results = in_threads(lambda n, c: a_round(c, states[n]), members)
+        results = in_threads(lambda n, c: a_round(c, states[n]), members, needed="n")
         info, ok = results["n"]
         assert not ok and not info.healed and newcomer.round_id == 0
         assert torch.equal(states["n"]["w"], torch.full((16,), 0.5))
@@ -130,7 +130,7 @@ def test_an_implausible_jump_is_refused_by_a_member_that_has_committed_rounds() 
         for coll in honest.values():
             coll.min_group_size = 4
             coll._matchmaking.min_group_size = 4
-        results = in_threads(lambda n, c: a_round(c, states[n]), members)
+        results = in_threads(lambda n, c: a_round(c, states[n]), members, needed="ab")
         for name in "ab":
             info, ok = results[name]
             assert info.round_id == 10000 and info.world_size == 4 and not ok and not info.healed
@@ -170,7 +170,7 @@ def test_malformed_metadata_fails_the_round_cleanly_and_the_member_is_left_out()
             except Exception as exc:  # noqa: BLE001 - the excluded member finds no group
                 return exc
 
-        results = in_threads(again, members)
+        results = in_threads(again, members, needed="ab")
         for name in "ab":
             info, ok = results[name]
             assert ok and info.world_size == 2 and str(bad.peer_id) not in info.peers
@@ -209,7 +209,7 @@ def test_an_always_no_voter_is_named_then_excluded_and_rounds_commit_again() -> 
                         return info
             return None
 
-        in_threads(rounds, members, timeout=180)
+        in_threads(rounds, members, timeout=180, needed=honest)
         for name in honest:
             failed = [entry for entry in log[name] if not entry[0]]
             assert len(failed) >= 3, log[name]

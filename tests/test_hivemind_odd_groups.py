@@ -31,7 +31,8 @@ def test_peers_in_groups_of_two_end_on_one_model(tmp_path: Path, cache_dir: Path
     workers = [f"w{i}" for i in range(shape.get("workers", 3))]
     # a short quorum timeout: a peer that waited for a group that cannot form would fail fast
     cfg = load_config(None, {
-        "workers": 3, **shape, "backend": "hivemind", "group_size": 2, "min_replicas": 2,
+        "model": "nano", "workers": 3, **shape, "backend": "hivemind", "group_size": 2,
+        "min_replicas": 2,
         "vocab_size": 512, "seq_len": 64, "batch_size": 4, "eval_batches": 2,
         "steps": 20, "inner_steps": 10, "warmup_steps": 2, "quorum_timeout": 20,
         "run_dir": tmp_path / "run", "cache_dir": cache_dir})

@@ -16,6 +16,7 @@ Every import is read with :mod:`ast`, so nothing is imported to check it; import
 from __future__ import annotations
 
 import ast
+import functools
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -97,9 +98,16 @@ def imports_of(name: str, path: Path, known: set[str]) -> list[Edge]:
 
 
 def all_edges() -> list[Edge]:
+    return list(_edges_under(SRC))
+
+
+@functools.lru_cache(maxsize=None)
+def _edges_under(src: Path) -> tuple[Edge, ...]:
+    """Parsed once per tree: three tests read the same edges."""
+    assert src == SRC
     found = modules()
     known = set(found)
-    return [e for name, path in found.items() for e in imports_of(name, path, known)]
+    return tuple(e for name, path in found.items() for e in imports_of(name, path, known))
 
 
 def within(name: str, roots: tuple[str, ...]) -> bool:

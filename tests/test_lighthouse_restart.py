@@ -1,10 +1,12 @@
 """The Lighthouse is the organizational mode's single point of failure for membership (it holds
 no training state): kill it with SIGKILL mid-run, restart it on the same address, and the
-workers' rounds continue from the same step with the same participants."""
+workers' rounds continue from the same step with the same participants. The Lighthouse is a
+process (it is what gets killed); the two peers are threads of the test's process."""
 
 from __future__ import annotations
 
-import multiprocessing as mp
+import queue as queues
+import threading
 import time
 
 import pytest
@@ -12,10 +14,12 @@ import torch
 
 from farlink.train.lighthouse import Lighthouse, free_port
 
+# torchft runs in this process: after every test that forks (see conftest)
+pytestmark = pytest.mark.torchft_threads
+
 
 def _peer(index: int, address: str, rounds: int, queue, quorum_timeout: float = 90,  # noqa: ANN001
           join_timeout: float = 3) -> None:
-    torch.set_num_threads(1)
     from farlink.comm.torchft_backend import QuorumUnavailable, TorchftCollective
 
     coll = TorchftCollective(f"p{index}", address, min_replicas=2, round_timeout=10,
@@ -42,9 +46,9 @@ def _peer(index: int, address: str, rounds: int, queue, quorum_timeout: float = 
 def test_run_survives_a_lighthouse_restart() -> None:
     port = free_port()
     lighthouse = Lighthouse(port=port, min_replicas=2, join_timeout=3).start()
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    procs = [ctx.Process(target=_peer, args=(i, lighthouse.address, 14, queue)) for i in range(2)]
+    queue = queues.Queue()
+    procs = [threading.Thread(target=_peer, args=(i, lighthouse.address, 14, queue), daemon=True)
+             for i in range(2)]
     for p in procs:
         p.start()
     logs, killed_at = {}, None
@@ -61,9 +65,8 @@ def test_run_survives_a_lighthouse_restart() -> None:
     finally:
         for p in procs:
             p.join(timeout=30)
-            if p.is_alive():
-                p.kill()
         lighthouse.stop()
+    assert not any(p.is_alive() for p in procs), "a peer still runs"
     assert killed_at is not None
     for log in logs.values():
         assert [r[0] for r in log] == list(range(14))  # no round lost or repeated
@@ -75,10 +78,9 @@ def _restart_run(quorum_timeout: float, join_timeout: float, outage: float) -> d
     """Two peers, the Lighthouse SIGKILLed after round 2 and back ``outage`` s later."""
     port = free_port()
     lighthouse = Lighthouse(port=port, min_replicas=2, join_timeout=join_timeout).start()
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    procs = [ctx.Process(target=_peer, args=(i, lighthouse.address, 6, queue, quorum_timeout,
-                                             join_timeout)) for i in range(2)]
+    queue = queues.Queue()
+    procs = [threading.Thread(target=_peer, args=(i, lighthouse.address, 6, queue, quorum_timeout,
+                                                  join_timeout), daemon=True) for i in range(2)]
     for p in procs:
         p.start()
     logs, killed = {}, False
@@ -96,9 +98,8 @@ def _restart_run(quorum_timeout: float, join_timeout: float, outage: float) -> d
     finally:
         for p in procs:
             p.join(timeout=30)
-            if p.is_alive():
-                p.kill()
         lighthouse.stop()
+    assert not any(p.is_alive() for p in procs), "a peer still runs"
     return logs
 
 

@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import itertools
 import json
-import subprocess
-import sys
 from typing import Any
 
 import pytest
@@ -166,9 +164,14 @@ def test_refusals_are_raised_in_one_place() -> None:
 
 
 def test_farlink_matrix_prints_the_table_and_its_json() -> None:
-    def run(*args: str) -> str:
-        return subprocess.run([sys.executable, "-m", "farlink.cli", "matrix", *args],
-                              capture_output=True, text=True, check=True, timeout=120).stdout
+    def run(*args: str) -> str:  # the CLI app in this process: it only prints
+        from typer.testing import CliRunner
+
+        from farlink.cli import app
+
+        result = CliRunner().invoke(app, ["matrix", *args])
+        assert result.exit_code == 0 and result.exception is None, result.output
+        return result.stdout
 
     text = run()
     assert f"{len(ROWS)} pairs: {len(SUPPORTED)} supported, {len(REFUSED)} refused" in text

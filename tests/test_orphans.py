@@ -17,7 +17,8 @@ from procfs import alive, command_line, descendants
 from farlink.state.checkpoint import latest_checkpoint
 from farlink.train.metrics import read_metrics
 
-BASE = {"vocab_size": 512, "seq_len": 64, "batch_size": 4, "eval_batches": 2, "workers": 2,
+BASE = {"model": "nano",
+        "vocab_size": 512, "seq_len": 64, "batch_size": 4, "eval_batches": 2, "workers": 2,
         "steps": 80, "inner_steps": 10, "warmup_steps": 5, "join_timeout": 10}
 GONE_WITHIN_S = 20.0
 

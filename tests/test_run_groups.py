@@ -10,7 +10,8 @@ from pathlib import Path
 
 from farlink.train.metrics import read_metrics
 
-BASE = {"vocab_size": 512, "seq_len": 64, "batch_size": 4, "eval_batches": 2, "workers": 2,
+BASE = {"model": "nano",
+        "vocab_size": 512, "seq_len": 64, "batch_size": 4, "eval_batches": 2, "workers": 2,
         "steps": 30, "inner_steps": 10, "warmup_steps": 5, "backend": "hivemind"}
 
 

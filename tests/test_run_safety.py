@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from farlink.config import ConfigError, load_config
+from farlink.testing.runs import launch_in_threads
 from farlink.train.launcher import launch, write_run_config
 from farlink.train.lighthouse import Lighthouse
 from farlink.train.metrics import read_metrics
@@ -40,6 +41,21 @@ def farlink(*args: str, cwd: Path | None = None, env: dict[str, str] | None = No
     return proc.returncode, proc.stdout
 
 
+def farlink_here(*args: str) -> tuple[int, str]:
+    """The CLI run in this process (typer's runner) for an invocation that ends before any
+    process starts (a refusal, a report): the same app, options and messages as ``python -m
+    farlink.cli``, without a fresh interpreter importing torch. An error the CLI does not turn
+    into a message and an exit code is raised here (a user would have seen a traceback)."""
+    from typer.testing import CliRunner
+
+    from farlink.cli import app
+
+    result = CliRunner().invoke(app, list(args), env={"COLUMNS": "200"})
+    if result.exception is not None and not isinstance(result.exception, SystemExit):
+        raise result.exception
+    return result.exit_code, result.output
+
+
 def snapshot(root: Path) -> dict[str, str]:
     """Every file under ``root`` and the digest of its bytes."""
     return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
@@ -53,23 +69,23 @@ def end_record(run_dir: Path, worker: str = "w0") -> dict:
 
 # --- a fresh run never deletes a run dir -----------------------------------------------------
 
+@pytest.mark.torchft_threads
 def test_fresh_run_in_a_used_run_dir_is_refused_and_overwrite_moves_it_aside(
         tmp_path: Path, cache_dir: Path) -> None:
     run = tmp_path / "run"
-    code, out = farlink("train", *tiny_flags(), "--run-dir", str(run), "--cache-dir",
-                        str(cache_dir))
-    assert code == 0, out
+    made = launch_in_threads(load_config(None, {**TINY, "run_dir": run, "cache_dir": cache_dir}))
+    assert made.returncodes == [0, 0]
     (run / "notes.txt").write_text("the user's own notes")
     before = snapshot(run)
     assert any(name.startswith("checkpoints/") for name in before)
 
     # a bad invocation and a forgotten --resume: refused, not one byte of the run changed
-    code, out = farlink("train", *tiny_flags(), "--run-dir", str(run), "--cache-dir",
-                        str(cache_dir), "--corpus", str(tmp_path / "missing.txt"))
+    code, out = farlink_here("train", *tiny_flags(), "--run-dir", str(run), "--cache-dir",
+                             str(cache_dir), "--corpus", str(tmp_path / "missing.txt"))
     assert code == 2, out
     assert snapshot(run) == before
-    code, out = farlink("train", *tiny_flags(), "--run-dir", str(run), "--cache-dir",
-                        str(cache_dir))
+    code, out = farlink_here("train", *tiny_flags(), "--run-dir", str(run), "--cache-dir",
+                             str(cache_dir))
     assert code == 2, out
     assert "--resume" in out and "--run-dir" in out and "--overwrite" in out, out
     assert snapshot(run) == before
@@ -83,20 +99,24 @@ def test_fresh_run_in_a_used_run_dir_is_refused_and_overwrite_moves_it_aside(
     assert not (run / "notes.txt").exists() and (run / "final" / "w0.safetensors").is_file()
 
 
+@pytest.mark.torchft_threads
 def test_default_run_dir_is_a_new_dir_per_run_and_resume_follows_latest(
-        tmp_path: Path, cache_dir: Path) -> None:
+        tmp_path: Path, cache_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Two fresh runs with no --run-dir land in two runs/<time> dirs (the first one kept);
     runs/latest names the newest, and `--resume` alone continues it. A stop point belongs to
-    its invocation: the resume runs to the end instead of stopping again."""
-    code, out = farlink("train", *tiny_flags(), "--cache-dir", str(cache_dir), cwd=tmp_path)
-    assert code == 0, out
+    its invocation: the resume runs to the end instead of stopping again. The two fresh runs
+    are the launcher's run dir planning with workers as threads (a config with no run dir, as
+    the CLI builds it without --run-dir); the resume is the CLI's."""
+    monkeypatch.chdir(tmp_path)
+    made = launch_in_threads(load_config(None, {**TINY, "cache_dir": cache_dir}))
+    assert made.returncodes == [0, 0]
     runs = tmp_path / "runs"
     [first] = [p for p in runs.iterdir() if not p.is_symlink()]
     kept = snapshot(first)
 
-    code, out = farlink("train", *tiny_flags(), "--stop-at-step", "2", "--cache-dir",
-                        str(cache_dir), cwd=tmp_path)
-    assert code == 0, out
+    made = launch_in_threads(load_config(None, {**TINY, "stop_at_step": 2,
+                                                "cache_dir": cache_dir}))
+    assert made.returncodes == [0, 0]
     dirs = sorted(p for p in runs.iterdir() if not p.is_symlink())
     assert len(dirs) == 2 and snapshot(first) == kept
     [second] = [p for p in dirs if p != first]
@@ -224,7 +244,7 @@ def test_resume_may_change_what_does_not_define_the_run(tmp_path: Path,
     the set of fields that are fixed is the documented one."""
     run = tmp_path / "run"
     write_run_config(load_config(None, {**TINY, "run_dir": run, "cache_dir": cache_dir}))
-    code, out = farlink("train", "--resume", "--run-dir", str(run), "--model", "small")
+    code, out = farlink_here("train", "--resume", "--run-dir", str(run), "--model", "small")
     assert code == 2 and "model" in out and "--run-dir" in out, out
     from farlink.train.rundir import FIXED_ON_RESUME
 
@@ -265,8 +285,8 @@ def test_secret_sources_and_a_secret_file_others_can_read(tmp_path: Path,
 
     with pytest.raises(ValueError, match="chmod 600"):
         read_secret_file(exposed)
-    code, out = farlink("train", "--auth", "secret", "--secret-file", str(exposed),
-                        "--run-dir", str(tmp_path / "run"))
+    code, out = farlink_here("train", "--auth", "secret", "--secret-file", str(exposed),
+                             "--run-dir", str(tmp_path / "run"))
     assert code == 2 and "chmod 600" in out, out
     assert not (tmp_path / "run").exists()
 
@@ -322,8 +342,8 @@ def test_a_run_that_cannot_work_is_refused_before_anything_starts(
                  "no-such-keys"),
     }[case]
     run = tmp_path / "run"
-    code, out = farlink("train", *tiny_flags(), *flags, "--run-dir", str(run),
-                        "--cache-dir", str(cache_dir))
+    code, out = farlink_here("train", *tiny_flags(), *flags, "--run-dir", str(run),
+                             "--cache-dir", str(cache_dir))
     assert code == 2 and reason in out, out
     assert not run.exists()  # no config written, no Lighthouse log, no worker log
 

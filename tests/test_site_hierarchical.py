@@ -18,7 +18,8 @@ from safetensors.torch import load_file
 
 pytest.importorskip("torchft")
 
-RUN = {"workers": 3, "algorithm": "hierarchical_diloco", "islands": "0,1|2", "steps": 20,
+RUN = {"model": "nano",
+       "workers": 3, "algorithm": "hierarchical_diloco", "islands": "0,1|2", "steps": 20,
        "inner_steps": 10, "island_steps": 5, "warmup_steps": 5, "batch_size": 8,
        "vocab_size": 512, "seq_len": 64, "eval_batches": 4, "join_timeout": 10,
        "heartbeat_timeout": 3}

@@ -19,7 +19,8 @@ import pytest
 
 pytest.importorskip("torchft")
 
-RUN_FLAGS = ["--workers", "2", "--steps", "30", "--inner-steps", "10", "--warmup-steps", "10",
+RUN_FLAGS = ["--model", "nano",
+             "--workers", "2", "--steps", "30", "--inner-steps", "10", "--warmup-steps", "10",
              "--batch-size", "8", "--vocab-size", "512", "--seq-len", "64",
              "--eval-batches", "4"]
 

@@ -21,7 +21,8 @@ from farlink.train.launcher import _stop_all, spawn_worker, summarize, write_run
 from farlink.train.lighthouse import Lighthouse
 from farlink.train.metrics import read_metrics
 
-BASE = {"vocab_size": 512, "seq_len": 64, "batch_size": 4, "eval_batches": 2, "workers": 3,
+BASE = {"model": "nano",
+        "vocab_size": 512, "seq_len": 64, "batch_size": 4, "eval_batches": 2, "workers": 3,
         "steps": 30, "inner_steps": 10, "warmup_steps": 5, "join_timeout": 10,
         "auth": "secret", "codec": "int8"}
 
@@ -122,7 +123,9 @@ def test_member_joins_mid_run_and_heals_through_gates(tmp_path: Path, cache_dir:
 
     cfg = load_config(None, {**BASE, "run_dir": tmp_path / "run", "cache_dir": cache_dir,
                              "secret": "the-run-secret", "steps": 200, "eval_every": 10,
-                             "min_replicas": 2, "join_timeout": 5})
+                             "min_replicas": 2, "join_timeout": 5,
+                             # long enough a run for the joiner's CLI to start inside it
+                             "model": "tiny"})
     write_run_config(cfg)
     prepare_data(cfg.corpus, cfg.vocab_size, cfg.cache_dir)
     lighthouse = Lighthouse(min_replicas=2, join_timeout=5, log_path=cfg.run_dir / "lh.log",
