@@ -97,8 +97,7 @@ def test_a_site_whose_rank_is_sigkilled_restarts_and_rejoins(tmp_path):
 
 # --- farlink train --ranks-per-worker: the launcher starts each worker as a torchrun site ---
 
-SITE_RUN = {"model": "nano",
-            "workers": 2, "steps": 30, "inner_steps": 10, "warmup_steps": 10, "batch_size": 8,
+SITE_RUN = {"workers": 2, "steps": 30, "inner_steps": 10, "warmup_steps": 10, "batch_size": 8,
             "vocab_size": 512, "seq_len": 64, "eval_batches": 4, "join_timeout": 10,
             "heartbeat_timeout": 3}
 
