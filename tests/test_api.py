@@ -206,10 +206,10 @@ def test_two_replicas_on_hivemind_through_the_api() -> None:
         with _INIT:
             torch.manual_seed(0)  # one init (as DiLoCo's θ starts); their data differ
             model = Tiny()
-        peers = ",".join(replicas[0][1].addresses) if replicas else ""
+        peers = replicas[0][1].addresses if replicas else []
         sync = farlink.Optimizer(model, torch.optim.SGD(model.parameters(), lr=0.05),
                                  algorithm="diloco", inner_steps=3, backend="hivemind",
-                                 workers=2, lighthouse=peers, index=rank, quorum_timeout=30)
+                                 workers=2, peers=peers, index=rank, quorum_timeout=30)
         replicas.append((model, sync))
     assert replicas[0][1].addresses and replicas[1][1].config.min_replicas == 2
     outcomes: list[list] = [[], []]
@@ -368,3 +368,20 @@ def test_public_names_are_the_lazy_exports() -> None:
 
     assert set(farlink.__all__) == {"__version__", *farlink._EXPORTS}
     assert all(getattr(farlink, name) is not None for name in farlink.__all__)
+
+
+def test_peers_name_hivemind_initial_peers_and_lighthouse_is_torchft_s() -> None:
+    """One word per backend: peers= is refused on torchft (with what to give instead), both at
+    once are refused, and lighthouse= on hivemind still joins but warns to say peers=."""
+    from farlink.compose import join_address
+    from farlink.config import RunConfig
+
+    torchft, hivemind = RunConfig(backend="torchft"), RunConfig(backend="hivemind")
+    with pytest.raises(ValueError, match="joins through lighthouse="):
+        join_address(torchft, None, ["/ip4/127.0.0.1/tcp/1/p2p/Qm"])
+    with pytest.raises(TypeError, match="not also lighthouse="):
+        join_address(hivemind, "/ip4/127.0.0.1/tcp/1", ["/ip4/127.0.0.1/tcp/2"])
+    assert join_address(hivemind, None, ["/a", "/b"]) == "/a,/b"
+    with pytest.warns(DeprecationWarning, match="peers="):
+        assert join_address(hivemind, "/a", None) == "/a"
+    assert join_address(torchft, "http://h:1", None) == "http://h:1"
