@@ -18,7 +18,9 @@ from torch import nn
 import farlink
 from farlink.comm.inprocess import InProcessGroup
 from farlink.config import RunConfig
+from farlink.optimizer import JOIN_QUORUM_TIMEOUT
 from farlink.sync import ALGORITHMS, capabilities
+from farlink.testing.faults import Faults, FaultyCollective
 
 torch.set_num_threads(1)
 ROOT = Path(__file__).resolve().parents[1]
@@ -172,8 +174,34 @@ def test_a_newcomer_heals_from_a_live_replica_through_the_api(tmp_path: Path) ->
         user_loop(sync, model, rank, 15, 20)
         return joined, sync.fingerprint(), sync.outer_step
 
-    (j0, f0, o0), (j1, f1, o1) = InProcessGroup(2).run(member)
+    recorded: list[RoundArguments] = []
+
+    def recording(rank: int, collective):  # noqa: ANN001, ANN202
+        if rank == 1:
+            collective = RoundArguments(collective)
+            recorded.append(collective)
+        return member(rank, collective)
+
+    (j0, f0, o0), (j1, f1, o1) = InProcessGroup(2).run(recording)
     assert j0 == j1 and f0 == f1 and o0 == o1 == 4
+    # the newcomer's rounds say what they are; nothing was set on its collective and restored
+    asked = recorded[0].asked
+    assert asked[0] == {"joining": True, "timeout": JOIN_QUORUM_TIMEOUT}
+    assert asked[1:] == [{"joining": False, "timeout": None}] and recorded[0].quorum_timeout == 120
+
+
+class RoundArguments(FaultyCollective):
+    """An in-process member that records what each ``begin_round`` was asked."""
+
+    _OWN = (*FaultyCollective._OWN, "asked")
+
+    def __init__(self, inner) -> None:  # noqa: ANN001
+        super().__init__(inner, Faults(), 1)
+        self.asked: list[dict] = []
+
+    def begin_round(self, final: bool = False, **round_options):  # noqa: ANN003, ANN201
+        self.asked.append(round_options)
+        return super().begin_round(final, **round_options)
 
 
 def test_sparseloco_outer_step_is_the_same_from_the_cli_and_the_api(tmp_path: Path) -> None:

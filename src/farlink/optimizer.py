@@ -274,18 +274,10 @@ class Optimizer(torch.optim.Optimizer):
     def join(self) -> StepOutcome | None:
         """A newcomer's first act, before any inner step: a zero-weight round that heals it from
         live peers (waiting for the members' next round, however long theirs are)."""
-        usual = self.collective.quorum_timeout
-        self.collective.quorum_timeout = max(usual, JOIN_QUORUM_TIMEOUT)
-        self.collective.joining = True  # its round 0 holds nothing the group should keep
-        try:
-            outcome = self.algorithm.join()
-        finally:
-            self.collective.joining = False
+        outcome = self.algorithm.join(
+            timeout=max(self.collective.quorum_timeout, JOIN_QUORUM_TIMEOUT))
         if self.whole_replica_site:  # each rank healed its own slice
             self.site.share_parts(self.trainable)
-        if outcome is not None and outcome.committed:
-            # once in, a missing quorum means the run ended or broke: give up like a member
-            self.collective.quorum_timeout = usual
         return outcome
 
     def finish(self) -> StepOutcome | None:
