@@ -104,6 +104,13 @@ class Collective(ABC):
     #: whether ``all_to_all_bytes`` sends each member only its own message (the compressed
     #: all-reduce of :mod:`farlink.sync.allreduce` runs only where it does)
     native_all_to_all: bool = False
+    #: whether, once a member dies mid-round, the live members' collectives still work and their
+    #: commit needs only the live members' verdicts, so the compressed all-reduce can redo a
+    #: dead owner's shard within the round. In-process: yes. torchft: no (the failed Gloo
+    #: collective errors the Manager, whose ``should_commit`` stays False until the next quorum,
+    #: and the round's Gloo process group is broken for every rank until that quorum rebuilds
+    #: it). hivemind: no (a push that does not arrive fails the round's vote).
+    survives_departures: bool = False
 
     def __init__(self) -> None:
         self.stats = CommStats()
