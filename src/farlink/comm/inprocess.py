@@ -84,6 +84,8 @@ class InProcessGroup:
         self.link = link
         self.barrier = LeavingBarrier(size)
         self.departed: set[int] = set()
+        self._wire_lock = threading.Lock()
+        self._wire_free_at = 0.0  # a shared link: when it finishes what is queued on it
         self.slots: list[object] = [None] * size
         self.round = 0
         self.shared_state: dict | None = None
@@ -155,8 +157,18 @@ class InProcessCollective(Collective):
         return RoundInfo(self.committed_rounds, self.rank, self.group.size, healed)
 
     def _delay(self, nbytes: int, hops: int) -> None:
-        if self.group.link is not None:
-            time.sleep(self.group.link.seconds(nbytes, hops))
+        link = self.group.link
+        if link is None:
+            return
+        if not link.shared:
+            time.sleep(link.seconds(nbytes, hops))
+            return
+        group, now = self.group, time.perf_counter()
+        with group._wire_lock:  # the members' bytes queue on one wire, as on a shared link
+            group._wire_free_at = max(now, group._wire_free_at) + \
+                nbytes / link.bandwidth_bytes_per_s
+            done = group._wire_free_at
+        time.sleep(max(0.0, done + hops * link.latency_s - time.perf_counter()))
 
     def all_reduce_sum(self, tensors: list[torch.Tensor]) -> None:
         n = self.group.size

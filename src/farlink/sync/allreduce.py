@@ -101,6 +101,15 @@ def planned_bytes(exchange, numel: int, members: int) -> int:  # noqa: ANN001 - 
     return 2 * (n - 1) * shard + (n - 1) * (n * (_REPORT.size + SLOT_DIGEST) + partials)
 
 
+def partial_gathers(aggregator) -> int:  # noqa: ANN001 - any aggregator
+    """How many all-gathers of per-shard partials a round of ``aggregator`` adds (centered
+    clipping: one per iteration, one more to find tau; Krum: the distance matrix): each costs
+    ``n-1`` hops on a ring, which the planner prices."""
+    name, kw = rule_of(aggregator) or ("mean", {})
+    return {"centered_clip": kw.get("iters", 3) + (kw.get("tau") is None),
+            "krum": 1}.get(name, 0)
+
+
 def rule_of(aggregator) -> tuple[str, dict] | None:  # noqa: ANN001 - any aggregator
     """(name, keyword arguments) of a whole-update rule this path applies per shard; None for
     one it cannot (a ``+per_tensor`` rule: tensor boundaries do not follow shards)."""
