@@ -111,8 +111,8 @@ class Collective(ABC):
     #: commit needs only the live members' verdicts, so the compressed all-reduce can redo a
     #: dead owner's shard within the round. In-process: yes. torchft: no (the failed Gloo
     #: collective errors the Manager, whose ``should_commit`` stays False until the next quorum,
-    #: and the round's Gloo process group is broken for every rank until that quorum rebuilds
-    #: it). hivemind: no (a push that does not arrive fails the round's vote).
+    #: and the round's Gloo collectives span every rank, the dead one included, until that
+    #: quorum rebuilds the group). hivemind: no (a push that does not arrive fails the vote).
     survives_departures: bool = False
 
     def __init__(self) -> None:
