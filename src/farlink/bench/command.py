@@ -95,9 +95,27 @@ def register(app: typer.Typer, bench_app: typer.Typer) -> None:
                                     "peer's bytes cross it)"),
         rounds: int = typer.Option(6, help="rounds per variant (the first is not counted)"),
         name: str = typer.Option("planner_validation-scale", help="NAME.json, NAME.png"),
+        netns: bool = typer.Option(False, help="instead: torchft workers as processes in "
+                                   "network namespaces (root), bytes by the kernel's counters"),
+        netns_profile: str = typer.Option("cross-region", help="--netns: link profile"),
+        netns_mbit: float = typer.Option(50.0, help="--netns: its rate, Mbit/s"),
+        runs_dir: Path = typer.Option(Path("bench/scale-netns"), help="--netns: the runs"),
     ) -> None:
-        """The planner's compressed all-reduce against in-process emulation: round time, bytes."""
+        """The planner's compressed all-reduce against emulation: round time, bytes."""
         from farlink.bench.scale_planner import RULES, run as run_validation
+
+        if netns:
+            import json
+
+            from farlink.bench.scale_planner import measure_netns, netns_report
+
+            found = [measure_netns(n, (2, 4), netns_profile, netns_mbit, runs_dir)
+                     for n in peers]
+            (out / f"{name}-netns-raw.json").write_text(json.dumps(found, indent=1))
+            result = netns_report(found, out, f"{name}-netns")
+            for key, stats in result["metrics"].items():
+                print(f"{key}: median |error| {100 * stats['median_abs_relative_error']:.2f}%")
+            return
 
         unknown = set(rule) - set(RULES)
         if unknown:

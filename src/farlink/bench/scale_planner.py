@@ -27,7 +27,7 @@ import torch
 from farlink.codecs import make_compressor
 from farlink.comm.base import LinkModel
 from farlink.comm.inprocess import InProcessGroup
-from farlink.links import get_profile
+from farlink.links import LinkProfile, get_profile
 from farlink.robust.aggregators import make_aggregator
 from farlink.robust.auth import SharedSecretAuth
 from farlink.sync.allreduce import partial_gathers
@@ -126,5 +126,92 @@ def run(out: Path, peers: list[int], codecs: list[str], rules: list[str], profil
         "emulation": "in-process: peers as threads; every collective's bytes queued on one "
                      "shared wire at the profile's rate, plus its hops' one-way latency",
         "load": os.getloadavg(), "variants": rows})
+    paths["json"].write_text(json.dumps(report, indent=2))
+    return report
+
+
+def measure_netns(peers: int, rounds: tuple[int, int], profile: str, mbit: float,
+                  out: Path, inner_steps: int = 5) -> dict:
+    """The compressed all-reduce on torchft with every worker a process in its own network
+    namespace (``farlink.emulate.Topology``: each worker's link shaped and delayed, the
+    Lighthouse in the router namespace), DiLoCo with int8+ef on the nano preset. Two runs of
+    ``rounds[0]`` and ``rounds[1]`` rounds: bytes per worker per round from the kernel's
+    interface counters (transmitted bytes of each worker's veth) as the difference of the two
+    runs over the difference of their rounds, which removes setup, healing and evaluation
+    traffic; the exchange's seconds per round from the workers' logs (``network_s``, rounds
+    after the first). The namespaces are deleted after each run."""
+    import subprocess
+
+    from farlink.bench.runner import run_variant
+    from farlink.emulate import Topology
+    from farlink.links import scaled
+    from farlink.train.metrics import read_metrics
+
+    link = scaled(profile, mbit)
+    runs = []
+    for count in rounds:
+        with Topology(peers, link) as net:
+            def sent() -> list[int]:
+                return [int(subprocess.check_output(
+                    ["ip", "netns", "exec", net.namespace(i), "cat",
+                     f"/sys/class/net/{net.ifname(i)}/statistics/tx_bytes"]).strip())
+                    for i in range(peers)]
+
+            before = sent()
+            base = {"workers": peers, "steps": count * inner_steps, "inner_steps": inner_steps,
+                    "eval_batches": 2, "model": "nano", "batch_size": 2, "seq_len": 64,
+                    "warmup_steps": 2, "threads": 1}
+            label = f"netns-{peers}-R{count}"
+            run_variant(label, base, out, network=net, algorithm="diloco", codec="int8+ef")
+            kernel = [a - b for a, b in zip(sent(), before)]
+        network = []
+        for w in range(peers):
+            syncs = [r for r in read_metrics(out / "runs" / label / "metrics" / f"w{w}.jsonl")
+                     if r["kind"] == "sync"]
+            network += [b["network_s"] - a["network_s"] for a, b in zip(syncs, syncs[1:])]
+        runs.append({"rounds": count, "kernel_tx_bytes": kernel, "network_s": network,
+                     "params": next(r for r in read_metrics(
+                         out / "runs" / label / "metrics" / "w0.jsonl")
+                         if r["kind"] == "start")["params"]})
+    return {"peers": peers, "profile": link.model_dump(), "runs": runs}
+
+
+def netns_report(measurements: list[dict], out: Path,
+                 name: str = "planner_validation-scale-netns") -> dict:
+    """The planner's price of the compressed all-reduce on torchft against namespace runs
+    (:func:`measure_netns`): the exchange's seconds per round and the bytes per worker per round
+    (kernel counters: frames with their TCP/IP headers, ACKs for what the worker receives, and
+    the quorum's traffic, none of which the planner's payload bytes hold). The ring all-reduce's
+    price, which the planner gave torchft's compressed all-reduce before, is kept beside it."""
+    from farlink.codecs import make_compressor
+    from farlink.plan.network import allreduce, compressed_allreduce
+    from farlink.plan.validate import write_validation_report
+
+    measured, predicted, rows = [], [], []
+    for m in measurements:
+        n, short, long = m["peers"], m["runs"][0], m["runs"][-1]
+        per_round = [(b - a) / (long["rounds"] - short["rounds"])
+                     for a, b in zip(short["kernel_tx_bytes"], long["kernel_tx_bytes"])]
+        seconds = statistics.median(short["network_s"] + long["network_s"])
+        link = LinkProfile(**m["profile"])
+        payload = make_compressor("int8+ef").codec.max_payload_nbytes((long["params"],))
+        price = compressed_allreduce("torchft", payload, n, link.bandwidth_bps, link.latency_s)
+        ring = allreduce("torchft", payload, n, link.bandwidth_bps, link.latency_s)
+        label = f"torchft/int8+ef/mean/{n}"
+        measured.append({"name": label, "exchange_seconds": seconds,
+                         "bytes_sent_per_round": statistics.median(per_round)})
+        predicted.append({"name": label, "exchange_seconds": price.seconds,
+                          "bytes_sent_per_round": price.bytes_sent})
+        rows.append({"name": label, "peers": n, "payload_bytes": payload,
+                     "kernel_bytes_per_round": per_round, "exchange_seconds_per_round":
+                     short["network_s"] + long["network_s"],
+                     "ring_price": {"exchange_seconds": ring.seconds,
+                                    "bytes_sent_per_round": ring.bytes_sent}})
+    paths = write_validation_report(measured, predicted, out,
+                                    ("exchange_seconds", "bytes_sent_per_round"), stem=name)
+    report = json.loads(paths["json"].read_text())
+    report.update({"profile": measurements[0]["profile"], "variants": rows, "emulation":
+                   "network namespaces: each worker a process behind a veth with tc tbf and "
+                   "a delayer, torchft over Gloo, the Lighthouse in the router namespace"})
     paths["json"].write_text(json.dumps(report, indent=2))
     return report

@@ -200,9 +200,9 @@ def predict_round(
     def one_sync(size: float) -> tuple[float, float]:
         """Seconds and bytes sent of one blocking sync of ``size`` payload bytes."""
         # fp32 is summed on the wire; other dense codecs go by shards, whose schedule is priced
-        # as it runs where it is validated (in-process emulation, docs/planner.md), and as the
-        # ring (torchft) or butterfly (hivemind) with the same bytes elsewhere
-        if not gathered and backend == "inprocess" and cost.name not in ("fp32", "none"):
+        # as it runs where it is validated (in-process emulation and torchft in namespaces,
+        # docs/planner.md), and as the butterfly with the same bytes on hivemind
+        if not gathered and backend != "hivemind" and cost.name not in ("fp32", "none"):
             c = compressed_allreduce(backend, size, n_workers, bandwidth, hop_latency,
                                      partial_gathers)
         else:
