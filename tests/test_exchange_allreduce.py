@@ -14,6 +14,7 @@ from farlink.robust.aggregators import make_aggregator
 from farlink.robust.auth import SharedSecretAuth
 from farlink.sync.allreduce import OWNER_NORM_SLACK, RESIDUAL, ShardedReduce, shard_bounds
 from farlink.sync.exchange import Exchange
+from farlink.testing.faults import FaultyCollective, Faults, InjectedDeath
 
 torch.set_num_threads(1)
 SHAPES = {"emb": (256, 96), "w": (4000,), "b": (7,)}
@@ -257,3 +258,82 @@ def test_error_feedback_carries_both_encodings_across_rounds() -> None:
 
     with_ef, without = drift("int4+ef"), drift("int4")
     assert with_ef < 0.3 * without, (with_ef, without)
+
+
+def dying_round(members: int, victims: set[int], rule: str = "mean", codec: str = "int8+ef",
+                data=None, rounds: int = 1) -> list:  # noqa: ANN001
+    """``one_round`` where each of ``victims`` dies (its collective closes) as it enters the
+    return of the aggregate shards in round 0: after the reduce-scatter, while it owns a shard
+    whose parts only it holds."""
+    data = data or updates(members, seed=6)
+    faults = Faults()
+    for v in victims:
+        faults.die_at_all_to_all(v, round=0, call=1)
+
+    def member(rank: int, coll) -> tuple:  # noqa: ANN001
+        coll = FaultyCollective(coll, faults, rank)
+        ex = Exchange(coll, make_compressor(codec), f"w{rank}", aggregator=make_aggregator(rule),
+                      path="allreduce")
+        out = []
+        for r in range(rounds):
+            coll.begin_round()
+            try:
+                result = ex.average(data[rank], 1.0, r)
+            except InjectedDeath:
+                return [("died", r)]
+            out.append((result, coll.commit()))
+        return out
+
+    rows = InProcessGroup(members).run(member, timeout=300)
+    assert sorted(r for r, _, what in faults.fired if what == "death") == sorted(victims)
+    return rows
+
+
+@pytest.mark.parametrize("rule", ["mean", "centered_clip", "trimmed_mean", "norm_bounded",
+                                  "krum"])
+def test_an_owner_dying_mid_round_has_its_shard_redone_and_the_round_commits(rule: str) -> None:
+    """w2 dies after the reduce-scatter, holding every member's part of shard 2: w3 (the next
+    live member) gets the live members' parts again, aggregates them, and the round commits on
+    every survivor with the same bits. Every other shard is the aggregate of all five updates;
+    shard 2 is the rule over the four live members' parts (w2's own part died with it), with
+    the round's whole-update decision (clip factors, norm bound, Krum's pick)."""
+    n, data = 5, updates(5, seed=6)
+    rows = dying_round(n, {2}, rule, data=data)
+    assert rows[2] == [("died", 0)]
+    survivors = [rows[k][0] for k in (0, 1, 3, 4)]
+    first = flat(survivors[0][0].tensors)
+    for result, ok in survivors:
+        assert ok and result.reassigned == {"w2": "w3"}
+        assert result.accepted == ["w0", "w1", "w2", "w3", "w4"]
+        assert torch.equal(flat(result.tensors), first)
+    a, b = shard_bounds(NUMEL, n, make_compressor("int8+ef").codec.block)[2]
+    reference = one_round(n, "int8+ef", "allreduce", rule, data=data)
+    whole = flat(reference[0][0].tensors)
+    outside = torch.cat([first[:a], first[b:]])
+    assert torch.equal(outside, torch.cat([whole[:a], whole[b:]]))  # untouched by the death
+    live_mean = sum(flat(data[k])[a:b] for k in (0, 1, 3, 4)) / 4
+    if rule == "krum":  # the same pick (a live member), whose part the new owner holds
+        assert torch.equal(first[a:b], whole[a:b])
+        return
+    if rule == "mean":  # the live members' mean, within int8's error
+        err = float((first[a:b] - live_mean).norm())
+        assert err < 0.02 * float(live_mean.norm()), err
+    assert float((first[a:b] - live_mean).norm()) < 0.5 * float(live_mean.norm())
+
+
+def test_two_owners_dying_leave_no_majority_to_redo_and_the_round_fails_cleanly() -> None:
+    """Of four members two die owning shards: two of four is no majority (the other half of a
+    split could commit too), so the survivors fail the round instead of redoing."""
+    rows = dying_round(4, {1, 2})
+    for k in (0, 3):
+        (result, ok), = rows[k]
+        assert not ok and result.tensors == {} and not result.reassigned
+        assert "too few to redo" in result.rejected["round"]
+
+
+def test_two_owners_dying_among_seven_have_both_shards_redone() -> None:
+    rows = dying_round(7, {3, 4})
+    results = [rows[k][0] for k in (0, 1, 2, 5, 6)]
+    for result, ok in results:
+        assert ok and result.reassigned == {"w3": "w5", "w4": "w5"}
+        assert torch.equal(flat(result.tensors), flat(results[0][0].tensors))

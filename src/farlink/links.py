@@ -53,6 +53,9 @@ class LinkProfile(BaseModel):
     jitter_ms: float = Field(0.0, ge=0, allow_inf_nan=False,
                              description="each packet's delay varies by up to +- this")
     loss: float = Field(0.0, ge=0, lt=1, description="packet-loss probability of the path")
+    shared: bool = Field(False, description="every worker's traffic crosses this one link (a "
+                         "shared bottleneck: one cell, hub or congested uplink): the workers "
+                         "share its rate instead of each having it")
     shaped: bool = Field(True, description="false: the host's own link (loopback), priced at "
                          "the given figures and left alone by the emulators")
 

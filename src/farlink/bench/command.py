@@ -84,6 +84,48 @@ def register(app: typer.Typer, bench_app: typer.Typer) -> None:
                                     "bytes_vs_gathered", "round_s", "utilization",
                                     "heldout_loss", "loss_vs_gathered"], "farlink bench scale")
 
+    @bench_app.command("scale-planner")
+    def scale_planner(
+        out: Path = typer.Option(Path("docs/results"), help="output directory"),
+        peers: list[int] = typer.Option([4, 8], help="peer counts (threads)"),
+        codec: list[str] = typer.Option(["int8+ef", "int4+ef", "fp16"], help="dense codecs"),
+        rule: list[str] = typer.Option(["mean", "centered_clip+auth"],
+                                       help="mean, centered_clip+auth"),
+        profile: str = typer.Option("shared-20mbit", help="link profile (a shared one: every "
+                                    "peer's bytes cross it)"),
+        rounds: int = typer.Option(6, help="rounds per variant (the first is not counted)"),
+        name: str = typer.Option("planner_validation-scale", help="NAME.json, NAME.png"),
+        netns: bool = typer.Option(False, help="instead: torchft workers as processes in "
+                                   "network namespaces (root), bytes by the kernel's counters"),
+        netns_profile: str = typer.Option("cross-region", help="--netns: link profile"),
+        netns_mbit: float = typer.Option(50.0, help="--netns: its rate, Mbit/s"),
+        runs_dir: Path = typer.Option(Path("bench/scale-netns"), help="--netns: the runs"),
+    ) -> None:
+        """The planner's compressed all-reduce against emulation: round time, bytes."""
+        from farlink.bench.scale_planner import RULES, run as run_validation
+
+        if netns:
+            import json
+
+            from farlink.bench.scale_planner import measure_netns, netns_report
+
+            found = [measure_netns(n, (2, 4), netns_profile, netns_mbit, runs_dir)
+                     for n in peers]
+            (out / f"{name}-netns-raw.json").write_text(json.dumps(found, indent=1))
+            result = netns_report(found, out, f"{name}-netns")
+            for key, stats in result["metrics"].items():
+                print(f"{key}: median |error| {100 * stats['median_abs_relative_error']:.2f}%")
+            return
+
+        unknown = set(rule) - set(RULES)
+        if unknown:
+            raise typer.BadParameter(f"unknown rule {sorted(unknown)}; choose from "
+                                     f"{', '.join(RULES)}")
+        result = run_validation(out, peers, codec, rule, profile, rounds, name)
+        for key, stats in result["metrics"].items():
+            print(f"{key}: median |error| {100 * stats['median_abs_relative_error']:.2f}%, "
+                  f"max {100 * stats['max_abs_relative_error']:.2f}% over {stats['n']} runs")
+
     @bench_app.command("probe")
     def probe(
         out: Path = typer.Option(Path("bench/algorithms"), help="output directory"),

@@ -64,18 +64,21 @@ class LinkModel:
 
     bandwidth_bytes_per_s: float = float("inf")
     latency_s: float = 0.0
+    #: one wire for every member (a shared bottleneck): their transfers queue on it
+    shared: bool = False
 
     @classmethod
-    def of(cls, mbit: float | None, one_way_ms: float) -> LinkModel:
+    def of(cls, mbit: float | None, one_way_ms: float, shared: bool = False) -> LinkModel:
         """From a link table's units (Mbit/s, None for unlimited; milliseconds one way)."""
-        return cls(float("inf") if mbit is None else mbit * 1e6 / 8, one_way_ms / 1000)
+        return cls(float("inf") if mbit is None else mbit * 1e6 / 8, one_way_ms / 1000, shared)
 
     @classmethod
     def of_profile(cls, profile: LinkProfile) -> LinkModel | None:
         """A named profile's upload rate and hop latency (delay + jitter, as the planner prices
         a hop: a collective step waits for its latest packet); None for a link that is not
         shaped (loopback)."""
-        return cls.of(profile.up_mbit, profile.hop_latency_ms) if profile.shaped else None
+        return cls.of(profile.up_mbit, profile.hop_latency_ms, profile.shared) \
+            if profile.shaped else None
 
     def seconds(self, nbytes: int, hops: int) -> float:
         """How long ``nbytes`` over ``hops`` one-way latencies take."""
@@ -98,6 +101,13 @@ class Collective(ABC):
     #: whether ``all_to_all_bytes`` sends each member only its own message (the compressed
     #: all-reduce of :mod:`farlink.sync.allreduce` runs only where it does)
     native_all_to_all: bool = False
+    #: whether, once a member dies mid-round, the live members' collectives still work and their
+    #: commit needs only the live members' verdicts, so the compressed all-reduce can redo a
+    #: dead owner's shard within the round. In-process: yes. torchft: no (the failed Gloo
+    #: collective errors the Manager, whose ``should_commit`` stays False until the next quorum,
+    #: and the round's Gloo collectives span every rank, the dead one included, until that
+    #: quorum rebuilds the group). hivemind: no (a push that does not arrive fails the vote).
+    survives_departures: bool = False
 
     def __init__(self) -> None:
         self.stats = CommStats()

@@ -28,13 +28,64 @@ __all__ = ["DrivenGroup", "DrivenMember", "InProcessCollective", "InProcessGroup
 T = TypeVar("T")
 
 
+class LeavingBarrier:
+    """:class:`threading.Barrier` whose parties can leave: a member that dies (``close``) stops
+    being waited for, as a network backend stops waiting for a peer whose connection is gone,
+    so the live members' collectives go on without it."""
+
+    def __init__(self, parties: int) -> None:
+        self.parties = parties
+        self._cond = threading.Condition()
+        self._count = self._generation = 0
+        self._broken = False
+
+    def wait(self, timeout: float | None = None) -> None:
+        with self._cond:
+            if self._broken:
+                raise threading.BrokenBarrierError
+            generation = self._generation
+            self._count += 1
+            if self._count >= self.parties:
+                self._release()
+                return
+            if not self._cond.wait_for(lambda: generation != self._generation or self._broken,
+                                       timeout):
+                self._broken = True
+                self._cond.notify_all()
+            if generation == self._generation:
+                raise threading.BrokenBarrierError
+
+    def _release(self) -> None:
+        self._count, self._generation = 0, self._generation + 1
+        self._cond.notify_all()
+
+    def leave(self) -> None:
+        """One party is gone for good; those it held back go on."""
+        with self._cond:
+            self.parties -= 1
+            if self._count and self._count >= self.parties:
+                self._release()
+
+    def abort(self) -> None:
+        with self._cond:
+            self._broken = True
+            self._cond.notify_all()
+
+
 class InProcessGroup:
-    """Shared rendezvous for ``size`` members; ``member(i)`` is rank i's collective."""
+    """Shared rendezvous for ``size`` members; ``member(i)`` is rank i's collective.
+
+    Membership is fixed: a member that closes (dies) leaves an empty slot (``None``, or
+    ``b""`` in byte collectives) that the live members see for the rest of the group's life;
+    :class:`DrivenGroup` is the form whose driver re-forms rounds without it."""
 
     def __init__(self, size: int, link: LinkModel | None = None) -> None:
         self.size = size
         self.link = link
-        self.barrier = threading.Barrier(size)
+        self.barrier = LeavingBarrier(size)
+        self.departed: set[int] = set()
+        self._wire_lock = threading.Lock()
+        self._wire_free_at = 0.0  # a shared link: when it finishes what is queued on it
         self.slots: list[object] = [None] * size
         self.round = 0
         self.shared_state: dict | None = None
@@ -72,9 +123,15 @@ class InProcessGroup:
         self.barrier.wait()
         self.slots[rank] = value
         self.barrier.wait()
-        values = list(self.slots)
+        values = [None if r in self.departed else v for r, v in enumerate(self.slots)]
         self.barrier.wait()
         return values
+
+    def leave(self, rank: int) -> None:
+        """Member ``rank`` is gone: its slot stays empty, nobody waits for it."""
+        if rank not in self.departed:
+            self.departed.add(rank)
+            self.barrier.leave()
 
 
 class InProcessCollective(Collective):
@@ -90,7 +147,8 @@ class InProcessCollective(Collective):
         # one group that every member meets (final is moot), without timeouts or fingerprints
         steps = self.group.exchange(self.rank, self.committed_rounds)
         healed = False
-        leader = max(range(self.group.size), key=lambda r: steps[r])
+        leader = max((r for r in range(self.group.size) if steps[r] is not None),
+                     key=lambda r: steps[r])
         states = self.group.exchange(
             self.rank, self._get_state() if self.rank == leader and self._get_state else None
         )
@@ -101,8 +159,18 @@ class InProcessCollective(Collective):
         return RoundInfo(self.committed_rounds, self.rank, self.group.size, healed)
 
     def _delay(self, nbytes: int, hops: int) -> None:
-        if self.group.link is not None:
-            time.sleep(self.group.link.seconds(nbytes, hops))
+        link = self.group.link
+        if link is None:
+            return
+        if not link.shared:
+            time.sleep(link.seconds(nbytes, hops))
+            return
+        group, now = self.group, time.perf_counter()
+        with group._wire_lock:  # the members' bytes queue on one wire, as on a shared link
+            group._wire_free_at = max(now, group._wire_free_at) + \
+                nbytes / link.bandwidth_bytes_per_s
+            done = group._wire_free_at
+        time.sleep(max(0.0, done + hops * link.latency_s - time.perf_counter()))
 
     def all_reduce_sum(self, tensors: list[torch.Tensor]) -> None:
         n = self.group.size
@@ -122,9 +190,10 @@ class InProcessCollective(Collective):
         self.stats.bytes_sent += sent
         self.stats.collectives += 1
         self._delay(sent, n - 1)
-        return list(values)
+        return [b"" if v is None else v for v in values]
 
     native_all_to_all = True
+    survives_departures = True
 
     def round_members(self) -> int:
         return self.group.size
@@ -141,7 +210,7 @@ class InProcessCollective(Collective):
         self.stats.bytes_sent += sent
         self.stats.collectives += 1
         self._delay(sent, 1)  # every message leaves at once: one latency, the upload's bytes
-        return [rows[k][self.rank] for k in range(n)]
+        return [b"" if rows[k] is None else rows[k][self.rank] for k in range(n)]
 
     def fail_round(self, error: Exception, blame=()) -> None:  # noqa: ANN001 - ranks
         self.failure = error
@@ -150,13 +219,14 @@ class InProcessCollective(Collective):
         """Every member's verdict on the round: it commits only where none failed it."""
         failures = self.group.exchange(self.rank, self.failure)
         self.failure = None
-        if any(f is not None for f in failures):
+        if any(f is not None for f in failures) or self.rank in self.group.departed:
             return False
         self.committed_rounds += 1
         return True
 
     def close(self) -> None:
-        pass
+        """Leave the group (a member that dies): the others stop waiting for it."""
+        self.group.leave(self.rank)
 
     def load_committed_step(self, step: int) -> None:
         self.committed_rounds = step
@@ -205,6 +275,7 @@ class DrivenMember(Collective):
     """One member of a :class:`DrivenGroup`: its collectives run on the formed round's group."""
 
     native_all_to_all = True
+    survives_departures = True
 
     def __init__(self, group: DrivenGroup, member: int) -> None:
         super().__init__()

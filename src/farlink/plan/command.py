@@ -49,7 +49,9 @@ def plan_command(
     tokens: Annotated[float | None, typer.Option(help="Token budget (default 20 tokens per parameter).")] = None,
     batch_tokens: Annotated[float, typer.Option(help="Tokens per worker per inner step.")] = 2**20,
     mfu: Annotated[float, typer.Option(help="Model FLOPs utilization of the inner steps.")] = 0.4,
-    backend: Annotated[str, typer.Option(help="torchft (ring all-reduce) or hivemind (butterfly).")] = "torchft",
+    backend: Annotated[str, typer.Option(
+        help="torchft (ring all-reduce), hivemind (butterfly) or inprocess (in-process "
+             "emulation: peers as threads, one-way hops).")] = "torchft",
     exchange: Annotated[str, typer.Option(
         help="auto (as farlink runs the codec: dense codecs all-reduced, sparse gathered), "
              "allreduce or gather.")] = "auto",

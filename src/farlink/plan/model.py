@@ -52,7 +52,13 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass, field
 
-from farlink.plan.network import BACKENDS, allgather_bytes, allreduce, tcp_throughput_bps
+from farlink.plan.network import (
+    BACKENDS,
+    allgather_bytes,
+    allreduce,
+    compressed_allreduce,
+    tcp_throughput_bps,
+)
 from farlink.plan.payload import codec_cost
 from farlink.links import LinkProfile, load_links
 from farlink.plan.tables import GPU, PlanInputError, load_hardware, lookup
@@ -133,6 +139,8 @@ def predict_round(
     exchange: str = "auto",
     coordinator_rtt_s: float | None = None,
     local_seconds: float = 0.0,
+    shared_link: bool = False,
+    partial_gathers: int = 0,
 ) -> RoundPrediction:
     """Predict one round from inputs a small real run can measure.
 
@@ -140,7 +148,11 @@ def predict_round(
     produced for the whole model); without it, ``n_params`` and ``codec`` estimate it. For
     ``ddp``/``demo`` ``inner_steps`` is ignored (they sync every step). For ``demo`` the codec
     must be a ``dct_topk`` spec. ``exchange`` is ``auto`` (as farlink runs the codec: dense codecs
-    all-reduced, sparse ones gathered), ``allreduce`` or ``gather``.
+    all-reduced, sparse ones gathered), ``allreduce`` or ``gather``. ``shared_link``: every
+    worker's traffic crosses one link of ``bandwidth_bps`` (a shared bottleneck), so each
+    worker's collectives run at ``1/n`` of it (every worker sends the same bytes at once).
+    ``partial_gathers``: the all-gathers a robust rule adds to the compressed all-reduce
+    (:func:`farlink.sync.allreduce.partial_gathers`).
     """
     algorithm = algorithm.strip().lower()
     caps = _capabilities(algorithm)
@@ -174,6 +186,8 @@ def predict_round(
     ratio = None if bandwidth_min_bps is None else bandwidth_min_bps / bandwidth_bps
     link = slowest_link_factor(n_workers, ratio, seed)
     bandwidth = min(bandwidth_bps / link, tcp_throughput_bps(bandwidth_bps, 2 * hop_latency, loss))
+    if shared_link:
+        bandwidth /= n_workers
     sf = straggler_factor(n_workers, straggler_sigma, seed)
     compute = steps * step_seconds
     compute_wall = compute * sf
@@ -185,8 +199,15 @@ def predict_round(
 
     def one_sync(size: float) -> tuple[float, float]:
         """Seconds and bytes sent of one blocking sync of ``size`` payload bytes."""
-        move = allgather_bytes if gathered else allreduce
-        c = move(backend, size, n_workers, bandwidth, hop_latency)
+        # fp32 is summed on the wire; other dense codecs go by shards, whose schedule is priced
+        # as it runs where it is validated (in-process emulation and torchft in namespaces,
+        # docs/planner.md), and as the butterfly with the same bytes on hivemind
+        if not gathered and backend != "hivemind" and cost.name not in ("fp32", "none"):
+            c = compressed_allreduce(backend, size, n_workers, bandwidth, hop_latency,
+                                     partial_gathers)
+        else:
+            move = allgather_bytes if gathered else allreduce
+            c = move(backend, size, n_workers, bandwidth, hop_latency)
         return quorum + c.seconds + local_seconds, c.bytes_sent
 
     if caps.fragments:
@@ -390,6 +411,7 @@ def plan(
         "rejoin_seconds": scenario.rejoin_seconds,
         "seed": scenario.seed,
         "exchange": scenario.exchange,
+        "shared_link": link.shared,
     }
     rnd = predict_round(bandwidth_bps=link.bandwidth_bps, bandwidth_min_bps=link.bandwidth_min_bps,
                         **inputs)

@@ -28,7 +28,7 @@ from farlink.plan.tables import PlanInputError
 MSS_BYTES = 1460  # TCP payload per segment on a 1500-byte MTU path
 MATHIS_C = math.sqrt(1.5)  # constant of the Mathis et al. (1997) throughput bound
 
-BACKENDS = ("torchft", "hivemind")
+BACKENDS = ("torchft", "hivemind", "inprocess")
 
 
 @dataclass(frozen=True)
@@ -80,10 +80,12 @@ def butterfly_allreduce(size_bytes: float, n: int, bandwidth_bps: float,
 
 def hop_latency(backend: str, latency_s: float) -> float:
     """Latency one sequential hop of ``backend``'s collectives pays on a link of one-way
-    ``latency_s``: a round trip on Gloo (receiver-ready handshake), one way on hivemind."""
+    ``latency_s``: a round trip on Gloo (receiver-ready handshake), one way on hivemind and in
+    in-process emulation (``inprocess``: peers as threads, each collective held for its hops'
+    latencies plus its bytes over the link, with torchft's ring hop counts)."""
     if backend == "torchft":
         return 2 * latency_s
-    if backend == "hivemind":
+    if backend in ("hivemind", "inprocess"):
         return latency_s
     raise PlanInputError(f"unknown backend {backend!r}; choose from {', '.join(BACKENDS)}")
 
@@ -92,9 +94,35 @@ def allreduce(backend: str, size_bytes: float, n: int, bandwidth_bps: float,
               latency_s: float) -> CollectiveCost:
     """The all-reduce a backend runs: ring for torchft, butterfly for hivemind."""
     hop = hop_latency(backend, latency_s)
-    if backend == "torchft":
+    if backend in ("torchft", "inprocess"):
         return ring_allreduce(size_bytes, n, bandwidth_bps, hop)
     return butterfly_allreduce(size_bytes, n, bandwidth_bps, hop)
+
+
+def compressed_allreduce(backend: str, size_bytes: float, n: int, bandwidth_bps: float,
+                         latency_s: float, partial_gathers: int = 0) -> CollectiveCost:
+    """farlink's compressed all-reduce of a dense encoded payload of ``size_bytes``: encoded
+    shards to their owners and the re-encoded aggregates back (two all-to-alls, each member
+    sending ``n-1`` shards of ``S/n`` with a header: ``2 (n-1)/n x S`` as a ring all-reduce),
+    and two all-gathers of control bytes (every owner's screening report, every member's digests
+    of the returned shards). Latency, as each backend runs these: torchft: an all-to-all is two
+    Gloo alltoalls (lengths, data), every pair at once, one round trip each; an all-gather of
+    bytes is two ring all-gathers (lengths, data) of ``n-1`` hops each. hivemind: each is one
+    push to every member at once (request and response: 2 hops). In-process emulation: one hop
+    per all-to-all, ``n-1`` per all-gather. A robust rule that needs whole-update geometry adds
+    ``partial_gathers`` all-gathers of a few bytes per member (centered clipping: 4 by default).
+    Bytes are the shards' (``2 (n-1)/n x S``); the
+    headers and control messages add ``(n-1) (380 + 25 n)`` bytes or so (about 1% of a 369k-
+    parameter int8 payload at 8 members, less for larger models), which this leaves out."""
+    _check(size_bytes, n, bandwidth_bps, latency_s)
+    if n <= 1:
+        return CollectiveCost(0.0, 0.0)
+    hop = hop_latency(backend, latency_s)
+    gathers = 2 + partial_gathers
+    hops = {"torchft": 2 * 2 + gathers * 2 * (n - 1),
+            "hivemind": (2 + gathers) * 2}.get(backend, 2 + gathers * (n - 1))
+    sent = 2 * (n - 1) / n * size_bytes
+    return CollectiveCost(sent, 8 * sent / bandwidth_bps + hops * hop)
 
 
 LENGTH_BYTES = 8  # the int64 message length gathered before a variable-size payload
@@ -108,6 +136,8 @@ def allgather_bytes(backend: str, size_bytes: float, n: int, bandwidth_bps: floa
     peer sends its message to every other peer directly, all at once (one request/response).
     """
     hop = hop_latency(backend, latency_s)
+    if backend == "inprocess":
+        return ring_allgather(size_bytes, n, bandwidth_bps, hop)
     if backend == "torchft":
         lengths = ring_allgather(LENGTH_BYTES, n, bandwidth_bps, hop)
         payload = ring_allgather(size_bytes, n, bandwidth_bps, hop)

@@ -49,7 +49,7 @@ from farlink.codecs import CodecError, envelope
 from farlink.comm.errors import CommError
 from farlink.robust import aggregators as rules
 from farlink.robust.auth import AuthError
-from farlink.robust.equivocation import SLOT_DIGEST, differing_slots, slot_digests
+from farlink.robust.equivocation import MISSING, SLOT_DIGEST, differing_slots, slot_digests
 from farlink.robust.validate import UpdateRejected
 from farlink.robust.weights import bound_claims
 from farlink.sync.result import ExchangeResult
@@ -101,6 +101,15 @@ def planned_bytes(exchange, numel: int, members: int) -> int:  # noqa: ANN001 - 
     return 2 * (n - 1) * shard + (n - 1) * (n * (_REPORT.size + SLOT_DIGEST) + partials)
 
 
+def partial_gathers(aggregator) -> int:  # noqa: ANN001 - any aggregator
+    """How many all-gathers of per-shard partials a round of ``aggregator`` adds (centered
+    clipping: one per iteration, one more to find tau; Krum: the distance matrix): each costs
+    ``n-1`` hops on a ring, which the planner prices."""
+    name, kw = rule_of(aggregator) or ("mean", {})
+    return {"centered_clip": kw.get("iters", 3) + (kw.get("tau") is None),
+            "krum": 1}.get(name, 0)
+
+
 def rule_of(aggregator) -> tuple[str, dict] | None:  # noqa: ANN001 - any aggregator
     """(name, keyword arguments) of a whole-update rule this path applies per shard; None for
     one it cannot (a ``+per_tensor`` rule: tensor boundaries do not follow shards)."""
@@ -127,12 +136,31 @@ class _Sender:
     shard: torch.Tensor | None = None
 
 
+@dataclass
+class _Redo:
+    """What a member holds, after the screening, to redo a dead owner's shard: its own signed
+    part of that shard (as it sent it), every owner's report, the accepted members and their
+    weights, their whole norms, and the squared norm of the part it sent."""
+
+    part: bytes
+    table: list[list[tuple]]
+    accepted: list[int]
+    weights: torch.Tensor
+    norms: dict[int, float]
+    own_sqnorm: float
+
+
 class ShardedReduce:
     """One round of the compressed all-reduce for an :class:`~farlink.sync.exchange.Exchange`
     (its collective, codec, authenticator, rule, bounds and ledger)."""
 
     def __init__(self, exchange) -> None:  # noqa: ANN001 - farlink.sync.exchange.Exchange
         self.x = exchange
+        #: what the rule decided over whole updates in phase 3 (the same on every member), so a
+        #: member redoing a dead owner's shard applies the same decision to it: centered
+        #: clipping's tau and per-iteration clip factors, Krum's pick (index into accepted)
+        self._clip: tuple[float, list[torch.Tensor]] | None = None
+        self._krum_pick: int | None = None
 
     # --- the round ---------------------------------------------------------------------------
     def run(self, tensors: dict[str, torch.Tensor], weight: float, round_id: int):
@@ -211,24 +239,29 @@ class ShardedReduce:
         payload = self._encode_aggregate(shard, (n, me, a, b)) if b > a else b""
         back = self._seal(round_id, result.total_weight, "aggregate", payload, b - a, me, n)
         returned = coll.all_to_all_bytes(self.return_shard(back, n))
-        if any(not m for m in returned):
-            return self._failed(result, "an owner's aggregate shard did not arrive")
-        if self._owner_equivocated(returned, result, round_id, ident):
+        live, lost = self._owner_equivocated(returned, result, round_id, ident)
+        if live is None:
             return ExchangeResult({}, 0.0, rejected=result.rejected)
+        if lost and not coll.survives_departures:  # the transport failed the round itself
+            return self._failed(result, "an owner's aggregate shard did not arrive")
         pieces = []
         for k, raw in enumerate(returned):
-            a, b = bounds[k]
+            if k in lost:
+                pieces.append(None)
+                continue
+            numel = bounds[k][1] - bounds[k][0]
             try:
-                pieces.append(self._open_aggregate(raw, k, n, round_id, b - a, ident[k],
-                                                   table, accepted, own_sent[k], me, device))
+                pieces.append(self._open_aggregate(raw, k, n, round_id, numel, ident[k], table,
+                                                   accepted, own_sent[k], me, device))
             except (CodecError, AuthError, UpdateRejected) as exc:
-                reason = getattr(exc, "reason", None) or f"{type(exc).__name__}: {exc}"
-                x._reject(result, ident[k], round_id, 0.0,
-                          UpdateRejected(f"as owner of shard {k}: {reason}", "owner"))
-                coll.fail_round(CommError(
-                    f"round {round_id} not committed: the owner of shard {k} ({ident[k]}) "
-                    f"returned a shard that fails its checks ({reason})"), blame=[k])
+                return self._owner_failed(result, exc, k, k, round_id, ident)
+        for dead in lost:  # 5. a dead owner's shard, redone by a live member
+            redo = _Redo(outgoing[dead], table, accepted, w, norms, own_sent[dead])
+            piece = self._reassign(dead, live, lost, redo, result, round_id, n, bounds, ident,
+                                   device)
+            if piece is None:
                 return ExchangeResult({}, 0.0, rejected=result.rejected)
+            pieces[dead] = piece
         out, offset = {}, 0
         whole = torch.cat(pieces) if pieces else torch.zeros(0, device=device)
         for name in names:
@@ -296,6 +329,8 @@ class ShardedReduce:
         senders = [_Sender() for _ in range(n)]
         for k, raw in enumerate(received):
             s = senders[k]
+            if not raw:  # nothing from this member (only when redoing a dead owner's shard)
+                continue
             try:
                 s.identity, env = self._open(raw, "shard", me, n, round_id, numel)
                 s.claim = env.weight
@@ -473,13 +508,29 @@ class ShardedReduce:
         if tau is None:
             dist = self._gather_partials(((x - v) ** 2).sum(1)).sqrt()
             tau = float(dist.median())
+        self._clip = (tau, [])
         if float(wc.sum()) <= 0 or tau == 0.0:
             return v.to(stack.dtype)
         for _ in range(iters):
             d = x - v
             whole = self._gather_partials((d ** 2).sum(1)).sqrt().to(x.device)
             scale = torch.clamp(tau / whole.clamp(min=1e-300), max=1.0)
+            self._clip[1].append(scale)
             v = v + (d * scale[:, None] * wc[:, None]).sum(0) / wc.sum()
+        return v.to(stack.dtype)
+
+    def _clip_again(self, stack: torch.Tensor, w: torch.Tensor, rows: list[int]) -> torch.Tensor:
+        """Centered clipping of a redone shard with phase 3's whole-update clip factors (the
+        ``rows`` of the accepted members whose parts the new owner holds)."""
+        x = stack.double()
+        wc = rules.cap_weights(w).to(x.device)
+        v = rules.coordinate_median(x, w)
+        tau, scales = self._clip
+        if float(wc.sum()) <= 0 or tau == 0.0:
+            return v.to(stack.dtype)
+        for scale in scales:
+            d = x - v
+            v = v + (d * scale[rows, None] * wc[:, None]).sum(0) / wc.sum()
         return v.to(stack.dtype)
 
     def _krum(self, stack: torch.Tensor, f: int | None) -> torch.Tensor:
@@ -494,15 +545,28 @@ class ShardedReduce:
         f = max((m_peers - 3) // 2, 0) if f is None else f
         d2.fill_diagonal_(float("inf"))
         scores = d2.sort(dim=1).values[:, :max(m_peers - f - 2, 1)].sum(1)
-        return stack[int(scores.argmin())].clone()
+        self._krum_pick = int(scores.argmin())
+        return stack[self._krum_pick].clone()
 
     # --- phase 4 -----------------------------------------------------------------------------
     def _owner_equivocated(self, returned: list[bytes], result, round_id: int,
-                           ident: dict[int, str]) -> bool:
+                           ident: dict[int, str]) -> tuple[list[int] | None, list[int]]:
+        """Compare the digests of the returned shards across members. Returns the members that
+        took part (live) and the owners whose shard did not reach some member (lost), or
+        ``(None, [])`` when an owner sent different shards to different members (the round is
+        failed, the owner named)."""
+        n = len(returned)
         reports = self.x.collective.all_gather_bytes(slot_digests(returned))
-        differing = differing_slots(reports, len(returned))
+        if len(reports) != n:  # the transport failed the round (torchft: errored until quorum)
+            self._failed(result, "an owner's aggregate shard or the shards' digests did not "
+                                 "arrive")
+            return None, []
+        live = [m for m, r in enumerate(reports) if len(r) == n * SLOT_DIGEST]
+        lost = sorted({s for m in live for s in range(n)
+                       if reports[m][s * SLOT_DIGEST:(s + 1) * SLOT_DIGEST] == MISSING})
+        differing = differing_slots(reports, n)
         if not differing:
-            return False
+            return live, lost
         for slot, dissent in differing.items():
             self.x._reject(result, ident[slot], round_id, 0.0, UpdateRejected(
                 f"as owner of shard {slot} sent different aggregates to different members "
@@ -511,7 +575,7 @@ class ShardedReduce:
             f"round {round_id} not committed: an owner sent different aggregate shards to "
             "different members; the round is discarded everywhere and retried"),
             blame=sorted(differing))
-        return True
+        return None, []
 
     def return_shard(self, message: bytes, members: int) -> list[bytes]:
         """What this owner sends each member in the all-gather: the same signed shard."""
@@ -543,6 +607,131 @@ class ShardedReduce:
         return shard
 
     def _failed(self, result, why: str):
-        """The collective already failed the round (a member is gone): nothing to aggregate."""
+        """A member is gone and its part cannot be done without it: the round is failed here
+        (a network collective has failed it already; in-process, a departed member's empty
+        slot fails nothing by itself) and retried by the caller."""
         log.info("compressed all-reduce: %s; the round is discarded", why)
-        return ExchangeResult({}, 0.0, rejected={**result.rejected, "round": f"missing: {why}"})
+        self.x.collective.fail_round(CommError(f"compressed all-reduce: {why}"))
+        result.rejected["round"] = f"missing: {why}"
+        return ExchangeResult({}, 0.0, rejected=result.rejected)
+
+    def _owner_failed(self, result, exc: Exception, shard: int, owner: int, round_id: int,
+                      ident: dict[int, str]):
+        """Member ``owner`` returned shard ``shard`` failing a check: named, round failed."""
+        reason = getattr(exc, "reason", None) or f"{type(exc).__name__}: {exc}"
+        self.x._reject(result, ident[owner], round_id, 0.0,
+                       UpdateRejected(f"as owner of shard {shard}: {reason}", "owner"))
+        self.x.collective.fail_round(CommError(
+            f"round {round_id} not committed: the owner of shard {shard} ({ident[owner]}) "
+            f"returned a shard that fails its checks ({reason})"), blame=[owner])
+        return ExchangeResult({}, 0.0, rejected=result.rejected)
+
+    # --- phase 5: a dead owner's shard -------------------------------------------------------
+    def _reassign(self, dead: int, live: list[int], lost: list[int], redo: _Redo, result,
+                  round_id: int, n: int, bounds: list[tuple[int, int]], ident: dict[int, str],
+                  device: torch.device) -> torch.Tensor | None:
+        """Owner ``dead``'s aggregate shard reached no one (it died after the screening, while
+        it owned the shard): the first live member after it (cyclically) redoes it. Every live
+        member re-sends its signed part of that shard, as it sent it in the reduce-scatter, to
+        the new owner; the new owner checks each part against what the dead owner reported of
+        it (claim and squared norm: a sender cannot change its part now), applies the round's
+        whole-update decision to the parts it holds, signs the aggregate and returns it to every
+        live member, who check it as any owner's shard. The dead member's own part of its shard
+        died with it: that shard is the rule over the live accepted members' parts. None (the
+        round is failed, to be retried) when no more than half the round's members remain (two
+        halves of a split round must not both commit), when no live owner can take it, or when
+        the redo fails a check."""
+        coll, me = self.x.collective, self.x.collective.round_rank()
+        takers = [m for m in live if m not in lost]
+        if len(live) * 2 <= n or len(live) < 2 or not takers:
+            self._failed(result, f"the owner of shard {dead} ({ident[dead]}) is gone and "
+                                 f"{len(live)} of {n} members remain: too few to redo it")
+            return None
+        owner = min(takers, key=lambda m: (m - dead) % n)
+        parts = [b""] * n
+        parts[owner] = redo.part
+        received = coll.all_to_all_bytes(parts)
+        a, b = bounds[dead]
+        back = [b""] * n
+        if me == owner:
+            shard, liar = self._redo_shard(received, dead, live, redo, round_id, n, (a, b),
+                                           device)
+            if shard is None:
+                why = f"member {ident[liar]} re-sent a part of shard {dead} other than the one " \
+                    "its owner reported" if liar is not None else \
+                    f"no part of shard {dead} that the round's rule takes remains"
+                if liar is not None:
+                    self.x._reject(result, ident[liar], round_id, 0.0,
+                                   UpdateRejected(why, "equivocation"))
+                coll.fail_round(CommError(f"round {round_id} not committed: {why}"),
+                                blame=[liar] if liar is not None else [])
+            else:
+                payload = self.x.compressor.codec.encode(shard) if b > a else b""
+                message = self._seal(round_id, result.total_weight, "aggregate", payload, b - a,
+                                     dead, n)
+                back = [message if k in live else b"" for k in range(n)]
+        got = coll.all_to_all_bytes(back)
+        alone = [got[k] if k == owner else b"" for k in range(n)]
+        took_part, missing = self._owner_equivocated(alone, result, round_id, ident)
+        if took_part is None:
+            return None
+        if owner in missing:
+            self._failed(result, f"shard {dead}'s new owner {ident[owner]} returned nothing")
+            return None
+        try:
+            piece = self._open_aggregate(got[owner], dead, n, round_id, b - a, ident[owner],
+                                         redo.table, redo.accepted, redo.own_sqnorm, me, device)
+        except (CodecError, AuthError, UpdateRejected) as exc:
+            self._owner_failed(result, exc, dead, owner, round_id, ident)
+            return None
+        result.reassigned[ident[dead]] = ident[owner]
+        log.info("compressed all-reduce: shard %d of %s redone by %s", dead, ident[dead],
+                 ident[owner])
+        return piece
+
+    def _redo_shard(self, received: list[bytes], dead: int, live: list[int], redo: _Redo,
+                    round_id: int, n: int, bound: tuple[int, int],
+                    device: torch.device) -> tuple[torch.Tensor | None, int | None]:
+        """The new owner's aggregate of shard ``dead`` from the live members' re-sent parts;
+        (None, the member whose part differs from what the dead owner reported) or (None,
+        None) when no accepted part remains or the rule's pick died."""
+        senders = self._open_shards(received, round_id, n, dead, bound, device)
+        rows = []
+        for i, k in enumerate(redo.accepted):
+            if k not in live:
+                continue
+            s, (_, claim, sqnorm) = senders[k], redo.table[dead][k][:3]
+            if s.verdict != "ok" or s.claim != claim or \
+                    abs(s.sqnorm - sqnorm) > 1e-6 * max(sqnorm, 1e-30) + 1e-30:
+                return None, k
+            rows.append(i)
+        if not rows:
+            return None, None
+        numel = bound[1] - bound[0]
+        stack = torch.stack([senders[redo.accepted[i]].shard for i in rows]) if numel \
+            else torch.zeros((len(rows), 0), device=device)
+        return self._aggregate_again(stack, redo, rows), None
+
+    def _aggregate_again(self, stack: torch.Tensor, redo: _Redo,
+                         rows: list[int]) -> torch.Tensor | None:
+        """Phase 3's decision over whole updates, applied to a redone shard's ``rows`` (indices
+        into the accepted members): the same clip factors, norm bound or Krum pick."""
+        name, kw = rule_of(self.x.aggregator)
+        w = redo.weights[rows]
+        if not stack.shape[1]:
+            return torch.zeros(0, device=stack.device)
+        if name == "krum":
+            if self._krum_pick is None:  # two or fewer accepted: the median
+                return rules.coordinate_median(stack, torch.ones(len(rows)))
+            return stack[rows.index(self._krum_pick)].clone() if self._krum_pick in rows \
+                else None
+        if len(redo.accepted) > 1 and name == "centered_clip":
+            return self._clip_again(stack, w, rows)
+        if len(redo.accepted) > 1 and name == "norm_bounded":
+            whole = torch.tensor([redo.norms[k] for k in redo.accepted], dtype=torch.float64)
+            bound = kw.get("factor", 1.0) * float(
+                rules.coordinate_median(whole[:, None], redo.weights)[0])
+            scale = torch.clamp(bound / whole.clamp(min=1e-300), max=1.0)[rows]
+            return rules._mean64(stack.double() * scale[:, None].to(stack.device),
+                                 rules.cap_weights(w).to(stack.device)).to(stack.dtype)
+        return rules.AGGREGATORS[name](stack, w, **kw)

@@ -25,3 +25,5 @@ class ExchangeResult:
     credited: dict[str, float] = field(default_factory=dict)
     marks: dict[str, str] = field(default_factory=dict)  # peer -> why it is credited nothing
     scores: dict[str, tuple[float, float]] = field(default_factory=dict)  # peer -> score, rating
+    #: compressed all-reduce: owner that died mid-round -> the member that redid its shard
+    reassigned: dict[str, str] = field(default_factory=dict)

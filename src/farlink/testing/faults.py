@@ -11,6 +11,10 @@ in-process), so what the algorithm sees after a fault is what the backend really
   every one): the backend is told through ``fail_round``, so the round commits nowhere.
 * ``drop_payload(replica, round)`` / ``delay_payload(replica, round, seconds)``: what a replica
   puts into that round's all-gather arrives empty, or late.
+* ``die_at_all_to_all(replica, round, call)``: the replica dies (its collective closes,
+  :class:`InjectedDeath` rises) as it enters that round's ``call``-th all-to-all (from 0): call 1
+  is the compressed all-reduce's return of the aggregate shards, when it owns a shard whose
+  senders' parts it holds and nobody else does.
 * ``barrier_at(point, round, parties)``: the replicas (or test threads) that reach ``point`` of
   that round wait for each other there, to order events across threads.
 
@@ -28,11 +32,16 @@ from dataclasses import dataclass, field
 from farlink.comm.base import Collective, RoundInfo
 from farlink.comm.errors import CommError
 
-__all__ = ["FaultyCollective", "Faults", "InjectedFailure", "run_replicas"]
+__all__ = ["FaultyCollective", "Faults", "InjectedDeath", "InjectedFailure", "run_replicas"]
 
 
 class InjectedFailure(RuntimeError):
     """A replica crashed where the test said it would."""
+
+
+class InjectedDeath(RuntimeError):
+    """A replica died mid-round where the test said it would (its collective is closed; it is
+    not restarted)."""
 
 
 @dataclass
@@ -44,6 +53,7 @@ class Faults:
     _dropped: set[tuple[int, int]] = field(default_factory=set)
     _delays: dict[tuple[int, int], float] = field(default_factory=dict)
     _barriers: dict[tuple[str, int], threading.Barrier] = field(default_factory=dict)
+    _deaths: set[tuple[int, int, int]] = field(default_factory=set)
     #: (replica, round, what) for every fault that fired, in order: a test checks its faults
     #: really happened
     fired: list[tuple[int, int, str]] = field(default_factory=list)
@@ -64,6 +74,13 @@ class Faults:
     def delay_payload(self, replica: int, round: int, seconds: float) -> Faults:  # noqa: A002
         self._delays[(replica, round)] = seconds
         return self
+
+    def die_at_all_to_all(self, replica: int, round: int, call: int = 1) -> Faults:  # noqa: A002
+        self._deaths.add((replica, round, call))
+        return self
+
+    def dies(self, replica: int, round: int, call: int) -> bool:  # noqa: A002
+        return self._take(self._deaths, (replica, round, call), replica, round, "death")
 
     def barrier_at(self, point: str, round: int, parties: int) -> Faults:  # noqa: A002
         """``point``: "begin_round", "all_reduce", "all_gather", "commit" (before it), or a name
@@ -111,7 +128,8 @@ class Faults:
 
 
 _FLAGS = frozenset(("exact_all_reduce", "quorum_timeout", "final_round", "partial_groups",
-                    "stats", "emulated_link", "maddrs", "emulate_transfer"))
+                    "stats", "emulated_link", "maddrs", "emulate_transfer",
+                    "native_all_to_all", "survives_departures"))
 
 
 class FaultyCollective(Collective):
@@ -121,8 +139,9 @@ class FaultyCollective(Collective):
     def __init__(self, inner: Collective, faults: Faults, replica: int) -> None:
         self.inner, self.faults, self.replica = inner, faults, replica
         self.round = -1  # begin_round calls so far, minus one
+        self.all_to_alls = 0  # all-to-all calls in this round
 
-    _OWN = ("inner", "faults", "replica", "round")
+    _OWN = ("inner", "faults", "replica", "round", "all_to_alls")
 
     def __getattribute__(self, name: str):  # noqa: ANN204
         # the backend's flags (final_round, exact_all_reduce, ...), stats and
@@ -142,6 +161,7 @@ class FaultyCollective(Collective):
 
     def begin_round(self, final: bool = False, **round_options) -> RoundInfo:  # noqa: ANN003
         self.round += 1
+        self.all_to_alls = 0
         self.faults.wait("begin_round", self.round)
         if self.faults.crashes(self.replica, self.round):
             raise InjectedFailure(f"replica {self.replica} crashed at round {self.round}")
@@ -167,6 +187,20 @@ class FaultyCollective(Collective):
         if self.faults.drops(self.replica, self.round):
             payload = b""
         return self.inner.all_gather_bytes(payload)
+
+    def all_to_all_bytes(self, outgoing: list[bytes]) -> list[bytes]:
+        call, self.all_to_alls = self.all_to_alls, self.all_to_alls + 1
+        if self.faults.dies(self.replica, self.round, call):
+            self.inner.close()
+            raise InjectedDeath(f"replica {self.replica} died in all-to-all {call} of round "
+                                f"{self.round}")
+        return self.inner.all_to_all_bytes(outgoing)
+
+    def round_members(self) -> int:
+        return self.inner.round_members()
+
+    def round_rank(self) -> int:
+        return self.inner.round_rank()
 
     def fail_round(self, error: CommError, blame: Sequence[int] = ()) -> None:
         self.inner.fail_round(error, blame)
