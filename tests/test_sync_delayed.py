@@ -210,3 +210,74 @@ def test_delayed_round_runs_while_inner_steps_proceed(name: str) -> None:
     for r in blocking:  # the blocking step: no inner step runs while its round does
         assert _steps_during_exchanges(r) == 0
         assert r["exposed"] >= 4 * 0.3
+
+
+def test_streaming_delayed_lands_each_fragment_one_period_later() -> None:
+    """One fragment launched at step 2 of every H = 4: with the outer step delayed its update
+    lands at step 6, as the fragment's next round starts, not tau steps after its launch."""
+    from farlink.sync.streaming import StreamingDiLoCo
+
+    alpha = 0.25
+    cfg = RunConfig(algorithm="streaming_diloco", inner_steps=4, fragments=1, steps=8,
+                    warmup_steps=0, overlap_steps=1, mix_alpha=alpha, outer_overlap="delayed")
+    local = {0: torch.tensor([[0.0, 1.0]]), 1: torch.tensor([[1.0, 0.0]])}
+
+    def member(rank: int, coll):  # noqa: ANN001, ANN202
+        model = nn.Linear(2, 1, bias=False)
+        with torch.no_grad():
+            model.weight.copy_(torch.tensor([[1.0, 2.0]]))
+        algo = StreamingDiLoCo(model, cfg, coll, Exchange(coll, make_compressor("none"),
+                                                          sender=f"p{rank}"))
+        after = []
+        for t in range(1, 9):
+            if t == 2:
+                with torch.no_grad():
+                    algo.params[0].copy_(local[rank])
+            algo.step(16)
+            after.append(algo.params[0].detach().clone())
+        algo.finish()
+        return after
+
+    theta1 = torch.tensor([[1.0, 2.0]]) - 0.7 * 1.9 * torch.tensor([[0.5, 1.5]])
+    for rank, after in enumerate(InProcessGroup(2).run(member, timeout=60)):
+        for t in (2, 3, 4, 5):  # in flight through the next period's first steps
+            assert torch.equal(after[t - 1], local[rank]), t
+        torch.testing.assert_close(after[5], alpha * local[rank] + (1 - alpha) * theta1)
+
+
+def test_streaming_delayed_keeps_every_fragment_in_flight_while_computing() -> None:
+    from farlink.sync.streaming import StreamingDiLoCo
+
+    link = LinkModel(bandwidth_bytes_per_s=1e9, latency_s=0.1)
+    init = threading.Lock()
+    cfg = RunConfig(algorithm="streaming_diloco", inner_steps=8, fragments=2, steps=32,
+                    warmup_steps=0, outer_overlap="delayed")
+
+    def member(rank: int, coll):  # noqa: ANN001, ANN202
+        with init:
+            torch.manual_seed(0)
+            model = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 8))
+        exchange = _Timed(coll, make_compressor("none"), sender=f"p{rank}")
+        algo = StreamingDiLoCo(model, cfg, coll, exchange)
+        gen = torch.Generator().manual_seed(rank + 1)
+        steps, most_in_flight, exposed = [], 0, 0.0
+        while not algo.finished():
+            x = torch.randn(16, 8, generator=gen)
+            (model(x) - x).pow(2).mean().backward()
+            time.sleep(0.02)
+            exposed += algo.step(16).comm_seconds
+            steps.append(time.perf_counter())
+            most_in_flight = max(most_in_flight, len(algo._queue))
+        algo.finish()
+        return {"spans": exchange.spans, "steps": steps, "most": most_in_flight,
+                "globals": [g.clone() for g in algo.global_params], "exposed": exposed,
+                "rounds": algo.fragment_rounds}
+
+    results = InProcessGroup(2, link).run(member, timeout=120)
+    for r in results:
+        assert r["rounds"] == [4, 4]  # 32 steps / H = 8, each fragment every period
+        assert r["most"] == 2  # both fragments' rounds in flight at once
+        assert _steps_during_exchanges(r) >= 8 * 2  # 8 rounds, each overlapping steps
+        assert r["exposed"] < 0.5 * 8 * 0.2
+    for a, b in zip(results[0]["globals"], results[1]["globals"]):
+        assert torch.equal(a, b)

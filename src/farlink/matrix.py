@@ -300,6 +300,13 @@ RULES: list[Pair | Needs | Unread] = [
           lambda c: f"outer_overlap (the outer step one round late, its exchange overlapping "
           f"the next round's compute) applies to {able(lambda caps: caps.delayed_outer)}, not "
           f"{c.algorithm}"),
+    Pair(Feature("outer_overlap=eager", lambda c: c.outer_overlap == "eager",
+                 {"outer_overlap": "eager"}),
+         Feature("a fragmented algorithm", lambda c: _caps(c.algorithm).fragments,
+                 {"algorithm": "streaming_diloco"}),
+         lambda c: f"{c.algorithm} keeps a fragment's local progress by mixing it into the "
+         "delayed global fragment (mix_alpha), where eager would step with it: use "
+         "outer_overlap=delayed (each fragment's update one period late)"),
     Pair(OUTER_OVERLAP, ROUND_SECONDS,
          lambda c: "outer_overlap does not run with round_seconds (time-budgeted rounds) yet: "
          "a time budget counts committed rounds, which land one round late with it; give "

@@ -74,7 +74,9 @@ class DiLoCo(SyncAlgorithm):
         #: from this replica) while the training thread applies a delayed update
         self.state_lock = threading.RLock()
         self.delayed = None
-        if getattr(self.cfg, "outer_overlap", "none") != "none":
+        # (a fragmented algorithm delays its fragments' rounds itself: farlink.sync.streaming)
+        if getattr(self.cfg, "outer_overlap", "none") != "none" \
+                and not self.capabilities.fragments:
             from farlink.sync.delayed import DelayedOuterStep
 
             if not self.capabilities.delayed_outer:
