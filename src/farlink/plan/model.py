@@ -133,6 +133,7 @@ def predict_round(
     exchange: str = "auto",
     coordinator_rtt_s: float | None = None,
     local_seconds: float = 0.0,
+    outer_overlap: str = "none",
 ) -> RoundPrediction:
     """Predict one round from inputs a small real run can measure.
 
@@ -140,7 +141,10 @@ def predict_round(
     produced for the whole model); without it, ``n_params`` and ``codec`` estimate it. For
     ``ddp``/``demo`` ``inner_steps`` is ignored (they sync every step). For ``demo`` the codec
     must be a ``dct_topk`` spec. ``exchange`` is ``auto`` (as farlink runs the codec: dense codecs
-    all-reduced, sparse ones gathered), ``allreduce`` or ``gather``.
+    all-reduced, sparse ones gathered), ``allreduce`` or ``gather``. ``outer_overlap``
+    ``delayed``/``eager`` (an algorithm with a delayed outer step, :mod:`farlink.sync.delayed`):
+    the round's exchange runs through the next round's compute (a fragment's through the next
+    period's), so only what exceeds that compute is exposed.
     """
     algorithm = algorithm.strip().lower()
     caps = _capabilities(algorithm)
@@ -189,7 +193,12 @@ def predict_round(
         c = move(backend, size, n_workers, bandwidth, hop_latency)
         return quorum + c.seconds + local_seconds, c.bytes_sent
 
+    delayed = outer_overlap != "none"
+    if delayed and not caps.delayed_outer:
+        raise PlanInputError(f"{algorithm} has no delayed outer step (outer_overlap)")
     if caps.fragments:
+        if delayed:  # each fragment's round overlaps a whole period
+            overlap_steps = steps
         if fragments > steps:
             raise PlanInputError(f"{algorithm} needs fragments <= inner_steps ({fragments} > {steps})")
         tau = min(DEFAULT_OVERLAP_STEPS, steps // fragments) if overlap_steps is None else overlap_steps
@@ -204,7 +213,9 @@ def predict_round(
         sent = syncs * frag_sent
     else:
         seconds, sent = one_sync(payload_bytes)
-        syncs, comm, exposed = 1, seconds, seconds
+        syncs, comm = 1, seconds
+        # delayed: the exchange runs through the next round's compute (one round in flight)
+        exposed = max(0.0, seconds - compute_wall) if delayed else seconds
         round_s = compute_wall + exposed
 
     churn = churn_factor(n_workers, failures_per_hour, round_s, exposed, rejoin_seconds)
