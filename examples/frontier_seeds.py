@@ -41,6 +41,9 @@ meths = [
     Method("diloco-delayed", "diloco", {"outer_overlap": "delayed"}),
     Method("diloco-eager", "diloco", {"outer_overlap": "eager"}),
 ]
+# the delayed steps at a smaller outer lr (the blocking step's sweep chose 0.3): off the frontier
+slower = [Method("diloco-delayed-olr0.1", "diloco", {"outer_overlap": "delayed", "outer_lr": 0.1}),
+          Method("diloco-eager-olr0.1", "diloco", {"outer_overlap": "eager", "outer_lr": 0.1})]
 base = {"model": "nano", "workers": 4, "steps": 120, "batch_size": 8, "seq_len": 64,
         "warmup_steps": 20, "eval_batches": 16}
 sweep_steps = variants["settings"]["sweep_steps"]
@@ -65,7 +68,7 @@ for row in variants["rows"]:  # seed 0 of the methods that table ran
 up0 = subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
 t0 = time.time()
 result = run(out, base, sweep_steps, H, family_list=fams, method_list=meths, reuse=True,
-             max_extensions=0, seeds=3,
+             max_extensions=0, seeds=3, ablation_list=slower,
              profiles=("datacenter", "cross-region", "intercontinental", "home"))
 up1 = subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
 doc = json.loads((out / "frontier.json").read_text())
@@ -78,5 +81,8 @@ for r in result["rows"]:
     print(r["label"], round(r["final_heldout_loss"], 4), [round(x, 4) for x in
           r.get("heldout_loss_seeds", [])], round(r["bytes_per_token"], 3),
           round(r.get("loss_vs_ddp", 0), 4))
+for r in result["ablations"]:
+    print(r["label"], round(r["final_heldout_loss"], 4), [round(x, 4) for x in
+          r.get("heldout_loss_seeds", [])], round(r.get("loss_vs_ddp", 0), 4))
 print(up0)
 print(up1)

@@ -164,8 +164,9 @@ class _Timed(Exchange):
 
 
 def _overlap_run(mode: str, name: str = "diloco") -> list[dict]:
-    # a round costs 2 latencies of 0.15 s = 0.3 s on this link; a phase is 5 steps of 30 ms
-    link = LinkModel(bandwidth_bytes_per_s=1e9, latency_s=0.15)
+    # a dense round costs 2 latencies of 0.05 s = 0.1 s on this link (a gathered one 1), less
+    # than a phase: 5 steps of >= 30 ms
+    link = LinkModel(bandwidth_bytes_per_s=1e9, latency_s=0.05)
     init = threading.Lock()
 
     def member(rank: int, collective):  # noqa: ANN001, ANN202
@@ -204,12 +205,14 @@ def test_delayed_round_runs_while_inner_steps_proceed(name: str) -> None:
     for r in delayed:
         assert len(r["spans"]) == 4 and r["outer_steps"] == 4  # 20 steps / H = 5
         # the rounds of phases 1-3 each ran while (at least) the next phase's steps ran
-        assert _steps_during_exchanges(r) >= 3 * 3, r
-        assert r["exposed"] < 0.5 * 4 * 0.3, r["exposed"]  # most of 4 x 0.3 s hidden
+        assert _steps_during_exchanges(r) >= 3 * 2, r
     assert delayed[0]["fingerprint"] == delayed[1]["fingerprint"]
     for r in blocking:  # the blocking step: no inner step runs while its round does
         assert _steps_during_exchanges(r) == 0
-        assert r["exposed"] >= 4 * 0.3
+        assert r["exposed"] >= 4 * 0.05
+    # only the last round (landed by finish, after the last phase) is left exposed
+    for fast, slow in zip(delayed, blocking):
+        assert fast["exposed"] < 0.6 * slow["exposed"], (fast["exposed"], slow["exposed"])
 
 
 def test_streaming_delayed_lands_each_fragment_one_period_later() -> None:

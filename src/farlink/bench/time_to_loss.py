@@ -1,13 +1,16 @@
 """Time to a held-out loss on a link profile: what a user picking a method decides by.
 
 The frontier measures each method's held-out loss against tokens (its mean curve over seeds) and
-its compute per inner step (forward and backward, timed in its runs on this machine). What a
+the compute of an inner step (forward and backward, timed in every run on this machine). The
+work of a step is the same in every method (one model, one batch), so one compute time serves
+them all: the median over the runs (on a shared machine a run's own time says more about the
+load it met than about its method; each run's is kept in the table). What a
 link adds is priced by the planner (:func:`farlink.plan.predict_round`): the method's payload as
 its codec encodes it (the algorithm's ``wire_spec``), the round's collectives on the profile's
 bandwidth and latency, and the part of them no inner step computes through (Streaming's
 fragments overlap tau steps, a delayed outer step a whole round). So per profile and method:
 
-    seconds per inner step = round_seconds / steps_per_round      (planned, measured compute)
+    seconds per inner step = round_seconds / steps_per_round      (planned, on measured compute)
     steps to the target    = first crossing of the measured curve  (linear between evaluations)
     time to the target     = their product; None when the run never reached the target
 
@@ -75,26 +78,30 @@ def targets(rows: list[dict]) -> dict[str, float]:
     return out
 
 
-def table(rows: list[dict], profiles: tuple[str, ...] = PROFILES) -> dict[str, Any]:
+def table(rows: list[dict], profiles: tuple[str, ...] = PROFILES,
+          step_seconds: float | None = None) -> dict[str, Any]:
     """Per profile: every method's planned round and its time to each target, and the winner
-    of each target. A row without a measured compute time is left out (saying so)."""
+    of each target. ``step_seconds``: the compute of one inner step (default: the median of the
+    rows' measured ones)."""
     goals = targets(rows)
-    measured = [r["compute_s_per_step"] for r in rows if "compute_s_per_step" in r]
+    measured = sorted(r["compute_s_per_step"] for r in rows if "compute_s_per_step" in r)
+    if step_seconds is None:
+        if not measured:
+            raise ValueError("no row has a measured compute time (compute_s_per_step)")
+        step_seconds = measured[len(measured) // 2]
     out: dict[str, Any] = {"targets": goals, "profiles": {}, "measured": (
         "held-out loss curves (mean over seeds) and compute seconds per inner step, both from "
-        "the runs of this table on this machine"), "planned": (
+        "the runs of this table on this machine; one compute time for every method, the median "
+        "of the runs' (the same forward and backward in each)"), "planned": (
         "each round's communication on the profile (farlink.plan.predict_round with the "
         "method's encoded payload), hence seconds per inner step and time to target")}
     for profile in profiles:
         entries = []
         for r in rows:
-            step_s = r.get("compute_s_per_step")
-            if step_s is None:
-                entries.append({"label": r["label"], "skipped": "no measured compute time"})
-                continue
-            pred = price(r, profile, step_s)
+            pred = price(r, profile, step_seconds)
             per_step = pred.round_seconds / pred.steps_per_round
-            entry = {"label": r["label"], "compute_s_per_step_measured": step_s,
+            entry = {"label": r["label"], "compute_s_per_step": step_seconds,
+                     "compute_s_per_step_of_its_runs": r.get("compute_s_per_step"),
                      "round_seconds_planned": pred.round_seconds,
                      "exposed_comm_seconds_planned": pred.exposed_comm_seconds,
                      "utilization_planned": pred.utilization,
@@ -109,7 +116,9 @@ def table(rows: list[dict], profiles: tuple[str, ...] = PROFILES) -> dict[str, A
                      if "time_to_target_s" in e and e["time_to_target_s"][name] is not None]
             winners[name] = min(timed)[1] if timed else None
         out["profiles"][profile] = {"rows": entries, "winner": winners}
-    out["compute_s_per_step_range"] = [min(measured), max(measured)] if measured else None
+    out["compute_s_per_step"] = step_seconds
+    out["compute_s_per_step_of_the_runs"] = {"min": measured[0], "median": measured[
+        len(measured) // 2], "max": measured[-1]} if measured else None
     return out
 
 
