@@ -393,6 +393,9 @@ RULES: list[Pair | Needs | Unread] = [
     _pipeline_refuses("hf_model", Feature("model=hf:DIR", lambda c: c.hf_model_dir is not None,
                                           {"model": "hf:model-dir"}),
                       "stages cut farlink's GPT presets"),
+    _pipeline_refuses("outer_overlap", OUTER_OVERLAP, "a stage's peers average in rounds "
+                      "the pipeline trainer runs and waits for between its steps; use "
+                      "outer_overlap=none"),
     _pipeline_refuses("precision", _flag("precision", "bf16"), "stage peers compute in fp32"),
     _pipeline_refuses("device", Feature("device=cuda", lambda c: c.device.startswith("cuda"),
                                         {"device": "cuda"}), "stage peers compute on the CPU"),
