@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import logging
 import os
+import sys
+import threading
 import time
 from pathlib import Path
 
@@ -45,3 +48,34 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
     if deadline and item.get_closest_marker("slow") and time.time() > float(deadline):
         pytest.skip("slow scenario not started: the run's time budget for them is spent "
                     "(FARLINK_SLOW_DEADLINE)")
+
+
+_EXIT_STATUS = pytest.StashKey[int]()
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    session.config.stash[_EXIT_STATUS] = int(exitstatus)
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_unconfigure(config: pytest.Config) -> None:
+    """The test process ends without the interpreter's teardown, once pytest has reported.
+
+    Tests run torchft's Managers and Gloo process groups in threads of this process; when the
+    interpreter finalizes, a thread still inside such native code that takes the GIL back is
+    unwound by force, and a C++ ``catch (...)`` on its stack turns that into ``FATAL: exception
+    not rethrown`` and SIGABRT: a run whose every test passed would exit 134. The workers'
+    ``exit_process`` leaves the same way for the same reason. Threads still alive are named first,
+    so a test that leaks one is visible."""
+    status = config.stash.get(_EXIT_STATUS, None)
+    if status is None:
+        return  # pytest stopped before the session ran (usage error, --help): its own exit
+    alive = [t.name for t in threading.enumerate() if t is not threading.main_thread()]
+    if alive:
+        sys.stderr.write(f"conftest: {len(alive)} threads still alive at exit: "
+                         f"{', '.join(sorted(alive)[:20])}\n")
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status)
+

@@ -18,7 +18,9 @@ from torch import nn
 import farlink
 from farlink.comm.inprocess import InProcessGroup
 from farlink.config import RunConfig
+from farlink.optimizer import JOIN_QUORUM_TIMEOUT
 from farlink.sync import ALGORITHMS, capabilities
+from farlink.testing.faults import Faults, FaultyCollective
 
 torch.set_num_threads(1)
 ROOT = Path(__file__).resolve().parents[1]
@@ -172,8 +174,34 @@ def test_a_newcomer_heals_from_a_live_replica_through_the_api(tmp_path: Path) ->
         user_loop(sync, model, rank, 15, 20)
         return joined, sync.fingerprint(), sync.outer_step
 
-    (j0, f0, o0), (j1, f1, o1) = InProcessGroup(2).run(member)
+    recorded: list[RoundArguments] = []
+
+    def recording(rank: int, collective):  # noqa: ANN001, ANN202
+        if rank == 1:
+            collective = RoundArguments(collective)
+            recorded.append(collective)
+        return member(rank, collective)
+
+    (j0, f0, o0), (j1, f1, o1) = InProcessGroup(2).run(recording)
     assert j0 == j1 and f0 == f1 and o0 == o1 == 4
+    # the newcomer's rounds say what they are; nothing was set on its collective and restored
+    asked = recorded[0].asked
+    assert asked[0] == {"joining": True, "timeout": JOIN_QUORUM_TIMEOUT}
+    assert asked[1:] == [{"joining": False, "timeout": None}] and recorded[0].quorum_timeout == 120
+
+
+class RoundArguments(FaultyCollective):
+    """An in-process member that records what each ``begin_round`` was asked."""
+
+    _OWN = (*FaultyCollective._OWN, "asked")
+
+    def __init__(self, inner) -> None:  # noqa: ANN001
+        super().__init__(inner, Faults(), 1)
+        self.asked: list[dict] = []
+
+    def begin_round(self, final: bool = False, **round_options):  # noqa: ANN003, ANN201
+        self.asked.append(round_options)
+        return super().begin_round(final, **round_options)
 
 
 def test_sparseloco_outer_step_is_the_same_from_the_cli_and_the_api(tmp_path: Path) -> None:
@@ -206,10 +234,10 @@ def test_two_replicas_on_hivemind_through_the_api() -> None:
         with _INIT:
             torch.manual_seed(0)  # one init (as DiLoCo's θ starts); their data differ
             model = Tiny()
-        peers = ",".join(replicas[0][1].addresses) if replicas else ""
+        peers = replicas[0][1].addresses if replicas else []
         sync = farlink.Optimizer(model, torch.optim.SGD(model.parameters(), lr=0.05),
                                  algorithm="diloco", inner_steps=3, backend="hivemind",
-                                 workers=2, lighthouse=peers, index=rank, quorum_timeout=30)
+                                 workers=2, peers=peers, index=rank, quorum_timeout=30)
         replicas.append((model, sync))
     assert replicas[0][1].addresses and replicas[1][1].config.min_replicas == 2
     outcomes: list[list] = [[], []]
@@ -368,3 +396,20 @@ def test_public_names_are_the_lazy_exports() -> None:
 
     assert set(farlink.__all__) == {"__version__", *farlink._EXPORTS}
     assert all(getattr(farlink, name) is not None for name in farlink.__all__)
+
+
+def test_peers_name_hivemind_initial_peers_and_lighthouse_is_torchft_s() -> None:
+    """One word per backend: peers= is refused on torchft (with what to give instead), both at
+    once are refused, and lighthouse= on hivemind still joins but warns to say peers=."""
+    from farlink.compose import join_address
+    from farlink.config import RunConfig
+
+    torchft, hivemind = RunConfig(backend="torchft"), RunConfig(backend="hivemind")
+    with pytest.raises(ValueError, match="joins through lighthouse="):
+        join_address(torchft, None, ["/ip4/127.0.0.1/tcp/1/p2p/Qm"])
+    with pytest.raises(TypeError, match="not also lighthouse="):
+        join_address(hivemind, "/ip4/127.0.0.1/tcp/1", ["/ip4/127.0.0.1/tcp/2"])
+    assert join_address(hivemind, None, ["/a", "/b"]) == "/a,/b"
+    with pytest.warns(DeprecationWarning, match="peers="):
+        assert join_address(hivemind, "/a", None) == "/a"
+    assert join_address(torchft, "http://h:1", None) == "http://h:1"

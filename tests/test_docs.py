@@ -232,5 +232,14 @@ def test_nothing_the_old_readme_said_is_lost() -> None:
         pytest.skip(f"the old README is not in this checkout's history: {old.stderr.strip()}")
     text = "\n".join(p.read_text() for p in pages())
     lost = [line for line in old.stdout.splitlines()
-            if line.strip() and not line.startswith("## ") and line.strip() not in text]
+            if line.strip() and not line.startswith("## ") and line.strip() not in text
+            and REVISED.get(line.strip(), "\0") not in text]
     assert not lost, "\n".join(lost)
+
+
+#: lines of the old README said differently since, each with the words that say it now
+REVISED = {
+    'for an elastic run); the first passes no peers and the others '
+    '`lighthouse=",".join(first.addresses)`.':
+        "the others `peers=first.addresses` (hivemind's",
+}

@@ -318,3 +318,20 @@ def test_a_server_hands_each_payload_on_as_it_arrives_not_after_the_last() -> No
     assert handed == [(0, b"zero", False), (2, b"two", True)]
     assert 0.3 <= took < 2.0
     assert dead == [0] and expired == [0]
+
+
+def test_a_closed_collective_refuses_a_call_and_leaves_no_coroutine_behind() -> None:
+    """Work asked of a closed peer fails at once, saying so, and its coroutine is closed: one
+    handed to the stopped event loop never ran, timed out, and was later collected as "never
+    awaited" in the middle of whatever the process did next."""
+    import inspect
+
+    from farlink.comm.errors import CommError
+    from farlink.comm.hivemind_backend import HivemindCollective
+
+    coll = HivemindCollective(f"{RUN}-closed", [], min_group_size=1, **TIMEOUTS)
+    coll.close()
+    work = coll._cancel_pending()
+    with pytest.raises(CommError, match="closed"):
+        coll._call(work, timeout=2)
+    assert inspect.getcoroutinestate(work) == inspect.CORO_CLOSED

@@ -113,9 +113,9 @@ class HintRecorder(InProcessCollective):
         self.hints.append(in_seconds)
         self.hinted_final.append(final)
 
-    def begin_round(self, final: bool = False):  # noqa: ANN201
+    def begin_round(self, final: bool = False, **round_options):  # noqa: ANN003, ANN201
         self.begun_final.append(final)
-        return super().begin_round(final)
+        return super().begin_round(final, **round_options)
 
 
 def test_diloco_hints_each_round_with_the_training_time_since_the_last() -> None:

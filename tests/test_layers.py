@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import ast
 import functools
+import gc
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -92,9 +93,23 @@ def imports_of(name: str, path: Path, known: set[str]) -> list[Edge]:
                                                        ast.Lambda))
             visit(child, inside)
 
-    visit(ast.parse(path.read_text(), str(path)), False)
+    visit(parse(path), False)
     # one edge per import statement and module (``from m import a, b`` is one import of m)
     return sorted({e for e in edges if e.target != name}, key=lambda e: (e.line, e.target))
+
+
+def parse(path: Path) -> ast.Module:
+    """``path``'s syntax tree, with the garbage collector held off: a finalizer run by a
+    collection in the middle of CPython 3.11's tree conversion (an earlier test's coroutine
+    or thread state) re-enters it and fails the parse with "AST constructor recursion depth
+    mismatch" (seen once in a suite run after hivemind tests)."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        return ast.parse(path.read_text(), str(path))
+    finally:
+        if enabled:
+            gc.enable()
 
 
 def all_edges() -> list[Edge]:

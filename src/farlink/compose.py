@@ -14,7 +14,8 @@ into :func:`compose`.
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
+import warnings
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -286,12 +287,35 @@ def build_collectives(cfg: RunConfig, cls: type[SyncAlgorithm], index: int, ligh
     return collective or build_collective(cfg, replica_id, lighthouse, site=site), None
 
 
+def join_address(cfg: RunConfig, lighthouse: str | None,
+                 peers: str | Sequence[str] | None) -> str:
+    """Where a replica joins its run, one word per backend: torchft's Lighthouse
+    (``lighthouse=``) or hivemind's initial peers (``peers=``: multiaddrs, a list or a comma
+    list; none for the first peer, which starts the DHT). Defaults: the config's
+    ``lighthouse``/``initial_peers``, then ``TORCHFT_LIGHTHOUSE``."""
+    if peers is not None:
+        if cfg.backend != "hivemind":
+            raise ValueError(f"peers= are hivemind's initial peers; the {cfg.backend} backend "
+                             f"joins through lighthouse=... (a torchft Lighthouse address)")
+        if lighthouse is not None:
+            raise TypeError("give hivemind's initial peers as peers=, not also lighthouse=")
+        return peers if isinstance(peers, str) else ",".join(peers)
+    if lighthouse is not None:
+        if cfg.backend == "hivemind":
+            warnings.warn("lighthouse= on the hivemind backend names its initial peers; give "
+                          "them as peers=[...] (lighthouse= is torchft's)", DeprecationWarning,
+                          stacklevel=4)
+        return lighthouse
+    return cfg.lighthouse or cfg.initial_peers or os.environ.get("TORCHFT_LIGHTHOUSE", "")
+
+
 def compose(
     model: nn.Module,
     inner_optimizer: torch.optim.Optimizer | None = None,
     *,
     config: RunConfig | None = None,
     lighthouse: str | None = None,
+    peers: str | Sequence[str] | None = None,
     index: int = 0,
     outer_optimizer: OuterOptimizerFactory | None = None,
     lr_schedule: bool | None = None,
@@ -314,9 +338,7 @@ def compose(
     else:
         cfg = algo_options = config
     site = build_site(cfg, model, index, site)
-    if lighthouse is None:
-        lighthouse = (cfg.lighthouse or cfg.initial_peers
-                      or os.environ.get("TORCHFT_LIGHTHOUSE", ""))
+    lighthouse = join_address(cfg, lighthouse, peers)
     collective, tiers = build_collectives(cfg, cls, index, lighthouse, site, collective,
                                           global_lighthouse, global_collective)
     if cfg.emulate_link is not None:

@@ -94,12 +94,12 @@ class Optimizer(torch.optim.Optimizer):
     give its fields as keyword ``options`` (``algorithm``, ``backend``, ``inner_steps``,
     ``codec``, ``aggregator``, ``auth``, ``secret``, ``outer_lr``, ...). Without ``steps`` the
     run has no fixed length: your loop decides when it ends.
-    ``lighthouse``: torchft Lighthouse address or hivemind initial peers (default: the config's
-    ``lighthouse``/``initial_peers``, then ``TORCHFT_LIGHTHOUSE``). On hivemind the first
-    replica gives none (it starts the DHT) and the others its :attr:`addresses`; every replica
-    says how many a round waits for: ``workers=N`` (all N replicas you start) or
-    ``min_replicas=M`` (elastic). The DHT listens on ``host`` (default 127.0.0.1) and never
-    maps ports, uses relays or public bootstrap peers.
+    ``lighthouse``: the torchft Lighthouse address; ``peers``: hivemind's initial peers (the
+    multiaddrs of a replica already running: its :attr:`addresses`; none for the first replica,
+    which starts the DHT). Default: the config's ``lighthouse``/``initial_peers``, then
+    ``TORCHFT_LIGHTHOUSE``. On hivemind every replica says how many a round waits for:
+    ``workers=N`` (all N replicas you start) or ``min_replicas=M`` (elastic). The DHT listens on
+    ``host`` (default 127.0.0.1) and never maps ports, uses relays or public bootstrap peers.
     ``index``: this replica's number in the run (names it ``w{index}``).
     ``outer_optimizer``: a factory ``params -> torch.optim.Optimizer`` for the outer step.
     ``collective``: a ready :class:`~farlink.comm.base.Collective` (e.g. an
@@ -274,18 +274,10 @@ class Optimizer(torch.optim.Optimizer):
     def join(self) -> StepOutcome | None:
         """A newcomer's first act, before any inner step: a zero-weight round that heals it from
         live peers (waiting for the members' next round, however long theirs are)."""
-        usual = self.collective.quorum_timeout
-        self.collective.quorum_timeout = max(usual, JOIN_QUORUM_TIMEOUT)
-        self.collective.joining = True  # its round 0 holds nothing the group should keep
-        try:
-            outcome = self.algorithm.join()
-        finally:
-            self.collective.joining = False
+        outcome = self.algorithm.join(
+            timeout=max(self.collective.quorum_timeout, JOIN_QUORUM_TIMEOUT))
         if self.whole_replica_site:  # each rank healed its own slice
             self.site.share_parts(self.trainable)
-        if outcome is not None and outcome.committed:
-            # once in, a missing quorum means the run ended or broke: give up like a member
-            self.collective.quorum_timeout = usual
         return outcome
 
     def finish(self) -> StepOutcome | None:
@@ -334,7 +326,7 @@ class Optimizer(torch.optim.Optimizer):
     @property
     def addresses(self) -> list[str]:
         """Where other replicas join this one: on hivemind its multiaddrs (pass them to the
-        next replica as ``lighthouse=``, a comma list); empty on torchft (the Lighthouse is the
+        next replica as ``peers=``); empty on torchft (the Lighthouse is the
         address) and in-process."""
         return self.collective.maddrs
 

@@ -89,18 +89,12 @@ class Collective(ABC):
     #: (hivemind's butterfly hands out averages as deltas), exchanges use the gathered path so
     #: replicas stay bit-identical
     exact_all_reduce: bool = True
-    #: how long ``begin_round`` waits for a quorum (s); a newcomer raises it while it waits for
-    #: the members' next round, however long their rounds are
+    #: how long ``begin_round`` waits for a quorum (s) unless the call says otherwise
     quorum_timeout: float = 120.0
     #: a round's group may be smaller than the swarm (hivemind's Moshpit groups): members of
     #: different groups then hold different states at one round number, and an algorithm that
     #: runs in such groups averages its committed state within each group
     partial_groups: bool = False
-    #: set by the training side for a newcomer's first round (``Optimizer.join``): it holds no
-    #: state of the run's worth keeping, so it announces no fingerprint and its round 0 does not
-    #: count toward the group's round (:func:`farlink.robust.heal.group_round`); the founders of a
-    #: run at round 0 do count, so a member claiming a far round cannot outvote them
-    joining: bool = False
     #: whether ``all_to_all_bytes`` sends each member only its own message (the compressed
     #: all-reduce of :mod:`farlink.sync.allreduce` runs only where it does)
     native_all_to_all: bool = False
@@ -120,11 +114,20 @@ class Collective(ABC):
         time.sleep(self.emulated_link.seconds(nbytes, hops))
 
     @abstractmethod
-    def begin_round(self, final: bool = False) -> RoundInfo:
+    def begin_round(self, final: bool = False, *, joining: bool = False,
+                    timeout: float | None = None) -> RoundInfo:
         """Agree on the participants of the next round; heal this worker if it is behind.
         ``final``: the run's last round; a backend whose groups are smaller than the swarm
         (hivemind's Moshpit groups) forms it with every live peer, so the run ends on one
-        model. Backends with one group per round ignore it."""
+        model. Backends with one group per round ignore it.
+        ``joining``: a newcomer's first round (``Optimizer.join``): it holds no state of the
+        run's worth keeping, so it announces no fingerprint and its round 0 does not count
+        toward the group's round (:func:`farlink.robust.heal.group_round`); the founders of a
+        run at round 0 do count, so a member claiming a far round cannot outvote them.
+        ``timeout``: this round's wait for a quorum (default :attr:`quorum_timeout`); a
+        newcomer waits for the members' next round, however long their rounds are.
+        Both are arguments of the round, not state set on the collective, so a wrapper passes
+        them on and nothing has to be restored after the round."""
 
     def expect_round(self, in_seconds: float, final: bool = False) -> None:
         """A hint from the training side: the next ``begin_round`` (the run's last if

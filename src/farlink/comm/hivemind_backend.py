@@ -342,6 +342,7 @@ class HivemindCollective(Collective):
         self.target_group_size, self.min_group_size = target_group_size, min_group_size
         self.matchmaking_time, self.request_timeout = matchmaking_time, request_timeout
         self.round_timeout, self.allreduce_timeout = round_timeout, allreduce_timeout
+        self._round_wait, self._joining = round_timeout, False  # the current round's
         self.gather_timeout, self.commit_timeout = gather_timeout, commit_timeout
         self.state_timeout = state_timeout
         if skip_after is not None and skip_after <= 0:
@@ -399,6 +400,7 @@ class HivemindCollective(Collective):
         self.dht = start_dht(list(initial_peers), startup_timeout=startup_timeout, tied=tied,
                              **opts)
         self._loop = asyncio.new_event_loop()
+        self._loop_stopped = False  # close() stops it; nothing is run on it after
         self._thread = threading.Thread(
             target=self._loop.run_forever, daemon=True, name="hivemind-comm"
         )
@@ -411,6 +413,9 @@ class HivemindCollective(Collective):
 
     # --- event loop plumbing -------------------------------------------------------------------
     def _call(self, coro, timeout: float) -> Any:
+        if self._loop_stopped:  # closed: the coroutine would never run, nor be awaited
+            coro.close()
+            raise CommError("this hivemind collective is closed (its event loop has stopped)")
         future = asyncio.run_coroutine_threadsafe(coro, self._loop)
         try:
             return future.result(timeout)
@@ -482,9 +487,10 @@ class HivemindCollective(Collective):
     def partial_groups(self) -> bool:  # type: ignore[override]
         return self.final_group_size is not None  # Moshpit groups (--group-size)
 
-    def begin_round(self, final: bool = False) -> RoundInfo:
+    def begin_round(self, final: bool = False, *, joining: bool = False,
+                    timeout: float | None = None) -> RoundInfo:
         start = time.perf_counter()
-        group = self.find_group(final)
+        group = self.find_group(final, joining=joining, timeout=timeout)
         info = self.enter_group(self.alone()) if group is None else self.enter_group(group)
         self.stats.add_phase("matchmaking", time.perf_counter() - start)
         return info
@@ -506,16 +512,20 @@ class HivemindCollective(Collective):
                       committed=[self.round_id], me=0, round_id=self.round_id, ok=False,
                       skipped=True)
 
-    def find_group(self, final: bool = False) -> _Group:
+    def find_group(self, final: bool = False, *, joining: bool = False,
+                   timeout: float | None = None) -> _Group:
         """This round's group from matchmaking (the one an early search found, or a new
-        search): who is in it and what each announced. Nothing is exchanged with it yet."""
+        search): who is in it and what each announced. Nothing is exchanged with it yet.
+        ``joining``/``timeout``: as :meth:`Collective.begin_round` says."""
         if self._closed:
             raise CommError("begin_round on a closed collective")
+        self._joining = joining
+        self._round_wait = self.round_timeout if timeout is None else timeout
         now = get_dht_time()
         if self._search is None:
-            self._deadline = now + self.round_timeout
+            self._deadline = now + self._round_wait
         else:  # an early search gets the full wait from now, as a search started now would
-            self._deadline = max(self._deadline, now + self.round_timeout)
+            self._deadline = max(self._deadline, now + self._round_wait)
         self._round_asked = now  # an early search still waiting for its start begins now
         self._loop.call_soon_threadsafe(self._round_wanted.set)
         search, self._search = self._search, None
@@ -597,14 +607,14 @@ class HivemindCollective(Collective):
             if remaining <= self.matchmaking_time and not final:
                 raise RoundTimeout(
                     f"no group of at least {self.min_group_size} peers formed for run "
-                    f"{self.run_id!r} within {self.round_timeout:.0f} s (round {self.round_id}). "
+                    f"{self.run_id!r} within {self._round_wait:.0f} s (round {self.round_id}). "
                     "Fix: start more peers with the same run id and initial peers, check that they "
                     "can reach each other, or lower min_group_size / raise round_timeout."
                 )
             if final and remaining <= self.matchmaking_time:
                 raise RoundTimeout(
                     f"the last round of run {self.run_id!r} found no group of at least "
-                    f"{self.min_group_size} peers within {self.round_timeout:.0f} s (round "
+                    f"{self.min_group_size} peers within {self._round_wait:.0f} s (round "
                     f"{self.round_id}). Fix: check that the other peers still run and can reach "
                     "this one, or raise the quorum timeout.")
             self._matchmaking_for(final)
@@ -619,7 +629,7 @@ class HivemindCollective(Collective):
                 weight=1.0,
                 data_for_gather=msgpack.packb(
                     [self.round_id, int(self.client_mode), self.bandwidth, self.site_endpoints,
-                     self._fingerprint[1] if self._fingerprint and not self.joining
+                     self._fingerprint[1] if self._fingerprint and not self._joining
                      and self._fingerprint[0] == self.round_id else None]),
             )
             step.attach(MPFuture(), MPFuture())  # hivemind's averager does this; no trigger here
@@ -1458,10 +1468,6 @@ class HivemindCollective(Collective):
         """The wait for a group (hivemind's matchmaking round timeout)."""
         return self.round_timeout
 
-    @quorum_timeout.setter
-    def quorum_timeout(self, seconds: float) -> None:
-        self.round_timeout = seconds
-
     def load_committed_step(self, step: int) -> None:
         self.round_id = step
         self._last_commit_at = time.monotonic() if step > 0 else None
@@ -1485,6 +1491,7 @@ class HivemindCollective(Collective):
             self._call(self._cancel_pending(), timeout=10)
         except Exception as exc:  # noqa: BLE001 - best effort on the way out
             log.debug("cancelling what was still running: %r", exc)
+        self._loop_stopped = True
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(timeout=10)
         self.dht.shutdown()

@@ -85,17 +85,6 @@ class HivemindSiteCollective(Collective):
     def quorum_timeout(self) -> float:  # type: ignore[override]
         return self.peer.quorum_timeout
 
-    @quorum_timeout.setter
-    def quorum_timeout(self, seconds: float) -> None:
-        self.peer.quorum_timeout = seconds
-
-    @property
-    def joining(self) -> bool:  # type: ignore[override]
-        return self.peer.joining
-
-    @joining.setter
-    def joining(self, joining: bool) -> None:
-        self.peer.joining = joining
 
     @property
     def partial_groups(self) -> bool:  # type: ignore[override]
@@ -122,13 +111,15 @@ class HivemindSiteCollective(Collective):
         if self.site.rank == 0:  # only rank 0 matchmakes (the last round with every live site)
             self.peer.expect_round(in_seconds, final)
 
-    def begin_round(self, final: bool = False) -> RoundInfo:
+    def begin_round(self, final: bool = False, *, joining: bool = False,
+                    timeout: float | None = None) -> RoundInfo:
         start = time.perf_counter()
         found: list[Any] = [None]
         failure = None
+        self.peer._joining = joining  # every rank announces (or not) its fingerprint
         if self.site.rank == 0:
             try:
-                found[0] = self.peer.find_group(final)
+                found[0] = self.peer.find_group(final, joining=joining, timeout=timeout)
             except Exception as exc:  # noqa: BLE001 - every rank of the site raises it
                 failure, found[0] = exc, (isinstance(exc, RoundTimeout), str(exc))
         self._broadcast(found)

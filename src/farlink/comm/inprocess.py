@@ -85,7 +85,9 @@ class InProcessCollective(Collective):
         self._get_state = self._set_state = None
         self.failure: Exception | None = None  # why this member failed the current round
 
-    def begin_round(self, final: bool = False) -> RoundInfo:  # one group: final changes nothing
+    def begin_round(self, final: bool = False, *, joining: bool = False,
+                    timeout: float | None = None) -> RoundInfo:
+        # one group that every member meets (final is moot), without timeouts or fingerprints
         steps = self.group.exchange(self.rank, self.committed_rounds)
         healed = False
         leader = max(range(self.group.size), key=lambda r: steps[r])
@@ -211,7 +213,8 @@ class DrivenMember(Collective):
         self._get_state = self._set_state = None
         self._seat: InProcessCollective | None = None
 
-    def begin_round(self, final: bool = False) -> RoundInfo:
+    def begin_round(self, final: bool = False, *, joining: bool = False,
+                    timeout: float | None = None) -> RoundInfo:
         seat = self._seat = self.group.seat(self.id)
         seat.stats = self.stats  # the bytes this member sends, whichever round it sat in
         seat.committed_rounds = self.committed_rounds

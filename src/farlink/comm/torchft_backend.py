@@ -194,6 +194,7 @@ class TorchftCollective(Collective):
         else:
             transport = listeners.HostHTTPTransport(host, timedelta(seconds=round_timeout))
         self.quorum_timeout = quorum_timeout
+        self._quorum_wait, self._joining = quorum_timeout, False  # the current round's
         self.min_replicas = min_replicas
         self.attempt_timeout = quorum_attempt_timeout(join_timeout)
         self.round_timeout = round_timeout
@@ -256,7 +257,10 @@ class TorchftCollective(Collective):
         self._stash = state
 
     # --- rounds --------------------------------------------------------------------------------
-    def begin_round(self, final: bool = False) -> RoundInfo:  # one quorum: final changes nothing
+    def begin_round(self, final: bool = False, *, joining: bool = False,
+                    timeout: float | None = None) -> RoundInfo:  # one quorum: final is moot
+        self._joining = joining
+        self._quorum_wait = self.quorum_timeout if timeout is None else timeout
         self._adapt_timeout()
         self._healed = False
         self._round_bytes = 0
@@ -284,7 +288,7 @@ class TorchftCollective(Collective):
         fetched = None
         if stash is not None and _is_tensor_state(stash):
             fetched = [target, state_fingerprint(stash)]
-        mine = [step, self._fingerprint[1] if self._fingerprint and not self.joining else None,
+        mine = [step, self._fingerprint[1] if self._fingerprint and not self._joining else None,
                 self.replica_id,
                 self._transport.metadata(), fetched]
         gathered = self._gather_quiet(msgpack.packb(mine))
@@ -464,7 +468,7 @@ class TorchftCollective(Collective):
                 if self._tunnel is not None and isinstance(self._tunnel.failure, GateRefused):
                     raise QuorumUnavailable(str(self._tunnel.failure)) from exc
                 now = time.monotonic()
-                deadline = now + self.quorum_timeout if deadline is None else deadline
+                deadline = now + self._quorum_wait if deadline is None else deadline
                 if now >= deadline:
                     # an attempt started while it was down can hang past the deadline; a
                     # Lighthouse that is back by then gets one whole attempt of its own
@@ -481,7 +485,7 @@ class TorchftCollective(Collective):
 
     def _no_quorum_message(self, exc: Exception) -> str:
         """Why the wait ended, told from whether the Lighthouse answers now."""
-        waited = f"no quorum within {self.quorum_timeout:.0f}s of the first failed attempt ({exc})"
+        waited = f"no quorum within {self._quorum_wait:.0f}s of the first failed attempt ({exc})"
         if lighthouse_reachable(self.lighthouse_addr):
             return (f"{waited}. The Lighthouse at {self.lighthouse_addr} is up, but fewer than "
                     f"min_replicas={self.min_replicas} peers asked for this round in time. Fix: "

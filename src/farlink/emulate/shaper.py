@@ -103,23 +103,13 @@ class ShapedCollective(Collective):
     def quorum_timeout(self) -> float:
         return self.inner.quorum_timeout
 
-    @quorum_timeout.setter
-    def quorum_timeout(self, seconds: float) -> None:
-        self.inner.quorum_timeout = seconds
-
-    @property
-    def joining(self) -> bool:  # type: ignore[override]
-        return self.inner.joining
-
-    @joining.setter
-    def joining(self, joining: bool) -> None:
-        self.inner.joining = joining
 
     def load_committed_step(self, step: int) -> None:
         self.inner.load_committed_step(step)
 
-    def begin_round(self, final: bool = False) -> RoundInfo:
-        info = self.inner.begin_round(final)
+    def begin_round(self, final: bool = False, *, joining: bool = False,
+                    timeout: float | None = None) -> RoundInfo:
+        info = self.inner.begin_round(final, joining=joining, timeout=timeout)
         self._world = info.world_size
         return info
 

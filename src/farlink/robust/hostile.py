@@ -200,9 +200,9 @@ def hostile_collective(base: type) -> type:
             self._inflate()
             super().expect_round(in_seconds, final)
 
-        def begin_round(self, final: bool = False):  # noqa: ANN201
+        def begin_round(self, final: bool = False, **round_options):  # noqa: ANN003, ANN201
             self._inflate()
-            info = super().begin_round(final)
+            info = super().begin_round(final, **round_options)
             self._round_id = info.round_id
             if self.hostile.name == "slot_forging" and not info.skipped:
                 self._forge_early()

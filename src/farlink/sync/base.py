@@ -276,6 +276,10 @@ class SyncAlgorithm(ABC):
         #: (a time-budgeted run) counts them too, or a left-out replica would run rounds past
         #: the run's end with nobody left to group with
         self.rounds_skipped_since_commit = 0
+        #: a newcomer's wait for a quorum until its first committed round (:meth:`join`), and
+        #: whether the round being run is its zero-weight joining round
+        self._newcomer_wait: float | None = None
+        self._joining_round = False
         self.last_exchange: ExchangeResult | None = None
         #: the group state mixing layer (Moshpit): used by algorithms with partial_groups
         self.mixing = GroupMixing(collective, self.agree)
@@ -360,10 +364,22 @@ class SyncAlgorithm(ABC):
         :meth:`last_round_due`), for a collective that looks for its group ahead of time."""
         return self.schedule.next_round_is_last(self.inner_steps_done, self.rounds_counted())
 
-    def join(self) -> StepOutcome | None:
+    def join(self, timeout: float | None = None) -> StepOutcome | None:
         """A newcomer's first round, before any inner step: heal from live peers now rather
-        than after H wasted steps. Algorithms without a cheap zero-weight round return None
-        (their newcomers heal in their first regular round)."""
+        than after H wasted steps. ``timeout``: how long each of its rounds waits for a quorum
+        until one commits (the members' rounds may be long; once in, a missing quorum means
+        the run ended or broke, and the usual wait applies). Returns the joining round's
+        outcome, or None for algorithms without a cheap zero-weight round (their newcomers
+        heal in their first regular round)."""
+        self._newcomer_wait = timeout
+        self._joining_round = True
+        try:
+            return self.joining_round()
+        finally:
+            self._joining_round = False
+
+    def joining_round(self) -> StepOutcome | None:
+        """The algorithm's zero-weight round for :meth:`join`; none by default."""
         return None
 
     def finish(self) -> StepOutcome | None:
@@ -532,7 +548,8 @@ class SyncAlgorithm(ABC):
         final = self.last_round_due()
         for attempt in range(self.cfg.round_retries + 1):
             asked = time.perf_counter()
-            info = self.collective.begin_round(final=final)
+            info = self.collective.begin_round(final=final, joining=self._joining_round,
+                                               timeout=self._newcomer_wait)
             self.quorum_seconds += time.perf_counter() - asked
             self.last_round = info
             if info.skipped:  # no group for this worker this round: nothing to average
@@ -555,6 +572,7 @@ class SyncAlgorithm(ABC):
                 apply(result, info)
                 self.outer_step = info.round_id + 1
                 self.rounds_skipped_since_commit = 0
+                self._newcomer_wait = None  # in: the usual wait from now on
                 committed = True
                 break
             log.warning("round %d not committed (attempt %d)", info.round_id, attempt + 1)

@@ -166,7 +166,7 @@ class DiLoCo(SyncAlgorithm):
         self.round_ended()
         return outcome
 
-    def join(self) -> StepOutcome:
+    def joining_round(self) -> StepOutcome:
         self.tokens_since_sync = 0  # a zero-weight pseudo-gradient: it only receives
         outcome = self.sync_now()
         self.round_ended()

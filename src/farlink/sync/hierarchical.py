@@ -222,7 +222,7 @@ class HierarchicalDiLoCo(DiLoCo):
     def at_boundary(self, outcome: StepOutcome) -> bool:
         return outcome.synced
 
-    def join(self) -> StepOutcome | None:
+    def joining_round(self) -> StepOutcome | None:
         """A newcomer heals in its first island round (from its island's members)."""
         return None
 
@@ -237,7 +237,7 @@ class HierarchicalDiLoCo(DiLoCo):
         sync_outcome: GlobalOutcome | None = None  # the leader's synchronous round, run once
         staged, committed = None, False
         for attempt in range(self.cfg.round_retries + 1):
-            info = self.collective.begin_round()
+            info = self.collective.begin_round(timeout=self._newcomer_wait)
             self.last_round = info
             is_global = self._global_due()
             synchronous = is_global and (not self.overlap or self._last_global())
@@ -259,6 +259,7 @@ class HierarchicalDiLoCo(DiLoCo):
             if ok:
                 self._apply(staged)
                 committed = True
+                self._newcomer_wait = None  # in: the usual wait from now on
                 break
             self.collective.stats.failed_rounds += 1
             if synchronous:  # the leader may have moved θ_g: members must hear about it

@@ -153,7 +153,7 @@ class StreamingDiLoCo(DiLoCo):
     def at_boundary(self, outcome: StepOutcome) -> bool:
         return self.schedule.at_boundary(self.inner_steps_done, self.period_ended)
 
-    def join(self) -> None:
+    def joining_round(self) -> None:
         return None  # fragment rounds are scheduled by step: heal in the first one
 
     def finish(self) -> StepOutcome | None:

@@ -111,7 +111,7 @@ class Faults:
 
 
 _FLAGS = frozenset(("exact_all_reduce", "quorum_timeout", "final_round", "partial_groups",
-                    "joining", "stats", "emulated_link", "maddrs", "emulate_transfer"))
+                    "stats", "emulated_link", "maddrs", "emulate_transfer"))
 
 
 class FaultyCollective(Collective):
@@ -125,7 +125,7 @@ class FaultyCollective(Collective):
     _OWN = ("inner", "faults", "replica", "round")
 
     def __getattribute__(self, name: str):  # noqa: ANN204
-        # the backend's flags (final_round, joining, exact_all_reduce, ...), stats and
+        # the backend's flags (final_round, exact_all_reduce, ...), stats and
         # addresses are the inner collective's, class attributes of Collective included
         if name in _FLAGS:
             return getattr(object.__getattribute__(self, "inner"), name)
@@ -137,18 +137,18 @@ class FaultyCollective(Collective):
     def __setattr__(self, name: str, value: object) -> None:
         if name in self._OWN:
             object.__setattr__(self, name, value)
-        else:  # the training side sets backend flags (final_round, joining, ...) on the inner one
+        else:  # the training side sets backend flags (final_round, ...) on the inner one
             setattr(self.inner, name, value)
 
-    def begin_round(self) -> RoundInfo:
+    def begin_round(self, final: bool = False, **round_options) -> RoundInfo:  # noqa: ANN003
         self.round += 1
         self.faults.wait("begin_round", self.round)
         if self.faults.crashes(self.replica, self.round):
             raise InjectedFailure(f"replica {self.replica} crashed at round {self.round}")
-        return self.inner.begin_round()
+        return self.inner.begin_round(final, **round_options)
 
-    def expect_round(self, in_seconds: float) -> None:
-        self.inner.expect_round(in_seconds)
+    def expect_round(self, in_seconds: float, final: bool = False) -> None:
+        self.inner.expect_round(in_seconds, final)
 
     def _exchange_fault(self) -> None:
         if self.faults.exchange_fails(self.replica, self.round):

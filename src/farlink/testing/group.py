@@ -109,10 +109,10 @@ class HealingMember(InProcessCollective):
         self.id = member
         self.exchanges = 0  # exchanges of the current round so far
 
-    def begin_round(self) -> RoundInfo:
+    def begin_round(self, final: bool = False, **round_options) -> RoundInfo:  # noqa: ANN003
         self.group.gate(self.id)
         self.failure = None
-        return super().begin_round()
+        return super().begin_round(final, **round_options)
 
     def all_reduce_sum(self, tensors: list) -> None:
         if self.failure is None:

@@ -108,8 +108,10 @@ class Worker:
                                  "workers are started by the launcher (farlink train), which "
                                  "forms the islands")
         # no inner optimizer given: the algorithm's own (AdamW), on farlink's lr schedule
-        self.sync = Optimizer(self.model, None, config=cfg, lighthouse=lighthouse, index=index,
-                              lr_schedule=True, collective=collective, site=self.site)
+        join = ({"peers": lighthouse} if cfg.backend == "hivemind" and lighthouse is not None
+                else {"lighthouse": lighthouse})  # the launcher's one address, named per backend
+        self.sync = Optimizer(self.model, None, config=cfg, index=index, lr_schedule=True,
+                              collective=collective, site=self.site, **join)
         self.replica_id = self.sync.replica_id
         if cfg.score == "loss":  # every peer's update judged by the loss drop it gives
             from farlink.compose import build_scorer
