@@ -115,6 +115,8 @@ def test_frontier_toy_run_has_every_method_exact_bytes_and_the_sweep(
     assert authors["lrs_from_sweep"] == sweep["sparseloco-authors"]["best"]
     assert muon["config"]["inner"] == "muon" and muon["lrs_from_sweep"] == sweep["diloco"]["best"]
     assert by_label["sparseloco-muon-k64"]["config"]["inner"] == "muon"
+    assert by_label["diloco-eager"]["config"]["outer_overlap"] == "eager"
+    assert by_label["diloco-delayed"]["lrs_from_sweep"] == sweep["diloco"]["best"]
     points = sweep["ddp"]["points"]
     # two points: the better is on an edge, so one more step outwards was tried (one round)
     first_best = min(points[:2], key=lambda p: p["final_heldout_loss"])["lr"]
@@ -192,3 +194,51 @@ def test_a_report_records_the_load_its_timings_were_taken_under(tmp_path: Path) 
     load = doc["machine"]["load_average_1_5_15_min"]
     assert len(load) == 3 and all(isinstance(v, float) and v >= 0 for v in load)
     assert doc["machine"]["cpus"] >= 1
+
+
+def test_seeds_and_time_to_loss_on_a_toy_run(tmp_path: Path, cache_dir: Path) -> None:
+    """Two seeds per final run: the row's loss is their mean, with each seed's loss, their
+    range and the mean curve; a seed's run differs from seed 0's (other init and data order).
+    Time-to-loss per profile: the measured compute per step and curve, the planner's link."""
+    from farlink.bench.time_to_loss import steps_to_loss
+
+    base = {"model": "nano", "workers": WORKERS, "steps": STEPS, "batch_size": BATCH,
+            "seq_len": SEQ, "warmup_steps": 1, "eval_batches": 2, "vocab_size": 300,
+            "cache_dir": cache_dir}
+    fams = [Family(f.name, f.base, f.grid[:1]) for f in toy_families()
+            if f.name in ("ddp", "diloco")]
+    run(tmp_path, base, SWEEP_STEPS, H, family_list=fams,
+        only=["ddp", "diloco-fp32", "diloco-eager"], seeds=2,
+        profiles=("datacenter", "home"), max_extensions=0)
+    doc = json.loads((tmp_path / "frontier.json").read_text())
+    assert (tmp_path / "frontier-time-to-loss.png").stat().st_size > 0
+    for r in doc["rows"]:
+        losses = r["heldout_loss_seeds"]
+        assert len(losses) == 2 and r["seeds"] == [0, 1]
+        assert r["final_heldout_loss"] == pytest.approx(sum(losses) / 2)
+        assert r["heldout_loss_range"] == [min(losses), max(losses)]
+        assert len(set(losses)) == 2  # the seeds are different runs
+        last = r["evals"][-1]
+        assert last["loss"] == pytest.approx(sum(last["loss_seeds"]) / 2)
+        if "outer_overlap" not in r["config"]:  # (a delayed step's last round lands after it)
+            assert last["loss_seeds"] == losses
+        assert r["compute_s_per_step"] > 0 and r["compute_s_per_step_runs"] == 2
+    seed1 = json.loads((tmp_path / "frontier" / "final" / "ddp-seed1.json").read_text())
+    assert seed1["config"]["seed"] == 1
+    ttl = doc["time_to_loss"]
+    assert ttl["targets"]["ddp_final"] == doc["rows"][0]["final_heldout_loss"]
+    home = {e["label"]: e for e in ttl["profiles"]["home"]["rows"]}
+    dc = {e["label"]: e for e in ttl["profiles"]["datacenter"]["rows"]}
+    for rows in (home, dc):
+        ddp = rows["ddp"]  # DDP reaches its own final loss at its last evaluation at the latest
+        assert ddp["time_to_target_s"]["ddp_final"] <= STEPS * ddp["seconds_per_step"] + 1e-9
+        assert ddp["seconds_per_step"] >= ddp["compute_s_per_step"] == ttl["compute_s_per_step"]
+    # a slower link costs DDP (a round every step) more per step than DiLoCo (one every H)
+    assert (home["ddp"]["seconds_per_step"] - dc["ddp"]["seconds_per_step"]
+            > home["diloco-fp32"]["seconds_per_step"] - dc["diloco-fp32"]["seconds_per_step"])
+    # the delayed step hides the exchange behind the next round's compute
+    assert (home["diloco-eager"]["exposed_comm_seconds_planned"]
+            < home["diloco-fp32"]["exposed_comm_seconds_planned"])
+    curve = [{"step": 2, "loss": 5.0}, {"step": 4, "loss": 4.0}]
+    assert steps_to_loss(curve, 4.5) == 3.0 and steps_to_loss(curve, 5.5) == 2.0
+    assert steps_to_loss(curve, 3.9) is None

@@ -93,7 +93,8 @@ SETTINGS: list[dict[str, Any]] = [
     {"model": "hf:model-dir"}, {"tokenizer": "tokenizer.json"}, {"corpus": "text.txt"},
     {"grad_accum": 2}, {"precision": "bf16"}, {"device": "cuda"}, {"device": "cuda:0"},
     {"device": "cpu"}, {"slowdown": "1,2"}, {"pace_seconds": 0.5}, {"threads": 2},
-    {"resume": True}, {"overwrite": True}, {"inner": "muon"}, {"stop_at_step": 10}, {"host": "10.0.0.1"},
+    {"resume": True}, {"overwrite": True}, {"inner": "muon"}, {"outer_overlap": "delayed"},
+    {"outer_overlap": "eager"}, {"stop_at_step": 10}, {"host": "10.0.0.1"},
 ]
 # Fields whose values have no pair rule: each checked on its own (a bound, a parse) or read by
 # one component only. A new field goes above (it may refuse a pair) or here, deliberately.

@@ -154,7 +154,7 @@ def _other_value(config: type, name: str) -> Any:
 def _unread_rules() -> list[Unread]:
     """An Unread rule for every option some algorithm does not read, except the ones a
     capability rule words better (round_seconds: a time budget; the islands options)."""
-    worded = {"round_seconds", "islands", "island_seconds", "overlap_global"}
+    worded = {"round_seconds", "islands", "island_seconds", "overlap_global", "outer_overlap"}
     names = dict.fromkeys(f for options in reversed(algorithm_options())
                           for f in options.model_fields)
     return [Unread(f) for f in names
@@ -198,6 +198,7 @@ def _backend(name: str) -> Feature:
 
 
 ROUND_SECONDS = _flag("round_seconds", 5.0)
+OUTER_OVERLAP = _flag("outer_overlap", "delayed")
 GROUP_SIZE = _flag("group_size", 2)
 ISLAND_OPTIONS = Feature("islands/island_seconds/overlap_global",
                          lambda c: bool(c.islands) or c.island_seconds is not None
@@ -295,6 +296,21 @@ RULES: list[Pair | Needs | Unread] = [
     Needs(ROUND_SECONDS, lambda caps: caps.time_budget,
           lambda c: f"round_seconds (time-budgeted rounds) applies to "
           f"{able(lambda caps: caps.time_budget)}, not {c.algorithm}"),
+    Needs(OUTER_OVERLAP, lambda caps: caps.delayed_outer,
+          lambda c: f"outer_overlap (the outer step one round late, its exchange overlapping "
+          f"the next round's compute) applies to {able(lambda caps: caps.delayed_outer)}, not "
+          f"{c.algorithm}"),
+    Pair(Feature("outer_overlap=eager", lambda c: c.outer_overlap == "eager",
+                 {"outer_overlap": "eager"}),
+         Feature("a fragmented algorithm", lambda c: _caps(c.algorithm).fragments,
+                 {"algorithm": "streaming_diloco"}),
+         lambda c: f"{c.algorithm} keeps a fragment's local progress by mixing it into the "
+         "delayed global fragment (mix_alpha), where eager would step with it: use "
+         "outer_overlap=delayed (each fragment's update one period late)"),
+    Pair(OUTER_OVERLAP, ROUND_SECONDS,
+         lambda c: "outer_overlap does not run with round_seconds (time-budgeted rounds) yet: "
+         "a time budget counts committed rounds, which land one round late with it; give "
+         "inner_steps instead"),
     Needs(GROUP_SIZE, lambda caps: caps.partial_groups,
           lambda c: f"group_size (Moshpit groups smaller than the swarm) runs "
           f"{able(lambda caps: caps.partial_groups)}: {c.algorithm}'s groups would commit the "
@@ -377,6 +393,9 @@ RULES: list[Pair | Needs | Unread] = [
     _pipeline_refuses("hf_model", Feature("model=hf:DIR", lambda c: c.hf_model_dir is not None,
                                           {"model": "hf:model-dir"}),
                       "stages cut farlink's GPT presets"),
+    _pipeline_refuses("outer_overlap", OUTER_OVERLAP, "a stage's peers average in rounds "
+                      "the pipeline trainer runs and waits for between its steps; use "
+                      "outer_overlap=none"),
     _pipeline_refuses("precision", _flag("precision", "bf16"), "stage peers compute in fp32"),
     _pipeline_refuses("device", Feature("device=cuda", lambda c: c.device.startswith("cuda"),
                                         {"device": "cuda"}), "stage peers compute on the CPU"),

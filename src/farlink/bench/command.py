@@ -167,6 +167,10 @@ def register(app: typer.Typer, bench_app: typer.Typer) -> None:
         ablations: bool = typer.Option(
             False, help="then DiLoCo at H/2 and 2H, plain averaging and one worker alone, to "
                         "explain DiLoCo's gap to DDP"),
+        seeds: int = typer.Option(1, min=1, help="seeds of every final run (mean and range)"),
+        profile: list[str] | None = typer.Option(
+            None, help="link profiles to price time-to-loss on (datacenter, cross-region, "
+                       "intercontinental, home): measured curves and compute, planned links"),
     ) -> None:
         """Loss vs bytes per token for every method, each at lrs picked by a small sweep."""
         from farlink.bench.frontier import ablations as ablation_runs
@@ -175,7 +179,7 @@ def register(app: typer.Typer, bench_app: typer.Typer) -> None:
         base = {"model": model, "workers": workers, "steps": steps, "batch_size": batch_size,
                 "seq_len": seq_len, "warmup_steps": warmup_steps, "eval_batches": eval_batches}
         result = run(out, base, sweep_steps, inner_steps, method_list=methods(sparseloco_topk),
-                     only=only, reuse=reuse,
+                     only=only, reuse=reuse, seeds=seeds, profiles=tuple(profile or ()),
                      ablation_list=ablation_runs(inner_steps) if ablations else None)
         print_rows(result["rows"], ["label", "lrs_from_sweep", "final_heldout_loss",
                                     "loss_vs_ddp", "bytes_per_token",
@@ -186,6 +190,10 @@ def register(app: typer.Typer, bench_app: typer.Typer) -> None:
                        "ablations (not on the frontier)")
         for name, target in result["targets"].items():
             print(f"{name}: {'met' if target['met'] else 'NOT met'} ({target['goal']})")
+        if "time_to_loss" in result:
+            from farlink.bench.time_to_loss import summary
+
+            print("\n".join(summary(result["time_to_loss"])))
 
     @bench_app.command("gpu")
     def gpu(

@@ -145,6 +145,11 @@ def methods(sparse_topks: Sequence[int] = (64, 32)) -> list[Method]:
     out += [Method("diloco-muon", "diloco", {"inner": "muon"}),
             Method(f"sparseloco-muon-k{sparse_topks[0]}", "sparseloco",
                    {"sparseloco_topk": sparse_topks[0], "inner": "muon"})]
+    # the outer step off the critical path (farlink.sync.delayed): its loss cost, at the lrs
+    # swept for the blocking step
+    out += [Method("diloco-delayed", "diloco", {"outer_overlap": "delayed"}),
+            Method("diloco-eager", "diloco", {"outer_overlap": "eager"}),
+            Method("diloco-muon-eager", "diloco", {"inner": "muon", "outer_overlap": "eager"})]
     out.append(Method("demo", "demo"))
     return out
 
@@ -266,6 +271,11 @@ def plot_frontier(path: Path, rows: list[dict]) -> Path:
     for r in rows:
         ax.scatter(r["bytes_per_token"], r["final_heldout_loss"], s=40,
                    marker="*" if r["pareto"] else "o", zorder=3, label=r["label"])
+        if "heldout_loss_range" in r:  # the seeds' range around their mean
+            low, high = r["heldout_loss_range"]
+            mean = r["final_heldout_loss"]
+            ax.errorbar(r["bytes_per_token"], mean, yerr=[[mean - low], [high - mean]],
+                        fmt="none", ecolor="grey", capsize=3, linewidth=0.8, zorder=2)
         ax.annotate(r["label"], (r["bytes_per_token"], r["final_heldout_loss"]), fontsize=7,
                     xytext=(4, 4), textcoords="offset points")
     front = sorted((r["bytes_per_token"], r["final_heldout_loss"]) for r in rows if r["pareto"])
@@ -280,23 +290,62 @@ def plot_frontier(path: Path, rows: list[dict]) -> Path:
     ax.set_xscale("log")
     ax.set_xlabel("bytes sent per worker per token")
     ax.set_ylabel("held-out loss")
-    ax.set_title("held-out loss vs bytes per token (each method at its swept lrs)")
+    seeds = max((len(r.get("seeds", [0])) for r in rows), default=1)
+    ax.set_title("held-out loss vs bytes per token (each method at its swept lrs)"
+                 + (f"; mean of {seeds} seeds, bars: their range" if seeds > 1 else ""))
     ax.grid(alpha=0.3, which="both")
     ax.legend(fontsize=7)
     return save_figure(fig, path)
+
+
+def seeded_runs(store: RunStore, phase: str, label: str, values: dict[str, Any], seeds: int,
+                eval_points: int) -> dict:
+    """``label`` trained with seeds 0..seeds-1 (init and data order; seed 0 is the run without
+    a ``seed`` key, so a table of one seed reads back as before), as one row: the seeds' mean
+    held-out loss as ``final_heldout_loss``, each seed's loss, their sample standard deviation
+    and range, the mean loss curve, and the mean bytes per token."""
+    runs = [store.run(phase, label if s == 0 else f"{label}-seed{s}",
+                      values if s == 0 else {**values, "seed": s}, eval_points)
+            for s in range(seeds)]
+    if seeds == 1:
+        return runs[0]
+    losses = [r["final_heldout_loss"] for r in runs]
+    mean = sum(losses) / len(losses)
+    std = (sum((x - mean) ** 2 for x in losses) / (len(losses) - 1)) ** 0.5
+    curve = [{**point, "loss": sum(r["evals"][i]["loss"] for r in runs) / len(runs),
+              "loss_seeds": [r["evals"][i]["loss"] for r in runs]}
+             for i, point in enumerate(runs[0]["evals"])]
+    compute = [r["compute_s_per_step"] for r in runs if "compute_s_per_step" in r]
+    row = {**runs[0], "final_heldout_loss": mean, "seeds": list(range(seeds)),
+           "heldout_loss_seeds": losses, "heldout_loss_std": std,
+           "heldout_loss_range": [min(losses), max(losses)], "evals": curve,
+           "bytes_per_token": sum(r["bytes_per_token"] for r in runs) / len(runs),
+           "bytes_per_token_seeds": [r["bytes_per_token"] for r in runs],
+           "wall_s": sum(r["wall_s"] for r in runs)}
+    if compute:  # measured in the runs that record it (rows read back from older tables lack it)
+        row["compute_s_per_step"] = sum(compute) / len(compute)
+        row["compute_s_per_step_runs"] = len(compute)
+    return row
 
 
 def run(out: Path, base: dict[str, Any], sweep_steps: int, inner_steps: int,
         family_list: list[Family] | None = None, method_list: list[Method] | None = None,
         only: list[str] | None = None, reuse: bool = False, plot: bool = True,
         train: Trainer = _train, ablation_list: list[Method] | None = None,
-        max_extensions: int = MAX_EXTENSIONS) -> dict:
+        max_extensions: int = MAX_EXTENSIONS, seeds: int = 1,
+        profiles: Sequence[str] = ()) -> dict:
     """Sweep each family at ``sweep_steps``, then run its methods for ``base['steps']`` at the
     best lrs; writes ``out/frontier.json`` (after every run, so a partial table is never lost)
     and ``out/frontier.png``. ``ablation_list`` (see :func:`ablations`) runs afterwards, at the
     same budget and lrs, into the JSON's ``ablations`` (not on the frontier). A family whose
     best sweep point lies on an edge of its grid is swept one step further out on that axis,
-    up to ``max_extensions`` rounds (see :func:`edge_extensions`)."""
+    up to ``max_extensions`` rounds (see :func:`edge_extensions`). With ``seeds`` > 1 every
+    final run is repeated with seeds 1..seeds-1 (:func:`seeded_runs`; the sweep runs seed 0):
+    rows, targets and the plot use the seeds' mean and show their spread. ``profiles`` (link
+    profiles): each method's time to reach DDP's and the best local method's loss on them, the
+    curves and the compute measured, the links priced by the planner
+    (:mod:`farlink.bench.time_to_loss`), into the JSON's ``time_to_loss`` and
+    ``out/frontier-time-to-loss.png``."""
     store = RunStore(out / "frontier", reuse, train)
     fams = {f.name: f for f in (family_list or families(inner_steps))}
     chosen = [m for m in (method_list or methods()) if not only or m.label in only]
@@ -314,6 +363,7 @@ def run(out: Path, base: dict[str, Any], sweep_steps: int, inner_steps: int,
                "ablations": extra_rows,
                "settings": {**{k: v for k, v in base.items() if k != "cache_dir"},
                             "sweep_steps": sweep_steps, "inner_steps": inner_steps,
+                            "seeds": seeds,
                             "workers_as": "threads of one process (InProcessGroup)"}}
         write_json(out / "frontier.json", "frontier", rows, doc)
         return doc
@@ -353,12 +403,21 @@ def run(out: Path, base: dict[str, Any], sweep_steps: int, inner_steps: int,
         for m in selected:
             fam = fams[m.family]
             values = configured(fam, {**best_lrs(fam), **m.overrides})
-            row = store.run(phase, m.label, values, eval_points=4)
+            row = seeded_runs(store, phase, m.label, values, seeds, eval_points=4)
             into.append({**row, "family": fam.name, "lrs_from_sweep": best_lrs(fam)})
             doc = report()
     if not rows:
         raise ValueError(f"no method selected by --only {only}; choose from "
                          f"{', '.join(m.label for m in method_list or methods())}")
+    if profiles:
+        from farlink.bench import time_to_loss
+
+        doc["time_to_loss"] = time_to_loss.table(rows, tuple(profiles))
+        saved = json.loads((out / "frontier.json").read_text())
+        saved["time_to_loss"] = doc["time_to_loss"]
+        (out / "frontier.json").write_text(json.dumps(saved, indent=1, default=str))
+        if plot:
+            time_to_loss.plot(out / "frontier-time-to-loss.png", doc["time_to_loss"])
     if plot:
         plot_frontier(out / "frontier.png", rows)
     return {"rows": rows, **doc}

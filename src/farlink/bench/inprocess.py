@@ -99,6 +99,9 @@ def train_in_process(label: str, values: dict[str, Any], eval_points: int = 4,
         "bytes_per_worker": bytes_sent,
         "bytes_per_token": bytes_sent / tokens,
         "wall_s": time.perf_counter() - started,
+        # each worker's forward and backward seconds per inner step, measured (the mean over
+        # workers; threads share the cores, so it is what this machine gave under its load)
+        "compute_s_per_step": sum(r["compute_s"] for r in results) / len(results) / cfg.steps,
         # loss scoring's cost: its seconds against the inner steps' forward and backward
         "score_share": (sum(r["score_s"] for r in results)
                         / max(sum(r["compute_s"] for r in results), 1e-9)),

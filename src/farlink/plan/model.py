@@ -141,6 +141,7 @@ def predict_round(
     local_seconds: float = 0.0,
     shared_link: bool = False,
     partial_gathers: int = 0,
+    outer_overlap: str = "none",
 ) -> RoundPrediction:
     """Predict one round from inputs a small real run can measure.
 
@@ -152,7 +153,10 @@ def predict_round(
     worker's traffic crosses one link of ``bandwidth_bps`` (a shared bottleneck), so each
     worker's collectives run at ``1/n`` of it (every worker sends the same bytes at once).
     ``partial_gathers``: the all-gathers a robust rule adds to the compressed all-reduce
-    (:func:`farlink.sync.allreduce.partial_gathers`).
+    (:func:`farlink.sync.allreduce.partial_gathers`). ``outer_overlap``
+    ``delayed``/``eager`` (an algorithm with a delayed outer step, :mod:`farlink.sync.delayed`):
+    the round's exchange runs through the next round's compute (a fragment's through the next
+    period's), so only what exceeds that compute is exposed.
     """
     algorithm = algorithm.strip().lower()
     caps = _capabilities(algorithm)
@@ -210,7 +214,12 @@ def predict_round(
             c = move(backend, size, n_workers, bandwidth, hop_latency)
         return quorum + c.seconds + local_seconds, c.bytes_sent
 
+    delayed = outer_overlap != "none"
+    if delayed and not caps.delayed_outer:
+        raise PlanInputError(f"{algorithm} has no delayed outer step (outer_overlap)")
     if caps.fragments:
+        if delayed:  # each fragment's round overlaps a whole period
+            overlap_steps = steps
         if fragments > steps:
             raise PlanInputError(f"{algorithm} needs fragments <= inner_steps ({fragments} > {steps})")
         tau = min(DEFAULT_OVERLAP_STEPS, steps // fragments) if overlap_steps is None else overlap_steps
@@ -225,7 +234,9 @@ def predict_round(
         sent = syncs * frag_sent
     else:
         seconds, sent = one_sync(payload_bytes)
-        syncs, comm, exposed = 1, seconds, seconds
+        syncs, comm = 1, seconds
+        # delayed: the exchange runs through the next round's compute (one round in flight)
+        exposed = max(0.0, seconds - compute_wall) if delayed else seconds
         round_s = compute_wall + exposed
 
     churn = churn_factor(n_workers, failures_per_hour, round_s, exposed, rejoin_seconds)

@@ -89,6 +89,9 @@ class Capabilities:
     #                                peer trained elsewhere (:mod:`farlink.parallel.stage_sync`)
     partial_groups: bool = False  # it averages its committed state in groups smaller than the
     #                               swarm (hivemind --group-size, :meth:`mix_group_states`)
+    delayed_outer: bool = False  # its outer step can land one round late, the round's exchange
+    #                              overlapping the next round's compute (--outer-overlap,
+    #                              :mod:`farlink.sync.delayed`)
 
 
 @dataclass

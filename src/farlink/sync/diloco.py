@@ -20,6 +20,8 @@ backend.
 from __future__ import annotations
 
 import logging
+import threading
+from typing import Literal
 
 import torch
 from pydantic import Field
@@ -38,7 +40,7 @@ from farlink.sync.base import (
     optimizer_state,
     worker_private_state,
 )
-from farlink.sync.exchange import ExchangeResult
+from farlink.sync.exchange import ExchangeResult, dense_of
 
 log = logging.getLogger(__name__)
 
@@ -49,19 +51,41 @@ class DiLoCoOptions(SyncOptions):
     round_seconds: float | None = Field(
         None, gt=0, description="time-budgeted DiLoCo: each round lasts this long and every "
         "worker runs as many inner steps as fit (rounds = steps / inner_steps)")
+    outer_overlap: Literal["none", "delayed", "eager"] = Field(
+        "none", description="the outer step off the critical path: 'delayed' applies round "
+        "r's averaged update one round later, its exchange running while round r+1 computes "
+        "(DiLoCoX's one-step delay); 'eager' also steps at once with this worker's own "
+        "pseudo-gradient standing in for its share of the average not yet known (arXiv "
+        "2502.12996). 'none': every round blocks until its average is applied")
 
 
 class DiLoCo(SyncAlgorithm):
     name = "diloco"
     Options = DiLoCoOptions
     capabilities = Capabilities(time_budget=True, outer_optimizer=True, sharded=True,
-                                stage_averaging=True, partial_groups=True)
+                                stage_averaging=True, partial_groups=True, delayed_outer=True)
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.global_params = [p.detach().clone() for p in self.params]
         self.outer_opt = self.make_outer_optimizer(self.global_params)
         self.tokens_since_sync = 0
+        #: guards the committed state where a background round may read it (a peer healing
+        #: from this replica) while the training thread applies a delayed update
+        self.state_lock = threading.RLock()
+        self.delayed = None
+        # (a fragmented algorithm delays its fragments' rounds itself: farlink.sync.streaming)
+        if getattr(self.cfg, "outer_overlap", "none") != "none" \
+                and not self.capabilities.fragments:
+            from farlink.sync.delayed import DelayedOuterStep
+
+            if not self.capabilities.delayed_outer:
+                raise ValueError(f"{self.name} has no delayed outer step (--outer-overlap); "
+                                 "use diloco, local_sgd or sparseloco")
+
+            self.delayed = DelayedOuterStep(self, eager=self.cfg.outer_overlap == "eager")
+        self._carry: dict[str, torch.Tensor] = {}  # a failed delayed round's Δ, sent next
+        self._pending_heal: TensorState | None = None  # healed on the round's thread
 
     @classmethod
     def outer_optimizer_of(cls, options: DiLoCoOptions) -> OuterOptimizerFactory:
@@ -144,7 +168,7 @@ class DiLoCo(SyncAlgorithm):
 
     def joining_round(self) -> StepOutcome:
         self.tokens_since_sync = 0  # a zero-weight pseudo-gradient: it only receives
-        outcome = self.sync()
+        outcome = self.sync_now()
         self.round_ended()
         if outcome.committed:
             self.inner_steps_done = self.schedule.step_after_join(self.inner_steps_done,
@@ -158,10 +182,62 @@ class DiLoCo(SyncAlgorithm):
         self.tokens_since_sync += tokens
 
     def sync(self) -> StepOutcome:
+        if self.delayed is not None:
+            self._adopt_pending_heal()
+            return self.delayed.sync()
+        return self.sync_now()
+
+    def sync_now(self) -> StepOutcome:
+        """A round that blocks until its average is applied."""
         committed, seconds, info = self.run_round(
             self._pseudo_gradient, self._apply, float(self.tokens_since_sync)
         )
         return self.round_outcome(committed, seconds, info)
+
+    def finish(self) -> StepOutcome | None:
+        if self.delayed is None:
+            return None
+        self._adopt_pending_heal()
+        return self.delayed.finish()
+
+    # --- the delayed outer step's hooks (farlink.sync.delayed) ---------------------------------
+    def round_update(self) -> dict:
+        """What this worker sends at the end of a phase: Δ from where the phase began, plus a
+        failed round's Δ carried over."""
+        update = self.pseudo_gradient(self.params, self.delayed.start)
+        for n, carried in self._carry.items():
+            update[n] = update[n] + carried
+        self._carry = {}
+        return update
+
+    def own_contribution(self, update: dict) -> dict[str, torch.Tensor]:
+        """This worker's dense share of a round (eager's stand-in)."""
+        return {n: dense_of(t) for n, t in update.items()}
+
+    def round_failed(self, update: dict) -> None:
+        """A delayed round that did not commit: its Δ goes out again with the next round."""
+        for n, t in update.items():
+            self._carry[n] = self._carry.get(n, 0) + dense_of(t)
+
+    def apply_delayed(self, result: ExchangeResult, info: RoundInfo | None) -> None:
+        """The committed outer step with a round's average, one round late."""
+        with self.state_lock:
+            if self._mixed_state is not None:
+                self.load_global_state(self._mixed_state)
+                self._mixed_state = None
+            self.outer_update(result)
+
+    def reset_local_to(self, start: list[torch.Tensor]) -> None:
+        with torch.no_grad():
+            for g, p in zip(start, self.params):
+                p.copy_(g)
+
+    def _adopt_pending_heal(self) -> None:
+        with self.state_lock:
+            state, self._pending_heal = self._pending_heal, None
+        if state is not None:
+            self._load_shared_state(state)
+            self.delayed.adopt()
 
     def _pseudo_gradient(self, info: RoundInfo) -> dict[str, torch.Tensor]:
         return self.pseudo_gradient(self.params)
@@ -185,6 +261,10 @@ class DiLoCo(SyncAlgorithm):
 
     # --- state -----------------------------------------------------------------------------
     def shared_state(self) -> TensorState:
+        with self.state_lock:
+            return self._shared_state()
+
+    def _shared_state(self) -> TensorState:
         state = self.global_state()
         state["counter.outer_step"] = torch.tensor(self.outer_step)
         # where the sender is in the schedule (lr, end of run): a healed peer adopts it
@@ -192,6 +272,16 @@ class DiLoCo(SyncAlgorithm):
         return state
 
     def load_shared_state(self, state: TensorState) -> None:
+        """With a delayed outer step the heal arrives on the round's thread while the training
+        thread runs: it is adopted at the phase's end (the healed round sends nothing)."""
+        if self.delayed is not None and threading.current_thread().name.startswith(
+                "farlink-outer"):
+            with self.state_lock:
+                self._pending_heal = state
+            return
+        self._load_shared_state(state)
+
+    def _load_shared_state(self, state: TensorState) -> None:
         self.load_global_state(state)
         with torch.no_grad():
             for g, p in zip(self.global_params, self.params):
@@ -202,15 +292,21 @@ class DiLoCo(SyncAlgorithm):
         self.rounds_skipped_since_commit = 0  # the sender's count includes the skipped rounds
 
     def state_dict(self) -> TensorState:
+        delayed = self.delayed.state_dict() if self.delayed is not None else {}
         state = super().state_dict()
         state.update(worker_private_state(self))
         state["counter.tokens_since_sync"] = torch.tensor(self.tokens_since_sync)
+        state.update(delayed)
+        state.update({f"carry.{n}": t.clone() for n, t in self._carry.items()})
         return state
 
     def load_state_dict(self, state: TensorState) -> None:
         super().load_state_dict(state)
         load_worker_private_state(self, state)
         self.tokens_since_sync = int(state["counter.tokens_since_sync"])
+        if self.delayed is not None:
+            self.delayed.load_state_dict(state)
+        self._carry = {n: state[f"carry.{n}"] for n in self.names if f"carry.{n}" in state}
 
 
 class LocalSGD(DiLoCo):

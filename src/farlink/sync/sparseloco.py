@@ -56,7 +56,7 @@ from farlink.codecs.base import Codec, CodecError
 from farlink.comm.base import RoundInfo
 from farlink.sync.base import Capabilities, StepOutcome, TensorState
 from farlink.sync.diloco import DiLoCo, DiLoCoOptions
-from farlink.sync.exchange import Encoded
+from farlink.sync.exchange import Encoded, dense_of
 from farlink.sync.sparseloco_tiles import TILE, TiledTwoBitCodec, clipped_contributor_mean
 
 CHUNK = 4096
@@ -166,7 +166,8 @@ class SparseLoCo(DiLoCo):
     # DiLoCo's rounds; its plain outer SGD is part of the method (not injected), and it sends
     # with its own codec (the planner prices it: farlink.plan.payload)
     capabilities = Capabilities(planned=True, sharded=True, wire_codec="sparseloco",
-                                time_budget=True, partial_groups=True, stage_averaging=True)
+                                time_budget=True, partial_groups=True, stage_averaging=True,
+                                delayed_outer=True)
 
     @classmethod
     def check_run(cls, cfg) -> None:  # noqa: ANN001 - a RunConfig
@@ -204,7 +205,7 @@ class SparseLoCo(DiLoCo):
         self.error = [torch.zeros_like(p) for p in self.params]
         self._devices = {n: p.device for n, p in zip(self.names, self.params)}
 
-    def sync(self) -> StepOutcome:
+    def sync_now(self) -> StepOutcome:
         before = [e.clone() for e in self.error]
         update = self._sparse_update()
         weight = float(self.tokens_since_sync)
@@ -221,11 +222,23 @@ class SparseLoCo(DiLoCo):
                     e.copy_(old)
         return self.round_outcome(committed, seconds, info)
 
-    def _sparse_update(self) -> dict[str, Encoded]:
+    # --- the delayed outer step (farlink.sync.delayed): Δ from the phase's start -----------
+    def round_update(self) -> dict[str, Encoded]:
+        return self._sparse_update(self.delayed.start)
+
+    def round_failed(self, update: dict) -> None:
+        """What a failed delayed round sent goes back into the error feedback (sent again
+        later), as the blocking round restores the accumulator."""
+        with torch.no_grad():
+            for n, e in zip(self.names, self.error):
+                e.add_(dense_of(update[n]))
+
+    def _sparse_update(self, start: list[torch.Tensor] | None = None) -> dict[str, Encoded]:
         """``e <- beta e + Δ``; the top-k 2-bit part of ``e`` leaves it and is sent."""
         out = {}
+        start = self.global_params if start is None else start
         with torch.no_grad():
-            for n, g, p, e in zip(self.names, self.global_params, self.params, self.error):
+            for n, g, p, e in zip(self.names, start, self.params, self.error):
                 e.mul_(self.beta).add_(g - p.detach())
                 payload = self.codec.encode(e)
                 sent = self.codec.decode(payload, e.shape, e.dtype, e.device)

@@ -78,7 +78,7 @@ class StreamingDiLoCo(DiLoCo):
     name = "streaming_diloco"
     Options = StreamingOptions
     capabilities = Capabilities(fragments=True, outer_optimizer=True, sharded=True,
-                                time_budget=True)
+                                time_budget=True, delayed_outer=True)
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
@@ -98,7 +98,13 @@ class StreamingDiLoCo(DiLoCo):
         self.launched_in_period = 0
         self.period_ended = False
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="farlink-stream")
-        self._inflight: _InFlight | None = None
+        #: rounds launched and not yet landed, in launch order (they run in that order on the
+        #: one communication thread); one at a time, unless the outer step is delayed a period
+        self._queue: list[_InFlight] = []
+        #: inner steps from a fragment's launch to its update's landing: tau, or a whole
+        #: period H with --outer-overlap delayed (each fragment's round overlaps the next H
+        #: inner steps and lands as the fragment's next round starts)
+        self.delay = cfg.inner_steps if cfg.outer_overlap == "delayed" else cfg.overlap_steps
         self._lock = threading.Lock()
         self._pending_heal: TensorState | None = None
 
@@ -120,13 +126,16 @@ class StreamingDiLoCo(DiLoCo):
         self.fragment_tokens = [t + tokens for t in self.fragment_tokens]
         outcome = StepOutcome(outer_step=self.outer_step)
         t = self.inner_steps_done
-        if self._inflight is not None and t >= self._inflight.apply_at:
+        while self._queue and t >= self._queue[0].apply_at:
             self._land(outcome)
         for fragment in self.due(t):
-            if self._inflight is not None:  # tau too long for the schedule: wait, stay correct
+            # tau too long for the schedule (a round still in flight when the next is due, or
+            # this fragment's own with a delayed outer step): wait, stay correct
+            while self._queue and (self.delay < self.cfg.inner_steps
+                                   or any(r.fragment == fragment for r in self._queue)):
                 self._land(outcome)
             self._launch(fragment, t)
-            if self.cfg.overlap_steps == 0:  # tau = 0: no overlap, the update lands right now
+            if self.delay == 0:  # tau = 0: no overlap, the update lands right now
                 self._land(outcome)
         self.period_ended = self.schedule.due(t)
         if self.period_ended:
@@ -148,10 +157,11 @@ class StreamingDiLoCo(DiLoCo):
         return None  # fragment rounds are scheduled by step: heal in the first one
 
     def finish(self) -> StepOutcome | None:
-        if self._inflight is None:
+        if not self._queue:
             return None
         outcome = StepOutcome(outer_step=self.outer_step)
-        self._land(outcome)
+        while self._queue:
+            self._land(outcome)
         return outcome
 
     def _launch(self, fragment: int, step: int) -> None:
@@ -176,10 +186,10 @@ class StreamingDiLoCo(DiLoCo):
             return committed, seconds, info, results[0] if results else None
 
         future = self._executor.submit(run)
-        self._inflight = _InFlight(fragment, future, step + self.cfg.overlap_steps)
+        self._queue.append(_InFlight(fragment, future, step + self.delay))
 
     def _land(self, outcome: StepOutcome) -> None:
-        inflight, self._inflight = self._inflight, None
+        inflight = self._queue.pop(0)
         start = time.perf_counter()
         committed, _, info, result = inflight.future.result()
         waited = time.perf_counter() - start
@@ -231,8 +241,8 @@ class StreamingDiLoCo(DiLoCo):
             state, self._pending_heal = self._pending_heal, None
         if state is not None:
             self._adopt(state)
-            if fragment is None and self._inflight is not None:
-                fragment = self._inflight.fragment
+            if fragment is None and self._queue:
+                fragment = self._queue[0].fragment
             if fragment is not None:
                 self.launched_in_period = fragment + 1
 
@@ -243,7 +253,7 @@ class StreamingDiLoCo(DiLoCo):
                                              torch.tensor(self.rounds_launched)))
 
     def state_dict(self) -> TensorState:
-        if self._inflight is not None:  # land it so the checkpoint is a consistent cut
+        while self._queue:  # land them so the checkpoint is a consistent cut
             self._land(StepOutcome())
         state = super().state_dict()
         state["counter.fragment_tokens"] = torch.tensor(self.fragment_tokens)

@@ -1,0 +1,244 @@
+"""The outer step off the critical path: round r's exchange runs while round r+1 computes.
+
+DiLoCo's round blocks every worker until the pseudo-gradients are averaged; on a slow link the
+workers idle for the whole transfer. With ``outer_overlap`` the round's exchange runs on a
+background thread and its averaged update is applied one round later (the one-step delay of
+DiLoCoX, arXiv 2506.21263, and of PCCL's async DiLoCo; the "naive delayed outer gradients" of
+arXiv 2502.12996). With M workers, θ the committed (agreed) parameters and ``Opt`` the outer
+optimizer, at the end of inner phase t worker m:
+
+1. computes Δ_m^t = start^t - θ_m^t, how far it moved from where phase t began, and hands it
+   to the exchange on the background thread (the round's quorum, bytes and commit run there);
+2. waits for the round launched one phase earlier (it ran while phase t computed) and applies
+   its average: θ^t = Opt(θ^(t-1), Δ^(t-1)) (no update after phase 1: nothing has landed);
+3. starts phase t+1 from ``start^(t+1)``:
+
+   * ``delayed``: θ^t itself, the same on every replica;
+   * ``eager`` (arXiv 2502.12996): its own copy of the outer state, stepped with
+     Δ̃_m^t = Δ^(t-1) + (Δ_m^t - Δ_m^(t-1)) / M: the delayed average with this worker's share
+     of it replaced by its fresh pseudo-gradient, the stand-in for the average not yet known
+     (M: the last round's participants; 0 before any round was seen, so phase 1 adds none).
+     That copy differs a little between replicas, so it is this worker's private state; the
+     committed θ stays the delayed one, equal everywhere (a newcomer heals from it).
+
+The run's last round lands in :meth:`finish`, so every round's average is applied once, and the
+replicas end on the committed θ. A round that fails is carried into the next one (its Δ is added
+to the next round's, or its sparse values go back into SparseLoCo's error feedback), so no work
+is lost, as with a failed round of the blocking step.
+
+This module holds the pipeline; the algorithm says what a round sends (``round_update``), which
+dense tensor is this worker's share (``own_contribution``) and how a failed round is taken back
+(``round_failed``). Time-budgeted rounds are refused with it (the schedule counts committed
+rounds, which land one round late).
+"""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from farlink.comm.base import RoundInfo
+from farlink.sync.base import StepOutcome, TensorState, load_optimizer_state, optimizer_state
+from farlink.sync.exchange import ExchangeResult, dense_of
+
+if TYPE_CHECKING:
+    from farlink.sync.diloco import DiLoCo
+
+MODES = ("none", "delayed", "eager")
+
+
+@dataclass
+class _Landed:
+    """A finished round, waiting to be applied at the next phase's end."""
+
+    committed: bool
+    info: RoundInfo | None
+    result: ExchangeResult | None
+    update: dict  # what this worker sent (to take back if the round failed)
+
+
+class DelayedOuterStep:
+    """One round in flight on a background thread; its average is applied a round later."""
+
+    def __init__(self, algo: DiLoCo, eager: bool) -> None:
+        self.algo = algo
+        self.eager = eager
+        self._executor = ThreadPoolExecutor(1, thread_name_prefix="farlink-outer")
+        self._future: Future | None = None
+        self._update: dict | None = None  # the in-flight round's update
+        self._landed: _Landed | None = None  # waited for (a checkpoint), not yet applied
+        self.members = 0  # M: participants of the last round seen
+        if eager:
+            self.params = [g.detach().clone() for g in algo.global_params]
+            self.opt = algo.make_outer_optimizer(self.params)
+            self.own_prev: dict[str, torch.Tensor] = {}
+
+    # --- where a phase starts ------------------------------------------------------------------
+    @property
+    def start(self) -> list[torch.Tensor]:
+        """The parameters the current inner phase began from (Δ is measured against them)."""
+        return self.params if self.eager else self.algo.global_params
+
+    def in_flight(self) -> bool:
+        return self._future is not None
+
+    # --- the pipeline --------------------------------------------------------------------------
+    def sync(self) -> StepOutcome:
+        """End of an inner phase: launch its round, apply the one launched a phase ago."""
+        algo = self.algo
+        update = algo.round_update()
+        weight = float(algo.tokens_since_sync)
+        algo.tokens_since_sync = 0
+        outcome = StepOutcome(outer_step=algo.outer_step)
+        landed = self._wait(outcome)
+        self._apply(landed, update)
+        self._launch(update, weight)
+        outcome.synced = True
+        outcome.outer_step = algo.outer_step
+        return outcome
+
+    def finish(self) -> StepOutcome | None:
+        """Land the run's last round and end every replica on the committed parameters."""
+        if self._future is None and self._landed is None:
+            return None
+        outcome = StepOutcome(outer_step=self.algo.outer_step)
+        landed = self._wait(outcome)
+        self._apply_committed(landed)
+        if self.eager:
+            with torch.no_grad():
+                for e, g in zip(self.params, self.algo.global_params):
+                    e.copy_(g)
+            self.opt = self.algo.make_outer_optimizer(self.params)
+            self.own_prev = {}
+        self.algo.reset_local_to(self.algo.global_params)
+        outcome.synced = True
+        outcome.outer_step = self.algo.outer_step
+        return outcome
+
+    def _launch(self, update: dict, weight: float) -> None:
+        algo = self.algo
+
+        def build(info: RoundInfo) -> dict:
+            if info.healed:  # a healed worker's Δ belongs to its old state: send nothing
+                return {n: torch.zeros_like(dense_of(t)) for n, t in update.items()}
+            return update
+
+        def run() -> tuple[bool, RoundInfo | None, ExchangeResult | None]:
+            results: list[ExchangeResult] = []
+            committed, _, info = algo.run_round(build, lambda r, i: results.append(r), weight)
+            return committed, info, results[0] if results else None
+
+        self._update = update
+        self._future = self._executor.submit(run)
+
+    def _wait(self, outcome: StepOutcome) -> _Landed | None:
+        """The round launched a phase ago, once done; the seconds waited are exposed time."""
+        if self._landed is not None:
+            landed, self._landed = self._landed, None
+            return landed
+        if self._future is None:
+            return None
+        began = time.perf_counter()
+        committed, info, result = self._future.result()
+        waited = time.perf_counter() - began
+        self._future = None
+        outcome.comm_seconds += waited
+        self.algo.schedule.pause(waited)
+        outcome.committed = committed
+        outcome.world_size = info.world_size if info else 1
+        if info is not None and info.world_size > 0:
+            self.members = info.world_size
+        return _Landed(committed, info, result, self._update)
+
+    def _apply_committed(self, landed: _Landed | None) -> bool:
+        """θ^t = Opt(θ^(t-1), Δ^(t-1)) if that round committed; a failed one is carried."""
+        if landed is None:
+            return False
+        if landed.committed and landed.result is not None:
+            self.algo.apply_delayed(landed.result, landed.info)
+            return True
+        self.algo.round_failed(landed.update)
+        return False
+
+    def _apply(self, landed: _Landed | None, update: dict) -> None:
+        algo = self.algo
+        committed = self._apply_committed(landed)
+        if self.eager:
+            own = algo.own_contribution(update)
+            share = 1.0 / self.members if self.members else 0.0
+            stand_in = {}
+            for n in algo.names:
+                g = own[n] * share
+                if n in self.own_prev:
+                    g = g - self.own_prev[n] * share
+                if committed and landed.result.total_weight > 0:
+                    g = landed.result.tensors[n].to(g.dtype) + g
+                stand_in[n] = g
+            for n, p in zip(algo.names, self.params):
+                p.grad = stand_in[n].to(p.dtype)
+            self.opt.step()
+            self.opt.zero_grad(set_to_none=True)
+            if share:  # before any round was seen no stand-in was added: none to take back
+                self.own_prev = own
+        algo.reset_local_to(self.start)
+
+    # --- a consistent cut for checkpoints ------------------------------------------------------
+    def state_dict(self) -> TensorState:
+        """Waits for the round in flight (its result is kept, to be applied at the phase's end
+        as it would have been) and saves it with the eager copy of the outer state."""
+        if self._future is not None:
+            self._landed = self._wait(StepOutcome())
+        state: TensorState = {}
+        landed = self._landed
+        if landed is not None:
+            state["delayed.committed"] = torch.tensor(int(landed.committed
+                                                          and landed.result is not None))
+            state["delayed.weight"] = torch.tensor(
+                landed.result.total_weight if landed.result is not None else 0.0)
+            if landed.result is not None:
+                state.update({f"delayed.avg.{n}": t.clone()
+                              for n, t in landed.result.tensors.items()})
+            state.update({f"delayed.sent.{n}": dense_of(t).clone()
+                          for n, t in landed.update.items()})
+        state["delayed.members"] = torch.tensor(self.members)
+        if self.eager:
+            state.update({f"eager.{n}": p.detach().clone()
+                          for n, p in zip(self.algo.names, self.params)})
+            state.update(optimizer_state(self.opt, "eager_outer"))
+            state.update({f"eager_own.{n}": t.clone() for n, t in self.own_prev.items()})
+        return state
+
+    def load_state_dict(self, state: TensorState) -> None:
+        self.members = int(state.get("delayed.members", torch.tensor(0)))
+        self._landed = None
+        if "delayed.committed" in state:
+            names = self.algo.names
+            result = ExchangeResult({n: state[f"delayed.avg.{n}"] for n in names
+                                     if f"delayed.avg.{n}" in state},
+                                    float(state["delayed.weight"]))
+            sent = {n: state[f"delayed.sent.{n}"] for n in names}
+            self._landed = _Landed(bool(int(state["delayed.committed"])), None,
+                                   result if result.tensors else None, sent)
+        if self.eager:
+            with torch.no_grad():
+                for n, p in zip(self.algo.names, self.params):
+                    p.copy_(state[f"eager.{n}"])
+            load_optimizer_state(self.opt, state, "eager_outer")
+            self.own_prev = {n: state[f"eager_own.{n}"] for n in self.algo.names
+                             if f"eager_own.{n}" in state}
+
+    def adopt(self) -> None:
+        """After healing: the eager copy restarts from the committed state just loaded. The
+        round in flight (the one that healed this replica) still lands at the phase's end, on
+        the loaded state, as it does on its peers'."""
+        self._landed = None
+        if self.eager:
+            with torch.no_grad():
+                for e, g in zip(self.params, self.algo.global_params):
+                    e.copy_(g)
+            self.opt = self.algo.make_outer_optimizer(self.params)
+            self.own_prev = {}
