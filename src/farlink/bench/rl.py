@@ -9,7 +9,9 @@ Scenarios (one base model, pre-trained once by the short recipe):
   of a cheat's groups reached a step;
 - ``diloco_two_groups``: the trainer as two replica groups, DiLoCo between them;
 - ``false_rejects``: honest groups sampled with 1 and 2 threads and in bf16, checked against
-  the fp32 policy: the rate the verifier wrongly rejects.
+  the fp32 policy: the rate the verifier wrongly rejects;
+- ``processes``: two worker processes over TCP, one SIGKILLed, the trainer restarted from its
+  checkpoint halfway: committed steps lost (none) and groups accepted per worker.
 
 Writes ``rl.json`` and ``rl.png`` to ``out``.
 """
@@ -26,9 +28,8 @@ import torch
 from farlink.rl.policy import completion_logits, sample_group
 from farlink.rl.trainer import RLConfig
 from farlink.rl.verify import check
-from farlink.train.rl import make_base, make_session, run_session
+from farlink.train.rl import LR, TASK, make_base, make_session, run_session
 
-TASK = "addition:1"
 PACE = 0.4
 
 
@@ -45,7 +46,7 @@ def _session(seed: int, steps: int, **options) -> dict:
     return summary
 
 
-def diloco_groups(steps: int, inner_steps: int = 5, lr: float = 5e-4) -> dict:
+def diloco_groups(steps: int, inner_steps: int = 5, lr: float = LR) -> dict:
     """Two trainer replica groups (2 workers each) with DiLoCo between them: each steps its
     own AdamW and every ``inner_steps`` steps they average their pseudo-gradients."""
     import farlink
@@ -98,6 +99,54 @@ def false_rejects(groups: int = 40) -> dict:
     return rates
 
 
+def processes(steps: int, pace_seconds: float = 0.2) -> dict:
+    """Two ``farlink rl-worker`` processes over TCP: one SIGKILLed a third of the way in;
+    halfway the trainer goes down (its server and every connection cut) and a new trainer
+    resumes from the last checkpoint on the same port, where the surviving worker reconnects.
+    Counts the committed steps (none may be lost) and what each worker got accepted."""
+    import signal
+    import tempfile
+
+    from farlink.train.rl import restore_state, serve, spawn_workers
+
+    first = make_session(make_base(TASK, seed=0), RLConfig(seed=0), workers=0)
+    server = serve(first, "int4")
+    address = server.address
+    children = spawn_workers(address, 2, pace_seconds)
+    killed: dict = {}
+
+    def kill_one(row: dict) -> None:
+        if row["step"] + 1 >= steps // 3 and not killed:
+            children[0].send_signal(signal.SIGKILL)
+            killed["after_step"] = row["step"]
+
+    result: dict = {"steps": steps}
+    try:
+        with tempfile.TemporaryDirectory() as checkpoints:
+            a = run_session(first, steps // 2, eval_every=10**9, echo=kill_one,
+                            checkpoints=Path(checkpoints), remote=True)
+            server.close()  # the trainer is gone
+            second = make_session(make_base(TASK, seed=0), RLConfig(seed=0), workers=0)
+            result["resumed_after_step"] = restore_state(Path(checkpoints), second)
+            server = serve(second, "int4", *address)
+            b = run_session(second, steps - result["resumed_after_step"], eval_every=10**9,
+                            remote=True)
+    finally:
+        server.close()
+        for child in children:
+            child.kill()
+            child.wait(timeout=30)
+    result.update(killed_after_step=killed.get("after_step"), committed_steps=b["steps"],
+                  lost_steps=steps - b["steps"], killed_returncode=children[0].returncode,
+                  rejections=a["rejections"] + b["rejections"],
+                  accepted_at_restart=a["groups_accepted"],
+                  accepted_total=b["groups_accepted"],
+                  wall_s=a["wall_s"] + b["wall_s"],
+                  heldout_accuracy_base=a["heldout_accuracy_base"],
+                  heldout_accuracy_final=b["heldout_accuracy_final"])
+    return result
+
+
 def run(out: Path, steps: int = 40, seeds: int = 3, worker_wall_s: float = 15.0) -> dict:
     torch.set_num_threads(1)
     started = time.monotonic()
@@ -112,6 +161,7 @@ def run(out: Path, steps: int = 40, seeds: int = 3, worker_wall_s: float = 15.0)
                                 malicious=["fabricate", "wrong_model", "stale", "replay"])
     result["diloco_two_groups"] = diloco_groups(steps)
     result["false_rejects"] = false_rejects()
+    result["processes"] = processes(steps)
     result["load_after"] = os.getloadavg()
     result["wall_s"] = time.monotonic() - started
     out.mkdir(parents=True, exist_ok=True)
@@ -176,4 +226,7 @@ def headline(result: dict) -> dict:
         "false_reject_rate": {k: v["rate"] for k, v in result["false_rejects"].items()},
         "delta_bytes_per_version_over_fp32": max(per_version) if per_version else None,
         "diloco_two_groups_final": result["diloco_two_groups"]["heldout_accuracy_final"],
+        "processes": {k: result["processes"][k] for k in
+                      ("killed_after_step", "resumed_after_step", "committed_steps",
+                       "lost_steps", "rejections")},
     }

@@ -96,17 +96,24 @@ class RolloutServer:
     def __init__(self, board: RolloutBoard, publisher: PolicyPublisher, hello: dict,
                  host: str = "127.0.0.1", port: int = 0) -> None:
         self.board, self.publisher, self.hello = board, publisher, hello
+        self._open: set[socket.socket] = set()  # workers' connections, cut at close()
+        self._lock = threading.Lock()
         server = self
 
         class Handler(socketserver.BaseRequestHandler):
             def handle(self) -> None:
                 self.request.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                with server._lock:
+                    server._open.add(self.request)
                 try:
                     while True:
                         header, _ = recv_frame(self.request, max_body=0)
                         server._answer(self.request, header)
                 except (ConnectionError, OSError, ValueError, KeyError, TypeError):
                     return  # a worker gone or talking nonsense: its connection ends
+                finally:
+                    with server._lock:
+                        server._open.discard(self.request)
 
         socketserver.ThreadingTCPServer.allow_reuse_address = True
         self._server = socketserver.ThreadingTCPServer((host, port), Handler)
@@ -120,8 +127,15 @@ class RolloutServer:
         return self._server.server_address[:2]
 
     def close(self) -> None:
+        """Stop serving and cut every worker's connection (as the trainer's end would)."""
         self._server.shutdown()
         self._server.server_close()
+        with self._lock:
+            for sock in self._open:
+                try:
+                    sock.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
 
     def _answer(self, sock: socket.socket, header: dict) -> None:
         op = header.get("op")
