@@ -98,10 +98,14 @@ def register(app: typer.Typer, bench_app: typer.Typer) -> None:
         out: Path = typer.Option(Path("docs/results"), help="output directory"),
         steps: int = typer.Option(60, help="GRPO steps per scenario"),
         seeds: int = typer.Option(3, help="seeds of the accuracy-rise scenario"),
+        only: list[str] = typer.Option([], help="run only these scenarios (rise, workers, "
+                                       "staleness, cheats, diloco_two_groups, false_rejects, "
+                                       "processes) into rl-<names>.json"),
     ) -> None:
         """Accuracy and reward vs wall-clock and rollouts; workers 1/2/4, staleness, cheats."""
         import json
 
-        from farlink.bench.rl import headline, run
+        from farlink.bench.rl import SCENARIOS, headline, run
 
-        typer.echo(json.dumps(headline(run(out, steps, seeds)), indent=1))
+        result = run(out, steps, seeds, only=tuple(only) or SCENARIOS)
+        typer.echo(json.dumps(headline(result), indent=1))
