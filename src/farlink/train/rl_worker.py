@@ -61,8 +61,8 @@ def main(argv: list[str] | None = None) -> int:
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
-    worker = connect_worker(args.name, host, int(port), args.pace_seconds, args.reconnect_s)
     try:
+        worker = connect_worker(args.name, host, int(port), args.pace_seconds, args.reconnect_s)
         worker.run(stop)
     except OSError as exc:
         print(f"rl-worker {args.name}: trainer unreachable for {args.reconnect_s:.0f} s ({exc})",
