@@ -12,23 +12,28 @@ import typer
 def register(app: typer.Typer, bench_app: typer.Typer) -> None:
     @app.command("rl")
     def rl(
-        task: str = typer.Option("addition:1", help="addition[:D], sorting[:N], countdown[:N] "
+        task: str = typer.Option("sorting:3", help="addition[:D], sorting[:N], countdown[:N] "
                                  "or FILE.jsonl ({prompt, answer} a line)"),
         base: Path | None = typer.Option(None, help="a `farlink train` run directory to start "
                                          "from (default: pre-train on the task's examples)"),
-        pretrain_steps: int = typer.Option(300, help="steps of the base-model recipe"),
-        steps: int = typer.Option(40, help="GRPO steps"),
+        pretrain_steps: int = typer.Option(1000, help="steps of the base-model recipe"),
+        steps: int = typer.Option(60, help="GRPO steps"),
         workers: int = typer.Option(2, help="honest rollout workers (threads)"),
         malicious: list[str] = typer.Option([], help="add a cheating worker: fabricate, wrong_model, stale, replay"),
         group_size: int = typer.Option(8, help="completions per prompt"),
         groups_per_step: int = typer.Option(8, help="prompts per step"),
         max_staleness: int = typer.Option(2, help="oldest policy version a rollout may use"),
         deadline: float = typer.Option(5.0, help="seconds a step waits for rollouts"),
-        lr: float = typer.Option(5e-4, help="AdamW learning rate of the policy"),
+        lr: float = typer.Option(3e-4, help="AdamW learning rate of the policy"),
         kl_coef: float = typer.Option(0.0, help="KL penalty to the base model"),
         codec: str = typer.Option("int4", help="codec of policy deltas to workers"),
         verify_fraction: float = typer.Option(0.25, help="groups recomputed (>= 1 per worker)"),
         pace_seconds: float = typer.Option(0.0, help="each job takes at least this long"),
+        listen: str | None = typer.Option(None, help="HOST:PORT where `farlink rl-worker` "
+                                          "processes connect (port 0: any free one)"),
+        worker_processes: int = typer.Option(0, help="start this many local `farlink "
+                                             "rl-worker` processes (implies --listen "
+                                             "127.0.0.1:0 unless given)"),
         out: Path = typer.Option(Path("runs/rl"), help="logs, ledger and summary"),
         seed: int = typer.Option(0),
     ) -> None:
@@ -36,7 +41,8 @@ def register(app: typer.Typer, bench_app: typer.Typer) -> None:
         import torch
 
         from farlink.rl.trainer import RLConfig
-        from farlink.train.rl import make_base, make_session, restore_state, run_session
+        from farlink.train.rl import (make_base, make_session, restore_state, run_session,
+                                      serve, spawn_workers)
 
         torch.set_num_threads(1)
         config = RLConfig(group_size=group_size, groups_per_step=groups_per_step,
@@ -57,20 +63,49 @@ def register(app: typer.Typer, bench_app: typer.Typer) -> None:
         done = restore_state(checkpoints, session) or 0
         if done:
             typer.echo(f"resuming after committed step {done}")
-        summary = run_session(session, steps - done, out=out, echo=echo, checkpoints=checkpoints)
+        server, children = None, []
+        if listen is None and worker_processes:
+            listen = "127.0.0.1:0"
+        if listen is not None:
+            host, _, port = listen.rpartition(":")
+            server = serve(session, codec, host, int(port))
+            typer.echo(f"serving rollout workers on {server.address[0]}:{server.address[1]}")
+            children = spawn_workers(server.address, worker_processes, pace_seconds)
+        try:
+            summary = run_session(session, steps - done, out=out, echo=echo,
+                                  checkpoints=checkpoints, remote=server is not None)
+        finally:
+            for child in children:
+                child.terminate()
+            for child in children:
+                child.wait(timeout=30)
+            if server is not None:
+                server.close()
         typer.echo(f"held-out accuracy {summary['heldout_accuracy_base']:.3f} -> "
                    f"{summary['heldout_accuracy_final']:.3f}; rejected: "
                    f"{len(summary['rejections'])}; logs in {out}")
 
+    @app.command("rl-worker", context_settings={"allow_extra_args": True,
+                                                "ignore_unknown_options": True})
+    def rl_worker(ctx: typer.Context) -> None:
+        """A rollout worker process for `farlink rl --listen` (--connect HOST:PORT --name N)."""
+        from farlink.train.rl_worker import main
+
+        raise typer.Exit(main(list(ctx.args)))
+
     @bench_app.command("rl")
     def bench_rl(
         out: Path = typer.Option(Path("docs/results"), help="output directory"),
-        steps: int = typer.Option(30, help="GRPO steps per scenario"),
+        steps: int = typer.Option(60, help="GRPO steps per scenario"),
         seeds: int = typer.Option(3, help="seeds of the accuracy-rise scenario"),
+        only: list[str] = typer.Option([], help="run only these scenarios (rise, workers, "
+                                       "staleness, cheats, diloco_two_groups, false_rejects, "
+                                       "processes) into rl-<names>.json"),
     ) -> None:
         """Accuracy and reward vs wall-clock and rollouts; workers 1/2/4, staleness, cheats."""
         import json
 
-        from farlink.bench.rl import headline, run
+        from farlink.bench.rl import SCENARIOS, headline, run
 
-        typer.echo(json.dumps(headline(run(out, steps, seeds)), indent=1))
+        result = run(out, steps, seeds, only=tuple(only) or SCENARIOS)
+        typer.echo(json.dumps(headline(result), indent=1))

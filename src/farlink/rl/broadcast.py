@@ -15,6 +15,7 @@ Every byte either way is counted on the worker's side.
 
 from __future__ import annotations
 
+import secrets
 import threading
 from dataclasses import dataclass
 
@@ -45,6 +46,8 @@ class PolicyPublisher:
         # parameters, not state_dict(): a tied weight is one tensor and must get its delta once
         self.served = {k: v.detach().float().clone() for k, v in model.named_parameters()}
         self.version = 0
+        #: who numbers the versions: a restarted trainer's version 5 need not be the old one's
+        self.epoch = secrets.randbits(63)
         self._deltas: dict[int, dict[str, bytes]] = {}
         self._weights: dict[int, dict[str, torch.Tensor]] = {0: self._copy()}
         self._snapshot: Snapshot | None = None
@@ -84,6 +87,7 @@ class PolicyPublisher:
         with self._lock:
             self.served = {k: v.float().clone() for k, v in served.items()}
             self.version = version
+            self.epoch = secrets.randbits(63)
             self._deltas = {}
             self._weights = {version: self._copy()}
             self._snapshot = None
@@ -116,6 +120,7 @@ class PolicyReplica:
     def __init__(self, model: nn.Module, codec: Codec, max_chain: int = 4) -> None:
         self.model, self.codec, self.max_chain = model, codec, max_chain
         self.version: int | None = None
+        self.epoch: int | None = None  # the publisher's that numbered ``version``
         self.bytes_received = 0
         self.full_fetches = 0
         self.delta_updates = 0  # refreshes by deltas
@@ -124,13 +129,17 @@ class PolicyReplica:
 
     def refresh(self, publisher: PolicyPublisher) -> int:
         """Bring the copy to the newest version; the version held afterwards."""
-        if self.version == publisher.version:
+        epoch, newest = publisher.epoch, publisher.version
+        if epoch != self.epoch:  # a restarted trainer: its version numbers name other weights
+            self.version = None
+        if self.version == newest:
             return self.version
         update = None
-        if self.version is not None and publisher.version - self.version <= self.max_chain:
+        if self.version is not None and newest - self.version <= self.max_chain:
             update = publisher.deltas(self.version)
         if update is None:
             self._fetch_full(publisher.snapshot())
+            self.epoch = epoch
         else:
             version, chain = update
             state = dict(self.model.named_parameters())

@@ -17,8 +17,10 @@ from farlink.rl.workers import RolloutWorker
 
 def run_group(trainer: GRPOTrainer, workers: list[RolloutWorker], steps: int,
               on_step: Callable[[StepLog], None] | None = None,
-              max_wall_s: float = float("inf")) -> list[StepLog]:
-    """``steps`` committed trainer steps (or until ``max_wall_s``) with ``workers`` running."""
+              max_wall_s: float = float("inf"), remote: bool = False) -> list[StepLog]:
+    """``steps`` committed trainer steps (or until ``max_wall_s``) with ``workers`` running;
+    ``remote``: worker processes also hand in (through a server), so the loop goes on when
+    no thread worker is left."""
     stop = threading.Event()
     threads = [threading.Thread(target=w.run, args=(stop,), name=f"rollout-{w.name}",
                                 daemon=True) for w in workers]
@@ -28,7 +30,7 @@ def run_group(trainer: GRPOTrainer, workers: list[RolloutWorker], steps: int,
     end = time.monotonic() + max_wall_s
     try:
         while len(logs) < steps and time.monotonic() < end:
-            if not any(t.is_alive() for t in threads):
+            if not remote and not any(t.is_alive() for t in threads):
                 break  # every worker gone or banned: nothing more will come
             log = trainer.train_step()
             if log is None:

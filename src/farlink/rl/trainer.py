@@ -149,30 +149,50 @@ class GRPOTrainer:
         self.rejections.append((sub.worker, reason))
         self.board.ban(sub.worker)
 
+    def _sort(self, sub: Submission, version: int, kept: list[Submission],
+              counts: dict[str, int]) -> None:
+        """Admit ``sub`` into ``kept``, or count it as rejected (a cheat, banned) or dropped
+        (expired, too stale, or of a version this trainer cannot check after a restart)."""
+        cfg = self.config
+        reason = self.admit(sub)
+        self.board.consumed.add(sub.job)
+        if reason is not None:
+            self._reject(sub, reason)
+            counts["rejected"] += 1
+        elif sub.job not in self.board.jobs:
+            counts["dropped"] += 1
+        elif (version - sub.rollouts[0].version > cfg.max_staleness
+              or self.publisher.weights(sub.rollouts[0].version) is None):
+            counts["dropped"] += 1
+        else:
+            kept.append(sub)
+
     # --- the step ----------------------------------------------------------------------------
     def train_step(self, subs: list[Submission] | None = None) -> StepLog | None:
         """One step over the groups handed in (taken from the board unless given); None when
-        nothing usable came before the deadline (no step is taken, nothing is published)."""
+        nothing usable came before the deadline (no step is taken, nothing is published).
+
+        Taking from the board goes on until ``groups_per_step`` groups are usable or the
+        deadline passes: a group dropped as too stale (or rejected) does not take a usable
+        one's place, so a backlog of old hand-ins cannot shrink a step to one or two groups."""
         start = time.monotonic()
         cfg = self.config
-        if subs is None:
-            subs = self.board.take(cfg.groups_per_step, cfg.deadline_s)
         version = self.publisher.version
         kept: list[Submission] = []
-        rejected = dropped = verified = 0
-        for sub in subs:
-            reason = self.admit(sub)
-            self.board.consumed.add(sub.job)
-            if reason is not None:
-                self._reject(sub, reason)
-                rejected += 1
-            elif sub.job not in self.board.jobs:
-                dropped += 1
-            elif (version - sub.rollouts[0].version > cfg.max_staleness
-                  or self.publisher.weights(sub.rollouts[0].version) is None):
-                dropped += 1  # too old, or a version this trainer cannot check (restarted)
-            else:
-                kept.append(sub)
+        counts = {"rejected": 0, "dropped": 0}
+        if subs is not None:
+            for sub in subs:
+                self._sort(sub, version, kept, counts)
+        else:
+            end = start + cfg.deadline_s
+            while len(kept) < cfg.groups_per_step and time.monotonic() < end:
+                taken = self.board.take(cfg.groups_per_step - len(kept),
+                                        end - time.monotonic())
+                if not taken:
+                    break
+                for sub in taken:
+                    self._sort(sub, version, kept, counts)
+        rejected, dropped, verified = counts["rejected"], counts["dropped"], 0
         workers = sorted({s.worker for s in kept})
         must_check = {w: self._rng.choice([s for s in kept if s.worker == w]).job for w in workers}
         for sub in list(kept):
