@@ -105,6 +105,28 @@ class ReplayCheck:
             parts.append(flat[index.to(flat.device)].double().cpu())
         return torch.cat(parts) if parts else torch.zeros(1, dtype=torch.float64)
 
+    # --- resume ----------------------------------------------------------------------------------
+    def state(self) -> tuple[list, dict[str, torch.Tensor]]:
+        """What a checkpoint keeps: ``[[round, [peer, ...]], ...]`` (oldest round first) and
+        the remembered probes as tensors ``replay.I`` in that order, so a copy of an update of
+        the last rounds before a restart is still marked after it."""
+        index, tensors = [], {}
+        for round_id, probes in self._seen.items():
+            index.append([round_id, sorted(probes)])
+            for peer in sorted(probes):
+                tensors[f"replay.{len(tensors)}"] = probes[peer].clone()
+        return index, tensors
+
+    def load_state(self, index: list, tensors: dict[str, torch.Tensor]) -> None:
+        """Restore :meth:`state`."""
+        seen, count = {}, 0
+        for round_id, peers in index:
+            seen[None if round_id is None else int(round_id)] = {
+                str(peer): tensors[f"replay.{count + i}"].to(torch.float64)
+                for i, peer in enumerate(peers)}
+            count += len(peers)
+        self._seen = seen
+
     @staticmethod
     def _mark(probe: torch.Tensor, rounds: list[dict[str, torch.Tensor]]) -> str | None:
         norm = float(probe.norm())
@@ -142,6 +164,24 @@ class LossScorer:
         self.history: list[tuple[int, dict[str, float]]] = []  # (round, agreed ratings)
         self.seconds = 0.0  # time spent scoring, all rounds together
         self.rounds = 0
+
+    # --- resume ----------------------------------------------------------------------------------
+    def state_dict(self) -> dict:
+        """The ratings and counters a checkpoint keeps (JSON), so a restarted member, or a whole
+        run resumed, still weighs a peer by its record: an attacker's bad rounds are not
+        forgotten by restarting. The per-round history (for plots) is not kept."""
+        return {"ratings": dict(self.ratings), "rounds": self.rounds, "seconds": self.seconds}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore :meth:`state_dict`; a rating that is not a finite number in [-1, 1] is
+        refused (a checkpoint is verified by its digests, but it may come from another farlink)."""
+        ratings = {str(p): float(r) for p, r in dict(state["ratings"]).items()}
+        wrong = [p for p, r in ratings.items() if not (math.isfinite(r) and -1 <= r <= 1)]
+        if wrong:
+            raise ValueError(f"ratings out of [-1, 1] for {', '.join(sorted(wrong))}")
+        self.ratings = ratings
+        self.rounds = int(state.get("rounds", 0))
+        self.seconds = float(state.get("seconds", 0.0))
 
     # --- the round's judgement -----------------------------------------------------------------
     def judge(self, round_id: int, updates: dict[str, dict[str, torch.Tensor]],
