@@ -128,7 +128,7 @@ class _Ridge(torch.nn.Module):
         return None, ((self.w ** 2 - 1) ** 2 + 0.3 * self.w).sum()
 
 
-def test_a_long_step_is_judged_in_its_direction_and_a_fast_peer_is_not_punished():
+def test_a_long_step_is_judged_in_its_direction():
     model = _Ridge()
     base = {"w": model.w.detach()}
     batch = (torch.zeros(1), torch.zeros(1))
@@ -165,6 +165,18 @@ def test_a_peer_that_trained_twice_as_long_keeps_its_score():
     scorer = LossScorer(model, lambda: base, lambda peer, r: batches[0], heldout)
     verdicts = scorer.judge(0, updates, tokens)
     assert verdicts["fast"].score >= 0.5 and scorer.factor(verdicts["fast"].rating) >= 0.5
+
+
+def test_bench_rates_count_what_the_ledger_left_out():
+    """The bench's two rates: attackers' rounds left out or credited nothing (rejected by
+    score or mark, or accepted with a mark), honest rounds left out (false rejects)."""
+    from farlink.bench.attack import _rates
+
+    peers = {"w0": {"rounds": 6, "updates_rejected": 1, "marks": {}},
+             "w1": {"rounds": 6, "updates_rejected": 0, "marks": {}},
+             "w2": {"rounds": 6, "updates_rejected": 4, "marks": {"replay": 1}}}
+    rates = _rates(peers, {"w2"})
+    assert rates == {"attacker_discount_rate": 5 / 6, "honest_false_reject_rate": 1 / 12}
 
 
 def test_open_runs_default_to_a_robust_rule_and_scoring():
