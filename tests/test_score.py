@@ -112,6 +112,73 @@ def test_scorer_ranks_by_loss_drop_and_spares_a_slow_peer():
     assert -1.0 < again["ipm"].rating < again["full"].rating
 
 
+class _Ridge(torch.nn.Module):
+    """One parameter on a ridge: descending from w=0.5 toward the near valley at w=1 lowers
+    the loss a little; a step of 12 honest lengths the other way jumps past the hump at w=0
+    into the deeper valley at w=-1 and lowers it more, while a step of honest length that way
+    climbs the hump. In one dimension, what ``bench attack`` measured of IPM at eps=4 in its
+    first rounds (reversed and four times as long, it lowered the held-out loss more than any
+    honest update)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.tensor([0.5]))
+
+    def forward(self, inputs, targets):  # noqa: ANN001, ANN201
+        return None, ((self.w ** 2 - 1) ** 2 + 0.3 * self.w).sum()
+
+
+def test_a_long_step_is_judged_in_its_direction():
+    model = _Ridge()
+    base = {"w": model.w.detach()}
+    batch = (torch.zeros(1), torch.zeros(1))
+    scorer = LossScorer(model, lambda: base, lambda peer, r: batch, batch)
+    honest = {"a": -0.1, "b": -0.11, "c": -0.09}
+    updates = {p: {"w": torch.tensor([v])} for p, v in honest.items()}
+    updates["ipm"] = {"w": torch.tensor([1.2])}  # 12 x an honest length, the other way
+    tokens = dict.fromkeys(updates, 8.0)
+    moved = {"w": base["w"] - updates["ipm"]["w"]}
+    assert scorer._loss(moved, batch) < scorer._loss({"w": torch.tensor([0.6])}, batch)
+    verdicts = scorer.judge(0, updates, tokens)
+    assert verdicts["ipm"].score == -1.0 and scorer.factor(verdicts["ipm"].rating) == 0
+    assert all(verdicts[p].score > 0.8 for p in honest)
+
+
+def test_a_peer_that_trained_twice_as_long_keeps_its_score():
+    """Real model, real training: a peer that trained twice the steps (claiming twice the
+    tokens; its update is longer than 1.25 x the round's median, so it is judged in its
+    direction too) scores like the others."""
+    torch.manual_seed(0)
+    model = GPT(preset_config("tiny", vocab_size=64, seq_len=16))
+    gen = torch.Generator().manual_seed(1)
+    seqs = (torch.randint(0, 64, (48, 1), generator=gen) + torch.arange(17)) % 64
+    batches = [(seqs[i:i + 4, :-1], seqs[i:i + 4, 1:]) for i in range(0, 40, 4)]
+    heldout = (seqs[40:44, :-1], seqs[40:44, 1:])
+    updates = {"a": _trained(model, batches, 4), "b": _trained(model, batches[1:], 4),
+               "c": _trained(model, batches[2:], 4), "fast": _trained(model, batches, 8)}
+    tokens = {"a": 4.0, "b": 4.0, "c": 4.0, "fast": 8.0}
+    from farlink.robust.score import LONG_STEP, _norm
+
+    norms = {p: _norm(u) for p, u in updates.items()}
+    assert norms["fast"] > LONG_STEP * sorted(norms.values())[1]  # judged in its direction
+    base = {n: p.detach() for n, p in model.named_parameters()}
+    scorer = LossScorer(model, lambda: base, lambda peer, r: batches[0], heldout)
+    verdicts = scorer.judge(0, updates, tokens)
+    assert verdicts["fast"].score >= 0.5 and scorer.factor(verdicts["fast"].rating) >= 0.5
+
+
+def test_bench_rates_count_what_the_ledger_left_out():
+    """The bench's two rates: attackers' rounds left out or credited nothing (rejected by
+    score or mark, or accepted with a mark), honest rounds left out (false rejects)."""
+    from farlink.bench.attack import _rates
+
+    peers = {"w0": {"rounds": 6, "updates_rejected": 1, "marks": {}},
+             "w1": {"rounds": 6, "updates_rejected": 0, "marks": {}},
+             "w2": {"rounds": 6, "updates_rejected": 4, "marks": {"replay": 1}}}
+    rates = _rates(peers, {"w2"})
+    assert rates == {"attacker_discount_rate": 5 / 6, "honest_false_reject_rate": 1 / 12}
+
+
 def test_open_runs_default_to_a_robust_rule_and_scoring():
     trusted = load_config(None, {})
     assert (trusted.members, trusted.aggregator, trusted.score) == ("trusted", "mean", "none")

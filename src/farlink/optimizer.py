@@ -76,6 +76,7 @@ log = logging.getLogger(__name__)
 
 #: what a newcomer waits for the members' next round (their rounds may be long)
 JOIN_QUORUM_TIMEOUT = 3600.0
+TRUST = "trust"  # checkpoint meta: the exchange's records of its peers (Exchange.trust_state)
 SITE_RANKS = "site_ranks"  # a site's checkpoint meta: how many ranks wrote it
 BYTES_SENT = "counter.bytes_sent"  # a site's checkpoint: this rank's bytes (each sends its shard)
 
@@ -411,7 +412,11 @@ class Optimizer(torch.optim.Optimizer):
     def save(self, directory: str | Path, *, background: bool = False, **meta: Any) -> Path:
         """An atomic checkpoint under ``directory`` (the last two are kept), with ``meta``
         (JSON: your data position, counters) returned by :meth:`load`; its path. The
-        contribution ledger is :attr:`ledger` (``sync.ledger.save(path)``).
+        checkpoint also keeps what this member knows of its peers (the contribution ledger,
+        loss-scoring ratings, the recent updates a replay is compared with: a resumed run
+        does not forget an attacker's record); :attr:`ledger` is readable on its own too
+        (``sync.ledger.save(path)``). A site of several ranks (one ledger per rank, never
+        scored) keeps no such record.
 
         ``background=True`` copies the state in memory and returns at once; a thread writes it
         while training goes on. The checkpoint is published (``LATEST``) only once fully written,
@@ -425,11 +430,13 @@ class Optimizer(torch.optim.Optimizer):
                 "outer_step": self.algorithm.outer_step, "bytes_sent": self.bytes_sent()}
         if self.site is not None:
             return self._save_site(directory, step, meta, background)
+        meta[TRUST], trust_tensors = self.exchange.trust_state()
+        tensors = {**self.checkpoint_tensors(), **trust_tensors}
         if not background:
             self.checkpoint_writes.wait()
-            return save_checkpoint(directory, step, self.checkpoint_tensors(), meta)
+            return save_checkpoint(directory, step, tensors, meta)
         # the live tensors change at the next inner step: the write gets its own copy
-        snapshot = {k: v.detach().clone() for k, v in self.checkpoint_tensors().items()}
+        snapshot = {k: v.detach().clone() for k, v in tensors.items()}
         self.checkpoint_writes.submit(lambda: save_checkpoint(directory, step, snapshot, meta))
         return checkpoint_path(directory, step)
 
@@ -478,7 +485,10 @@ class Optimizer(torch.optim.Optimizer):
         if written_by != ranks:  # each rank's part is its own shard: cut them again
             tensors = self._resharded(path, meta)
         bytes_sent = tensors.pop(BYTES_SENT, None)
+        trust_tensors = {k: tensors.pop(k) for k in [k for k in tensors if k.startswith("trust.")]}
         self.load_checkpoint_tensors(tensors)
+        if meta.get(TRUST) is not None:  # the peers' records: ratings, credits, recent updates
+            self.exchange.load_trust_state(meta[TRUST], trust_tensors)
         self.collective.stats.bytes_sent = (meta["bytes_sent"] if bytes_sent is None
                                             else int(bytes_sent))
         return {**meta, "path": str(path)}

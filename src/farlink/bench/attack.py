@@ -151,12 +151,33 @@ def _judged(row: dict, attackers: set[str]) -> dict:
                for _, rs in later):
             separated = i
             break
+    threshold = row.get("config", {}).get("score_threshold", 0.25)
+    caught = next((r for r, rs in row.get("ratings", [])
+                   if max((v for p, v in rs.items() if p in attackers), default=1) < threshold),
+                  None)
     return {"credited": credited,
             "attacker_credited": sum(v for p, v in credited.items() if p in attackers),
+            **_rates(peers, attackers), "first_round_discounted": caught,
             "discounted": {p: r.get("rejections", {}) for p, r in peers.items() if r.get("rejections")},
             "marks": {p: r.get("marks", {}) for p, r in peers.items() if r.get("marks")},
             "rating_curves": curves, "rounds_to_separate": separated,
             "attackers": sorted(attackers)}
+
+
+def _rates(peers: dict, attackers: set[str]) -> dict:
+    """From a ledger's records: the share of the attackers' rounds in which they were left out
+    or credited nothing, and the share of the honest peers' rounds in which they were left out
+    (false rejects; the bench turns the norm screen off, so every rejection is the scorer's)."""
+    def left_out(record: dict) -> int:  # rejected (score or mark), or accepted but marked
+        return record.get("updates_rejected", 0) + sum(record.get("marks", {}).values())
+
+    def share(group: list[dict]) -> float | None:
+        rounds = sum(r.get("rounds", 0) for r in group)
+        return sum(left_out(r) for r in group) / rounds if rounds else None
+
+    return {"attacker_discount_rate": share([r for p, r in peers.items() if p in attackers]),
+            "honest_false_reject_rate": share([r for p, r in peers.items()
+                                               if p not in attackers])}
 
 
 def plot_ratings(path: Path, rows: list[dict]) -> Path:

@@ -133,6 +133,14 @@ class ContributionLedger:
             raise ValueError(f"corrupt contribution ledger: {exc}") from exc
         return ledger
 
+    def restore(self, data: Mapping) -> None:
+        """Replace this ledger's records by :meth:`to_dict`'s ``data`` in place (the exchange
+        and the optimizer hold this very object): a resumed member keeps the credits, marks
+        and ratings of the rounds before its restart."""
+        other = ContributionLedger.from_dict(data)
+        with self._lock:
+            self._peers, self._seen = other._peers, other._seen
+
     def save(self, path: Path) -> None:
         atomic_write(Path(path), json.dumps(self.to_dict(), indent=1))
 

@@ -29,10 +29,15 @@ medians of the reports: the same numbers on every member (so one aggregate), wha
 minority of lying members reports, whatever a joiner (no ratings yet) or hardware that rounds
 differently computes.
 
+An update much longer than the round's usual one is also judged in its *direction*: scaled to
+the round's median length (its drop per token scaled alike), it must lower the loss too. A long
+step reversed against the honest direction can lower the loss by its length alone early in
+training (IPM, ``-eps mu`` with eps=4, did for three rounds); at an honest length it raises it.
+
 Cost per member and round: ``1 + 3 x turns`` forward passes of ``rows`` sequences (the held-out
 batch at ``theta``; each measured peer's held-out batch moved, its shard batch at ``theta`` and
-moved), whatever the number of peers, against ``H x batch`` sequences forward and backward of
-the round's training; :attr:`LossScorer.seconds` measures it.
+moved), whatever the number of peers, plus 3 for each measured long step, against ``H x batch``
+sequences forward and backward of the round's training; :attr:`LossScorer.seconds` measures it.
 """
 
 from __future__ import annotations
@@ -51,6 +56,13 @@ from torch.func import functional_call
 Batch = tuple[torch.Tensor, torch.Tensor]
 #: cosine similarity above which an update counts as a copy of one seen in an earlier round
 REPLAY_SIMILARITY = 0.999
+#: an update longer than this times the round's (lower) median norm is also judged in its
+#: direction, scaled to that norm (see :meth:`LossScorer.measure`)
+LONG_STEP = 1.25
+
+
+def _norm(update: dict[str, torch.Tensor]) -> float:
+    return math.sqrt(sum(float(t.detach().double().pow(2).sum()) for t in update.values()))
 
 
 @dataclass
@@ -105,6 +117,28 @@ class ReplayCheck:
             parts.append(flat[index.to(flat.device)].double().cpu())
         return torch.cat(parts) if parts else torch.zeros(1, dtype=torch.float64)
 
+    # --- resume ----------------------------------------------------------------------------------
+    def state(self) -> tuple[list, dict[str, torch.Tensor]]:
+        """What a checkpoint keeps: ``[[round, [peer, ...]], ...]`` (oldest round first) and
+        the remembered probes as tensors ``replay.I`` in that order, so a copy of an update of
+        the last rounds before a restart is still marked after it."""
+        index, tensors = [], {}
+        for round_id, probes in self._seen.items():
+            index.append([round_id, sorted(probes)])
+            for peer in sorted(probes):
+                tensors[f"replay.{len(tensors)}"] = probes[peer].clone()
+        return index, tensors
+
+    def load_state(self, index: list, tensors: dict[str, torch.Tensor]) -> None:
+        """Restore :meth:`state`."""
+        seen, count = {}, 0
+        for round_id, peers in index:
+            seen[None if round_id is None else int(round_id)] = {
+                str(peer): tensors[f"replay.{count + i}"].to(torch.float64)
+                for i, peer in enumerate(peers)}
+            count += len(peers)
+        self._seen = seen
+
     @staticmethod
     def _mark(probe: torch.Tensor, rounds: list[dict[str, torch.Tensor]]) -> str | None:
         norm = float(probe.norm())
@@ -143,6 +177,24 @@ class LossScorer:
         self.seconds = 0.0  # time spent scoring, all rounds together
         self.rounds = 0
 
+    # --- resume ----------------------------------------------------------------------------------
+    def state_dict(self) -> dict:
+        """The ratings and counters a checkpoint keeps (JSON), so a restarted member, or a whole
+        run resumed, still weighs a peer by its record: an attacker's bad rounds are not
+        forgotten by restarting. The per-round history (for plots) is not kept."""
+        return {"ratings": dict(self.ratings), "rounds": self.rounds, "seconds": self.seconds}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore :meth:`state_dict`; a rating that is not a finite number in [-1, 1] is
+        refused (a checkpoint is verified by its digests, but it may come from another farlink)."""
+        ratings = {str(p): float(r) for p, r in dict(state["ratings"]).items()}
+        wrong = [p for p, r in ratings.items() if not (math.isfinite(r) and -1 <= r <= 1)]
+        if wrong:
+            raise ValueError(f"ratings out of [-1, 1] for {', '.join(sorted(wrong))}")
+        self.ratings = ratings
+        self.rounds = int(state.get("rounds", 0))
+        self.seconds = float(state.get("seconds", 0.0))
+
     # --- the round's judgement -----------------------------------------------------------------
     def judge(self, round_id: int, updates: dict[str, dict[str, torch.Tensor]],
               tokens: dict[str, float], marks: dict[str, str] | None = None) -> dict[str, Verdict]:
@@ -157,14 +209,32 @@ class LossScorer:
                 marks: dict[str, str] | None = None) -> dict[str, float]:
         """The loss drop per claimed token of each peer of ``evaluate`` that claimed tokens
         and is not marked (``marks``: :class:`ReplayCheck`'s, earning nothing whatever they
-        do); the cost counted in :attr:`seconds`."""
+        do); the cost counted in :attr:`seconds`.
+
+        An update more than :data:`LONG_STEP` times as long as the round's median one is also
+        measured scaled down to that median length, per token scaled alike, and keeps the
+        smaller of the two: a long step can lower the loss by its length alone while its
+        direction raises it (IPM at eps=4 early in training: measured as sent, it beat every
+        honest update for three rounds). An honest update that is long because its peer
+        trained more still descends in its direction and keeps its drop per token."""
         started = time.perf_counter()
         marks = marks or {}
         chosen = [p for p in evaluate if tokens.get(p, 0.0) > 0 and p not in marks]
         base = {n: t.detach() for n, t in self.base().items()}
         at_base = self._loss(base, self.heldout) if chosen else 0.0
-        out = {p: self._drop(base, at_base, updates[p], p, round_id) / tokens[p]
-               for p in chosen}
+        norms = {p: _norm(u) for p, u in updates.items()
+                 if tokens.get(p, 0.0) > 0 and p not in marks}
+        ordered = sorted(norms.values())
+        usual = ordered[(len(ordered) - 1) // 2] if ordered else 0.0  # the lower median
+        out = {}
+        for p in chosen:
+            drop = self._drop(base, at_base, updates[p], p, round_id) / tokens[p]
+            if usual > 0 and norms[p] > LONG_STEP * usual:
+                # a long step: judged in its direction too, at the usual length
+                k = usual / norms[p]
+                scaled = {n: k * t for n, t in updates[p].items()}
+                drop = min(drop, self._drop(base, at_base, scaled, p, round_id) / (k * tokens[p]))
+            out[p] = drop
         self.seconds += time.perf_counter() - started
         return out
 

@@ -442,6 +442,29 @@ class Exchange:
                 self.ledger.record_score(peer, verdict.score, verdict.rating)
         return factors
 
+    # --- resume ----------------------------------------------------------------------------------
+    def trust_state(self) -> tuple[dict, dict[str, torch.Tensor]]:
+        """What this member knows of its peers' records, for a checkpoint: the ledger (credits,
+        marks), the scorer's ratings and the updates of the last rounds a replay is compared
+        with; JSON and tensors (``trust.*``). Without it a restarted member, or a whole run
+        resumed, would weigh an attacker as a newcomer again."""
+        index, probes = self.replays.state()
+        meta = {"replays": index,
+                "ledger": self.ledger.to_dict() if self.ledger is not None else None,
+                "scorer": self.scorer.state_dict() if self.scorer is not None else None}
+        return meta, {f"trust.{k}": v for k, v in probes.items()}
+
+    def load_trust_state(self, meta: dict, tensors: dict[str, torch.Tensor]) -> None:
+        """Restore :meth:`trust_state` (a checkpoint written without scoring restores no
+        ratings; one written before these records were kept restores nothing)."""
+        self.replays.load_state(meta.get("replays", []),
+                                {k[len("trust."):]: v for k, v in tensors.items()
+                                 if k.startswith("trust.")})
+        if self.ledger is not None and meta.get("ledger") is not None:
+            self.ledger.restore(meta["ledger"])
+        if self.scorer is not None and meta.get("scorer") is not None:
+            self.scorer.load_state_dict(meta["scorer"])
+
     def turn(self, judged: list[str], round_id: int) -> list[str]:
         """The peers this member measures in round ``round_id``: the next ``scorer.turns`` of
         the others in name order, starting one further on each round. Every peer is measured
