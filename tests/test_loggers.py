@@ -7,10 +7,7 @@ is logged but lands nowhere, or under another name, fails here.
 
 from __future__ import annotations
 
-import os
-import subprocess
 import sys
-import textwrap
 import threading
 from pathlib import Path
 
@@ -49,16 +46,18 @@ def tensorboard_scalars(directory: Path) -> dict[str, list[tuple[int, float]]]:
             for tag in acc.Tags()["scalars"]}
 
 
+@pytest.mark.torchft_threads
 def test_farlink_train_logs_to_tensorboard_and_wandb(tmp_path: Path, cache_dir: Path) -> None:
-    """A real 2-worker run with ``--log-to tensorboard,wandb``: every worker's curves in both,
-    equal to its JSONL records (the run's own record)."""
+    """A real 2-worker run with ``--log-to tensorboard,wandb`` (workers as threads: the sinks
+    are the workers' own, opened as in a worker process): every worker's curves in both, equal
+    to its JSONL records (the run's own record)."""
+    from farlink.testing.runs import launch_in_threads
+
     run = tmp_path / "run"
-    flags = [f"--{k.replace('_', '-')}={v}" for k, v in TINY.items()]
-    done = subprocess.run(
-        [sys.executable, "-m", "farlink.cli", "train", *flags, "--run-dir", str(run),
-         "--cache-dir", str(cache_dir), "--log-to", "tensorboard,wandb"],
-        env={**os.environ, "COLUMNS": "200"}, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    cfg = load_config(None, {**TINY, "run_dir": run, "cache_dir": cache_dir,
+                             "log_to": "tensorboard,wandb"})
+    done = launch_in_threads(cfg)
+    assert done.returncodes == [0, 0], done.summary
     runs = {r.name: r for r in offline_runs(run / "wandb")}
     assert set(runs) == {"w0", "w1"}
     for worker in ("w0", "w1"):
@@ -166,22 +165,24 @@ def test_unknown_sinks_are_refused_and_the_spec_is_saved_normalized(tmp_path: Pa
 
 
 def test_log_to_without_the_metrics_extra_names_it_before_anything_starts(
-        tmp_path: Path) -> None:
-    script = textwrap.dedent("""
-        import sys
-        sys.modules["tensorboard"] = None
-        from farlink.cli import main
-        sys.argv = ["farlink", "train", *sys.argv[1:]]
-        main()
-    """)
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture) -> None:
+    """``farlink``'s own entry point, run in this process (no fresh interpreter importing
+    torch); only its signal handlers stay out of the test process."""
+    from farlink import cli, interrupt
+
+    monkeypatch.setitem(sys.modules, "tensorboard", None)  # not installed, as far as imports go
+    monkeypatch.setattr(interrupt, "install", lambda: None)
+    monkeypatch.setenv("COLUMNS", "200")
     flags = [f"--{k.replace('_', '-')}={v}" for k, v in TINY.items()]
-    done = subprocess.run([sys.executable, "-c", script, *flags, "--run-dir",
-                           str(tmp_path / "run"), "--cache-dir", str(tmp_path / "cache"),
-                           "--log-to", "tensorboard"], capture_output=True, text=True,
-                          timeout=300, env={**os.environ, "COLUMNS": "200"})
-    assert done.returncode == 2, done.stderr[-2000:]
-    assert "--log-to tensorboard needs tensorboard" in done.stderr
-    assert "pip install 'farlink[metrics]'" in done.stderr and "Traceback" not in done.stderr
+    monkeypatch.setattr(sys, "argv", ["farlink", "train", *flags, "--run-dir",
+                                      str(tmp_path / "run"), "--cache-dir",
+                                      str(tmp_path / "cache"), "--log-to", "tensorboard"])
+    with pytest.raises(SystemExit) as stopped:
+        cli.main()
+    stderr = capsys.readouterr().err
+    assert stopped.value.code == 2, stderr[-2000:]
+    assert "--log-to tensorboard needs tensorboard" in stderr
+    assert "pip install 'farlink[metrics]'" in stderr and "Traceback" not in stderr
     assert not (tmp_path / "run" / "metrics").exists()  # no worker started
 
 
