@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 
 import pytest
-from join_scenario import two_workers_then_join
+from join_scenario import two_workers_then_join_in_threads
 
 from farlink.config import load_config
 from farlink.robust.auth import run_authenticator
@@ -116,21 +116,22 @@ def test_unlisted_key_is_refused_by_farlink_join(tmp_path: Path, cache_dir: Path
     assert len(refusals) == 1 and "unknown key" in refusals[0][1]
 
 
+@pytest.mark.torchft_threads
 def test_member_joins_mid_run_and_heals_through_gates(tmp_path: Path, cache_dir: Path) -> None:
     """With --auth the healing transfer also goes through gates: a member that joins late
-    downloads the live peers' state through their checkpoint gates and then contributes."""
+    downloads the live peers' state through their checkpoint gates and then contributes.
+    Workers as threads (the gated Lighthouse a process); `farlink join` itself: the refusal
+    above, and test_join's run without --auth."""
     from farlink.data import prepare_data
 
     cfg = load_config(None, {**BASE, "run_dir": tmp_path / "run", "cache_dir": cache_dir,
-                             "secret": "the-run-secret", "steps": 200, "eval_every": 10,
-                             "min_replicas": 2, "join_timeout": 5,
-                             # long enough a run for the joiner's CLI to start inside it
-                             "model": "tiny"})
+                             "secret": "the-run-secret", "steps": 80, "eval_every": 10,
+                             "min_replicas": 2, "join_timeout": 5})
     write_run_config(cfg)
     prepare_data(cfg.corpus, cfg.vocab_size, cfg.cache_dir)
     lighthouse = Lighthouse(min_replicas=2, join_timeout=5, log_path=cfg.run_dir / "lh.log",
                             authenticator=run_authenticator(cfg, "gate", verifier=True)).start()
-    two_workers_then_join(cfg, lighthouse, tmp_path / "join.log")
+    two_workers_then_join_in_threads(cfg, lighthouse)
 
 
 @pytest.mark.slow  # about 50 s: three worker processes, each with its own p2p daemon
