@@ -169,10 +169,16 @@ def test_hivemind_wrong_secret_peer_is_refused(tmp_path: Path, cache_dir: Path) 
     assert audit_run(cfg.run_dir)["consistent"]
 
 
+@pytest.mark.torchft_threads
 def test_nan_and_scaled_attackers_are_screened(tmp_path: Path, cache_dir: Path) -> None:
+    """Workers as threads behind the launcher's gated Lighthouse (a quorum of all three, as
+    run_three's)."""
+    from farlink.testing.runs import launch_in_threads
+
     cfg = load_config(None, {**BASE, "run_dir": tmp_path / "run", "cache_dir": cache_dir,
-                             "secret": "s", "attack": "scale:1000", "attackers": "2"})
-    assert run_three(cfg, {}) == [0, 0, 0]
+                             "secret": "s", "attack": "scale:1000", "attackers": "2",
+                             "min_replicas": 3})
+    assert launch_in_threads(cfg).returncodes == [0, 0, 0]
     ledger = json.loads((cfg.run_dir / "ledger" / "w0.json").read_text())["peers"]
     assert ledger["w2"]["updates_rejected"] == 3 and ledger["w2"]["updates_accepted"] == 0
     assert audit_run(cfg.run_dir)["consistent"]
