@@ -1,4 +1,5 @@
-"""Trust with real processes: a peer holding the wrong run secret (or a key the run never
+"""Trust with real workers (threads of this process behind a real gated Lighthouse; processes
+for `farlink join` and hivemind): a peer holding the wrong run secret (or a key the run never
 listed) is refused at the Lighthouse gate and never enters a round, and a peer sending NaN/huge
 updates is rejected by the honest peers, who keep agreeing and learning."""
 
@@ -32,24 +33,6 @@ def gated_lighthouse(cfg, log_path: Path | None = None) -> Lighthouse:
                       authenticator=run_authenticator(cfg, "gate", verifier=True)).start()
 
 
-def run_three(cfg, envs: dict[int, dict[str, str]], extra: int = 0) -> list[int]:
-    """Three workers of ``cfg`` (plus ``extra`` more, indices 3..) against a gated Lighthouse."""
-    from farlink.data import prepare_data
-
-    write_run_config(cfg)
-    prepare_data(cfg.corpus, cfg.vocab_size, cfg.cache_dir)
-    lighthouse = gated_lighthouse(cfg, cfg.run_dir / "lighthouse.log")
-    procs = [spawn_worker(cfg, i, lighthouse.address, False, envs.get(i))
-             for i in range(3 + extra)]
-    try:
-        for p in procs:
-            p.wait(timeout=600)
-    finally:
-        _stop_all(procs)
-        lighthouse.stop()
-    return [p.returncode for p in procs]
-
-
 def honest_fingerprints(run_dir: Path, workers: list[str]) -> dict[int, set[str]]:
     out: dict[int, set[str]] = {}
     for w in workers:
@@ -59,14 +42,51 @@ def honest_fingerprints(run_dir: Path, workers: list[str]) -> dict[int, set[str]
     return out
 
 
+def run_in_threads(configs: dict, lighthouse: Lighthouse) -> dict:
+    """Worker ``i`` of ``configs[i]`` for every ``i`` at once, as threads against
+    ``lighthouse`` (stopped at the end); each one's exit code, or the AdmissionError that
+    refused it (what ``farlink worker`` prints before exiting non-zero)."""
+    import threading
+
+    from farlink.robust.gate import AdmissionError
+    from farlink.testing import in_threads
+    from farlink.train.worker import Worker
+
+    building = threading.Lock()  # a worker seeds the process's RNG, then builds its model
+
+    def work(index: int, cfg) -> object:  # noqa: ANN001
+        try:
+            with building:
+                worker = Worker(cfg, index, lighthouse.address)
+            try:
+                return worker.run()
+            finally:
+                worker.close()
+        except AdmissionError as exc:
+            return exc
+
+    try:
+        return in_threads(work, configs, timeout=300)
+    finally:
+        lighthouse.stop()
+
+
+@pytest.mark.torchft_threads
 def test_wrong_secret_peer_is_refused_at_the_gate(tmp_path: Path, cache_dir: Path) -> None:
+    """Workers as threads behind the gated Lighthouse (a process); the fourth holds a wrong
+    secret."""
+    from farlink.data import prepare_data
+
     cfg = load_config(None, {**BASE, "run_dir": tmp_path / "run", "cache_dir": cache_dir,
                              "secret": "the-run-secret"})
-    codes = run_three(cfg, {3: {"FARLINK_SECRET": "a-wrong-secret"}}, extra=1)
-    assert codes[:3] == [0, 0, 0]
-    assert codes[3] != 0  # refused: a clear error, not a hang
-    log = (cfg.run_dir / "logs" / "w3.log").read_text()
-    assert "refused this peer" in log and "wrong run secret" in log and "Fix:" in log
+    write_run_config(cfg)
+    prepare_data(cfg.corpus, cfg.vocab_size, cfg.cache_dir)
+    wrong = cfg.model_copy(update={"secret": "a-wrong-secret"})
+    codes = run_in_threads({0: cfg, 1: cfg, 2: cfg, 3: wrong},
+                           gated_lighthouse(cfg, cfg.run_dir / "lighthouse.log"))
+    assert [codes[i] for i in range(3)] == [0, 0, 0]
+    refusal = str(codes[3])  # refused: a clear error, not a hang
+    assert "refused this peer" in refusal and "wrong run secret" in refusal and "Fix:" in refusal
     assert not (cfg.run_dir / "metrics" / "w3.jsonl").exists()  # never trained, never synced
     gate_log = (cfg.run_dir / "gate.log").read_text()
     assert "refused" in gate_log and "'w3'" in gate_log
@@ -171,8 +191,7 @@ def test_hivemind_wrong_secret_peer_is_refused(tmp_path: Path, cache_dir: Path) 
 
 @pytest.mark.torchft_threads
 def test_nan_and_scaled_attackers_are_screened(tmp_path: Path, cache_dir: Path) -> None:
-    """Workers as threads behind the launcher's gated Lighthouse (a quorum of all three, as
-    run_three's)."""
+    """Workers as threads behind the launcher's gated Lighthouse (a quorum of all three)."""
     from farlink.testing.runs import launch_in_threads
 
     cfg = load_config(None, {**BASE, "run_dir": tmp_path / "run", "cache_dir": cache_dir,
