@@ -3,7 +3,8 @@
 :func:`farlink.train.launcher.launch` starts a Lighthouse process and one Python process per
 worker; most of a short test run's time is then interpreters importing torch. Here the workers
 are :class:`farlink.train.worker.Worker` objects in threads, meeting at torchft's real
-Lighthouse served in-process and averaging over real Gloo, and the run dir ends as the launcher
+Lighthouse served in-process (with ``--auth``, the launcher's gated Lighthouse; island runs add
+the launcher's island Lighthouses) and averaging over real Gloo, and the run dir ends as the launcher
 leaves it (metrics, checkpoints, final replicas, ``summary.json``, the exported model), so a test
 asserts on the same files and the same :class:`~farlink.train.launcher.RunResult`.
 
