@@ -40,6 +40,52 @@ def two_workers_then_join(cfg: RunConfig, lighthouse: Lighthouse, log: Path) -> 
         _stop_all(procs)
         lighthouse.stop()
     assert [p.returncode for p in procs] == [0, 0, 0], log.read_text()[-3000:]
+    return joined(cfg)
+
+
+def two_workers_then_join_in_threads(cfg: RunConfig, lighthouse: Lighthouse) -> dict:
+    """:func:`two_workers_then_join` with the workers as threads of this process (the joiner a
+    ``Worker`` built with ``joining=True``, as ``farlink join`` builds it) against
+    ``lighthouse``; the same checks and the joiner's ``join`` record."""
+    import threading
+
+    from farlink.testing import in_threads
+    from farlink.train.worker import Worker
+
+    building = threading.Lock()  # a worker seeds the process's RNG, then builds its model
+    ready = threading.Event()
+
+    def work(index: int, _member: object) -> int:
+        if index == 2:
+            ready.wait(300)
+        with building:
+            worker = Worker(cfg, index, lighthouse.address, joining=index == 2)
+        try:
+            return worker.run()
+        finally:
+            worker.close()
+
+    def watch() -> None:
+        deadline = time.time() + 300
+        while committed_outer_steps(cfg.run_dir) < 2 and time.time() < deadline:
+            time.sleep(0.2)
+        ready.set()
+
+    watcher = threading.Thread(target=watch, daemon=True)
+    watcher.start()
+    try:
+        codes = in_threads(work, dict.fromkeys(range(3)), timeout=300)
+    finally:
+        ready.set()
+        lighthouse.stop()
+    assert committed_outer_steps(cfg.run_dir) >= 2, "the first two workers made no progress"
+    assert [codes[i] for i in range(3)] == [0, 0, 0]
+    return joined(cfg)
+
+
+def joined(cfg: RunConfig) -> dict:
+    """The joiner's (w2's) ``join`` record, after checking that it healed, then took part in
+    every later round with consistent replicas."""
     records = read_metrics(cfg.run_dir / "metrics" / "w2.jsonl")
     join = next(r for r in records if r["kind"] == "join")
     assert join["committed"] and join["healed"] and join["outer_step"] >= 3

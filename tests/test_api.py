@@ -3,11 +3,7 @@ authentication, exact resume; and the examples as real processes on torchft."""
 
 from __future__ import annotations
 
-import json
 import math
-import os
-import subprocess
-import sys
 import threading
 from pathlib import Path
 
@@ -355,30 +351,66 @@ def test_capabilities_answer_what_config_and_planner_used_to_list_by_name() -> N
         RunConfig(algorithm="hierarchical_diloco", backend="hivemind")
 
 
-# --- the examples, as real processes on real torchft -------------------------------------------
-def run_example(name: str, workdir: Path, *args: str) -> list[dict]:
-    env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
-    proc = subprocess.run([sys.executable, str(ROOT / "examples" / name), "--workdir",
-                           str(workdir), *args], capture_output=True, text=True, env=env,
-                          timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "replicas agree: True" in proc.stdout
-    return [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+# --- the examples' own loops on real torchft (replicas as threads) ----------------------------
+class _BuiltSignal:
+    """``farlink`` as an example sees it, saying when replica ``index`` has built its model (it
+    calls ``farlink.Optimizer`` right after)."""
+
+    def __init__(self, built: list[threading.Event]) -> None:
+        self.built = built
+
+    def Optimizer(self, *args, index: int, **kwargs):  # noqa: ANN002, ANN003, ANN201, N802
+        self.built[index].set()
+        return farlink.Optimizer(*args, index=index, **kwargs)
+
+    def __getattr__(self, name: str):  # noqa: ANN204
+        return getattr(farlink, name)
 
 
+def run_example(name: str, workdir: Path, steps: int, replicas: int = 2) -> list[dict]:
+    """The example's own ``train`` for each replica, as threads against torchft's Lighthouse
+    served here, as the example's ``main`` serves it before starting a process per replica (the
+    same ``train``, arguments and checkpoint paths); then what ``main`` prints as ``replicas
+    agree: True``. Replica r starts once replica r-1 has built its model: each seeds torch's RNG,
+    which is the process's, and builds its model from it."""
+    import importlib.util
+
+    from farlink.testing import in_threads, lighthouse_server
+
+    spec = importlib.util.spec_from_file_location(f"example_{Path(name).stem}",
+                                                  ROOT / "examples" / name)
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    built = [threading.Event() for _ in range(replicas)]
+    example.farlink = _BuiltSignal(built)
+
+    with lighthouse_server(replicas, join_timeout_s=10.0) as address:
+        def replica(rank: int, _member: object) -> dict:
+            if rank:
+                assert built[rank - 1].wait(120), f"replica {rank - 1} built no model"
+            return example.train(address, rank, steps, workdir / "checkpoints" / f"r{rank}")
+
+        results = in_threads(replica, dict.fromkeys(range(replicas)), timeout=300)
+    results = [results[r] for r in range(replicas)]
+    assert len({r["fingerprint"] for r in results}) == 1  # "replicas agree: True"
+    return results
+
+
+@pytest.mark.torchft_threads
 def test_own_model_example_two_torchft_replicas_then_resume(tmp_path: Path) -> None:
-    first = run_example("own_model.py", tmp_path, "--steps", "30")
+    first = run_example("own_model.py", tmp_path, 30)
     assert len(first) == 2 and {r["outer_steps"] for r in first} == {3}
     assert all(r["heldout_after"] < r["heldout_before"] for r in first)
     # the same command with a longer budget resumes both replicas from their checkpoints
-    again = run_example("own_model.py", tmp_path, "--steps", "50")
+    again = run_example("own_model.py", tmp_path, 50)
     assert {r["outer_steps"] for r in again} == {5}
     assert len({r["fingerprint"] for r in again}) == 1
 
 
+@pytest.mark.torchft_threads
 def test_hf_llama_example_learns_on_two_torchft_replicas(tmp_path: Path) -> None:
     pytest.importorskip("transformers")
-    results = run_example("hf_llama.py", tmp_path, "--steps", "40")
+    results = run_example("hf_llama.py", tmp_path, 40)
     assert len(results) == 2
     assert all(r["heldout_after"] < math.log(64) / 2 and r["outer_steps"] > 0 for r in results)
 

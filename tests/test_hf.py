@@ -1,7 +1,8 @@
-"""Hugging Face models in and out: real ``transformers`` models, real runs through the CLI.
+"""Hugging Face models in and out: real ``transformers`` models, real runs.
 
-Two real 2-worker runs (farlink's GPT, then a ``LlamaForCausalLM`` from ``hf:DIR`` with the
-first run's tokenizer given) are shared by the tests of export, generate and report.
+A real 2-worker run of farlink's GPT through the CLI is shared by the tests of export, generate
+and report; a ``LlamaForCausalLM`` from ``hf:DIR`` with a given tokenizer trains in a 2-worker
+run whose workers are threads.
 """
 
 from __future__ import annotations
@@ -68,15 +69,21 @@ def gpt_run(workdir: Path, cache_dir: Path) -> Path:
     return workdir / "runs" / "gpt"
 
 
-@pytest.fixture(scope="module")
-def hf_run(workdir: Path, cache_dir: Path, gpt_run: Path) -> Path:
-    """A ``LlamaForCausalLM`` given as hf:DIR (config only), trained with a given tokenizer."""
-    tiny_llama_config().save_pretrained(workdir / "llama")
-    done = farlink("train", *RUN_FLAGS, "--model", "hf:llama", "--tokenizer",
-                   str(gpt_run / "tokenizer.json"), "--run-dir", "runs/llama",
-                   "--cache-dir", str(cache_dir), cwd=workdir)
-    assert done.returncode == 0, done.stderr[-3000:]
-    return workdir / "runs" / "llama"
+def train_hf_run(tmp_path: Path, cache_dir: Path) -> tuple[Path, Path]:
+    """A ``LlamaForCausalLM`` given as hf:DIR (config only), trained with a given tokenizer (the
+    BPE that a run of farlink's GPT trains, written as that run writes it), with ``RUN_FLAGS``
+    and its workers as threads; the run dir and the given tokenizer file."""
+    from farlink.testing.runs import launch_in_threads
+
+    tiny_llama_config().save_pretrained(tmp_path / "llama")
+    flags = dict(zip((f.lstrip("-").replace("-", "_") for f in RUN_FLAGS[::2]), RUN_FLAGS[1::2]))
+    gpt = load_config(None, {**flags, "cache_dir": cache_dir})
+    given = tmp_path / "tokenizer.json"
+    given.write_text(prepare_data(gpt.corpus, gpt.vocab_size, cache_dir).tokenizer.to_str())
+    cfg = load_config(None, {**flags, "model": f"hf:{tmp_path / 'llama'}", "tokenizer": str(given),
+                             "run_dir": tmp_path / "runs" / "llama", "cache_dir": cache_dir})
+    assert launch_in_threads(cfg).returncodes == [0, 0]
+    return cfg.run_dir, given
 
 
 # --- out: farlink's GPT is a Llama --------------------------------------------------------------
@@ -211,8 +218,11 @@ def test_sample_top_k_one_is_greedy() -> None:
 
 # --- in: hf:DIR and --tokenizer -----------------------------------------------------------------
 
-def test_hf_model_trains_through_the_cli_and_workers(hf_run: Path, gpt_run: Path,
-                                                     tmp_path: Path) -> None:
+@pytest.mark.torchft_threads
+def test_hf_model_trains_in_workers(tmp_path: Path, cache_dir: Path) -> None:
+    """An hf:DIR model through the launcher's path (workers as threads; farlink's GPT run above
+    is the CLI's end-to-end run)."""
+    hf_run, given = train_hf_run(tmp_path, cache_dir)
     summary = json.loads((hf_run / "summary.json").read_text())
     assert summary["returncodes"] == [0, 0]
     assert summary["final_replicas"]["consistent"]
@@ -226,7 +236,7 @@ def test_hf_model_trains_through_the_cli_and_workers(hf_run: Path, gpt_run: Path
                  if '"kind": "step"' in line or '"kind": "sync"' in line)
     assert summary["final_heldout_loss"] < first["loss"] - 0.3
     # the given tokenizer is the run's (kept in the run dir), and the model is a Llama
-    assert (hf_run / "tokenizer.json").read_text() == (gpt_run / "tokenizer.json").read_text()
+    assert (hf_run / "tokenizer.json").read_text() == given.read_text()
     described = json.loads((hf_run / "model.json").read_text())
     assert described["architecture"] == "transformers"
     assert described["config"]["model_type"] == "llama"

@@ -1,6 +1,7 @@
-"""Hierarchical DiLoCo for real: 4 worker processes in 2 islands formed from measured links,
-torchft (a Lighthouse per island plus the global one, two Managers in each leader), Gloo on
-localhost, one deliberately slow worker; and clear errors for bad topology/island flags."""
+"""Hierarchical DiLoCo for real: 4 workers (threads of this process: launch_in_threads) in 2
+islands formed from measured links, torchft (a Lighthouse per island plus the global one, two
+Managers in each leader), Gloo on localhost, one deliberately slow worker; and clear errors for
+bad topology/island flags. Worker processes: the `farlink train` runs of the other tests."""
 
 from __future__ import annotations
 
@@ -12,13 +13,14 @@ from safetensors.torch import load_file
 
 from farlink.config import ConfigError, load_config
 from farlink.train.audit import audit_run
-from farlink.train.launcher import launch
+from farlink.testing.runs import launch_in_threads
 from farlink.train.metrics import read_metrics
 
 SMALL = {"model": "nano", "vocab_size": 512, "seq_len": 64, "batch_size": 4, "eval_batches": 4,
          "warmup_steps": 5, "log_every": 5, "join_timeout": 10, "heartbeat_timeout": 3}
 
 
+@pytest.mark.torchft_threads
 @pytest.mark.parametrize("overlap", [
     False, pytest.param(True, marks=pytest.mark.slow)], ids=["synchronous", "overlapped"])
 def test_two_islands_with_a_slow_worker_stay_bit_identical_and_learn(
@@ -29,7 +31,7 @@ def test_two_islands_with_a_slow_worker_stay_bit_identical_and_learn(
         "algorithm": "hierarchical_diloco", "topology": "0,2|1,3", "slowdown": "1,1,1,3",
         "steps": 30, "inner_steps": 10, "round_seconds": 3.0, "island_seconds": 1.5,
         "overlap_global": overlap})
-    result = launch(cfg, show_progress=False)
+    result = launch_in_threads(cfg)
     assert result.returncodes == [0, 0, 0, 0]
     network = json.loads((cfg.run_dir / "network.json").read_text())
     assert network["islands"] == [[0, 2], [1, 3]] and network["source"] == "measured"
@@ -63,6 +65,7 @@ def test_two_islands_with_a_slow_worker_stay_bit_identical_and_learn(
         "inter_bytes"]
 
 
+@pytest.mark.torchft_threads
 def test_authenticated_islands_gate_their_lighthouses_and_sign_the_handoff(
         tmp_path: Path, cache_dir: Path) -> None:
     """--auth secret: every island's Lighthouse is gated like the main one, and island updates,
@@ -71,7 +74,7 @@ def test_authenticated_islands_gate_their_lighthouses_and_sign_the_handoff(
         **SMALL, "run_dir": tmp_path / "run", "cache_dir": cache_dir, "workers": 4,
         "algorithm": "hierarchical_diloco", "islands": "0,1|2,3", "steps": 20,
         "inner_steps": 10, "island_steps": 5, "auth": "secret", "secret": "s3cret"})
-    result = launch(cfg, show_progress=False)
+    result = launch_in_threads(cfg)
     assert result.returncodes == [0, 0, 0, 0]
     audit = audit_run(cfg.run_dir)
     assert audit["consistent"] and audit["outer_steps"] == 2, audit

@@ -1,10 +1,11 @@
-"""Hierarchical DiLoCo across sites of several ranks: real processes throughout.
+"""Hierarchical DiLoCo across sites of several ranks: the sites are real processes.
 
 Three workers, each a ``torchrun`` site of 2 ranks (FSDP2 over Gloo on CPU), in the forced
 islands ``0,1|2``: an island Lighthouse per island and the main one for the leaders (sites 0 and
 2). Every rank holds an island Manager (its site is the replica group) and, on a leader site, a
 global one, so rank r exchanges only its own shard with rank r of the other sites on both tiers
-and receives its shard of the hand-off. The same run with one rank per worker is the reference.
+and receives its shard of the hand-off. The same run with one rank per worker (its workers as
+threads) is the reference.
 Slow ones: ``--overlap-global``, time-budgeted rounds, and a member site SIGKILLed mid-run.
 """
 
@@ -50,13 +51,18 @@ def end_records(run_dir: Path) -> dict[str, dict]:
 
 @pytest.fixture(scope="module")
 def one_rank_runs(tmp_path_factory, cache_dir):  # noqa: ANN001, ANN201
-    """The reference: the same runs with one rank per worker (made once per overlap mode)."""
+    """The reference: the same runs with one rank per worker (made once per overlap mode), its
+    workers as threads of this process (launch_in_threads; the sites are processes)."""
+    from farlink.config import load_config
+    from farlink.testing.runs import launch_in_threads
+
     made: dict[bool, dict] = {}
 
     def run(overlap: bool) -> dict:
         if overlap not in made:
             tmp = tmp_path_factory.mktemp("one-rank")
-            _, result = hier_run(tmp, cache_dir, "k1", overlap_global=overlap)
+            result = launch_in_threads(load_config(None, {
+                **RUN, "run_dir": tmp / "k1", "cache_dir": cache_dir, "overlap_global": overlap}))
             assert result.returncodes == [0, 0, 0]
             made[overlap] = result.summary
         return made[overlap]
@@ -64,6 +70,7 @@ def one_rank_runs(tmp_path_factory, cache_dir):  # noqa: ANN001, ANN201
     return run
 
 
+@pytest.mark.torchft_threads  # the one-rank reference's workers are threads
 @pytest.mark.parametrize("sharding,overlap", [
     ("fsdp", False), pytest.param("ddp", False, marks=pytest.mark.slow),
     pytest.param("fsdp", True, marks=pytest.mark.slow)], ids=["fsdp", "ddp", "fsdp-overlapped"])

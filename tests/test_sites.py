@@ -114,10 +114,16 @@ def site_run(tmp_path: Path, cache_dir: Path, name: str, **overrides):  # noqa: 
 @pytest.fixture(scope="module")
 def one_rank_sites(tmp_path_factory, cache_dir):  # noqa: ANN001, ANN201
     """The reference both sharding variants are compared with: the same run, one rank per site
-    (trained once per module)."""
-    return site_run(tmp_path_factory.mktemp("one-rank"), cache_dir, "k1")
+    (trained once per module), its workers as threads of this process (launch_in_threads)."""
+    from farlink.config import load_config
+    from farlink.testing.runs import launch_in_threads
+
+    cfg = load_config(None, {**SITE_RUN, "run_dir": tmp_path_factory.mktemp("one-rank") / "k1",
+                             "cache_dir": cache_dir})
+    return cfg, launch_in_threads(cfg)
 
 
+@pytest.mark.torchft_threads  # the one-rank reference's workers are threads
 def test_train_with_two_ranks_per_worker_matches_one_rank(tmp_path, cache_dir, one_rank_sites):
     from safetensors.torch import load_file
 
@@ -146,6 +152,7 @@ def test_train_with_two_ranks_per_worker_matches_one_rank(tmp_path, cache_dir, o
     assert all(whole[k].shape == sharded[k].shape for k in whole)
 
 
+@pytest.mark.torchft_threads  # the one-rank reference's workers are threads
 def test_ddp_inside_sites_matches_one_rank(tmp_path, cache_dir, one_rank_sites):
     cfg, ddp = site_run(tmp_path, cache_dir, "ddp", ranks_per_worker=2, sharding="ddp")
     cfg1, plain = one_rank_sites

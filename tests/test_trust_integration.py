@@ -1,4 +1,5 @@
-"""Trust with real processes: a peer holding the wrong run secret (or a key the run never
+"""Trust with real workers (threads of this process behind a real gated Lighthouse; processes
+for `farlink join` and hivemind): a peer holding the wrong run secret (or a key the run never
 listed) is refused at the Lighthouse gate and never enters a round, and a peer sending NaN/huge
 updates is rejected by the honest peers, who keep agreeing and learning."""
 
@@ -11,7 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
-from join_scenario import two_workers_then_join
+from join_scenario import two_workers_then_join_in_threads
 
 from farlink.config import load_config
 from farlink.robust.auth import run_authenticator
@@ -32,24 +33,6 @@ def gated_lighthouse(cfg, log_path: Path | None = None) -> Lighthouse:
                       authenticator=run_authenticator(cfg, "gate", verifier=True)).start()
 
 
-def run_three(cfg, envs: dict[int, dict[str, str]], extra: int = 0) -> list[int]:
-    """Three workers of ``cfg`` (plus ``extra`` more, indices 3..) against a gated Lighthouse."""
-    from farlink.data import prepare_data
-
-    write_run_config(cfg)
-    prepare_data(cfg.corpus, cfg.vocab_size, cfg.cache_dir)
-    lighthouse = gated_lighthouse(cfg, cfg.run_dir / "lighthouse.log")
-    procs = [spawn_worker(cfg, i, lighthouse.address, False, envs.get(i))
-             for i in range(3 + extra)]
-    try:
-        for p in procs:
-            p.wait(timeout=600)
-    finally:
-        _stop_all(procs)
-        lighthouse.stop()
-    return [p.returncode for p in procs]
-
-
 def honest_fingerprints(run_dir: Path, workers: list[str]) -> dict[int, set[str]]:
     out: dict[int, set[str]] = {}
     for w in workers:
@@ -59,14 +42,51 @@ def honest_fingerprints(run_dir: Path, workers: list[str]) -> dict[int, set[str]
     return out
 
 
+def run_in_threads(configs: dict, lighthouse: Lighthouse) -> dict:
+    """Worker ``i`` of ``configs[i]`` for every ``i`` at once, as threads against
+    ``lighthouse`` (stopped at the end); each one's exit code, or the AdmissionError that
+    refused it (what ``farlink worker`` prints before exiting non-zero)."""
+    import threading
+
+    from farlink.robust.gate import AdmissionError
+    from farlink.testing import in_threads
+    from farlink.train.worker import Worker
+
+    building = threading.Lock()  # a worker seeds the process's RNG, then builds its model
+
+    def work(index: int, cfg) -> object:  # noqa: ANN001
+        try:
+            with building:
+                worker = Worker(cfg, index, lighthouse.address)
+            try:
+                return worker.run()
+            finally:
+                worker.close()
+        except AdmissionError as exc:
+            return exc
+
+    try:
+        return in_threads(work, configs, timeout=300)
+    finally:
+        lighthouse.stop()
+
+
+@pytest.mark.torchft_threads
 def test_wrong_secret_peer_is_refused_at_the_gate(tmp_path: Path, cache_dir: Path) -> None:
+    """Workers as threads behind the gated Lighthouse (a process); the fourth holds a wrong
+    secret."""
+    from farlink.data import prepare_data
+
     cfg = load_config(None, {**BASE, "run_dir": tmp_path / "run", "cache_dir": cache_dir,
                              "secret": "the-run-secret"})
-    codes = run_three(cfg, {3: {"FARLINK_SECRET": "a-wrong-secret"}}, extra=1)
-    assert codes[:3] == [0, 0, 0]
-    assert codes[3] != 0  # refused: a clear error, not a hang
-    log = (cfg.run_dir / "logs" / "w3.log").read_text()
-    assert "refused this peer" in log and "wrong run secret" in log and "Fix:" in log
+    write_run_config(cfg)
+    prepare_data(cfg.corpus, cfg.vocab_size, cfg.cache_dir)
+    wrong = cfg.model_copy(update={"secret": "a-wrong-secret"})
+    codes = run_in_threads({0: cfg, 1: cfg, 2: cfg, 3: wrong},
+                           gated_lighthouse(cfg, cfg.run_dir / "lighthouse.log"))
+    assert [codes[i] for i in range(3)] == [0, 0, 0]
+    refusal = str(codes[3])  # refused: a clear error, not a hang
+    assert "refused this peer" in refusal and "wrong run secret" in refusal and "Fix:" in refusal
     assert not (cfg.run_dir / "metrics" / "w3.jsonl").exists()  # never trained, never synced
     gate_log = (cfg.run_dir / "gate.log").read_text()
     assert "refused" in gate_log and "'w3'" in gate_log
@@ -116,21 +136,22 @@ def test_unlisted_key_is_refused_by_farlink_join(tmp_path: Path, cache_dir: Path
     assert len(refusals) == 1 and "unknown key" in refusals[0][1]
 
 
+@pytest.mark.torchft_threads
 def test_member_joins_mid_run_and_heals_through_gates(tmp_path: Path, cache_dir: Path) -> None:
     """With --auth the healing transfer also goes through gates: a member that joins late
-    downloads the live peers' state through their checkpoint gates and then contributes."""
+    downloads the live peers' state through their checkpoint gates and then contributes.
+    Workers as threads (the gated Lighthouse a process); `farlink join` itself: the refusal
+    above, and test_join's run without --auth."""
     from farlink.data import prepare_data
 
     cfg = load_config(None, {**BASE, "run_dir": tmp_path / "run", "cache_dir": cache_dir,
-                             "secret": "the-run-secret", "steps": 200, "eval_every": 10,
-                             "min_replicas": 2, "join_timeout": 5,
-                             # long enough a run for the joiner's CLI to start inside it
-                             "model": "tiny"})
+                             "secret": "the-run-secret", "steps": 80, "eval_every": 10,
+                             "min_replicas": 2, "join_timeout": 5})
     write_run_config(cfg)
     prepare_data(cfg.corpus, cfg.vocab_size, cfg.cache_dir)
     lighthouse = Lighthouse(min_replicas=2, join_timeout=5, log_path=cfg.run_dir / "lh.log",
                             authenticator=run_authenticator(cfg, "gate", verifier=True)).start()
-    two_workers_then_join(cfg, lighthouse, tmp_path / "join.log")
+    two_workers_then_join_in_threads(cfg, lighthouse)
 
 
 @pytest.mark.slow  # about 50 s: three worker processes, each with its own p2p daemon
@@ -168,10 +189,15 @@ def test_hivemind_wrong_secret_peer_is_refused(tmp_path: Path, cache_dir: Path) 
     assert audit_run(cfg.run_dir)["consistent"]
 
 
+@pytest.mark.torchft_threads
 def test_nan_and_scaled_attackers_are_screened(tmp_path: Path, cache_dir: Path) -> None:
+    """Workers as threads behind the launcher's gated Lighthouse (a quorum of all three)."""
+    from farlink.testing.runs import launch_in_threads
+
     cfg = load_config(None, {**BASE, "run_dir": tmp_path / "run", "cache_dir": cache_dir,
-                             "secret": "s", "attack": "scale:1000", "attackers": "2"})
-    assert run_three(cfg, {}) == [0, 0, 0]
+                             "secret": "s", "attack": "scale:1000", "attackers": "2",
+                             "min_replicas": 3})
+    assert launch_in_threads(cfg).returncodes == [0, 0, 0]
     ledger = json.loads((cfg.run_dir / "ledger" / "w0.json").read_text())["peers"]
     assert ledger["w2"]["updates_rejected"] == 3 and ledger["w2"]["updates_accepted"] == 0
     assert audit_run(cfg.run_dir)["consistent"]

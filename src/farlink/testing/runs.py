@@ -3,7 +3,8 @@
 :func:`farlink.train.launcher.launch` starts a Lighthouse process and one Python process per
 worker; most of a short test run's time is then interpreters importing torch. Here the workers
 are :class:`farlink.train.worker.Worker` objects in threads, meeting at torchft's real
-Lighthouse served in-process and averaging over real Gloo, and the run dir ends as the launcher
+Lighthouse served in-process (with ``--auth``, the launcher's gated Lighthouse; island runs add
+the launcher's island Lighthouses) and averaging over real Gloo, and the run dir ends as the launcher
 leaves it (metrics, checkpoints, final replicas, ``summary.json``, the exported model), so a test
 asserts on the same files and the same :class:`~farlink.train.launcher.RunResult`.
 
@@ -26,7 +27,9 @@ __all__ = ["launch_in_threads"]
 def launch_in_threads(cfg, timeout: float = 300.0):
     """Run ``cfg`` (a :class:`farlink.config.RunConfig` for the torchft backend) to the end with
     its workers as threads; the :class:`~farlink.train.launcher.RunResult` ``launch`` returns.
-    ``cfg.stop_at_step`` and ``cfg.resume`` work as with ``launch``."""
+    ``cfg.stop_at_step`` and ``cfg.resume`` work as with ``launch``; so do islands
+    (hierarchical runs, whose island Lighthouses are the launcher's processes) and ``--auth``
+    (the launcher's gated Lighthouse process; without it, torchft's served in-process)."""
     from farlink.config import ConfigError
     from farlink.data import prepare_data
     from farlink.train.launcher import (
@@ -40,6 +43,9 @@ def launch_in_threads(cfg, timeout: float = 300.0):
         summarize,
         write_model_files,
     )
+    from farlink.robust.auth import run_authenticator
+    from farlink.train.lighthouse import Lighthouse
+    from farlink.train.network import network_summary, prepare_network
     from farlink.train.rundir import open_run_dir, plan_run_dir
     from farlink.train.worker import Worker
 
@@ -73,11 +79,33 @@ def launch_in_threads(cfg, timeout: float = 300.0):
         finally:
             worker.close()
 
-    with lighthouse_server(cfg.min_replicas, join_timeout_s=cfg.join_timeout,
-                           heartbeat_timeout_s=cfg.heartbeat_timeout) as address:
-        codes = in_threads(work, dict.fromkeys(range(cfg.workers)), timeout=timeout)
+    # islands (hierarchical runs, --topology): planned, and their Lighthouses started, by the
+    # launcher's own function
+    net_plan, island_lighthouses = prepare_network(cfg, data.vocab_size)
+    gate = run_authenticator(cfg, "lighthouse-gate", verifier=True)
+    try:
+        if gate is None:
+            with lighthouse_server(cfg.min_replicas, join_timeout_s=cfg.join_timeout,
+                                   heartbeat_timeout_s=cfg.heartbeat_timeout) as address:
+                codes = in_threads(work, dict.fromkeys(range(cfg.workers)), timeout=timeout)
+        else:  # --auth: the launcher's gated Lighthouse (a process behind this process's gate)
+            lighthouse = Lighthouse(cfg.host, min_replicas=cfg.min_replicas,
+                                    join_timeout=cfg.join_timeout,
+                                    heartbeat_timeout=cfg.heartbeat_timeout,
+                                    log_path=cfg.run_dir / "lighthouse.log",
+                                    authenticator=gate).start()
+            address = lighthouse.address
+            try:
+                codes = in_threads(work, dict.fromkeys(range(cfg.workers)), timeout=timeout)
+            finally:
+                lighthouse.stop()
+    finally:
+        for island_lighthouse in island_lighthouses:
+            island_lighthouse.stop()
     codes = [codes[i] for i in range(cfg.workers)]
     summary = summarize(cfg)
+    if net_plan is not None:
+        summary.update(network_summary(net_plan, cfg, summary["per_worker"]))
     summary["returncodes"] = codes
     summary["checkpoint_fallbacks"] = checkpoint_fallbacks(cfg)
     _report_checkpoint_fallbacks(summary["checkpoint_fallbacks"])  # as the launcher says them
