@@ -16,6 +16,9 @@ def register(app: typer.Typer, bench_app: typer.Typer) -> None:
                                  "or FILE.jsonl ({prompt, answer} a line)"),
         base: Path | None = typer.Option(None, help="a `farlink train` run directory to start "
                                          "from (default: pre-train on the task's examples)"),
+        model: str = typer.Option("nano", help="the recipe's model: a preset, or hf:DIR (a "
+                                  "local transformers causal LM; its weights and tokenizer.json "
+                                  "when it has them)"),
         pretrain_steps: int = typer.Option(1000, help="steps of the base-model recipe"),
         steps: int = typer.Option(60, help="GRPO steps"),
         workers: int = typer.Option(2, help="honest rollout workers (threads)"),
@@ -48,7 +51,8 @@ def register(app: typer.Typer, bench_app: typer.Typer) -> None:
         config = RLConfig(group_size=group_size, groups_per_step=groups_per_step,
                           max_staleness=max_staleness, deadline_s=deadline, kl_coef=kl_coef,
                           verify_fraction=verify_fraction, seed=seed)
-        session = make_session(make_base(task, base, pretrain_steps, seed=seed), config,
+        session = make_session(make_base(task, base, pretrain_steps, seed=seed,
+                                         model_name=model), config,
                                workers=workers, lr=lr, codec=codec, malicious=malicious,
                                pace_seconds=pace_seconds)
 

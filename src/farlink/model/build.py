@@ -74,6 +74,20 @@ def write_model_description(run_dir: Path, model: str, vocab_size: int, seq_len:
     return path
 
 
+def module_description(model: nn.Module) -> dict:
+    """What ``model.json`` would record, read off a built module: how another process (a
+    rollout worker) builds an empty module of the same architecture for weights it fetches."""
+    if isinstance(model, GPT):
+        return {"architecture": FARLINK_GPT, "config": asdict(model.config)}
+    from farlink.model.hf import CausalLM
+
+    if isinstance(model, CausalLM):
+        return {"architecture": TRANSFORMERS,
+                "config": json.loads(model.hf.config.to_json_string(use_diff=False))}
+    raise ValueError(f"cannot describe a {type(model).__name__}: farlink's GPT or a "
+                     "transformers causal LM (hf:DIR) only")
+
+
 def model_from_description(description: dict) -> nn.Module:
     """A freshly initialised module of the architecture ``model.json`` describes."""
     kind = description.get("architecture")

@@ -70,7 +70,23 @@ def has_weights(directory: Path) -> bool:
 
 def load_config(directory: Path) -> Any:
     """The directory's ``PretrainedConfig``, read locally (farlink never downloads)."""
+    if not (Path(directory) / "config.json").is_file():
+        raise ConfigError(f"{directory} has no config.json; give a directory written by a "
+                          "transformers model's save_pretrained()")
     return transformers().AutoConfig.from_pretrained(str(directory), local_files_only=True)
+
+
+def check_causal_lm(directory: Path, config: Any) -> None:
+    """Refuse a directory whose model does not predict the next token (an encoder, a
+    seq2seq or vision model): farlink trains and samples causal LMs only, and would otherwise
+    fail later inside transformers with a message about mapping classes."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    if config.model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        kinds = ", ".join(getattr(config, "architectures", None) or []) or config.model_type
+        raise ConfigError(f"{directory} holds a {config.model_type!r} model ({kinds}), not a "
+                          "causal language model; give a directory of a decoder that "
+                          "AutoModelForCausalLM loads (Llama, GPT-2, Qwen, ...)")
 
 
 def config_dict(directory: Path) -> dict:
@@ -90,6 +106,7 @@ def check_fits(directory: Path, vocab_size: int, seq_len: int) -> Any:
     """The directory's config, once it is known to embed every token id and position the run
     will feed it (the launcher checks before any worker starts)."""
     config = load_config(directory)
+    check_causal_lm(directory, config)
     if vocab_size > config.vocab_size:
         raise ConfigError(f"the tokenizer has {vocab_size} tokens but {directory}'s model embeds "
                           f"only {config.vocab_size}; give the model's own tokenizer "

@@ -1,7 +1,8 @@
 """``farlink rl``: GRPO post-training of a base model with rollout workers, from one command.
 
 This is the composition root of :mod:`farlink.rl`: it makes the base model (a ``farlink train``
-run directory given with ``--base``, or the short recipe on the task's demonstrations), the
+run directory given with ``--base``, or the short recipe on the task's demonstrations, of a
+preset or of ``--model hf:DIR``), the
 tokenizer, the codec of policy deltas, the trainer and its workers (honest ones, and with
 ``--malicious KIND`` cheats the verifier must catch), runs them, and writes per-step logs
 (``steps.jsonl``: reward, held-out accuracy, KL, response length, staleness), the ledger of
@@ -19,8 +20,8 @@ import torch
 from torch import nn
 
 from farlink.codecs import make_codec
-from farlink.data.tokenizer import train_tokenizer
-from farlink.model.build import build_model, load_run_model
+from farlink.data.tokenizer import load_tokenizer, train_tokenizer
+from farlink.model.build import build_model, hf_model_dir, load_run_model
 from farlink.rl.base import TextCodec, pretrain
 from farlink.rl.board import RolloutBoard
 from farlink.rl.broadcast import PolicyPublisher, PolicyReplica
@@ -60,18 +61,22 @@ def make_base(task_spec: str, base_dir: Path | None = None, pretrain_steps: int 
               correct_fraction: float = 0.6, seed: int = 0, heldout: int = 100,
               model_name: str = "nano") -> Base:
     """The base policy: read from a ``farlink train`` run, or the short recipe (cached in
-    this process per arguments, so a bench's scenarios start from one base)."""
+    this process per arguments, so a bench's scenarios start from one base) on
+    ``model_name``: a preset, or ``hf:DIR``, a local transformers causal LM (its weights when
+    the directory has them, and its own ``tokenizer.json`` when it has one)."""
     task = make_task(task_spec)
     problems = task.heldout_set(heldout)
     if base_dir is not None:
-        from farlink.data.tokenizer import load_tokenizer
         from farlink.train.export import run_tokenizer_path
 
         return Base(load_run_model(base_dir), TextCodec(load_tokenizer(run_tokenizer_path(base_dir))),
                     task, problems)
     documents = demonstrations(task, 20000, correct_fraction, seed=seed)
-    # bytes plus end-of-text: one token per character keeps digits apart
-    codec = TextCodec(train_tokenizer(documents[:2000], 257))
+    directory = hf_model_dir(model_name)
+    if directory is not None and (directory / "tokenizer.json").is_file():
+        codec = TextCodec(load_tokenizer(directory))  # the ids its weights were trained with
+    else:  # bytes plus end-of-text: one token per character keeps digits apart
+        codec = TextCodec(train_tokenizer(documents[:2000], 257))
     key = (task_spec, pretrain_steps, correct_fraction, seed, model_name)
     torch.manual_seed(seed)
     model = build_model(model_name, codec.tokenizer.get_vocab_size(), SEQ_LEN)

@@ -1,7 +1,9 @@
 """``farlink rl-worker``: one rollout worker as its own process, talking to a trainer over TCP.
 
-It asks the trainer side (``farlink rl --listen``) what to build (the model's architecture,
-the delta codec, the sampling settings), builds an empty model of it, and runs the same
+It asks the trainer side (``farlink rl --listen``) what to build (the model's architecture:
+farlink's GPT or a transformers causal LM, from its config alone, so the worker's machine needs
+no model directory; the delta codec; the sampling settings), builds an empty model of it, and
+runs the same
 :class:`~farlink.rl.workers.RolloutWorker` loop a thread runs, through
 :class:`~farlink.rl.remote.RemoteBoard` and :class:`~farlink.rl.remote.RemotePublisher`: the
 first job fetches the policy in hashed chunks, later ones take deltas. It exits when the
@@ -18,8 +20,7 @@ import threading
 import torch
 
 from farlink.codecs import make_codec
-from farlink.model.config import GPTConfig
-from farlink.model.gpt import GPT
+from farlink.model.build import model_from_description, module_description
 from farlink.rl.broadcast import PolicyReplica
 from farlink.rl.remote import Connection, RemoteBoard, RemotePublisher
 from farlink.rl.trainer import RLConfig
@@ -27,13 +28,11 @@ from farlink.rl.workers import RolloutWorker
 
 
 def hello_for(model: torch.nn.Module, codec: str, config: RLConfig, eot: int) -> dict:
-    """What the trainer side tells a new worker process: enough to build its side."""
+    """What the trainer side tells a new worker process: enough to build its side (the
+    policy's architecture as ``model.json`` would describe it: farlink's GPT or hf:DIR's)."""
     from dataclasses import asdict
 
-    if not isinstance(model, GPT):
-        raise ValueError("rollout worker processes need a farlink GPT policy (the architecture "
-                         "travels as its GPTConfig); use worker threads for other models")
-    return {"model_config": asdict(model.config), "codec": codec, "config": asdict(config),
+    return {"model": module_description(model), "codec": codec, "config": asdict(config),
             "eot": eot}
 
 
@@ -43,7 +42,7 @@ def connect_worker(name: str, host: str, port: int, pace_seconds: float = 0.0,
     hello, _ = connection.call({"op": "hello"})
     config = RLConfig(**hello["config"])
     torch.manual_seed(0)  # the weights arrive by fetch; this only makes the empty model
-    model = GPT(GPTConfig(**hello["model_config"])).eval()
+    model = model_from_description(hello["model"]).eval()
     replica = PolicyReplica(model, make_codec(hello["codec"]), max_chain=config.max_staleness + 1)
     return RolloutWorker(name, RemoteBoard(connection, hello["eot"]), RemotePublisher(connection),
                          replica, config, pace_seconds=pace_seconds)
