@@ -104,7 +104,7 @@ def register(app: typer.Typer, bench_app: typer.Typer) -> None:
         seeds: int = typer.Option(3, help="seeds of the accuracy-rise scenario"),
         only: list[str] = typer.Option([], help="run only these scenarios (rise, workers, "
                                        "staleness, cheats, diloco_two_groups, false_rejects, "
-                                       "processes) into rl-<names>.json"),
+                                       "processes, home_links) into rl-<names>.json"),
     ) -> None:
         """Accuracy and reward vs wall-clock and rollouts; workers 1/2/4, staleness, cheats."""
         import json

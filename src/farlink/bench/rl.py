@@ -12,6 +12,9 @@ Scenarios (one base model, pre-trained once by the short recipe):
   the fp32 policy: the rate the verifier wrongly rejects;
 - ``processes``: two worker processes over TCP, one SIGKILLed, the trainer restarted from its
   checkpoint halfway: committed steps lost (none) and groups accepted per worker.
+- ``home_links``: 4 workers whose job requests, policy fetches and hand-ins each cross an
+  emulated ``home`` link (in-process emulation, :mod:`farlink.rl.linked`), beside the same run
+  on no link, paced and unpaced: throughput, staleness and bytes per policy update.
 
 Writes ``rl.json`` and ``rl.png`` to ``out``.
 """
@@ -147,8 +150,54 @@ def processes(steps: int, pace_seconds: float = 0.2) -> dict:
     return result
 
 
+def home_links(wall_s: float, profile: str = "home", workers: int = 4) -> dict:
+    """``workers`` workers for ``wall_s`` seconds each run, on no link and on ``profile``
+    links, paced at ``PACE`` and unpaced, side by side."""
+    from farlink.links import get_profile
+
+    link = get_profile(profile)
+    result: dict = {
+        "profile": link.model_dump(), "workers": workers, "wall_s_per_run": wall_s,
+        "emulation": "in-process (farlink.rl.linked over farlink.comm.LinkModel): each "
+                     "worker's job request and version check are held one round trip, its "
+                     "deltas or snapshot bytes at the download rate, its hand-in one way plus "
+                     "its bytes at the upload rate, all at the profile's per-hop latency "
+                     "(latency + jitter); no queueing, jitter draws or loss; the trainer side "
+                     "is not shaped", "runs": {}}
+    for pace in (PACE, 0.0):
+        for name in ("plain", profile):
+            row = _session(0, 10_000, workers=workers, pace_seconds=pace, max_wall_s=wall_s,
+                           worker_link=None if name == "plain" else profile)
+            staleness = [c["staleness_mean"] for c in row["curve"]
+                         if c.get("staleness_mean") is not None]
+            crew = row["workers"].values()
+            row.update(
+                rollouts_per_s=row["rollouts_made"] / row["loop_s"],
+                steps_per_s=row["steps"] / row["loop_s"],
+                staleness_mean=sum(staleness) / max(len(staleness), 1),
+                delta_bytes_per_version=max(w["delta_bytes_per_version"] for w in crew),
+                full_fetches=sum(w["full_fetches"] for w in crew),
+                bytes_received_per_step=sum(w["bytes_received"] for w in crew)
+                / max(row["steps"], 1),
+                link_s_per_worker=(sum(w.get("link_s", 0.0) for w in crew) / workers))
+            result["runs"][f"{name}_pace{pace}"] = row
+    for pace in (PACE, 0.0):
+        plain, linked = result["runs"][f"plain_pace{pace}"], result["runs"][f"{profile}_pace{pace}"]
+        result[f"ratios_pace{pace}"] = {  # link over plain, side by side
+            "rollouts_made_per_s": linked["rollouts_per_s"] / plain["rollouts_per_s"],
+            "steps_per_s": linked["steps_per_s"] / plain["steps_per_s"],
+            "staleness_mean": {"plain": plain["staleness_mean"],
+                               profile: linked["staleness_mean"]},
+            "delta_bytes_per_version": {"plain": plain["delta_bytes_per_version"],
+                                        profile: linked["delta_bytes_per_version"]},
+            "delta_bytes_per_version_over_fp32": linked["delta_bytes_per_version"]
+            / linked["bytes_full_fp32"],
+            "link_s_per_worker": linked["link_s_per_worker"]}
+    return result
+
+
 SCENARIOS = ("rise", "workers", "staleness", "cheats", "diloco_two_groups", "false_rejects",
-             "processes")
+             "processes", "home_links")
 
 
 def run(out: Path, steps: int = 40, seeds: int = 3, worker_wall_s: float = 15.0,
@@ -180,6 +229,8 @@ def run(out: Path, steps: int = 40, seeds: int = 3, worker_wall_s: float = 15.0,
         result["false_rejects"] = false_rejects()
     if "processes" in only:
         result["processes"] = processes(steps)
+    if "home_links" in only:
+        result["home_links"] = home_links(worker_wall_s)
     result["load_after"] = os.getloadavg()
     result["wall_s"] = time.monotonic() - started
     out.mkdir(parents=True, exist_ok=True)
@@ -187,7 +238,30 @@ def run(out: Path, steps: int = 40, seeds: int = 3, worker_wall_s: float = 15.0,
     (out / f"{name}.json").write_text(json.dumps(result, indent=1, default=str))
     if "rise" in result:
         _plot(result, out / f"{name}.png")
+    elif "home_links" in result:
+        _plot_links(result["home_links"], out / f"{name}.png")
     return result
+
+
+def _plot_links(links: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    runs = links["runs"]
+    labels = list(runs)
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4))
+    for ax, key, title in ((axes[0], "rollouts_per_s", "rollouts per second"),
+                           (axes[1], "staleness_mean", "mean staleness of used groups"),
+                           (axes[2], "delta_bytes_per_version", "delta bytes per version")):
+        ax.bar(labels, [runs[k][key] for k in labels])
+        ax.set(title=title)
+        ax.tick_params(axis="x", rotation=30)
+    fig.suptitle(f"{links['workers']} rollout workers on no link vs "
+                 f"{links['profile']['name']} links (in-process emulation)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
 
 
 def _plot(result: dict, path: Path) -> None:
@@ -253,6 +327,9 @@ def headline(result: dict) -> dict:
         out["false_reject_rate"] = {k: v["rate"] for k, v in result["false_rejects"].items()}
     if "diloco_two_groups" in result:
         out["diloco_two_groups_final"] = result["diloco_two_groups"]["heldout_accuracy_final"]
+    if "home_links" in result:
+        links = result["home_links"]
+        out["home_links"] = {k: v for k, v in links.items() if k.startswith("ratios")}
     if "processes" in result:
         out["processes"] = {k: result["processes"][k] for k in
                             ("killed_after_step", "resumed_after_step", "committed_steps",

@@ -20,12 +20,15 @@ import torch
 from torch import nn
 
 from farlink.codecs import make_codec
+from farlink.comm.base import LinkModel
 from farlink.data.tokenizer import load_tokenizer, train_tokenizer
+from farlink.links import get_profile
 from farlink.model.build import build_model, hf_model_dir, load_run_model
 from farlink.rl.base import TextCodec, pretrain
 from farlink.rl.board import RolloutBoard
 from farlink.rl.broadcast import PolicyPublisher, PolicyReplica
 from farlink.rl.evaluate import accuracy, sampled_accuracy
+from farlink.rl.linked import LinkClock, LinkedBoard, LinkedPublisher
 from farlink.rl.loop import run_group
 from farlink.rl.tasks import Task, demonstrations, make_task
 from farlink.rl.trainer import GRPOTrainer, RLConfig, StepLog
@@ -99,13 +102,18 @@ class Session:
     base: Base
     optimizer: torch.optim.Optimizer | None = None
     logs: list[dict] = field(default_factory=list)
+    #: each worker's emulated link (``worker_link``), by worker name
+    links: dict[str, LinkClock] = field(default_factory=dict)
 
 
 def make_session(base: Base, config: RLConfig, *, workers: int = 2, lr: float = LR,
                  codec: str = "int4", malicious: list[str] = (), pace_seconds: float = 0.0,
-                 worker_dtype: torch.dtype = torch.float32, step_fn=None) -> Session:
+                 worker_dtype: torch.dtype = torch.float32, step_fn=None,
+                 worker_link: str | None = None) -> Session:
     """Trainer and workers around ``base.model`` (trained in place). ``step_fn`` replaces the
-    AdamW step (e.g. a :class:`farlink.Optimizer`'s for DiLoCo between groups)."""
+    AdamW step (e.g. a :class:`farlink.Optimizer`'s for DiLoCo between groups).
+    ``worker_link``: a link profile (``home``, ...) each worker's fetches and hand-ins cross,
+    emulated in-process (:mod:`farlink.rl.linked`)."""
     model = base.model
     publisher = PolicyPublisher(model, make_codec(codec), keep=max(config.max_staleness + 2, 4))
     board = RolloutBoard(base.task, base.codec, config.group_size, seed=config.seed,
@@ -130,13 +138,27 @@ def make_session(base: Base, config: RLConfig, *, workers: int = 2, lr: float = 
     with torch.no_grad():  # another model: the base with its weights perturbed
         for p in other.parameters():
             p.add_(torch.randn_like(p) * 0.05)
-    crew = [RolloutWorker(f"{kind}-{i}", board, publisher,
+    names = [f"{kind}-{i}" for i, kind in enumerate(kinds)]
+    links = {name: worker_link_clock(worker_link) for name in names} if worker_link else {}
+    crew = [RolloutWorker(name,
+                          LinkedBoard(board, links[name]) if links else board,
+                          LinkedPublisher(publisher, links[name]) if links else publisher,
                           PolicyReplica(worker_model(model), make_codec(codec),
                                         max_chain=config.max_staleness + 1),
                           config, behaviour=kind, pace_seconds=pace_seconds, dtype=worker_dtype,
                           other_model=other)
-            for i, kind in enumerate(kinds)]
-    return Session(trainer, crew, publisher, board, base, optimizer)
+            for name, kind in zip(names, kinds)]
+    return Session(trainer, crew, publisher, board, base, optimizer, links=links)
+
+
+def worker_link_clock(profile: str) -> LinkClock:
+    """A worker's access link of the named profile: its upload and download rates, and the
+    per-hop latency the planner and ``--emulate-link`` charge (delay + jitter)."""
+    link = get_profile(profile)
+    if not link.shaped:
+        raise ValueError(f"link profile {profile!r} is not shaped; nothing to emulate")
+    return LinkClock(LinkModel.of(link.up_mbit, link.hop_latency_ms),
+                     LinkModel.of(link.down_mbit, link.hop_latency_ms))
 
 
 def save_state(root: Path, session: Session) -> Path:
@@ -192,6 +214,14 @@ def restore_state(root: Path, session: Session) -> int | None:
 def _accepted(session: Session, worker: str) -> int:
     ledger = session.trainer.ledger
     return ledger.get(worker).updates_accepted if worker in ledger.peers() else 0
+
+
+def _link_figures(session: Session, worker: str) -> dict:
+    clock = session.links.get(worker)
+    if clock is None:
+        return {}
+    return {"link_s": clock.seconds, "link_bytes_up": clock.bytes_up,
+            "link_bytes_down": clock.bytes_down}
 
 
 def serve(session: Session, codec: str, host: str = "127.0.0.1", port: int = 0):
@@ -268,7 +298,8 @@ def run_session(session: Session, steps: int, eval_every: int = 10, max_wall_s: 
                              "delta_updates": w.replica.delta_updates,
                              "groups_accepted": _accepted(session, w.name),
                              "delta_bytes_per_version": w.replica.delta_bytes
-                             / max(w.replica.delta_versions, 1)}
+                             / max(w.replica.delta_versions, 1),
+                             **_link_figures(session, w.name)}
                     for w in session.workers},
     }
     if out is not None:
