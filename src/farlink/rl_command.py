@@ -32,6 +32,9 @@ def register(app: typer.Typer, bench_app: typer.Typer) -> None:
         codec: str = typer.Option("int4", help="codec of policy deltas to workers"),
         verify_fraction: float = typer.Option(0.25, help="groups recomputed (>= 1 per worker)"),
         pace_seconds: float = typer.Option(0.0, help="each job takes at least this long"),
+        worker_link: str | None = typer.Option(None, help="a link profile (home, dsl, ...) "
+                                               "each worker thread's fetches and hand-ins "
+                                               "cross, emulated in-process"),
         listen: str | None = typer.Option(None, help="HOST:PORT where `farlink rl-worker` "
                                           "processes connect (port 0: any free one)"),
         worker_processes: int = typer.Option(0, help="start this many local `farlink "
@@ -54,7 +57,7 @@ def register(app: typer.Typer, bench_app: typer.Typer) -> None:
         session = make_session(make_base(task, base, pretrain_steps, seed=seed,
                                          model_name=model), config,
                                workers=workers, lr=lr, codec=codec, malicious=malicious,
-                               pace_seconds=pace_seconds)
+                               pace_seconds=pace_seconds, worker_link=worker_link)
 
         def echo(row: dict) -> None:
             acc = row.get("heldout_accuracy")
