@@ -61,6 +61,12 @@ def test_a_sigkilled_worker_process_costs_no_step_and_the_run_goes_on(monkeypatc
         return ledger.get(worker).updates_accepted if worker in ledger.peers() else 0
 
     try:
+        # both processes started (their imports take seconds on a busy machine) before the
+        # run: a worker 0 that took no job before the last step would never be killed
+        started = time.monotonic() + 120
+        while not ({"proc-0", "proc-1"} <= {job.worker for job in list(
+                session.board.jobs.values())}) and time.monotonic() < started:
+            time.sleep(0.1)
         logs = run_group(session.trainer, [], 8, on_step, max_wall_s=240, remote=True)
     finally:
         for child in children:
