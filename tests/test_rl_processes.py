@@ -74,6 +74,8 @@ def test_a_sigkilled_worker_process_costs_no_step_and_the_run_goes_on(monkeypatc
             child.wait(timeout=30)
         server.close()
     assert children[0].returncode == -signal.SIGKILL
+    # the server kept where each worker's requests came from (both local here)
+    assert server.worker_hosts == {"proc-0": {"127.0.0.1"}, "proc-1": {"127.0.0.1"}}
     assert [log.step for log in logs] == list(range(8)) and session.publisher.version == 8
     assert session.trainer.rejections == []
     # the dead worker asked for nothing more (one request may have been on the wire); what it

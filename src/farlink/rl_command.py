@@ -80,7 +80,8 @@ def register(app: typer.Typer, bench_app: typer.Typer) -> None:
             children = spawn_workers(server.address, worker_processes, pace_seconds)
         try:
             summary = run_session(session, steps - done, out=out, echo=echo,
-                                  checkpoints=checkpoints, remote=server is not None)
+                                  checkpoints=checkpoints, remote=server is not None,
+                                  server=server)
         finally:
             for child in children:
                 child.terminate()

@@ -91,13 +91,18 @@ def rollout_from_json(d: dict) -> Rollout:
 
 class RolloutServer:
     """Serves ``board`` and ``publisher`` to worker processes on ``(host, port)`` (port 0: any
-    free one, see :attr:`address`); ``hello`` is what a new worker is told (model, config)."""
+    free one, see :attr:`address`); ``hello`` is what a new worker is told (model, config).
+
+    :attr:`worker_hosts` keeps the address each named worker's requests came from: a worker
+    behind a NAT shows up at its router's public address, and an operator can tell which
+    workers share one."""
 
     def __init__(self, board: RolloutBoard, publisher: PolicyPublisher, hello: dict,
                  host: str = "127.0.0.1", port: int = 0) -> None:
         self.board, self.publisher, self.hello = board, publisher, hello
         self._open: set[socket.socket] = set()  # workers' connections, cut at close()
         self._lock = threading.Lock()
+        self.worker_hosts: dict[str, set[str]] = {}  # worker name -> hosts it connected from
         server = self
 
         class Handler(socketserver.BaseRequestHandler):
@@ -108,7 +113,7 @@ class RolloutServer:
                 try:
                     while True:
                         header, _ = recv_frame(self.request, max_body=0)
-                        server._answer(self.request, header)
+                        server._answer(self.request, header, self.client_address[0])
                 except (ConnectionError, OSError, ValueError, KeyError, TypeError):
                     return  # a worker gone or talking nonsense: its connection ends
                 finally:
@@ -137,8 +142,11 @@ class RolloutServer:
                 except OSError:
                     pass
 
-    def _answer(self, sock: socket.socket, header: dict) -> None:
+    def _answer(self, sock: socket.socket, header: dict, host: str) -> None:
         op = header.get("op")
+        if op in ("job", "submit"):  # the requests that name their worker
+            with self._lock:
+                self.worker_hosts.setdefault(str(header["worker"]), set()).add(host)
         if op == "hello":
             send_frame(sock, self.hello)
         elif op == "job":

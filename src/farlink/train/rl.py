@@ -248,8 +248,10 @@ def spawn_workers(address: tuple[str, int], count: int, pace_seconds: float = 0.
 
 def run_session(session: Session, steps: int, eval_every: int = 10, max_wall_s: float = 1e9,
                 out: Path | None = None, echo=None, checkpoints: Path | None = None,
-                remote: bool = False) -> dict:
-    """Train ``steps`` steps; held-out accuracy before, every ``eval_every`` steps and after."""
+                remote: bool = False, server=None) -> dict:
+    """Train ``steps`` steps; held-out accuracy before, every ``eval_every`` steps and after.
+    With the ``server`` worker processes use, the summary names the address each of them
+    connected from (``worker_hosts``)."""
     base = session.base
     started = time.monotonic()
 
@@ -302,6 +304,9 @@ def run_session(session: Session, steps: int, eval_every: int = 10, max_wall_s: 
                              **_link_figures(session, w.name)}
                     for w in session.workers},
     }
+    if server is not None:
+        summary["worker_hosts"] = {name: sorted(hosts)
+                                   for name, hosts in sorted(server.worker_hosts.items())}
     if out is not None:
         out.mkdir(parents=True, exist_ok=True)
         with open(out / "steps.jsonl", "a") as fh:  # a resumed run continues the log
