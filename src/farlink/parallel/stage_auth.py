@@ -20,6 +20,7 @@ import secrets
 import socket
 import struct
 
+from farlink.comm.sockets import recv_exact
 from farlink.robust.auth import Authenticator, AuthError, SharedSecretAuth
 from farlink.robust.gate import (ADMITTED, CHALLENGE_TAG, MAX_CHALLENGE, MAX_PROOF, MAX_TEXT,
                                  PROOF_TAG, REFUSED, VERDICT_TAG, ProtocolError, frame,
@@ -87,14 +88,7 @@ def may_send(op: str, peer_id: str, drivers: frozenset[str]) -> str | None:
 
 # -- the handshake on blocking sockets (the stage server and trainer are threaded) --------------
 def _read(sock: socket.socket, n: int) -> bytes:
-    data = b""
-    while len(data) < n:
-        chunk = sock.recv(n - len(data))
-        if not chunk:
-            raise ConnectionError(f"connection closed mid-handshake after {len(data)} of {n} "
-                                  "bytes")
-        data += chunk
-    return data
+    return recv_exact(sock, n, closed=f"connection closed mid-handshake before {n} bytes")
 
 
 def _read_frame(sock: socket.socket, tag: bytes, limit: int) -> bytes:

@@ -22,6 +22,7 @@ import struct
 import threading
 import time
 
+from farlink.comm.sockets import recv_exact
 from farlink.rl.board import Job, RolloutBoard
 from farlink.rl.broadcast import PolicyPublisher, Snapshot
 from farlink.rl.policy import Fingerprint, Rollout
@@ -37,25 +38,14 @@ def send_frame(sock: socket.socket, header: dict, body: bytes = b"") -> None:
     sock.sendall(_HEAD.pack(len(data), len(body)) + data + body)
 
 
-def _read(sock: socket.socket, n: int) -> bytes:
-    parts, left = [], n
-    while left:
-        part = sock.recv(min(left, 1 << 20))
-        if not part:
-            raise ConnectionError("peer closed the connection")
-        parts.append(part)
-        left -= len(part)
-    return b"".join(parts)
-
-
 def recv_frame(sock: socket.socket, max_body: int = MAX_BODY) -> tuple[dict, bytes]:
-    head, body_len = _HEAD.unpack(_read(sock, _HEAD.size))
+    head, body_len = _HEAD.unpack(recv_exact(sock, _HEAD.size))
     if head > MAX_HEADER or body_len > max_body:
         raise ConnectionError(f"frame of {head} + {body_len} bytes is over the limit")
-    header = json.loads(_read(sock, head))
+    header = json.loads(recv_exact(sock, head))
     if not isinstance(header, dict):
         raise ConnectionError("a frame's header is not a JSON object")
-    return header, _read(sock, body_len)
+    return header, recv_exact(sock, body_len)
 
 
 def rollout_to_json(r: Rollout) -> dict:
