@@ -34,6 +34,7 @@ rounds, which land one round late).
 
 from __future__ import annotations
 
+import logging
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -41,12 +42,15 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from farlink import interrupt
 from farlink.comm.base import RoundInfo
 from farlink.sync.base import StepOutcome, TensorState, load_optimizer_state, optimizer_state
 from farlink.sync.exchange import ExchangeResult, dense_of
 
 if TYPE_CHECKING:
     from farlink.sync.diloco import DiLoCo
+
+log = logging.getLogger(__name__)
 
 MODES = ("none", "delayed", "eager")
 
@@ -109,11 +113,7 @@ class DelayedOuterStep:
         landed = self._wait(outcome)
         self._apply_committed(landed)
         if self.eager:
-            with torch.no_grad():
-                for e, g in zip(self.params, self.algo.global_params):
-                    e.copy_(g)
-            self.opt = self.algo.make_outer_optimizer(self.params)
-            self.own_prev = {}
+            self._restart_eager()
         self.algo.reset_local_to(self.algo.global_params)
         outcome.synced = True
         outcome.outer_step = self.algo.outer_step
@@ -143,7 +143,10 @@ class DelayedOuterStep:
         if self._future is None:
             return None
         began = time.perf_counter()
-        committed, info, result = self._future.result()
+        # a worker's Ctrl-C only sets the stop flag: a plain result() would sleep through it
+        committed, info, result = interrupt.wait_future(
+            self._future, float("inf"),
+            lambda: f"the delayed round of outer step {self.algo.outer_step}", log)
         waited = time.perf_counter() - began
         self._future = None
         outcome.comm_seconds += waited
@@ -231,14 +234,18 @@ class DelayedOuterStep:
             self.own_prev = {n: state[f"eager_own.{n}"] for n in self.algo.names
                              if f"eager_own.{n}" in state}
 
+    def _restart_eager(self) -> None:
+        """The eager copy of the outer state starts again from the committed state."""
+        with torch.no_grad():
+            for e, g in zip(self.params, self.algo.global_params):
+                e.copy_(g)
+        self.opt = self.algo.make_outer_optimizer(self.params)
+        self.own_prev = {}
+
     def adopt(self) -> None:
         """After healing: the eager copy restarts from the committed state just loaded. The
         round in flight (the one that healed this replica) still lands at the phase's end, on
         the loaded state, as it does on its peers'."""
         self._landed = None
         if self.eager:
-            with torch.no_grad():
-                for e, g in zip(self.params, self.algo.global_params):
-                    e.copy_(g)
-            self.opt = self.algo.make_outer_optimizer(self.params)
-            self.own_prev = {}
+            self._restart_eager()
