@@ -258,16 +258,22 @@ def _even_task() -> CallableTask:
                         lambda prompt, answer, completion: sum(map(ord, completion)) % 2 == 0)
 
 
-def test_a_worker_gone_mid_job_costs_no_step_and_the_deadline_bounds_the_wait(codec) -> None:
-    import time
-
-    policy = confident_gpt(0)
-    cfg = RLConfig(group_size=4, groups_per_step=3, deadline_s=0.3, fingerprint_every=2)
+def _even_trainer(policy, codec, cfg: RLConfig):  # noqa: ANN001, ANN202
+    """The even-sum task's publisher, board and a GRPO trainer of ``policy`` (SGD, lr 0.1)."""
     publisher = PolicyPublisher(policy, make_codec("int4"))
     board = RolloutBoard(_even_task(), codec, cfg.group_size, version=lambda: publisher.version)
     optimizer = torch.optim.SGD(policy.parameters(), lr=0.1)
     trainer = GRPOTrainer(policy, lambda tokens: (optimizer.step(), optimizer.zero_grad()),
                           board, publisher, worker_model(policy), cfg)
+    return publisher, board, trainer
+
+
+def test_a_worker_gone_mid_job_costs_no_step_and_the_deadline_bounds_the_wait(codec) -> None:
+    import time
+
+    policy = confident_gpt(0)
+    cfg = RLConfig(group_size=4, groups_per_step=3, deadline_s=0.3, fingerprint_every=2)
+    publisher, board, trainer = _even_trainer(policy, codec, cfg)
     started = time.monotonic()
     assert trainer.train_step() is None  # nothing came: no step, no new version
     assert 0.3 <= time.monotonic() - started < 5 and publisher.version == 0
@@ -285,11 +291,7 @@ def test_groups_older_than_max_staleness_are_dropped_and_staleness_is_recorded(c
     policy = confident_gpt(0)
     cfg = RLConfig(group_size=4, groups_per_step=8, deadline_s=0.2, fingerprint_every=2,
                    max_staleness=1)
-    publisher = PolicyPublisher(policy, make_codec("int4"))
-    board = RolloutBoard(_even_task(), codec, cfg.group_size, version=lambda: publisher.version)
-    optimizer = torch.optim.SGD(policy.parameters(), lr=0.1)
-    trainer = GRPOTrainer(policy, lambda tokens: (optimizer.step(), optimizer.zero_grad()),
-                          board, publisher, worker_model(policy), cfg)
+    publisher, board, trainer = _even_trainer(policy, codec, cfg)
     worker = RolloutWorker("w", board, publisher,
                            PolicyReplica(worker_model(policy), make_codec("int4")), cfg)
     worker.do_job()  # version 0
@@ -309,11 +311,7 @@ def test_a_backlog_of_too_stale_groups_does_not_shrink_a_step(codec) -> None:
     policy = confident_gpt(0)
     cfg = RLConfig(group_size=4, groups_per_step=2, deadline_s=2.0, fingerprint_every=2,
                    max_staleness=0)
-    publisher = PolicyPublisher(policy, make_codec("int4"))
-    board = RolloutBoard(_even_task(), codec, cfg.group_size, version=lambda: publisher.version)
-    optimizer = torch.optim.SGD(policy.parameters(), lr=0.1)
-    trainer = GRPOTrainer(policy, lambda tokens: (optimizer.step(), optimizer.zero_grad()),
-                          board, publisher, worker_model(policy), cfg)
+    publisher, board, trainer = _even_trainer(policy, codec, cfg)
     worker = RolloutWorker("w", board, publisher,
                            PolicyReplica(worker_model(policy), make_codec("int4")), cfg)
     for _ in range(3):
