@@ -284,3 +284,32 @@ def test_streaming_delayed_keeps_every_fragment_in_flight_while_computing() -> N
         assert r["exposed"] < 0.5 * 8 * 0.2
     for a, b in zip(results[0]["globals"], results[1]["globals"]):
         assert torch.equal(a, b)
+
+
+def test_a_stop_request_ends_the_wait_for_the_round_in_flight() -> None:
+    """A worker's Ctrl-C only sets farlink's stop flag: the wait for a delayed round that never
+    lands (a peer gone mid-round) must end on it, naming what it waited for."""
+    from concurrent.futures import Future
+
+    from farlink import interrupt
+    from farlink.sync.base import StepOutcome
+
+    algo = _algo(InProcessGroup(1).member(0), "delayed")
+    algo.delayed._future = Future()  # a round in flight that never lands
+    raised: list[BaseException] = []
+
+    def wait() -> None:
+        try:
+            algo.delayed._wait(StepOutcome())
+        except BaseException as exc:  # noqa: BLE001 - what the wait ended with
+            raised.append(exc)
+
+    waiter = threading.Thread(target=wait, daemon=True)
+    try:
+        waiter.start()
+        threading.Timer(0.3, interrupt.STOP.set).start()
+        waiter.join(timeout=10)
+    finally:
+        interrupt.STOP.clear()
+    assert not waiter.is_alive(), "the wait slept through the stop request"
+    assert isinstance(raised[0], KeyboardInterrupt) and "delayed round" in str(raised[0])
