@@ -391,3 +391,32 @@ def test_a_restarted_trainer_resumes_at_its_last_committed_step(codec, tmp_path)
     log = second.trainer.train_step(subs)
     assert log is not None and log.step == 2 and log.groups == 2 and log.dropped_stale == 1
     assert second.trainer.rejections == [] and moved.replica.full_fetches == 1
+
+
+def test_a_group_that_would_break_the_update_is_refused_checked_or_not(codec) -> None:
+    """Every admitted group enters the update, sampled for checking or not: a NaN
+    log-probability (the importance ratio), a NaN fingerprint, a token id past the model's
+    vocabulary (the trainer's forward) or a log-probability count that does not match the
+    tokens are refused as malformed before any of it is used."""
+    from dataclasses import replace
+
+    policy = confident_gpt(0)
+    cfg = RLConfig(group_size=4, groups_per_step=1, deadline_s=2.0, fingerprint_every=2)
+    publisher, board, trainer = _even_trainer(policy, codec, cfg)
+    worker = RolloutWorker("w", board, publisher,
+                           PolicyReplica(worker_model(policy), make_codec("int4")), cfg)
+    worker.do_job()
+    [sub] = board.take(1, 2.0)
+    assert trainer.admit(sub) is None
+    first = sub.rollouts[0]
+    fingerprint = replace(first.fingerprints[0], values=[float("nan")] * len(first.fingerprints[0].values))
+    broken = {
+        "nan log-probability": replace(first, logprobs=[float("nan")] + first.logprobs[1:]),
+        "nan fingerprint": replace(first, fingerprints=[fingerprint] + first.fingerprints[1:]),
+        "token past the vocabulary": replace(
+            first, completion_ids=[policy.config.vocab_size] + first.completion_ids[1:]),
+        "fewer log-probabilities": replace(first, logprobs=first.logprobs[:-1]),
+    }
+    for what, rollout in broken.items():
+        reason = trainer.admit(replace(sub, rollouts=[rollout] + sub.rollouts[1:]))
+        assert reason is not None and reason.startswith("malformed"), (what, reason)

@@ -18,6 +18,7 @@ Then one GRPO step over the admitted groups and the next policy version is publi
 
 from __future__ import annotations
 
+import math
 import random
 import time
 from collections.abc import Callable
@@ -88,6 +89,7 @@ class GRPOTrainer:
         self.rejections: list[tuple[str, str]] = []  # (worker, reason), in order
         self._rng = random.Random(config.seed + 7)
         self._checker_version: int | None = None
+        self._vocab: int | None = getattr(getattr(model, "config", None), "vocab_size", None)
 
     # --- checks ------------------------------------------------------------------------------
     def admit(self, sub: Submission) -> str | None:
@@ -112,6 +114,16 @@ class GRPOTrainer:
                 return f"version: claims version {rollout.version}, newest is {self.publisher.version}"
             if not rollout.completion_ids or len(rollout.completion_ids) > self.config.max_new_tokens:
                 return f"malformed: a completion of {len(rollout.completion_ids)} tokens"
+            # every group, checked or not, enters the update: what would break it is refused
+            if len(rollout.logprobs) != len(rollout.completion_ids):
+                return (f"malformed: {len(rollout.logprobs)} log-probabilities for "
+                        f"{len(rollout.completion_ids)} tokens")
+            if self._vocab is not None and not all(0 <= t < self._vocab
+                                                   for t in rollout.completion_ids):
+                return f"malformed: a token id outside the vocabulary of {self._vocab}"
+            if not all(math.isfinite(v) for v in rollout.logprobs) or not all(
+                    math.isfinite(v) for fp in rollout.fingerprints for v in fp.values):
+                return "malformed: a log-probability or fingerprint value that is not finite"
         versions = {r.version for r in sub.rollouts}
         if len(versions) != 1:
             return f"malformed: one group claims versions {sorted(versions)}"
