@@ -7,6 +7,7 @@ different models disagree the way trained ones do; the slow test pre-trains a re
 from __future__ import annotations
 
 import copy
+from dataclasses import replace
 import json
 import random
 
@@ -21,11 +22,11 @@ from farlink.rl.base import TextCodec
 from farlink.rl.board import RolloutBoard
 from farlink.rl.broadcast import PolicyPublisher, PolicyReplica
 from farlink.rl.grpo import group_advantages, grpo_loss
-from farlink.rl.policy import completion_logits, sample_group
+from farlink.rl.policy import completion_logits, sample_group, uniform
 from farlink.rl.tasks import (Addition, CallableTask, Countdown, JsonlTask, Sorting, TaskError,
                               demonstrations, is_heldout, make_task)
 from farlink.rl.trainer import GRPOTrainer, RLConfig
-from farlink.rl.verify import check
+from farlink.rl.verify import Tolerance, check, recomputed_logits
 from farlink.rl.workers import RolloutWorker, worker_model
 
 torch.set_num_threads(1)
@@ -192,7 +193,8 @@ def test_honest_rollouts_pass_and_another_models_or_fabricated_ones_fail(codec) 
     with torch.no_grad():
         for dtype in (torch.float32, torch.bfloat16):
             honest = _rollouts(policy, codec, dtype, seeds)
-            logits = completion_logits(policy, honest)
+            assert {r.precision for r in honest} == {"fp32" if dtype == torch.float32 else "bf16"}
+            logits = recomputed_logits(policy, honest)  # in the precision each worker names
             assert [check(r, lg, 1.0, 2) for r, lg in zip(honest, logits)] == [None] * 40, dtype
         forged = _rollouts(other, codec, seeds=seeds)
         reasons = [check(r, lg, 1.0, 2) for r, lg in zip(forged, completion_logits(policy, forged))]
@@ -209,6 +211,104 @@ def test_honest_rollouts_pass_and_another_models_or_fabricated_ones_fail(codec) 
             fake = cheat._committed(r, codec.tokenizer.encode("46").ids + [codec.eot])
             caught += check(fake, completion_logits(policy, [fake])[0], 1.0, 2) is not None
         assert caught >= 38
+
+
+def test_a_rollouts_precision_travels_and_the_check_recomputes_in_it(codec) -> None:
+    """A bf16 worker says so; over the wire the field survives, and the trainer recomputes in
+    bf16 (checked in fp32, a bf16 draw can land further off its interval than the tolerance)."""
+    from farlink.rl.remote import rollout_from_json, rollout_to_json
+
+    policy = confident_gpt(0)
+    with torch.no_grad():
+        rollouts = _rollouts(policy, codec, torch.bfloat16, seeds=list(range(8)))
+        assert [rollout_from_json(json.loads(json.dumps(rollout_to_json(r)))) for r in rollouts] \
+            == rollouts
+        fp32 = [rows.float() for rows in completion_logits(policy, rollouts)]
+        bf16 = recomputed_logits(policy, rollouts)
+    assert all(not torch.equal(a, b) for a, b in zip(fp32, bf16))
+    for r, rows in zip(rollouts, bf16):  # the worker's own numbers: what it committed to
+        assert [fp.values for fp in r.fingerprints] == [
+            rows[fp.position][fp.ids].half().float().tolist() for fp in r.fingerprints]
+
+
+def test_a_completion_one_token_off_the_seeded_draw_is_refused(codec) -> None:
+    """A fabricated completion that is the seeded draw but for its last token, with honestly
+    computed commitments and log-probabilities, is refused: no share of tokens off the draw is
+    forgiven (a quarter was, and let such groups through). The only forgery that passes is a
+    near-tie: the draw within the CDF tolerance of the forged token's interval, which rounding
+    could flip for an honest worker too."""
+    policy = confident_gpt(0)
+    cheat = RolloutWorker("c", RolloutBoard(Addition(2), codec, 2),
+                          PolicyPublisher(policy, make_codec("int4")),
+                          PolicyReplica(worker_model(policy), make_codec("int4")),
+                          RLConfig(fingerprint_every=2, max_new_tokens=6), behaviour="fabricate")
+    cheat.model = policy
+    tried = refused = 0
+    with torch.no_grad():
+        for r in _rollouts(policy, codec, seeds=list(range(60))):
+            if len(r.completion_ids) != 6:
+                continue
+            logits = recomputed_logits(policy, [r])[0]
+            assert check(r, logits, 1.0, 2) is None  # the honest draw passes
+            probs = torch.softmax(logits[5], dim=-1)
+            others = probs.clone()
+            others[r.completion_ids[5]] = 0
+            forged = int(others.argmax())  # the likeliest other token at the last position
+            fake = cheat._committed(r, r.completion_ids[:5] + [forged])
+            reason = check(fake, recomputed_logits(policy, [fake])[0], 1.0, 2)
+            tried += 1
+            if reason is not None:
+                assert reason.startswith(("sampling: 1 of 6", "near-tie: 1 of 6")), reason
+                refused += 1
+            else:  # a near-tie: the draw lies within the tolerance of the forged interval
+                upper = float(probs.cumsum(0)[forged])
+                draw = uniform(r.seed, 5)
+                gap = max(upper - float(probs[forged]) - draw, draw - upper)
+                assert gap <= Tolerance().cdf, gap
+    assert tried >= 20 and refused >= tried - 2, (tried, refused)
+
+
+def _near_tie(policy, cheat: RolloutWorker, rollout):  # noqa: ANN001, ANN202
+    """``rollout`` with its last token swapped for one whose CDF interval ends just short of
+    the seeded draw (0.004-0.1 away), commitments honestly computed: a near-tie."""
+    n = len(rollout.completion_ids)
+    probs = torch.softmax(recomputed_logits(policy, [rollout])[0][n - 1], dim=-1)
+    upper, draw = probs.cumsum(0), uniform(rollout.seed, n - 1)
+    gaps = torch.maximum(upper - probs - draw, draw - upper)
+    candidates = ((gaps > 0.01) & (gaps < 0.08)).nonzero().flatten().tolist()
+    return cheat._committed(rollout, rollout.completion_ids[:-1] + [candidates[0]])
+
+
+def test_near_ties_refuse_the_group_and_ban_only_when_they_repeat(codec) -> None:
+    """A checked group whose draw misses by a near-tie (what bf16 rounding does to one honest
+    group in ~50) is refused with all its worker's groups of the step, and recorded, but the
+    worker is banned only at ``near_ties_to_ban`` in a row; a clean check starts the count
+    again."""
+    policy = confident_gpt(0)
+    cfg = RLConfig(group_size=2, groups_per_step=4, deadline_s=1.0, fingerprint_every=2,
+                   verify_fraction=0.0, near_ties_to_ban=2)
+    publisher, board, trainer = _even_trainer(policy, codec, cfg)
+    replica = lambda: PolicyReplica(worker_model(policy), make_codec("int4"))  # noqa: E731
+    honest = RolloutWorker("h", board, publisher, replica(), cfg)
+    near = RolloutWorker("w", board, publisher, replica(), cfg)
+    near.model = policy  # its commitments come from the trainer's own policy
+
+    def step(tied: bool):  # noqa: ANN202
+        honest.do_job()
+        near.do_job()
+        subs = board.take(2, 1.0)
+        if tied:
+            subs = [replace(s, rollouts=[_near_tie(policy, near, s.rollouts[0])] + s.rollouts[1:])
+                    if s.worker == "w" else s for s in subs]
+        return trainer.train_step(subs)
+
+    for tied, banned in ((True, False), (False, False), (True, False), (True, True)):
+        log = step(tied)
+        assert log is not None and log.groups == (1 if tied else 2), (tied, log)
+        assert ("w" in board.banned) == banned
+    kinds = [reason.split(":")[0] for _, reason in trainer.rejections]
+    assert kinds == ["near-tie"] * 3 and trainer.ledger.get("h").updates_rejected == 0
+    assert trainer.ledger.get("w").updates_rejected == 3
 
 
 def test_the_trainer_bans_every_kind_of_cheat_and_keeps_the_honest_worker(codec) -> None:
@@ -416,6 +516,8 @@ def test_a_group_that_would_break_the_update_is_refused_checked_or_not(codec) ->
         "token past the vocabulary": replace(
             first, completion_ids=[policy.config.vocab_size] + first.completion_ids[1:]),
         "fewer log-probabilities": replace(first, logprobs=first.logprobs[:-1]),
+        "unknown precision": replace(first, precision="int8"),
+        "two precisions in a group": replace(first, precision="bf16"),
     }
     for what, rollout in broken.items():
         reason = trainer.admit(replace(sub, rollouts=[rollout] + sub.rollouts[1:]))

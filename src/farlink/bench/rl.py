@@ -5,11 +5,14 @@ Scenarios (one base model, pre-trained once by the short recipe):
 - ``rise``: held-out accuracy before and after, for several seeds (2 workers, staleness 2);
 - ``workers``: 1, 2 and 4 workers paced at ``PACE`` seconds per job: rollouts per second;
 - ``staleness``: max staleness 0, 2 and 8 with 4 unpaced workers;
-- ``cheats``: 2 honest workers beside one of each dishonest kind: who is banned, and how many
-  of a cheat's groups reached a step;
+- ``cheats``: 2 honest workers beside one of each dishonest kind, for several seeds: who is
+  banned, how many of a cheat's groups reached a step, and how many of those were forged (not
+  what an honest worker would have handed in: none may be);
 - ``diloco_two_groups``: the trainer as two replica groups, DiLoCo between them;
-- ``false_rejects``: honest groups sampled with 1 and 2 threads and in bf16, checked against
-  the fp32 policy: the rate the verifier wrongly rejects;
+- ``false_rejects``: honest groups sampled with 1 and 2 threads and in fp32 and bf16, checked
+  as the trainer checks: the rate the verifier wrongly refuses; beside it ``detection``:
+  fabricated groups (the reference answer with honest commitments) passed, refused as
+  near-ties, or refused outright;
 - ``processes``: two worker processes over TCP, one SIGKILLed, the trainer restarted from its
   checkpoint halfway: committed steps lost (none) and groups accepted per worker.
 - ``home_links``: 4 workers whose job requests, policy fetches and hand-ins each cross an
@@ -28,9 +31,9 @@ from pathlib import Path
 
 import torch
 
-from farlink.rl.policy import completion_logits, sample_group
+from farlink.rl.policy import sample_group
 from farlink.rl.trainer import RLConfig
-from farlink.rl.verify import check
+from farlink.rl.verify import NEAR_TIE, check, recomputed_logits
 from farlink.train.rl import LR, TASK, make_base, make_session, run_session
 
 PACE = 0.4
@@ -74,15 +77,18 @@ def diloco_groups(steps: int, inner_steps: int = 5, lr: float = LR) -> dict:
             "heldout_accuracy_final": [g["heldout_accuracy_final"] for g in groups]}
 
 
-def false_rejects(groups: int = 40) -> dict:
-    """Honest groups under other thread counts and bf16, checked by the fp32 policy."""
+def false_rejects(groups: int = 200) -> dict:
+    """Honest groups under other thread counts and bf16, checked by the trainer's recompute
+    (one thread, in the precision each group names)."""
     base = make_base(TASK, seed=0)
     config = RLConfig()
     rates = {}
     for label, threads, dtype in (("fp32_1thread", 1, torch.float32),
                                   ("fp32_2threads", 2, torch.float32),
-                                  ("bf16", 1, torch.bfloat16)):
+                                  ("bf16_1thread", 1, torch.bfloat16),
+                                  ("bf16_2threads", 2, torch.bfloat16)):
         rejected = total = 0
+        reasons: list[str] = []
         for g in range(groups):
             problem = base.task.draw(__import__("random").Random(g))
             torch.set_num_threads(threads)
@@ -93,13 +99,60 @@ def false_rejects(groups: int = 40) -> dict:
                                     every=config.fingerprint_every, k=config.fingerprint_k,
                                     dtype=dtype)
             torch.set_num_threads(1)
-            with torch.no_grad():
-                logits = completion_logits(base.model, rollouts)
+            logits = recomputed_logits(base.model, rollouts)
             for r, lg in zip(rollouts, logits):
                 total += 1
-                rejected += check(r, lg, config.temperature, config.fingerprint_every) is not None
-        rates[label] = {"rollouts": total, "rejected": rejected, "rate": rejected / total}
+                reason = check(r, lg, config.temperature, config.fingerprint_every)
+                if reason is not None:
+                    rejected += 1
+                    reasons.append(reason)
+        clear = sum(1 for r in reasons if not r.startswith(NEAR_TIE))
+        rates[label] = {"rollouts": total, "rejected": rejected, "rate": rejected / total,
+                        "rejected_beyond_near_tie": clear, "reasons": reasons}
     return rates
+
+
+def detection(groups: int = 200) -> dict:
+    """Fabricated groups (every completion replaced by the reference answer, with commitments
+    and log-probabilities honestly computed for it: the strongest form) checked as the trainer
+    checks: how many that differ from the honest draw pass, are refused as near-ties, or are
+    refused outright. A fabricated group equal to the honest draw is the honest group."""
+    from farlink.rl.board import RolloutBoard
+    from farlink.rl.broadcast import PolicyPublisher, PolicyReplica
+    from farlink.codecs import make_codec
+    from farlink.rl.workers import RolloutWorker
+
+    base = make_base(TASK, seed=0)
+    config = RLConfig()
+    cheat = RolloutWorker("f", RolloutBoard(base.task, base.codec, config.group_size),
+                          PolicyPublisher(base.model, make_codec("int4")),
+                          PolicyReplica(base.model, make_codec("int4")), config,
+                          behaviour="fabricate")
+    counts = {"groups": 0, "equal_to_honest": 0, "passed": 0, "near_tie": 0, "refused": 0}
+    for g in range(groups):
+        problem = base.task.draw(__import__("random").Random(g))
+        honest = sample_group(base.model, base.codec.prompt_ids(problem.prompt),
+                              [g * 100 + i for i in range(config.group_size)], worker="f",
+                              job=g, version=0, stop_id=base.codec.eot,
+                              max_new_tokens=config.max_new_tokens,
+                              every=config.fingerprint_every, k=config.fingerprint_k)
+        answer = base.codec.tokenizer.encode(problem.answer, add_special_tokens=False).ids
+        with torch.no_grad():
+            forged = [cheat._committed(r, answer + [base.codec.eot]) for r in honest]
+        counts["groups"] += 1
+        if [r.completion_ids for r in forged] == [r.completion_ids for r in honest]:
+            counts["equal_to_honest"] += 1
+            continue
+        reasons = [check(r, lg, config.temperature, config.fingerprint_every)
+                   for r, lg in zip(forged, recomputed_logits(base.model, forged))]
+        refusals = [r for r in reasons if r is not None]
+        if not refusals:
+            counts["passed"] += 1
+        elif all(r.startswith(NEAR_TIE) for r in refusals):
+            counts["near_tie"] += 1
+        else:
+            counts["refused"] += 1
+    return counts
 
 
 def processes(steps: int, pace_seconds: float = 0.2) -> dict:
@@ -221,12 +274,14 @@ def run(out: Path, steps: int = 40, seeds: int = 3, worker_wall_s: float = 15.0,
         result["staleness"] = {k: _session(0, steps, workers=4, max_staleness=k)
                                for k in (0, 2, 8)}
     if "cheats" in only:
-        result["cheats"] = _session(0, steps, workers=2,
-                                    malicious=["fabricate", "wrong_model", "stale", "replay"])
+        result["cheats"] = [_session(s, steps, workers=2,
+                                     malicious=["fabricate", "wrong_model", "stale", "replay"])
+                            for s in range(seeds)]
     if "diloco_two_groups" in only:
         result["diloco_two_groups"] = diloco_groups(steps)
     if "false_rejects" in only:
         result["false_rejects"] = false_rejects()
+        result["detection"] = detection()
     if "processes" in only:
         result["processes"] = processes(steps)
     if "home_links" in only:
@@ -319,12 +374,22 @@ def headline(result: dict) -> dict:
         out["staleness_final_accuracy"] = {k: r["heldout_accuracy_final"]
                                            for k, r in result["staleness"].items()}
     if "cheats" in result:
-        cheats = result["cheats"]
-        accepted = {name: info.get("groups_accepted") for name, info in cheats["workers"].items()}
-        out.update(cheats_banned=sorted({w for w, _ in cheats["rejections"]}),
-                   cheat_groups_accepted={k: v for k, v in accepted.items() if "honest" not in k})
+        per_seed = []
+        for cheats in result["cheats"]:
+            workers = cheats["workers"]
+            per_seed.append({
+                "banned": sorted({w for w, _ in cheats["rejections"]}),
+                "honest_groups_refused": sum(1 for w, _ in cheats["rejections"] if "honest" in w),
+                "cheat_groups_accepted": {k: v["groups_accepted"] for k, v in workers.items()
+                                          if "honest" not in k},
+                "forged_groups_handed_in": {k: v["forged_groups_handed_in"]
+                                            for k, v in workers.items() if "honest" not in k},
+                "forged_groups_accepted": sum(v["forged_groups_accepted"]
+                                              for v in workers.values())})
+        out["cheats_per_seed"] = per_seed
     if "false_rejects" in result:
         out["false_reject_rate"] = {k: v["rate"] for k, v in result["false_rejects"].items()}
+        out["fabricated_groups"] = result.get("detection")
     if "diloco_two_groups" in result:
         out["diloco_two_groups_final"] = result["diloco_two_groups"]["heldout_accuracy_final"]
     if "home_links" in result:

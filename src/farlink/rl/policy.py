@@ -53,11 +53,25 @@ class Rollout:
     completion_ids: list[int]
     logprobs: list[float]  # behaviour log-probabilities of the completion tokens
     fingerprints: list[Fingerprint] = field(default_factory=list)
+    #: what the worker's forward ran in (:data:`PRECISIONS`): the verifier recomputes in the
+    #: same, so honest rounding differs only by reduction order
+    precision: str = "fp32"
 
     def nbytes(self) -> int:
         """What it costs on the wire: ids as int32, logprobs as fp32, the fingerprints."""
         return (32 + 4 * (len(self.prompt_ids) + 2 * len(self.completion_ids))
                 + sum(f.nbytes() for f in self.fingerprints))
+
+
+#: a worker's forward precision -> the dtype its autocast runs in
+PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+def precision_of(dtype: torch.dtype) -> str:
+    for name, known in PRECISIONS.items():
+        if known == dtype:
+            return name
+    raise ValueError(f"rollouts are sampled in one of {sorted(PRECISIONS)}, not {dtype}")
 
 
 def scaled(logits: torch.Tensor, temperature: float) -> torch.Tensor:
@@ -79,6 +93,7 @@ def sample_group(model: nn.Module, prompt_ids: list[int], seeds: list[int], *, w
     (bf16 autocast is honest nondeterminism the verifier must tolerate)."""
     if temperature <= 0:
         raise ValueError(f"temperature must be > 0 for sampling, got {temperature}")
+    precision = precision_of(dtype)
     model.eval()
     rows = len(seeds)
     tokens = torch.tensor([prompt_ids] * rows, dtype=torch.long)
@@ -109,7 +124,7 @@ def sample_group(model: nn.Module, prompt_ids: list[int], seeds: list[int], *, w
             break
         tokens = torch.cat([tokens, torch.tensor(picked).unsqueeze(1)], dim=1)
     return [Rollout(worker, job, seeds[r], version, list(prompt_ids), completions[r],
-                    logprobs[r], prints[r]) for r in range(rows)]
+                    logprobs[r], prints[r], precision) for r in range(rows)]
 
 
 def completion_logits(model: nn.Module, rollouts: list[Rollout]) -> list[torch.Tensor]:

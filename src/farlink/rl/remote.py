@@ -52,7 +52,8 @@ def rollout_to_json(r: Rollout) -> dict:
     return {"worker": r.worker, "job": r.job, "seed": r.seed, "version": r.version,
             "prompt_ids": r.prompt_ids, "completion_ids": r.completion_ids,
             "logprobs": r.logprobs,
-            "fingerprints": [[f.position, f.ids, f.values] for f in r.fingerprints]}
+            "fingerprints": [[f.position, f.ids, f.values] for f in r.fingerprints],
+            "precision": r.precision}
 
 
 def _ints(value: object) -> list[int]:
@@ -74,7 +75,7 @@ def rollout_from_json(d: dict) -> Rollout:
                   for p, ids, values in d["fingerprints"]]
         return Rollout(str(d["worker"]), int(d["job"]), int(d["seed"]), int(d["version"]),
                        _ints(d["prompt_ids"]), _ints(d["completion_ids"]),
-                       _floats(d["logprobs"]), prints)
+                       _floats(d["logprobs"]), prints, str(d.get("precision", "fp32")))
     except (KeyError, TypeError) as exc:
         raise ValueError(f"not a rollout: {exc}") from exc
 

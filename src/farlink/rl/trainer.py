@@ -8,7 +8,9 @@ Per step the trainer takes up to ``groups_per_step`` submitted groups (waiting a
 2. drops it, unpunished, when its version is more than ``max_staleness`` behind;
 3. **verifies** a sampled fraction (at least one group per worker per step) by recomputing the
    claimed version's logits (:func:`farlink.rl.verify.check`); a worker whose group fails is
-   recorded in the ledger, banned, and all its groups of the step are dropped;
+   recorded in the ledger and all its groups of the step are dropped; it is banned, unless the
+   failure is a near-tie that honest rounding can cause (then only at ``near_ties_to_ban``
+   near-ties in a row);
 4. **scores** every completion itself with the task's verifier (a worker sends no reward).
 
 Then one GRPO step over the admitted groups and the next policy version is published.
@@ -30,8 +32,8 @@ from torch import nn
 from farlink.rl.board import RolloutBoard, Submission
 from farlink.rl.broadcast import PolicyPublisher
 from farlink.rl.grpo import group_advantages, grpo_loss
-from farlink.rl.policy import completion_logits, token_logprobs
-from farlink.rl.verify import Tolerance, check
+from farlink.rl.policy import PRECISIONS, completion_logits, token_logprobs
+from farlink.rl.verify import NEAR_TIE, Tolerance, check, recomputed_logits
 from farlink.robust.ledger import ContributionLedger
 
 
@@ -48,6 +50,9 @@ class RLConfig:
     verify_fraction: float = 0.25
     fingerprint_every: int = 4
     fingerprint_k: int = 4
+    #: a worker whose checked groups are refused as near-ties this many times in a row is
+    #: banned (honest bf16 rounding makes one in ~50 groups a near-tie)
+    near_ties_to_ban: int = 3
     seed: int = 0
 
 
@@ -87,6 +92,8 @@ class GRPOTrainer:
         self.ledger = ledger if ledger is not None else ContributionLedger()
         self.step = 0
         self.rejections: list[tuple[str, str]] = []  # (worker, reason), in order
+        self.accepted_jobs: set[int] = set()  # jobs whose groups went into a step
+        self._near_ties: dict[str, int] = {}  # worker -> near-tie refusals in a row
         self._rng = random.Random(config.seed + 7)
         self._checker_version: int | None = None
         self._vocab: int | None = getattr(getattr(model, "config", None), "vocab_size", None)
@@ -127,6 +134,9 @@ class GRPOTrainer:
         versions = {r.version for r in sub.rollouts}
         if len(versions) != 1:
             return f"malformed: one group claims versions {sorted(versions)}"
+        precisions = {r.precision for r in sub.rollouts}
+        if len(precisions) != 1 or not precisions <= set(PRECISIONS):
+            return f"malformed: precisions {sorted(precisions)}, one of {sorted(PRECISIONS)}"
         return None
 
     def _load_checker(self, version: int) -> bool:
@@ -147,7 +157,7 @@ class GRPOTrainer:
         if not self._load_checker(version):
             return None  # not kept any more: only possible beyond max_staleness, dropped anyway
         self.checker.eval()
-        logits = completion_logits(self.checker, sub.rollouts)
+        logits = recomputed_logits(self.checker, sub.rollouts)
         for rollout, rows in zip(sub.rollouts, logits):
             reason = check(rollout, rows, self.config.temperature, self.config.fingerprint_every,
                            self.tolerance)
@@ -156,9 +166,15 @@ class GRPOTrainer:
         return None
 
     def _reject(self, sub: Submission, reason: str) -> None:
+        """Record the refusal; ban the worker unless it is a near-tie that has not repeated
+        ``near_ties_to_ban`` times in a row."""
         tokens = sum(len(r.completion_ids) for r in sub.rollouts)
         self.ledger.record_rejected(sub.worker, self.step, tokens, reason)
         self.rejections.append((sub.worker, reason))
+        if reason.startswith(NEAR_TIE):
+            self._near_ties[sub.worker] = self._near_ties.get(sub.worker, 0) + 1
+            if self._near_ties[sub.worker] < self.config.near_ties_to_ban:
+                return
         self.board.ban(sub.worker)
 
     def _sort(self, sub: Submission, version: int, kept: list[Submission],
@@ -207,17 +223,22 @@ class GRPOTrainer:
         rejected, dropped, verified = counts["rejected"], counts["dropped"], 0
         workers = sorted({s.worker for s in kept})
         must_check = {w: self._rng.choice([s for s in kept if s.worker == w]).job for w in workers}
+        refused: set[str] = set()  # workers with a group refused this step
         for sub in list(kept):
-            if sub.worker in self.board.banned:  # caught earlier: none of its groups count
+            if sub.worker in refused or sub.worker in self.board.banned:  # none of its groups count
                 kept.remove(sub)
                 continue
             if must_check[sub.worker] == sub.job or self._rng.random() < cfg.verify_fraction:
                 verified += 1
                 reason = self.verify(sub)
-                if reason is not None:
+                if reason is None:
+                    self._near_ties.pop(sub.worker, None)
+                else:
                     self._reject(sub, reason)
+                    refused.add(sub.worker)
                     rejected += 1
-        kept = [s for s in kept if s.worker not in self.board.banned]
+        # a refused worker's unchecked groups of this step go too: they may be forged alike
+        kept = [s for s in kept if s.worker not in refused and s.worker not in self.board.banned]
         if not kept:
             return None
         return self._update(kept, version, start, rejected, dropped, verified)
@@ -237,6 +258,7 @@ class GRPOTrainer:
             rewards += scores
             tokens = sum(len(r.completion_ids) for r in sub.rollouts)
             self.ledger.record_accepted(sub.worker, self.step, tokens)
+            self.accepted_jobs.add(sub.job)
         self.model.train()
         logits = completion_logits(self.model, rollouts)
         new = [token_logprobs(lg, r.completion_ids, cfg.temperature)

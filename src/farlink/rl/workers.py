@@ -48,6 +48,10 @@ class RolloutWorker:
         self.jobs_done = 0
         self.rollouts_done = 0
         self._first: list[Rollout] | None = None  # what a replayer hands in again
+        #: jobs whose hand-in is not what an honest worker would have sent (a fabricated
+        #: answer equal to the seeded draw is the honest completion, so it is not counted):
+        #: what a bench compares with the trainer's accepted jobs
+        self.forged_jobs: set[int] = set()
 
     def do_job(self) -> bool:
         """One job from request to hand-in; False when the board gives none (banned)."""
@@ -76,16 +80,23 @@ class RolloutWorker:
     def _rollouts(self, job: Job) -> list[Rollout]:
         claimed = self.publisher.version if self.behaviour == "stale" else self.replica.version
         if self.behaviour == "wrong_model":
+            self.forged_jobs.add(job.job)
             return self._sample(self.other_model, job, self.replica.version)
         if self.behaviour == "replay" and self._first is not None:
+            self.forged_jobs.add(job.job)
             return [replace(r, job=job.job) for r in self._first]
         rollouts = self._sample(self.model, job, claimed)
         if self.behaviour == "replay":
             self._first = rollouts
+        if self.behaviour == "stale" and claimed != self.replica.version:
+            self.forged_jobs.add(job.job)
         if self.behaviour == "fabricate":
             answer = self.board.codec.tokenizer.encode(job.problem.answer,
                                                        add_special_tokens=False).ids
+            honest = [r.completion_ids for r in rollouts]
             rollouts = [self._committed(r, answer + [self.board.codec.eot]) for r in rollouts]
+            if honest != [r.completion_ids for r in rollouts]:
+                self.forged_jobs.add(job.job)
         return rollouts
 
     @torch.no_grad()
@@ -93,7 +104,8 @@ class RolloutWorker:
         """``rollout`` with ``tokens`` as its completion and honest commitments for them."""
         tokens = tokens[:self.config.max_new_tokens]
         forged = replace(rollout, completion_ids=tokens)
-        logits = completion_logits(self.model, [forged])[0].float()
+        with torch.autocast("cpu", dtype=self.dtype, enabled=self.dtype != torch.float32):
+            logits = completion_logits(self.model, [forged])[0].float()
         logp = torch.log_softmax(logits / self.config.temperature, dim=-1)
         cfg = self.config
         return replace(forged,

@@ -299,6 +299,9 @@ def run_session(session: Session, steps: int, eval_every: int = 10, max_wall_s: 
                              "full_fetches": w.replica.full_fetches,
                              "delta_updates": w.replica.delta_updates,
                              "groups_accepted": _accepted(session, w.name),
+                             "forged_groups_handed_in": len(w.forged_jobs),
+                             "forged_groups_accepted": len(w.forged_jobs
+                                                           & session.trainer.accepted_jobs),
                              "delta_bytes_per_version": w.replica.delta_bytes
                              / max(w.replica.delta_versions, 1),
                              **_link_figures(session, w.name)}
