@@ -77,7 +77,8 @@ def register(app: typer.Typer, bench_app: typer.Typer) -> None:
             host, _, port = listen.rpartition(":")
             server = serve(session, codec, host, int(port))
             typer.echo(f"serving rollout workers on {server.address[0]}:{server.address[1]}")
-            children = spawn_workers(server.address, worker_processes, pace_seconds)
+            children = spawn_workers(server.address, worker_processes, pace_seconds,
+                                     identity_dir=out / "worker-keys")
         try:
             summary = run_session(session, steps - done, out=out, echo=echo,
                                   checkpoints=checkpoints, remote=server is not None,

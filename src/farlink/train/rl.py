@@ -235,14 +235,17 @@ def serve(session: Session, codec: str, host: str = "127.0.0.1", port: int = 0):
 
 
 def spawn_workers(address: tuple[str, int], count: int, pace_seconds: float = 0.0,
-                  prefix: str = "proc") -> list:
-    """``count`` local ``farlink rl-worker`` processes connected to ``address``."""
+                  prefix: str = "proc", *, identity_dir: Path) -> list:
+    """``count`` local ``farlink rl-worker`` processes connected to ``address``, labelled
+    ``prefix-i``, each with its own key in ``identity_dir`` (made at first start, kept for a
+    rerun: the ledger knows a worker by its key)."""
     import subprocess
     import sys
 
     return [subprocess.Popen([sys.executable, "-m", "farlink.train.rl_worker",
                               "--connect", f"{address[0]}:{address[1]}", "--name",
-                              f"{prefix}-{i}", "--pace-seconds", str(pace_seconds)])
+                              f"{prefix}-{i}", "--identity", str(identity_dir / f"{prefix}-{i}.key"),
+                              "--pace-seconds", str(pace_seconds)])
             for i in range(count)]
 
 
@@ -251,7 +254,7 @@ def run_session(session: Session, steps: int, eval_every: int = 10, max_wall_s: 
                 remote: bool = False, server=None) -> dict:
     """Train ``steps`` steps; held-out accuracy before, every ``eval_every`` steps and after.
     With the ``server`` worker processes use, the summary names the address each of them
-    connected from (``worker_hosts``)."""
+    connected from (``worker_hosts``) and the label each key id gave (``worker_labels``)."""
     base = session.base
     started = time.monotonic()
 
@@ -304,9 +307,10 @@ def run_session(session: Session, steps: int, eval_every: int = 10, max_wall_s: 
                              **_link_figures(session, w.name)}
                     for w in session.workers},
     }
-    if server is not None:
+    if server is not None:  # worker processes are named by key id; their labels beside
         summary["worker_hosts"] = {name: sorted(hosts)
                                    for name, hosts in sorted(server.worker_hosts.items())}
+        summary["worker_labels"] = dict(sorted(server.worker_labels.items()))
     if out is not None:
         out.mkdir(parents=True, exist_ok=True)
         with open(out / "steps.jsonl", "a") as fh:  # a resumed run continues the log
