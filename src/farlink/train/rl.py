@@ -237,11 +237,16 @@ def serve(session: Session, codec: str, host: str = "127.0.0.1", port: int = 0):
 def spawn_workers(address: tuple[str, int], count: int, pace_seconds: float = 0.0,
                   prefix: str = "proc", *, identity_dir: Path) -> list:
     """``count`` local ``farlink rl-worker`` processes connected to ``address``, labelled
-    ``prefix-i``, each with its own key in ``identity_dir`` (made at first start, kept for a
-    rerun: the ledger knows a worker by its key)."""
+    ``prefix-i``, each with its own key ``identity_dir/prefix-i.key`` (made here when missing,
+    so the caller knows every key id at once; kept for a rerun: the ledger knows a worker by
+    its key)."""
     import subprocess
     import sys
 
+    from farlink.robust.keys import load_or_generate
+
+    for i in range(count):
+        load_or_generate(identity_dir / f"{prefix}-{i}.key")
     return [subprocess.Popen([sys.executable, "-m", "farlink.train.rl_worker",
                               "--connect", f"{address[0]}:{address[1]}", "--name",
                               f"{prefix}-{i}", "--identity", str(identity_dir / f"{prefix}-{i}.key"),
