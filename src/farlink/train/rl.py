@@ -224,14 +224,15 @@ def _link_figures(session: Session, worker: str) -> dict:
             "link_bytes_down": clock.bytes_down}
 
 
-def serve(session: Session, codec: str, host: str = "127.0.0.1", port: int = 0):
+def serve(session: Session, codec: str, host: str = "127.0.0.1", port: int = 0, **limits):
     """A server through which worker processes (``farlink rl-worker``) take jobs, fetch the
-    policy and hand in, beside the session's thread workers."""
+    policy and hand in, beside the session's thread workers; ``limits``: the server's
+    ``idle_s``, ``max_connections``, ``max_per_host``."""
     from farlink.rl.remote import RolloutServer
     from farlink.train.rl_worker import hello_for
 
     hello = hello_for(session.base.model, codec, session.trainer.config, session.base.codec.eot)
-    return RolloutServer(session.board, session.publisher, hello, host, port)
+    return RolloutServer(session.board, session.publisher, hello, host, port, **limits)
 
 
 def spawn_workers(address: tuple[str, int], count: int, pace_seconds: float = 0.0,
