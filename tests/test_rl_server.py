@@ -113,6 +113,12 @@ def test_nobody_but_a_workers_key_can_hand_in_or_take_jobs_in_its_name(codec, tm
         assert session.board.submissions == 1 and len(session.board.jobs) == 1
         assert len(server.refused) == 6 and all(f"naming worker {honest.name!r}" in reason
                                                 for _, reason in server.refused)
+        sock = _dial(server)  # one open challenge per connection: no hoard of them
+        send_frame(sock, {"op": "challenge"})
+        recv_frame(sock)
+        send_frame(sock, {"op": "challenge"})
+        assert _cut(sock) and server.refused[-1][1] == "a second challenge before a proof"
+        sock.close()
         # under its own key, garbage claiming the honest worker's rollouts costs the attacker
         sock = _dial(server)
         attacker = _prove(sock, attacker_key)

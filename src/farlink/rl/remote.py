@@ -40,6 +40,7 @@ import socketserver
 import struct
 import threading
 import time
+from collections import deque
 from dataclasses import dataclass
 
 from farlink.comm.sockets import CHUNK
@@ -159,7 +160,8 @@ class RolloutServer:
         self._lock = threading.Lock()
         self.worker_hosts: dict[str, set[str]] = {}  # worker key id -> hosts it connected from
         self.worker_labels: dict[str, str] = {}  # worker key id -> the label it gave
-        self.refused: list[tuple[str, str]] = []  # (host, reason) of refused connections/frames
+        #: (host, reason) of the latest refused connections and frames
+        self.refused: deque[tuple[str, str]] = deque(maxlen=1024)
         server = self
 
         class Handler(socketserver.BaseRequestHandler):
@@ -185,6 +187,13 @@ class RolloutServer:
 
             def verify_request(self, request: socket.socket, client_address: tuple) -> bool:
                 return server._admit(client_address[0])
+
+            def process_request(self, request: socket.socket, client_address: tuple) -> None:
+                try:
+                    super().process_request(request, client_address)
+                except BaseException:  # no thread started: it will not leave by itself
+                    server._leave(client_address[0])
+                    raise
 
             def process_request_thread(self, request: socket.socket,
                                        client_address: tuple) -> None:
@@ -247,6 +256,9 @@ class RolloutServer:
             with self._lock:
                 self.worker_hosts.setdefault(peer.worker, set()).add(peer.host)
         if op == "challenge":
+            if peer.challenge is not None:  # one open challenge per connection
+                self._refuse(peer.host, "a second challenge before a proof")
+                raise ValueError("a second challenge before a proof")
             peer.challenge = self.authenticator.make_challenge()
             send_frame(sock, {"challenge": peer.challenge.hex()})
         elif op == "prove":

@@ -246,13 +246,14 @@ def spawn_workers(address: tuple[str, int], count: int, pace_seconds: float = 0.
 
     from farlink.robust.keys import load_or_generate
 
-    for i in range(count):
-        load_or_generate(identity_dir / f"{prefix}-{i}.key")
+    labels = [f"{prefix}-{i}" for i in range(count)]
+    for label in labels:
+        load_or_generate(identity_dir / f"{label}.key")
     return [subprocess.Popen([sys.executable, "-m", "farlink.train.rl_worker",
-                              "--connect", f"{address[0]}:{address[1]}", "--name",
-                              f"{prefix}-{i}", "--identity", str(identity_dir / f"{prefix}-{i}.key"),
+                              "--connect", f"{address[0]}:{address[1]}", "--name", label,
+                              "--identity", str(identity_dir / f"{label}.key"),
                               "--pace-seconds", str(pace_seconds)])
-            for i in range(count)]
+            for label in labels]
 
 
 def run_session(session: Session, steps: int, eval_every: int = 10, max_wall_s: float = 1e9,

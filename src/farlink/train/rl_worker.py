@@ -51,7 +51,8 @@ def default_identity(label: str) -> Path:
     ``$XDG_STATE_HOME`` (``~/.local/state``), one file per label, so two workers of one machine
     are two keys."""
     state = os.environ.get("XDG_STATE_HOME") or Path.home() / ".local" / "state"
-    return Path(state) / "farlink" / "rl-worker" / (re.sub(r"[^A-Za-z0-9._-]", "_", label) + ".key")
+    filename = re.sub(r"[^A-Za-z0-9._-]", "_", label) + ".key"
+    return Path(state) / "farlink" / "rl-worker" / filename
 
 
 def connect_worker(label: str, host: str, port: int, key: Ed25519PrivateKey,
