@@ -22,6 +22,7 @@ from farlink.model.hf import CausalLM  # noqa: E402
 from farlink.rl.loop import run_group  # noqa: E402
 from farlink.rl.tasks import CallableTask  # noqa: E402
 from farlink.rl.trainer import RLConfig  # noqa: E402
+from farlink.robust.keys import key_id, load_private_key  # noqa: E402
 from farlink.train.rl import Base, make_base, make_session, serve, spawn_workers  # noqa: E402
 
 SRC = str(Path(__file__).resolve().parents[1] / "src")
@@ -81,7 +82,7 @@ def test_a_local_llama_is_post_trained_by_threaded_workers_and_a_wrong_model_is_
 
 
 def test_a_worker_process_builds_the_llama_from_the_trainers_description(
-        llama_base: Base, monkeypatch: pytest.MonkeyPatch) -> None:
+        llama_base: Base, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     """The process has no model directory: it builds the architecture from the hello's
     config, fetches the weights in hashed chunks, and its rollouts verify."""
     monkeypatch.setenv("PYTHONPATH", SRC + os.pathsep + os.environ.get("PYTHONPATH", ""))
@@ -89,7 +90,7 @@ def test_a_worker_process_builds_the_llama_from_the_trainers_description(
                    max_staleness=4, max_new_tokens=4, verify_fraction=1.0)
     session = make_session(llama_base, cfg, workers=0, lr=1e-2)
     server = serve(session, "int4")
-    children = spawn_workers(server.address, 1)
+    children = spawn_workers(server.address, 1, identity_dir=tmp_path)
     try:
         logs = run_group(session.trainer, [], 3, max_wall_s=240, remote=True)
     finally:
@@ -99,7 +100,8 @@ def test_a_worker_process_builds_the_llama_from_the_trainers_description(
         server.close()
     assert [log.step for log in logs] == [0, 1, 2]
     assert session.trainer.rejections == []  # every group recomputed, every one matched
-    assert _accepted(session, "proc-0") == 3 * 2
+    assert _accepted(session, key_id(load_private_key(tmp_path / "proc-0.key").public_key())) \
+        == 3 * 2
 
 
 def test_a_directory_that_is_not_a_causal_lm_is_refused_by_name(tmp_path: Path) -> None:

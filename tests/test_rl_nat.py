@@ -45,6 +45,7 @@ def test_a_natted_worker_process_hands_in_and_nobody_can_dial_it(tmp_path) -> No
         # the workers start first and dial until the trainer serves
         workers = {name: topo.spawn(i, [sys.executable, "-m", "farlink.train.rl_worker",
                                         "--connect", trainer_at, "--name", name,
+                                        "--identity", str(tmp_path / f"{name}.key"),
                                         "--pace-seconds", "0.1", "--reconnect-s", "300"],
                                     ENV, stdout=subprocess.DEVNULL)
                    for i, name in ((1, "natted"), (2, "public"))}
@@ -80,10 +81,13 @@ def test_a_natted_worker_process_hands_in_and_nobody_can_dial_it(tmp_path) -> No
 
     summary = json.loads((out / "summary.json").read_text())
     assert summary["steps"] == STEPS and summary["rejections"] == []  # every step committed
-    accepted = summary["groups_accepted"]
+    # workers are known by key id; the labels they gave name them here
+    label = summary["worker_labels"]
+    accepted = {label[key]: count for key, count in summary["groups_accepted"].items()}
     assert accepted.get("natted", 0) > 0, accepted
     assert sum(accepted.values()) >= 2 * STEPS
     # the trainer saw the NATed worker at its router's public address, never its private one,
     # and the public worker at its own
-    assert summary["worker_hosts"] == {"natted": [topo.wan_address(1)],
-                                       "public": [topo.address(2)]}
+    assert {label[key]: hosts for key, hosts in summary["worker_hosts"].items()} == {
+        "natted": [topo.wan_address(1)], "public": [topo.address(2)]}
+    assert len(summary["worker_hosts"]) == 2  # two keys, one label each

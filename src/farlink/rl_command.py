@@ -37,6 +37,11 @@ def register(app: typer.Typer, bench_app: typer.Typer) -> None:
                                                "cross, emulated in-process"),
         listen: str | None = typer.Option(None, help="HOST:PORT where `farlink rl-worker` "
                                           "processes connect (port 0: any free one)"),
+        worker_idle_s: float = typer.Option(120.0, help="cut a worker connection that sends "
+                                            "no whole request for this long (it reconnects)"),
+        max_worker_connections: int = typer.Option(256, help="worker connections open at once"),
+        max_connections_per_host: int = typer.Option(16, help="worker connections from one "
+                                                     "address (workers behind one NAT share it)"),
         worker_processes: int = typer.Option(0, help="start this many local `farlink "
                                              "rl-worker` processes (implies --listen "
                                              "127.0.0.1:0 unless given)"),
@@ -75,9 +80,12 @@ def register(app: typer.Typer, bench_app: typer.Typer) -> None:
             listen = "127.0.0.1:0"
         if listen is not None:
             host, _, port = listen.rpartition(":")
-            server = serve(session, codec, host, int(port))
+            server = serve(session, codec, host, int(port), idle_s=worker_idle_s,
+                           max_connections=max_worker_connections,
+                           max_per_host=max_connections_per_host)
             typer.echo(f"serving rollout workers on {server.address[0]}:{server.address[1]}")
-            children = spawn_workers(server.address, worker_processes, pace_seconds)
+            children = spawn_workers(server.address, worker_processes, pace_seconds,
+                                     identity_dir=out / "worker-keys")
         try:
             summary = run_session(session, steps - done, out=out, echo=echo,
                                   checkpoints=checkpoints, remote=server is not None,
@@ -96,7 +104,8 @@ def register(app: typer.Typer, bench_app: typer.Typer) -> None:
     @app.command("rl-worker", context_settings={"allow_extra_args": True,
                                                 "ignore_unknown_options": True})
     def rl_worker(ctx: typer.Context) -> None:
-        """A rollout worker process for `farlink rl --listen` (--connect HOST:PORT --name N)."""
+        """A rollout worker process for `farlink rl --listen` (--connect HOST:PORT --name N
+        [--identity KEYFILE]; its key id is its name on the trainer side)."""
         from farlink.train.rl_worker import main
 
         raise typer.Exit(main(list(ctx.args)))

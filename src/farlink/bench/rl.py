@@ -168,7 +168,8 @@ def processes(steps: int, pace_seconds: float = 0.2) -> dict:
     first = make_session(make_base(TASK, seed=0), RLConfig(seed=0), workers=0)
     server = serve(first, "int4")
     address = server.address
-    children = spawn_workers(address, 2, pace_seconds)
+    keys = tempfile.TemporaryDirectory()  # the workers' identities, for this run only
+    children = spawn_workers(address, 2, pace_seconds, identity_dir=Path(keys.name))
     killed: dict = {}
 
     def kill_one(row: dict) -> None:
@@ -180,23 +181,25 @@ def processes(steps: int, pace_seconds: float = 0.2) -> dict:
     try:
         with tempfile.TemporaryDirectory() as checkpoints:
             a = run_session(first, steps // 2, eval_every=10**9, echo=kill_one,
-                            checkpoints=Path(checkpoints), remote=True)
+                            checkpoints=Path(checkpoints), remote=True, server=server)
             server.close()  # the trainer is gone
             second = make_session(make_base(TASK, seed=0), RLConfig(seed=0), workers=0)
             result["resumed_after_step"] = restore_state(Path(checkpoints), second)
             server = serve(second, "int4", *address)
             b = run_session(second, steps - result["resumed_after_step"], eval_every=10**9,
-                            remote=True)
+                            remote=True, server=server)
     finally:
         server.close()
         for child in children:
             child.kill()
             child.wait(timeout=30)
+        keys.cleanup()
     result.update(killed_after_step=killed.get("after_step"), committed_steps=b["steps"],
                   lost_steps=steps - b["steps"], killed_returncode=children[0].returncode,
                   rejections=a["rejections"] + b["rejections"],
                   accepted_at_restart=a["groups_accepted"],
                   accepted_total=b["groups_accepted"],
+                  worker_labels={**a["worker_labels"], **b["worker_labels"]},
                   wall_s=a["wall_s"] + b["wall_s"],
                   heldout_accuracy_base=a["heldout_accuracy_base"],
                   heldout_accuracy_final=b["heldout_accuracy_final"])

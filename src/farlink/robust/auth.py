@@ -8,6 +8,10 @@ Three kinds, chosen by ``make_authenticator``:
 - ``ed25519``: each peer signs with its own private key and is named by its key id, so a receiver
   knows *which* member sent a message and the run can admit or drop members one by one.
 
+Beside them, :class:`OpenKeyAuth` proves only which Ed25519 key a joiner holds (any key is
+welcome, and its id is the joiner's name): for open volunteers such as rollout workers, whose
+names another peer must not be able to claim.
+
 Join-time proof: the admitting side calls :meth:`Authenticator.make_challenge`, the joiner answers
 with :meth:`Authenticator.prove`, and :meth:`Authenticator.check_proof` returns the joiner's peer id.
 A challenge carries a random nonce and a timestamp; it is accepted only by the instance that
@@ -262,6 +266,51 @@ class Ed25519Auth(Authenticator):
             raise AuthError(f"membership proof has {len(proof)} bytes, expected {self.overhead}")
         kid, sig = proof[: keyfiles.KEY_ID_BYTES], proof[keyfiles.KEY_ID_BYTES :]
         return self._check(kid, sig, _JOIN_DOMAIN + challenge + kid + context, "membership proof")
+
+
+class OpenKeyAuth(Authenticator):
+    """Ed25519 join proofs from anyone: the proof carries the prover's public key, and the
+    prover is named by that key's id. It proves which key a peer holds, never that the peer is
+    a member of anything: for open volunteers (rollout workers), where a name must not be
+    claimable by another peer, but anyone may make a key and join. Join proofs only: messages
+    are not signed (:meth:`sign` and :meth:`open` refuse)."""
+
+    name = "ed25519-open"
+    overhead = 32 + _SIG_BYTES  # raw public key + signature
+
+    def __init__(self, private_key: Ed25519PrivateKey | None = None,
+                 challenge_window: float = 30.0) -> None:
+        self._private = private_key
+        self._kid = keyfiles.key_id_bytes(private_key.public_key()) if private_key else b""
+        super().__init__(self._kid.hex() if private_key else "verifier", challenge_window)
+
+    def sign(self, message: bytes) -> bytes:
+        raise AuthError("an open key proves who joins; it does not sign messages")
+
+    def open(self, message: bytes) -> tuple[str | None, bytes]:
+        raise AuthError("an open key proves who joins; it does not sign messages")
+
+    def verify(self, message: bytes) -> bytes:
+        return self.open(message)[1]
+
+    def prove(self, challenge: bytes, context: bytes = b"") -> bytes:
+        _parse_challenge(challenge)
+        if self._private is None:
+            raise AuthError("this node has no private key, so it cannot prove")
+        public = keyfiles.raw_public(self._private.public_key())
+        return public + self._private.sign(_JOIN_DOMAIN + challenge + self._kid + context)
+
+    def check_proof(self, challenge: bytes, proof: bytes, context: bytes = b"") -> str:
+        self._consume(challenge)
+        if len(proof) != self.overhead:
+            raise AuthError(f"key proof has {len(proof)} bytes, expected {self.overhead}")
+        public = Ed25519PublicKey.from_public_bytes(proof[:32])
+        kid = keyfiles.key_id_bytes(public)
+        try:
+            public.verify(proof[32:], _JOIN_DOMAIN + challenge + kid + context)
+        except InvalidSignature as exc:
+            raise AuthError(f"bad signature on the key proof of {kid.hex()}") from exc
+        return kid.hex()
 
 
 AUTH_KINDS = ("none", "secret", "ed25519")

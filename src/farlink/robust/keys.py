@@ -160,3 +160,15 @@ def generate_keypair(path: Path, overwrite: bool = False) -> str:
     text = public_key_text(key.public_key())
     pub_path.write_text(text + "\n")
     return text
+
+
+def load_or_generate(path: Path) -> Ed25519PrivateKey:
+    """The private key kept at ``path``, made there (0600, with its ``.pub``) the first time:
+    a peer that names itself by its key keeps one name across restarts."""
+    path = Path(path).expanduser()
+    if not path.exists():
+        try:
+            generate_keypair(path)
+        except KeyFileError:
+            pass  # another process made it between the check and here: read that one
+    return load_private_key(path)

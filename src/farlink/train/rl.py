@@ -224,26 +224,36 @@ def _link_figures(session: Session, worker: str) -> dict:
             "link_bytes_down": clock.bytes_down}
 
 
-def serve(session: Session, codec: str, host: str = "127.0.0.1", port: int = 0):
+def serve(session: Session, codec: str, host: str = "127.0.0.1", port: int = 0, **limits):
     """A server through which worker processes (``farlink rl-worker``) take jobs, fetch the
-    policy and hand in, beside the session's thread workers."""
+    policy and hand in, beside the session's thread workers; ``limits``: the server's
+    ``idle_s``, ``max_connections``, ``max_per_host``."""
     from farlink.rl.remote import RolloutServer
     from farlink.train.rl_worker import hello_for
 
     hello = hello_for(session.base.model, codec, session.trainer.config, session.base.codec.eot)
-    return RolloutServer(session.board, session.publisher, hello, host, port)
+    return RolloutServer(session.board, session.publisher, hello, host, port, **limits)
 
 
 def spawn_workers(address: tuple[str, int], count: int, pace_seconds: float = 0.0,
-                  prefix: str = "proc") -> list:
-    """``count`` local ``farlink rl-worker`` processes connected to ``address``."""
+                  prefix: str = "proc", *, identity_dir: Path) -> list:
+    """``count`` local ``farlink rl-worker`` processes connected to ``address``, labelled
+    ``prefix-i``, each with its own key ``identity_dir/prefix-i.key`` (made here when missing,
+    so the caller knows every key id at once; kept for a rerun: the ledger knows a worker by
+    its key)."""
     import subprocess
     import sys
 
+    from farlink.robust.keys import load_or_generate
+
+    labels = [f"{prefix}-{i}" for i in range(count)]
+    for label in labels:
+        load_or_generate(identity_dir / f"{label}.key")
     return [subprocess.Popen([sys.executable, "-m", "farlink.train.rl_worker",
-                              "--connect", f"{address[0]}:{address[1]}", "--name",
-                              f"{prefix}-{i}", "--pace-seconds", str(pace_seconds)])
-            for i in range(count)]
+                              "--connect", f"{address[0]}:{address[1]}", "--name", label,
+                              "--identity", str(identity_dir / f"{label}.key"),
+                              "--pace-seconds", str(pace_seconds)])
+            for label in labels]
 
 
 def run_session(session: Session, steps: int, eval_every: int = 10, max_wall_s: float = 1e9,
@@ -251,7 +261,7 @@ def run_session(session: Session, steps: int, eval_every: int = 10, max_wall_s: 
                 remote: bool = False, server=None) -> dict:
     """Train ``steps`` steps; held-out accuracy before, every ``eval_every`` steps and after.
     With the ``server`` worker processes use, the summary names the address each of them
-    connected from (``worker_hosts``)."""
+    connected from (``worker_hosts``) and the label each key id gave (``worker_labels``)."""
     base = session.base
     started = time.monotonic()
 
@@ -307,9 +317,10 @@ def run_session(session: Session, steps: int, eval_every: int = 10, max_wall_s: 
                              **_link_figures(session, w.name)}
                     for w in session.workers},
     }
-    if server is not None:
+    if server is not None:  # worker processes are named by key id; their labels beside
         summary["worker_hosts"] = {name: sorted(hosts)
                                    for name, hosts in sorted(server.worker_hosts.items())}
+        summary["worker_labels"] = dict(sorted(server.worker_labels.items()))
     if out is not None:
         out.mkdir(parents=True, exist_ok=True)
         with open(out / "steps.jsonl", "a") as fh:  # a resumed run continues the log

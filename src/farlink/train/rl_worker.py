@@ -9,15 +9,23 @@ runs the same
 first job fetches the policy in hashed chunks, later ones take deltas. It exits when the
 trainer turns it away (banned), when the trainer stays unreachable for ``reconnect_s``
 seconds, or on SIGTERM/Ctrl-C between jobs.
+
+Its name on the trainer side (jobs, the ledger, bans) is the id of its Ed25519 key, kept in
+``--identity`` (made there at first start; by default one file per ``--name`` under the user's
+state directory), which it proves on every connection; ``--name`` is only a label for logs.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
+import re
 import signal
 import threading
+from pathlib import Path
 
 import torch
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from farlink.codecs import make_codec
 from farlink.model.build import model_from_description, module_description
@@ -25,6 +33,8 @@ from farlink.rl.broadcast import PolicyReplica
 from farlink.rl.remote import Connection, RemoteBoard, RemotePublisher
 from farlink.rl.trainer import RLConfig
 from farlink.rl.workers import RolloutWorker
+from farlink.robust.auth import OpenKeyAuth
+from farlink.robust.keys import key_id, load_or_generate
 
 
 def hello_for(model: torch.nn.Module, codec: str, config: RLConfig, eot: int) -> dict:
@@ -36,22 +46,37 @@ def hello_for(model: torch.nn.Module, codec: str, config: RLConfig, eot: int) ->
             "eot": eot}
 
 
-def connect_worker(name: str, host: str, port: int, pace_seconds: float = 0.0,
-                   reconnect_s: float = 60.0) -> RolloutWorker:
-    connection = Connection(host, port, reconnect_s)
+def default_identity(label: str) -> Path:
+    """Where a worker labelled ``label`` keeps its key unless told: under
+    ``$XDG_STATE_HOME`` (``~/.local/state``), one file per label, so two workers of one machine
+    are two keys."""
+    state = os.environ.get("XDG_STATE_HOME") or Path.home() / ".local" / "state"
+    filename = re.sub(r"[^A-Za-z0-9._-]", "_", label) + ".key"
+    return Path(state) / "farlink" / "rl-worker" / filename
+
+
+def connect_worker(label: str, host: str, port: int, key: Ed25519PrivateKey,
+                   pace_seconds: float = 0.0, reconnect_s: float = 60.0) -> RolloutWorker:
+    """A worker named by ``key``'s id, connected to the trainer at ``host:port`` (proving the
+    key on every connection) and built from its hello."""
+    connection = Connection(host, port, reconnect_s, identity=OpenKeyAuth(key), label=label)
     hello, _ = connection.call({"op": "hello"})
     config = RLConfig(**hello["config"])
     torch.manual_seed(0)  # the weights arrive by fetch; this only makes the empty model
     model = model_from_description(hello["model"]).eval()
     replica = PolicyReplica(model, make_codec(hello["codec"]), max_chain=config.max_staleness + 1)
-    return RolloutWorker(name, RemoteBoard(connection, hello["eot"]), RemotePublisher(connection),
-                         replica, config, pace_seconds=pace_seconds)
+    return RolloutWorker(connection.worker, RemoteBoard(connection, hello["eot"]),
+                         RemotePublisher(connection), replica, config, pace_seconds=pace_seconds)
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="farlink rl-worker", description=__doc__)
     parser.add_argument("--connect", required=True, help="HOST:PORT of `farlink rl --listen`")
-    parser.add_argument("--name", required=True, help="this worker's name (the ledger's key)")
+    parser.add_argument("--name", required=True, help="this worker's label in the trainer's "
+                        "logs (the ledger knows it by its key id)")
+    parser.add_argument("--identity", type=Path, default=None,
+                        help="this worker's Ed25519 key file, made at first start (default: "
+                        "$XDG_STATE_HOME/farlink/rl-worker/NAME.key)")
     parser.add_argument("--pace-seconds", type=float, default=0.0)
     parser.add_argument("--reconnect-s", type=float, default=60.0)
     args = parser.parse_args(argv)
@@ -60,8 +85,12 @@ def main(argv: list[str] | None = None) -> int:
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
+    identity = args.identity or default_identity(args.name)
+    key = load_or_generate(identity)
+    print(f"rl-worker {args.name}: key id {key_id(key.public_key())} ({identity})", flush=True)
     try:
-        worker = connect_worker(args.name, host, int(port), args.pace_seconds, args.reconnect_s)
+        worker = connect_worker(args.name, host, int(port), key, args.pace_seconds,
+                                args.reconnect_s)
         worker.run(stop)
     except OSError as exc:
         print(f"rl-worker {args.name}: trainer unreachable for {args.reconnect_s:.0f} s ({exc})",
