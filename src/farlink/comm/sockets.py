@@ -5,6 +5,7 @@ only, so a probe started inside an emulated namespace stays light."""
 from __future__ import annotations
 
 import socket
+import time
 from urllib.parse import urlsplit
 
 CHUNK = 1 << 20  # the most one recv asks for
@@ -24,10 +25,17 @@ def url_of(host: str, port: int) -> str:
 
 
 def recv_exact(sock: socket.socket, n: int, closed: str = "peer closed the connection mid-message",
-               error: type[Exception] = ConnectionError) -> bytes:
-    """Exactly ``n`` bytes from ``sock``; ``error(closed)`` when the other end closes first."""
+               error: type[Exception] = ConnectionError, deadline: float | None = None) -> bytes:
+    """Exactly ``n`` bytes from ``sock``; ``error(closed)`` when the other end closes first.
+    With ``deadline`` (``time.monotonic()``), all of them must arrive before it (else
+    TimeoutError), so a peer that sends a byte at a time cannot hold the reader either."""
     data = bytearray()
     while len(data) < n:
+        if deadline is not None:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError("message not received in time")
+            sock.settimeout(left)
         chunk = sock.recv(min(CHUNK, n - len(data)))
         if not chunk:
             raise error(closed)

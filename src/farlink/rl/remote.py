@@ -43,7 +43,7 @@ import time
 from collections import deque
 from dataclasses import dataclass
 
-from farlink.comm.sockets import CHUNK
+from farlink.comm.sockets import CHUNK, recv_exact
 from farlink.rl.board import Job, RolloutBoard
 from farlink.rl.broadcast import PolicyPublisher, Snapshot
 from farlink.rl.policy import Fingerprint, Rollout
@@ -79,30 +79,13 @@ def recv_frame(sock: socket.socket, max_body: int = MAX_BODY,
     """One frame; with ``timeout_s``, all of it must arrive within that many seconds (else
     TimeoutError), so a peer that sends nothing or half a frame cannot hold the reader."""
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
-    head, body_len = _HEAD.unpack(_recv_by(sock, _HEAD.size, deadline))
+    head, body_len = _HEAD.unpack(recv_exact(sock, _HEAD.size, deadline=deadline))
     if head > MAX_HEADER or body_len > max_body:
         raise ConnectionError(f"frame of {head} + {body_len} bytes is over the limit")
-    header = json.loads(_recv_by(sock, head, deadline))
+    header = json.loads(recv_exact(sock, head, deadline=deadline))
     if not isinstance(header, dict):
         raise ConnectionError("a frame's header is not a JSON object")
-    return header, _recv_by(sock, body_len, deadline)
-
-
-def _recv_by(sock: socket.socket, n: int, deadline: float | None) -> bytes:
-    """Exactly ``n`` bytes, all before ``deadline`` (``time.monotonic()``; None: the socket's
-    own timeout per read)."""
-    data = bytearray()
-    while len(data) < n:
-        if deadline is not None:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise TimeoutError("frame not received in time")
-            sock.settimeout(left)
-        chunk = sock.recv(min(CHUNK, n - len(data)))
-        if not chunk:
-            raise ConnectionError("peer closed the connection mid-message")
-        data += chunk
-    return bytes(data)
+    return header, recv_exact(sock, body_len, deadline=deadline)
 
 
 def rollout_to_json(r: Rollout) -> dict:
