@@ -224,7 +224,9 @@ def test_sparseloco_outer_step_is_the_same_from_the_cli_and_the_api(tmp_path: Pa
 def test_two_replicas_on_hivemind_through_the_api() -> None:
     """Two replicas a user starts (threads here, each with its own DHT on 127.0.0.1) say
     workers=2: their rounds average the two of them (RunConfig's default of 4 launched workers
-    must not make them wait for two more), and they end identical after three DiLoCo rounds."""
+    must not make them wait for two more), and they end identical after three DiLoCo rounds.
+    On ``emulate_link="home"`` their collectives are held as the link would hold them (the
+    hivemind backend ignored the link before: only torchft's collectives were held)."""
     replicas = []
     for rank in range(2):
         with _INIT:
@@ -233,7 +235,8 @@ def test_two_replicas_on_hivemind_through_the_api() -> None:
         peers = replicas[0][1].addresses if replicas else []
         sync = farlink.Optimizer(model, torch.optim.SGD(model.parameters(), lr=0.05),
                                  algorithm="diloco", inner_steps=3, backend="hivemind",
-                                 workers=2, peers=peers, index=rank, quorum_timeout=30)
+                                 workers=2, peers=peers, index=rank, quorum_timeout=30,
+                                 emulate_link="home")
         replicas.append((model, sync))
     assert replicas[0][1].addresses and replicas[1][1].config.min_replicas == 2
     outcomes: list[list] = [[], []]
@@ -257,9 +260,35 @@ def test_two_replicas_on_hivemind_through_the_api() -> None:
         (m0, s0), (m1, s1) = replicas
         assert s0.fingerprint() == s1.fingerprint() and s0.outer_step == 3
         assert all(torch.equal(a, b) for a, b in zip(m0.parameters(), m1.parameters()))
+        home = s0.collective.emulated_link  # 70 ms a hop: three rounds' all-reduces, 2 hops each
+        assert home is not None and home.latency_s == pytest.approx(0.07)
+        for _, sync in replicas:
+            assert sync.collective.stats.emulated_seconds >= 3 * 2 * home.latency_s
     finally:
         for _, sync in replicas:
             sync.close()
+
+
+def test_a_given_collective_brings_its_own_emulated_link() -> None:
+    """``emulate_link`` holds the collectives farlink builds; a collective the caller built
+    without a link is refused with what to do (the link was set on it and never used: an
+    in-process member reads its group's link), and one built with a link is taken as it is."""
+    from farlink.comm.base import LinkModel
+    from farlink.comm.inprocess import InProcessGroup
+    from farlink.links import get_profile
+
+    with pytest.raises(ValueError, match="has no emulated link: build it with one"):
+        farlink.Optimizer(Tiny(), collective=InProcessGroup(2).member(0), backend="inprocess",
+                          workers=2, steps=10, inner_steps=5, warmup_steps=1,
+                          emulate_link="home")
+    link = LinkModel.of_profile(get_profile("home"))
+    member = InProcessGroup(2, link).member(0)
+    sync = farlink.Optimizer(Tiny(), collective=member, backend="inprocess", workers=2,
+                             steps=10, inner_steps=5, warmup_steps=1, emulate_link="home")
+    try:
+        assert sync.collective.emulated_link is link
+    finally:
+        sync.close()
 
 
 def test_hivemind_through_the_api_asks_how_many_replicas() -> None:

@@ -65,14 +65,17 @@ def advertised_host(cfg: RunConfig) -> str:
 
 
 def build_collective(cfg: RunConfig, replica_id: str, lighthouse: str, site=None,
-                     **hivemind: Any) -> Collective:
+                     link: LinkModel | None = None, **hivemind: Any) -> Collective:
     """The run's backend for one replica: ``lighthouse`` is the torchft Lighthouse address or
     hivemind's initial peers (a comma list; empty: this peer starts the DHT). ``site``: a
     started :class:`~farlink.parallel.sharding.Site` of several ranks, whose ranks form one
     replica group (torchft) or one member of each averaging group (hivemind; every rank runs
     its own peer, :mod:`farlink.comm.hivemind_site`). ``hivemind``: HivemindCollective options
     that override the ones derived from ``cfg`` (a volunteer's run id, identity file, client
-    mode)."""
+    mode). ``link``: the emulated link a network plan gives this collective; ``--emulate-link``
+    (one link for every collective) takes its place when set."""
+    if cfg.emulate_link is not None:
+        link = LinkModel.of_profile(get_profile(cfg.emulate_link))
     if site is not None and site.size > 1 and cfg.backend not in ("torchft", "hivemind"):
         raise ValueError(f"a site of {site.size} ranks per replica runs on the torchft or "
                          f"hivemind backend, not {cfg.backend!r}")
@@ -93,6 +96,7 @@ def build_collective(cfg: RunConfig, replica_id: str, lighthouse: str, site=None
             quorum_timeout=cfg.quorum_timeout,
             join_timeout=cfg.join_timeout,
             admission=admission,
+            emulated_link=link,
             **({} if site is None or site.size == 1 else dict(
                 group_rank=site.rank, group_world_size=site.size,
                 store_addr=site.store_host, store_port=site.store_port)),
@@ -115,6 +119,7 @@ def build_collective(cfg: RunConfig, replica_id: str, lighthouse: str, site=None
             allreduce_timeout=cfg.round_timeout,
             gather_timeout=cfg.round_timeout,
             admission=admission,
+            emulated_link=link,
         )
         if site is not None and site.size > 1:
             from farlink.comm.hivemind_site import HivemindSiteCollective
@@ -123,7 +128,7 @@ def build_collective(cfg: RunConfig, replica_id: str, lighthouse: str, site=None
                 site, lambda: HivemindCollective(**{**options, **hivemind}))
         return HivemindCollective(**{**options, **hivemind})
     if cfg.backend == "inprocess":
-        return InProcessGroup(1).member(0)  # peers as threads pass their own collective
+        return InProcessGroup(1, link).member(0)  # peers as threads pass their own collective
     raise ValueError(f"unknown backend {cfg.backend!r}")
 
 
@@ -339,10 +344,14 @@ def compose(
         cfg = algo_options = config
     site = build_site(cfg, model, index, site)
     lighthouse = join_address(cfg, lighthouse, peers)
+    if collective is not None and cfg.emulate_link is not None and collective.emulated_link is None:
+        raise ValueError(
+            f"emulate_link={cfg.emulate_link!r} holds the collectives farlink builds; the "
+            "collective you passed has no emulated link: build it with one "
+            "(InProcessGroup(n, link=LinkModel.of_profile(get_profile(name))), "
+            "TorchftCollective(..., emulated_link=...)) or leave emulate_link out")
     collective, tiers = build_collectives(cfg, cls, index, lighthouse, site, collective,
                                           global_lighthouse, global_collective)
-    if cfg.emulate_link is not None:
-        collective.emulated_link = LinkModel.of_profile(get_profile(cfg.emulate_link))
     replica_id = f"w{index}"
     ledger = ContributionLedger()  # whose updates were accepted, rejected, and why
     exchange = build_exchange(cfg, collective, replica_id, index, ledger,

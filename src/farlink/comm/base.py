@@ -51,6 +51,8 @@ class CommStats:
     #: comm_seconds by phase of a round, for backends that tell them apart (hivemind:
     #: matchmaking, all_reduce, all_gather, commit): where a round's time goes on a slow link
     phase_seconds: dict[str, float] = field(default_factory=dict)
+    #: of ``comm_seconds``, the time an emulated link held this worker (in-process emulation)
+    emulated_seconds: float = 0.0
 
     def add_phase(self, phase: str, seconds: float) -> None:
         self.comm_seconds += seconds
@@ -109,19 +111,27 @@ class Collective(ABC):
     #: quorum rebuilds the group). hivemind: no (a push that does not arrive fails the vote).
     survives_departures: bool = False
 
-    def __init__(self) -> None:
+    def __init__(self, emulated_link: LinkModel | None = None) -> None:
+        """``emulated_link``: in-process link emulation (every transfer held for the link's
+        latency and bytes over its bandwidth), or None for the real link only. Given at
+        construction: a collective's link does not change under it."""
         self.stats = CommStats()
-        # in-process link emulation, or None for the real link only
-        self.emulated_link: LinkModel | None = None
+        self._emulated_link = emulated_link
+
+    @property
+    def emulated_link(self) -> LinkModel | None:
+        return self._emulated_link
 
     def emulate_transfer(self, nbytes: int, hops: int) -> None:
         """Hold the caller as long as ``nbytes`` over ``hops`` latencies take on the emulated
         link (used where network namespaces are not available; labelled as such in reports)."""
-        if self.emulated_link is None:
+        if self._emulated_link is None:
             return
         import time
 
-        time.sleep(self.emulated_link.seconds(nbytes, hops))
+        held = self._emulated_link.seconds(nbytes, hops)
+        time.sleep(held)
+        self.stats.emulated_seconds += held
 
     @abstractmethod
     def begin_round(self, final: bool = False, *, joining: bool = False,

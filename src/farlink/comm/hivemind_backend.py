@@ -85,7 +85,7 @@ from hivemind.utils import MPFuture, get_dht_time
 from hivemind.utils.asyncio import achain, anext, as_aiter, azip, cancel_and_wait
 
 from farlink import interrupt
-from farlink.comm.base import Collective, RoundInfo
+from farlink.comm.base import Collective, LinkModel, RoundInfo
 from farlink.comm.errors import CommError, RoundTimeout
 from farlink.comm.hivemind_admission import Admission, AdmittingMatchmaking, RunAuthorizer
 from farlink.comm.hivemind_allreduce import (
@@ -329,8 +329,9 @@ class HivemindCollective(Collective):
         startup_timeout: float = 30.0,
         exclude_after: int = 3,
         exclude_seconds: float = 600.0,
+        emulated_link: LinkModel | None = None,
     ) -> None:
-        super().__init__()
+        super().__init__(emulated_link)
         if min_group_size < 1:
             raise ValueError("min_group_size must be >= 1")
         if target_group_size is not None and target_group_size < min_group_size:
@@ -987,6 +988,7 @@ class HivemindCollective(Collective):
             sent = self._call(
                 self._all_reduce(group, key, work, fractions), timeout=3 * timeout + 5
             )
+            self.emulate_transfer(sent, 2)  # to the reducers and back: two hops
             self.stats.bytes_sent += sent
             for tensor, summed in zip(tensors, work):
                 summed.mul_(group.size)
@@ -1052,6 +1054,7 @@ class HivemindCollective(Collective):
         got, sent = self._call(
             self._exchange(group, key, payload, self.gather_timeout), timeout=self.gather_timeout + 10
         )
+        self.emulate_transfer(sent, 1)  # pushed to every member directly: one hop
         self.stats.bytes_sent += sent
         self.rejected = {}
         out: list[bytes] = []
@@ -1119,6 +1122,7 @@ class HivemindCollective(Collective):
         got, sent = self._call(
             self._exchange(group, key, outgoing, self.gather_timeout),
             timeout=self.gather_timeout + 10)
+        self.emulate_transfer(sent, 1)
         self.stats.bytes_sent += sent
         missing = [r for r in range(n) if r != group.me and r not in got]
         if missing:

@@ -70,12 +70,15 @@ class HivemindSiteCollective(Collective):
         dist.all_gather_object(endpoints, mine, group=self._agree_group)
         if site.rank == 0:
             self.peer.site_endpoints = endpoints  # announced in rank 0's matchmaking metadata
-        self.emulated_link: LinkModel | None = None
 
     # --- what the rest of farlink reads of a collective: this rank's peer's -----------------
     @property
     def stats(self) -> CommStats:  # type: ignore[override]
         return self.peer.stats
+
+    @property
+    def emulated_link(self) -> LinkModel | None:  # type: ignore[override]
+        return self.peer.emulated_link
 
     @property
     def maddrs(self) -> list[str]:
@@ -84,7 +87,6 @@ class HivemindSiteCollective(Collective):
     @property
     def quorum_timeout(self) -> float:  # type: ignore[override]
         return self.peer.quorum_timeout
-
 
     @property
     def partial_groups(self) -> bool:  # type: ignore[override]

@@ -158,19 +158,27 @@ class InProcessCollective(Collective):
             healed = True
         return RoundInfo(self.committed_rounds, self.rank, self.group.size, healed)
 
+    @property
+    def emulated_link(self) -> LinkModel | None:
+        """The group's link: every member of an in-process group shares the one it was built
+        with (``InProcessGroup(n, link)``)."""
+        return self.group.link
+
     def _delay(self, nbytes: int, hops: int) -> None:
         link = self.group.link
         if link is None:
             return
+        began = time.perf_counter()
         if not link.shared:
             time.sleep(link.seconds(nbytes, hops))
-            return
-        group, now = self.group, time.perf_counter()
-        with group._wire_lock:  # the members' bytes queue on one wire, as on a shared link
-            group._wire_free_at = max(now, group._wire_free_at) + \
-                nbytes / link.bandwidth_bytes_per_s
-            done = group._wire_free_at
-        time.sleep(max(0.0, done + hops * link.latency_s - time.perf_counter()))
+        else:
+            group = self.group
+            with group._wire_lock:  # the members' bytes queue on one wire, as on a shared link
+                group._wire_free_at = max(began, group._wire_free_at) + \
+                    nbytes / link.bandwidth_bytes_per_s
+                done = group._wire_free_at
+            time.sleep(max(0.0, done + hops * link.latency_s - time.perf_counter()))
+        self.stats.emulated_seconds += time.perf_counter() - began
 
     def all_reduce_sum(self, tensors: list[torch.Tensor]) -> None:
         n = self.group.size

@@ -48,7 +48,8 @@ from datetime import timedelta
 import msgpack
 import torch
 
-from farlink.comm.base import Collective, RoundInfo, ring_allgather_bytes, ring_allreduce_bytes
+from farlink.comm.base import (Collective, LinkModel, RoundInfo, ring_allgather_bytes,
+                               ring_allreduce_bytes)
 from farlink.comm.errors import CommError
 from farlink.robust.auth import Authenticator
 from farlink.robust.gate import GateRefused, answers_as_gate
@@ -162,8 +163,9 @@ class TorchftCollective(Collective):
         group_world_size: int = 1,
         store_addr: str | None = None,
         store_port: int | None = None,
+        emulated_link: LinkModel | None = None,
     ) -> None:
-        super().__init__()
+        super().__init__(emulated_link)
         from torch.distributed import TCPStore
         from torchft import Manager
         from torchft.process_group import ProcessGroupGloo

@@ -25,7 +25,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from farlink.comm.base import Collective
+from farlink.comm.base import Collective, LinkModel
 from farlink.config import RunConfig
 from farlink.train.network import NetworkPlan, emulated_link, has_islands
 
@@ -65,33 +65,34 @@ def build_tiers(cfg: RunConfig, index: int, lighthouse: str,
         return None
     replica = f"w{index}"
     if not has_islands(cfg.algorithm):
-        flat = build_collective(cfg, replica, lighthouse, site=site)
-        flat.emulated_link = emulated_link(plan.collective_link(list(range(cfg.workers))))
+        flat = build_collective(cfg, replica, lighthouse, site=site, link=emulated_link(
+            plan.collective_link(list(range(cfg.workers)))))
         return Tiers(flat, None, plan)
     k = plan.island_index(index)
     members = plan.islands[k]
     island, upper = two_levels(cfg, replica, plan.island_lighthouses[k],
                                lighthouse if plan.is_leader(index) else None,
-                               build_collective, site, host)
-    island.emulated_link = emulated_link(plan.collective_link(members))
-    if upper is not None:
-        upper.emulated_link = emulated_link(plan.collective_link(plan.leaders()))
+                               build_collective, site, host,
+                               emulated_link(plan.collective_link(members)),
+                               emulated_link(plan.collective_link(plan.leaders())))
     return Tiers(island, upper, plan)
 
 
 def two_levels(cfg: RunConfig, replica: str, island_lighthouse: str,
                global_lighthouse: str | None, build_collective: Callable[..., Collective],
                site=None, host: str = "127.0.0.1",  # noqa: ANN001 - a Site
+               island_link: LinkModel | None = None, upper_link: LinkModel | None = None,
                ) -> tuple[Collective, Collective | None]:
     """The island collective and, for a leader (``global_lighthouse`` given), the global one.
     On a site of several ranks the island level gets a store of its own and the global level
-    keeps the site's."""
+    keeps the site's. ``island_link``/``upper_link``: each level's emulated link, if any."""
     island_site = site.with_own_store(host) if site is not None else None
-    island = build_collective(island_config(cfg), replica, island_lighthouse, site=island_site)
+    island = build_collective(island_config(cfg), replica, island_lighthouse, site=island_site,
+                              link=island_link)
     upper = None
     if global_lighthouse is not None:
         try:
-            upper = build_collective(cfg, replica, global_lighthouse, site=site)
+            upper = build_collective(cfg, replica, global_lighthouse, site=site, link=upper_link)
         except BaseException:
             island.close()
             raise
