@@ -45,9 +45,10 @@ built on it drives your lr), ``step(closure)`` runs the closure, your step and, 
 round, ``zero_grad`` clears the gradients, and ``state_dict()`` is torch's format (your
 optimizer's ``state`` and ``param_groups``) plus a ``"farlink"`` entry with the rest of an exact
 resume: the committed state, the outer optimizer, codec residuals, local parameters, the round
-position. A round weighs each replica by its tokens: ``step(tokens=N)`` or
-``count_tokens(N)`` (once per micro-batch) where the loop knows them; a step with neither counts
-as one (every replica's steps then weigh the same). docs/frameworks.md shows each framework.
+position, and this member's record of its peers (ledger, ratings, replay probes). A round
+weighs each replica by its tokens: ``step(tokens=N)`` or ``count_tokens(N)`` (once per
+micro-batch) where the loop knows them; a step with neither counts as one (every replica's
+steps then weigh the same). docs/frameworks.md shows each framework.
 """
 
 from __future__ import annotations
