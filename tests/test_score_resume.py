@@ -1,7 +1,7 @@
 """A member's record of its peers survives restarts: the ledger (credits, marks), the loss
-scores' ratings and the updates a replay is compared with are in the checkpoint, so a run
-resumed (every member restarted) weighs an attacker by its whole record, as the run that never
-stopped does. Workers as threads: torchft's real Lighthouse and Gloo in one process."""
+scores' ratings and the updates a replay is compared with are in the checkpoint (farlink's own,
+and a framework's: ``Optimizer.state_dict``), so a run resumed (every member restarted) weighs
+an attacker by its whole record, as the run that never stopped does. Workers as threads: torchft's real Lighthouse and Gloo in one process."""
 
 from __future__ import annotations
 

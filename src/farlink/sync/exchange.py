@@ -458,7 +458,7 @@ class Exchange:
         """Restore :meth:`trust_state` (a checkpoint written without scoring restores no
         ratings). All or nothing: a malformed record, or a rating outside [-1, 1], is refused
         (``ValueError``) and this member's records stay as they were; none is dropped silently
-        (the records come from a file or a framework's checkpoint, not from this farlink)."""
+        (the records come from a file or a framework's checkpoint, maybe of another farlink)."""
         before = self.trust_state()
         try:
             self._restore_trust_state(meta, tensors)
