@@ -45,9 +45,10 @@ built on it drives your lr), ``step(closure)`` runs the closure, your step and, 
 round, ``zero_grad`` clears the gradients, and ``state_dict()`` is torch's format (your
 optimizer's ``state`` and ``param_groups``) plus a ``"farlink"`` entry with the rest of an exact
 resume: the committed state, the outer optimizer, codec residuals, local parameters, the round
-position. A round weighs each replica by its tokens: ``step(tokens=N)`` or
-``count_tokens(N)`` (once per micro-batch) where the loop knows them; a step with neither counts
-as one (every replica's steps then weigh the same). docs/frameworks.md shows each framework.
+position, and this member's record of its peers (ledger, ratings, replay probes). A round
+weighs each replica by its tokens: ``step(tokens=N)`` or ``count_tokens(N)`` (once per
+micro-batch) where the loop knows them; a step with neither counts as one (every replica's
+steps then weigh the same). docs/frameworks.md shows each framework.
 """
 
 from __future__ import annotations
@@ -188,15 +189,21 @@ class Optimizer(torch.optim.Optimizer):
     def state_dict(self) -> dict[str, Any]:
         """torch's format: the inner optimizer's ``state`` and ``param_groups``, and under
         ``"farlink"`` the rest of an exact resume (the algorithm's name and its tensors:
-        committed state, outer optimizer, codec residuals, local parameters, round position).
-        Plain tensors, numbers and strings, so ``torch.load(weights_only=True)`` reads it."""
+        committed state, outer optimizer, codec residuals, local parameters, round position)
+        and, as in :meth:`save`, this member's record of its peers (``"trust"``: ledger,
+        ratings; the replay probes are ``trust.*`` tensors), so a run a framework resumes
+        does not trust an attacker afresh. Plain tensors, numbers, strings, lists and dicts,
+        so ``torch.load(weights_only=True)`` reads it."""
         inner = self.algorithm.inner_opt
         torch_format = (inner.state_dict() if inner is not None
                         else torch.optim.Optimizer.state_dict(self))
         tensors = {k: v for k, v in self.algorithm.state_dict().items()
                    if not k.startswith("inner.")}  # the inner state is torch's "state" above
-        return {**torch_format, "farlink": {"algorithm": self.algorithm.name,
-                                            "tensors": tensors}}
+        own = {"algorithm": self.algorithm.name, "tensors": tensors}
+        if self.site is None:  # as in save(): a site (one ledger per rank, never scored) keeps none
+            own[TRUST], trust_tensors = self.exchange.trust_state()
+            tensors.update(trust_tensors)
+        return {**torch_format, "farlink": own}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Resume from :meth:`state_dict`: this replica continues exactly where it was
@@ -209,7 +216,9 @@ class Optimizer(torch.optim.Optimizer):
             raise ValueError(f"this optimizer state was written by algorithm "
                              f"{own['algorithm']!r}, not {self.algorithm.name!r}; resume "
                              f"with the same algorithm")
-        self._load_tensors(own["tensors"])
+        tensors = dict(own["tensors"])
+        self._restore_trust(own.get(TRUST), tensors)
+        self._load_tensors(tensors)
         torch_format = {k: v for k, v in state_dict.items() if k != "farlink"}
         inner = self.algorithm.inner_opt
         if inner is not None:  # after the algorithm's load, which leaves it no state
@@ -485,13 +494,21 @@ class Optimizer(torch.optim.Optimizer):
         if written_by != ranks:  # each rank's part is its own shard: cut them again
             tensors = self._resharded(path, meta)
         bytes_sent = tensors.pop(BYTES_SENT, None)
-        trust_tensors = {k: tensors.pop(k) for k in [k for k in tensors if k.startswith("trust.")]}
+        self._restore_trust(meta.get(TRUST), tensors)
         self.load_checkpoint_tensors(tensors)
-        if meta.get(TRUST) is not None:  # the peers' records: ratings, credits, recent updates
-            self.exchange.load_trust_state(meta[TRUST], trust_tensors)
         self.collective.stats.bytes_sent = (meta["bytes_sent"] if bytes_sent is None
                                             else int(bytes_sent))
         return {**meta, "path": str(path)}
+
+    def _restore_trust(self, records: dict | None, tensors: dict[str, torch.Tensor]) -> None:
+        """Restore this member's record of its peers (ratings, credits, recent updates) from
+        :meth:`save`'s or :meth:`state_dict`'s ``records`` and their ``trust.*`` tensors, which
+        it takes out of ``tensors``. First, so that a refused record (malformed, or a rating
+        outside [-1, 1]) leaves the replica as it was; a checkpoint written before the records
+        were kept restores none."""
+        trust_tensors = {k: tensors.pop(k) for k in [k for k in tensors if k.startswith("trust.")]}
+        if records is not None:
+            self.exchange.load_trust_state(records, trust_tensors)
 
     def _resharded(self, path: Path, meta: dict) -> dict[str, torch.Tensor]:
         """This rank's state from a checkpoint written by a site of another number of ranks:

@@ -130,11 +130,12 @@ class ReplayCheck:
         return index, tensors
 
     def load_state(self, index: list, tensors: dict[str, torch.Tensor]) -> None:
-        """Restore :meth:`state`."""
+        """Restore :meth:`state` (the probes on the CPU, where they are compared, whatever
+        device a framework loaded its checkpoint to)."""
         seen, count = {}, 0
         for round_id, peers in index:
             seen[None if round_id is None else int(round_id)] = {
-                str(peer): tensors[f"replay.{count + i}"].to(torch.float64)
+                str(peer): tensors[f"replay.{count + i}"].to("cpu", torch.float64)
                 for i, peer in enumerate(peers)}
             count += len(peers)
         self._seen = seen
@@ -191,9 +192,8 @@ class LossScorer:
         wrong = [p for p, r in ratings.items() if not (math.isfinite(r) and -1 <= r <= 1)]
         if wrong:
             raise ValueError(f"ratings out of [-1, 1] for {', '.join(sorted(wrong))}")
-        self.ratings = ratings
-        self.rounds = int(state.get("rounds", 0))
-        self.seconds = float(state.get("seconds", 0.0))
+        rounds, seconds = int(state.get("rounds", 0)), float(state.get("seconds", 0.0))
+        self.ratings, self.rounds, self.seconds = ratings, rounds, seconds
 
     # --- the round's judgement -----------------------------------------------------------------
     def judge(self, round_id: int, updates: dict[str, dict[str, torch.Tensor]],

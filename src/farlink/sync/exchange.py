@@ -456,13 +456,24 @@ class Exchange:
 
     def load_trust_state(self, meta: dict, tensors: dict[str, torch.Tensor]) -> None:
         """Restore :meth:`trust_state` (a checkpoint written without scoring restores no
-        ratings; one written before these records were kept restores nothing)."""
-        self.replays.load_state(meta.get("replays", []),
-                                {k[len("trust."):]: v for k, v in tensors.items()
-                                 if k.startswith("trust.")})
-        if self.ledger is not None and meta.get("ledger") is not None:
+        ratings). All or nothing: a malformed record, or a rating outside [-1, 1], is refused
+        (``ValueError``) and this member's records stay as they were; none is dropped silently
+        (the records come from a file or a framework's checkpoint, maybe of another farlink)."""
+        before = self.trust_state()
+        try:
+            self._restore_trust_state(meta, tensors)
+        except (KeyError, IndexError, TypeError, AttributeError, ValueError) as exc:
+            self._restore_trust_state(*before)
+            why = f"missing {exc}" if isinstance(exc, KeyError) else str(exc)
+            raise ValueError(f"the saved record of this member's peers is refused ({why}); "
+                             f"nothing of it was restored") from exc
+
+    def _restore_trust_state(self, meta: dict, tensors: dict[str, torch.Tensor]) -> None:
+        self.replays.load_state(meta["replays"], {k[len("trust."):]: v for k, v in tensors.items()
+                                                  if k.startswith("trust.")})
+        if self.ledger is not None and meta["ledger"] is not None:
             self.ledger.restore(meta["ledger"])
-        if self.scorer is not None and meta.get("scorer") is not None:
+        if self.scorer is not None and meta["scorer"] is not None:
             self.scorer.load_state_dict(meta["scorer"])
 
     def turn(self, judged: list[str], round_id: int) -> list[str]:
