@@ -107,6 +107,10 @@ def test_scorer_ranks_by_loss_drop_and_spares_a_slow_peer():
     for bad in ("ipm", "rider", "inflator"):
         assert scorer.factor(verdicts[bad].rating) == 0.0
     assert scorer.seconds > 0 and scorer.rounds == 1
+    # its work in sequences run forward: the held-out batch at theta, then for each of the four
+    # measured peers (the free rider is marked, not measured) its held-out batch moved and its
+    # shard batch at theta and moved, and the long IPM step's three again at the usual length
+    assert scorer.sequences == 4 * (1 + 3 * 4 + 3)
     # ratings average over rounds: a peer that turns good climbs back, not at once
     again = scorer.judge(1, {"full": full, "ipm": full}, {"full": 8.0, "ipm": 8.0})
     assert -1.0 < again["ipm"].rating < again["full"].rating

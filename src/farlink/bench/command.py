@@ -410,7 +410,8 @@ def register(app: typer.Typer, bench_app: typer.Typer) -> None:
         result = run(out, attacks or ATTACKS, parsed, steps or 200, inner_steps or 20,
                      rules or RULES, reuse, in_process, model, parallel)
         print_rows(result["rows"], ["label", "final_heldout_loss", "loss_vs_clean",
-                                    "attacker_credited", "rounds_to_separate", "score_share"],
+                                    "attacker_credited", "rounds_to_separate", "score_share",
+                                    "score_share_counted"],
                    "farlink bench attack")
 
     @bench_app.command("wan")

@@ -78,6 +78,7 @@ def train_in_process(label: str, values: dict[str, Any], eval_points: int = 4,
                 "final_loss": heldout_loss(model, device),
                 "params": sum(p.numel() for p in algo.params), "compute_s": compute_s,
                 "score_s": scorer.seconds if scorer is not None else 0.0,
+                "score_sequences": scorer.sequences if scorer is not None else 0,
                 "ratings": scorer.history if scorer is not None else [],
                 "ledger": ledger.to_dict() if ledger is not None else None}
 
@@ -105,6 +106,11 @@ def train_in_process(label: str, values: dict[str, Any], eval_points: int = 4,
         # loss scoring's cost: its seconds against the inner steps' forward and backward
         "score_share": (sum(r["score_s"] for r in results)
                         / max(sum(r["compute_s"] for r in results), 1e-9)),
+        # the same in work, which load does not change: sequences the scorer ran forward over
+        # 3 x the sequences trained (a forward and a backward cost about 3 forwards)
+        "score_share_counted": (sum(r["score_sequences"] for r in results)
+                                / (3 * len(results) * cfg.steps * cfg.batch_size
+                                   * cfg.grad_accum)),
         "ratings": results[0]["ratings"],
         "ledgers": [r["ledger"] for r in results],
     }

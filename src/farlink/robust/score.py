@@ -37,7 +37,9 @@ training (IPM, ``-eps mu`` with eps=4, did for three rounds); at an honest lengt
 Cost per member and round: ``1 + 3 x turns`` forward passes of ``rows`` sequences (the held-out
 batch at ``theta``; each measured peer's held-out batch moved, its shard batch at ``theta`` and
 moved), whatever the number of peers, plus 3 for each measured long step, against ``H x batch``
-sequences forward and backward of the round's training; :attr:`LossScorer.seconds` measures it.
+sequences forward and backward of the round's training; :attr:`LossScorer.seconds` measures it
+in time and :attr:`LossScorer.sequences` in sequences run forward (a training sequence's forward
+and backward cost about 3 forwards).
 """
 
 from __future__ import annotations
@@ -176,6 +178,9 @@ class LossScorer:
         self.ratings: dict[str, float] = {}
         self.history: list[tuple[int, dict[str, float]]] = []  # (round, agreed ratings)
         self.seconds = 0.0  # time spent scoring, all rounds together
+        #: sequences the scorer ran forward, all rounds together: its cost in a unit the
+        #: machine's load does not change (a training sequence costs about 3: forward, backward)
+        self.sequences = 0
         self.rounds = 0
 
     # --- resume ----------------------------------------------------------------------------------
@@ -183,7 +188,8 @@ class LossScorer:
         """The ratings and counters a checkpoint keeps (JSON), so a restarted member, or a whole
         run resumed, still weighs a peer by its record: an attacker's bad rounds are not
         forgotten by restarting. The per-round history (for plots) is not kept."""
-        return {"ratings": dict(self.ratings), "rounds": self.rounds, "seconds": self.seconds}
+        return {"ratings": dict(self.ratings), "rounds": self.rounds, "seconds": self.seconds,
+                "sequences": self.sequences}
 
     def load_state_dict(self, state: dict) -> None:
         """Restore :meth:`state_dict`; a rating that is not a finite number in [-1, 1] is
@@ -193,7 +199,9 @@ class LossScorer:
         if wrong:
             raise ValueError(f"ratings out of [-1, 1] for {', '.join(sorted(wrong))}")
         rounds, seconds = int(state.get("rounds", 0)), float(state.get("seconds", 0.0))
+        sequences = int(state.get("sequences", 0))
         self.ratings, self.rounds, self.seconds = ratings, rounds, seconds
+        self.sequences = sequences
 
     # --- the round's judgement -----------------------------------------------------------------
     def judge(self, round_id: int, updates: dict[str, dict[str, torch.Tensor]],
@@ -291,6 +299,7 @@ class LossScorer:
         try:
             inputs, targets = batch
             _, loss = functional_call(self.model, params, (inputs.to(device), targets.to(device)))
+            self.sequences += int(inputs.shape[0])
         finally:
             self.model.train(was_training)
         return float(loss)
