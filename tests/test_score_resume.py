@@ -64,6 +64,7 @@ def _member(rank: int, collective, ckpt: Path, steps: range, harmful: bool, star
     global parameters): loads its checkpoint, trains ``steps``, saves; ``w3`` sends 4 x its
     update reversed while ``harmful``. Returns how each round judged ``w3``."""
     import farlink
+    from farlink.compose import global_params_of
     from farlink.model import GPT, preset_config
     from farlink.robust.score import LossScorer
 
@@ -75,13 +76,14 @@ def _member(rank: int, collective, ckpt: Path, steps: range, harmful: bool, star
     with start:  # torch's RNG is the process's: one replica at a time, all from one init
         torch.manual_seed(0)
         model = GPT(preset_config("nano", vocab_size=64, seq_len=16))
+    # the scorer reads the global parameters of the algorithm built below when it scores
+    scorer = LossScorer(model, global_params_of(lambda: sync.algorithm),
+                        lambda peer, r: batch(1000 + int(peer[1:])), batch(999))
     sync = farlink.Optimizer(model, torch.optim.SGD(model.parameters(), lr=0.05),
                              collective=collective, index=rank, backend="inprocess",
-                             algorithm="diloco", inner_steps=2, steps=100, codec="int8")
+                             algorithm="diloco", inner_steps=2, steps=100, codec="int8",
+                             scorer=scorer)
     alg = sync.algorithm
-    params = dict(zip(alg.names, alg.global_params))
-    sync.exchange.scorer = LossScorer(model, lambda: params,
-                                      lambda peer, r: batch(1000 + int(peer[1:])), batch(999))
     if rank == 3 and harmful:
         sync.exchange.tamper = lambda update, round_id: {k: -4 * v for k, v in update.items()}
     sync.load(ckpt / f"w{rank}")
