@@ -101,7 +101,7 @@ class DeMo(SyncAlgorithm):
     @classmethod
     def wire_combine(cls, compressor: Compressor) -> Combine:
         """Each DCT coefficient averaged over the peers that sent it (the reference's
-        scatter-mean), then one inverse DCT, built on the device of the update."""
+        scatter-mean), then one inverse DCT, built on the device of the update (its parameter's)."""
         codec = compressor.codec
 
         def contributor_mean(name: str, payloads: list[bytes], shape: torch.Size,
