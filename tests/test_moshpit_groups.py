@@ -12,8 +12,8 @@ import threading
 import torch
 from torch import nn
 
-from farlink.codecs import make_compressor
 from farlink.comm.hivemind_backend import HivemindCollective
+from farlink.compose import wire
 from farlink.config import RunConfig
 from farlink.sync import algorithm_class, capabilities
 from farlink.sync.exchange import Exchange
@@ -43,8 +43,9 @@ def test_sparseloco_groups_of_two_mix_their_states_and_end_on_one_model() -> Non
         with init_lock:  # the global RNG is shared by threads: seed and build at once
             torch.manual_seed(0)
             model = nn.Sequential(nn.Linear(8, 8, bias=False), nn.Linear(8, 8, bias=False))
-        algo = algorithm_class(algorithm)(model, cfg, collective, Exchange(
-            collective, make_compressor("none"), sender=name))
+        cls = algorithm_class(algorithm)
+        algo = cls(model, cfg, collective, Exchange(
+            collective, sender=name, **wire(cls, cfg, "none")))
         gen = torch.Generator().manual_seed(ord(name))
         outcomes = []
         while not algo.finished():

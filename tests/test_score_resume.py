@@ -70,19 +70,20 @@ def _replica(rank: int, collective, harmful: bool, start, seed: int = 0):
     """Replica ``w{rank}`` of four (DiLoCo, 2 inner steps, a loss scorer over the algorithm's
     global parameters); ``w3`` sends 4 x its update reversed while ``harmful``."""
     import farlink
+    from farlink.compose import global_params_of
     from farlink.model import GPT, preset_config
     from farlink.robust.score import LossScorer
 
     with start:  # torch's RNG is the process's: one replica at a time, all from one init
         torch.manual_seed(seed)
         model = GPT(preset_config("nano", vocab_size=64, seq_len=16))
+    # the scorer reads the global parameters of the algorithm built below when it scores
+    scorer = LossScorer(model, global_params_of(lambda: sync.algorithm),
+                        lambda peer, r: _batch(1000 + int(peer[1:])), _batch(999))
     sync = farlink.Optimizer(model, torch.optim.SGD(model.parameters(), lr=0.05),
                              collective=collective, index=rank, backend="inprocess",
-                             algorithm="diloco", inner_steps=2, steps=100, codec="int8")
-    alg = sync.algorithm
-    params = dict(zip(alg.names, alg.global_params))
-    sync.exchange.scorer = LossScorer(model, lambda: params,
-                                      lambda peer, r: _batch(1000 + int(peer[1:])), _batch(999))
+                             algorithm="diloco", inner_steps=2, steps=100, codec="int8",
+                             scorer=scorer)
     if rank == 3 and harmful:
         sync.exchange.tamper = lambda update, round_id: {k: -4 * v for k, v in update.items()}
     return model, sync

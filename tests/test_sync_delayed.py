@@ -13,6 +13,7 @@ from torch import nn
 
 from farlink.codecs import make_compressor
 from farlink.comm.inprocess import InProcessGroup, LinkModel
+from farlink.compose import wire
 from farlink.config import RunConfig
 from farlink.sync import algorithm_class
 from farlink.sync.exchange import Exchange
@@ -28,8 +29,9 @@ def _algo(collective, mode: str, name: str = "diloco"):  # noqa: ANN001, ANN202
     with torch.no_grad():
         model.weight.copy_(torch.tensor([[1.0, 2.0]]))
     cfg = RunConfig(algorithm=name, steps=100, warmup_steps=0, outer_overlap=mode)
-    exchange = Exchange(collective, make_compressor("none"), sender=f"r{id(collective)}")
-    return algorithm_class(name)(model, cfg, collective, exchange)
+    cls = algorithm_class(name)
+    exchange = Exchange(collective, sender=f"r{id(collective)}", **wire(cls, cfg, "none"))
+    return cls(model, cfg, collective, exchange)
 
 
 def _drive(mode: str) -> list[dict]:
@@ -175,8 +177,9 @@ def _overlap_run(mode: str, name: str = "diloco") -> list[dict]:
             model = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 8))
         cfg = RunConfig(algorithm=name, steps=20, inner_steps=5, warmup_steps=0,
                         outer_overlap=mode)
-        exchange = _Timed(collective, make_compressor("none"), sender=f"p{rank}")
-        algo = algorithm_class(name)(model, cfg, collective, exchange)
+        cls = algorithm_class(name)
+        exchange = _Timed(collective, sender=f"p{rank}", **wire(cls, cfg, "none"))
+        algo = cls(model, cfg, collective, exchange)
         gen = torch.Generator().manual_seed(rank + 1)
         step_times, exposed = [], 0.0
         while not algo.finished():

@@ -12,8 +12,8 @@ import scipy.fft
 import torch
 from torch import nn
 
-from farlink.codecs import make_compressor
 from farlink.comm.inprocess import InProcessGroup
+from farlink.compose import wire
 from farlink.config import RunConfig
 from farlink.sync.demo import DeMo
 from farlink.sync.exchange import Exchange
@@ -31,7 +31,7 @@ class Params(nn.Module):
 
 def _demo(collective, shapes, **overrides) -> DeMo:  # noqa: ANN001
     cfg = RunConfig(algorithm="demo", steps=100, warmup_steps=0, **overrides)
-    exchange = Exchange(collective, make_compressor(cfg.codec), sender=f"p{id(collective)}")
+    exchange = Exchange(collective, sender=f"p{id(collective)}", **wire(DeMo, cfg, cfg.codec))
     return DeMo(Params(shapes), cfg, collective, exchange)
 
 

@@ -10,8 +10,9 @@ import pytest
 import torch
 from torch import nn
 
-from farlink.codecs import CodecError, make_compressor
+from farlink.codecs import CodecError
 from farlink.comm.inprocess import InProcessGroup
+from farlink.compose import wire
 from farlink.config import RunConfig
 from farlink.sync import algorithm_class
 from farlink.sync.exchange import Exchange
@@ -75,8 +76,9 @@ class TwoTensors(nn.Module):
 
 def _algo(collective, **overrides) -> SparseLoCo:  # noqa: ANN001
     cfg = RunConfig(algorithm="sparseloco", steps=100, warmup_steps=0, **overrides)
-    exchange = Exchange(collective, make_compressor(cfg.codec), sender=f"p{id(collective)}")
-    return algorithm_class("sparseloco")(TwoTensors(), cfg, collective, exchange)
+    cls = algorithm_class("sparseloco")
+    exchange = Exchange(collective, sender=f"p{id(collective)}", **wire(cls, cfg, cfg.codec))
+    return cls(TwoTensors(), cfg, collective, exchange)
 
 
 def _drift(rank: int, rnd: int, shape: torch.Size) -> torch.Tensor:

@@ -10,8 +10,9 @@ import pytest
 import torch
 from torch import nn
 
-from farlink.codecs import CodecError, make_compressor
+from farlink.codecs import CodecError
 from farlink.comm.inprocess import InProcessGroup
+from farlink.compose import wire
 from farlink.config import RunConfig
 from farlink.sync import algorithm_class
 from farlink.sync.exchange import Exchange
@@ -57,8 +58,9 @@ def _algo(collective, **overrides):  # noqa: ANN001, ANN202
     cfg = RunConfig(algorithm="sparseloco", steps=100, warmup_steps=0,
                     sparseloco_variant="authors", sparseloco_tile=2, sparseloco_topk=1,
                     **overrides)
-    exchange = Exchange(collective, make_compressor(cfg.codec), sender=f"p{id(collective)}")
-    return algorithm_class("sparseloco")(Small(), cfg, collective, exchange)
+    cls = algorithm_class("sparseloco")
+    exchange = Exchange(collective, sender=f"p{id(collective)}", **wire(cls, cfg, cfg.codec))
+    return cls(Small(), cfg, collective, exchange)
 
 
 def _delta_w(rank: int) -> torch.Tensor:

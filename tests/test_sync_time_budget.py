@@ -14,6 +14,7 @@ from torch import nn
 
 from farlink.codecs import make_compressor
 from farlink.comm.inprocess import InProcessGroup
+from farlink.compose import wire
 from farlink.config import RunConfig
 from farlink.sync import algorithm_class
 from farlink.sync.exchange import Exchange
@@ -45,12 +46,12 @@ def test_a_time_budget_is_accepted_where_the_schedule_runs_it(algorithm: str) ->
     assert cfg.round_seconds == 0.5
     model = _model()
     collective = InProcessGroup(1).member(0)
-    algo = algorithm_class(algorithm)(model, cfg, collective,
-                                      Exchange(collective, make_compressor("none"), sender="w"))
+    cls = algorithm_class(algorithm)
+    algo = cls(model, cfg, collective, Exchange(collective, sender="w", **wire(cls, cfg, "none")))
     assert isinstance(algo.schedule, TimeBudget)
-    assert isinstance(algorithm_class(algorithm)(
-        _model(), RunConfig(algorithm=algorithm, steps=40, inner_steps=10), collective,
-        Exchange(collective, make_compressor("none"), sender="v")).schedule, StepSchedule)
+    untimed = RunConfig(algorithm=algorithm, steps=40, inner_steps=10)
+    assert isinstance(cls(_model(), untimed, collective, Exchange(
+        collective, sender="v", **wire(cls, untimed, "none"))).schedule, StepSchedule)
 
 
 @pytest.mark.parametrize("algorithm", ["streaming_diloco", "sparseloco", "diloco"])
@@ -65,8 +66,9 @@ def test_a_time_budgeted_run_ends_on_one_model_that_learned(algorithm: str) -> N
     def member(rank: int, collective):  # noqa: ANN001, ANN202
         with init_lock:  # the global RNG is shared by threads: seed and build at once
             model = _model()
-        algo = algorithm_class(algorithm)(model, cfg, collective, Exchange(
-            collective, make_compressor("none"), sender=f"w{rank}"))
+        cls = algorithm_class(algorithm)
+        algo = cls(model, cfg, collective, Exchange(
+            collective, sender=f"w{rank}", **wire(cls, cfg, "none")))
         gen = torch.Generator().manual_seed(rank + 1)
         steps_per_round, outcomes = [0], []
         while not algo.finished():

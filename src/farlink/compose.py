@@ -22,7 +22,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from farlink.codecs import make_compressor
+from farlink.codecs import Compressor, make_compressor
 from farlink.comm.base import Collective, LinkModel
 from farlink.comm.inprocess import DrivenGroup, InProcessGroup
 from farlink.config import RunConfig
@@ -39,7 +39,7 @@ from farlink.robust.weights import CLAIM_FACTOR, TIMED_CLAIM_FACTOR, round_token
 from farlink.state.background import Background
 from farlink.sync import ALGORITHMS, SyncAlgorithm, algorithm_class
 from farlink.sync.base import OuterOptimizerFactory
-from farlink.sync.exchange import Exchange
+from farlink.sync.exchange import Combine, Exchange
 from farlink.train.network import needs_network
 from farlink.train.tiers import Tiers, build_tiers, two_levels
 
@@ -133,8 +133,15 @@ def build_collective(cfg: RunConfig, replica_id: str, lighthouse: str, site=None
 
 
 def build_exchange(cfg: RunConfig, collective: Collective, sender: str, index: int, ledger=None,
-                   claims: str = "run"):
+                   claims: str = "run", *, compressor: Compressor | None = None,
+                   combine: Combine | None = None, scorer: LossScorer | None = None,
+                   path: str = "auto"):
     """Codec, aggregator, authentication, screen and (emulated) attack of one replica.
+
+    ``compressor`` and ``combine``: what the algorithm sends with and averages with
+    (:func:`wire`; default: the run's ``--codec`` and the aggregator); ``scorer``: the loss
+    scorer of ``--score loss`` (:func:`build_scorer`); ``path``: the exchange's path. All are
+    given here because an exchange keeps what it is built with.
 
     ``claims``: how a peer's claimed token count is bounded (:mod:`farlink.robust.weights`).
     ``"run"``: the config says how many tokens a round holds (its batch, sequence length,
@@ -150,7 +157,7 @@ def build_exchange(cfg: RunConfig, collective: Collective, sender: str, index: i
               if cfg.is_attacker(index) and not protocol else None)
     exchange = Exchange(
         collective,
-        make_compressor(cfg.codec),
+        compressor if compressor is not None else make_compressor(cfg.codec),
         sender=auth.peer_id if auth.name == "ed25519" else sender,
         aggregator=make_aggregator(cfg.aggregator),
         authenticator=auth,
@@ -167,24 +174,37 @@ def build_exchange(cfg: RunConfig, collective: Collective, sender: str, index: i
             float(cfg.tokens_per_step * cfg.inner_steps)
             if getattr(cfg, "round_seconds", None) is None
             else round_token_bound(cfg.tokens_per_step, cfg.inner_steps, cfg.round_seconds)),
+        combine=combine,
+        scorer=scorer,
+        path=path,
     )
     if protocol and cfg.is_attacker(index):
         hostile.arm(cfg.attack, collective, exchange, cfg.codec, name=sender)
     return exchange
 
 
-def build_scorer(cfg: RunConfig, algorithm: SyncAlgorithm, data) -> LossScorer:  # noqa: ANN001
+def wire(cls: type[SyncAlgorithm], options: Any, codec: str) -> dict[str, Any]:
+    """The ``compressor`` and ``combine`` the exchange of a ``cls`` run is built with: asked of
+    the algorithm class (its ``options``, the run's ``--codec``) before the exchange exists, so
+    an algorithm that sends with its own codec (DeMo, SparseLoCo) never replaces the
+    exchange's; a codec it cannot send is refused here, with its own message."""
+    compressor = cls.wire_compressor(options, codec)
+    return {"compressor": compressor, "combine": cls.wire_combine(compressor)}
+
+
+def build_scorer(cfg: RunConfig, model: nn.Module,
+                 base: Callable[[], dict[str, torch.Tensor]], data) -> LossScorer:  # noqa: ANN001
     """The loss scorer of ``--score loss`` (:mod:`farlink.robust.score`): it applies each peer's
-    update to the algorithm's global parameters and measures the loss on ``score_rows``
-    sequences of the peer's own shard (peer ``wI`` trained shard ``I``; a peer known by another
-    name is judged on held-out text alone) and on as many from the end of the held-out text,
-    which the run's evaluation (its start) does not read unless the held-out text is short."""
+    update to ``base()`` (the algorithm's global parameters, by name) and measures ``model``'s
+    loss on ``score_rows`` sequences of the peer's own shard (peer ``wI`` trained shard ``I``; a
+    peer known by another name is judged on held-out text alone) and on as many from the end of
+    the held-out text, which the run's evaluation (its start) does not read unless the held-out
+    text is short."""
     from farlink.data import ShardSampler, heldout_batches
 
     rows, seq = cfg.score_rows, cfg.seq_len
     tail = data.heldout[-(rows * seq + 1):]
     heldout = heldout_batches(tail, seq, rows, 1)[0]
-    params = dict(zip(algorithm.names, algorithm.global_params))
 
     def assigned(peer: str, round_id: int):  # noqa: ANN202 - a batch or None
         if not (peer.startswith("w") and peer[1:].isdigit()):
@@ -194,8 +214,26 @@ def build_scorer(cfg: RunConfig, algorithm: SyncAlgorithm, data) -> LossScorer: 
                                seed=cfg.seed * 1_000_003 + round_id)
         return sampler.next_batch()
 
-    return LossScorer(algorithm.model, lambda: params, assigned, heldout,
+    return LossScorer(model, base, assigned, heldout,
                       threshold=cfg.score_threshold, turns=cfg.score_turns)
+
+
+def global_params_of(algorithm: Callable[[], SyncAlgorithm]) -> Callable[[], dict]:
+    """A scorer's ``base``: the global parameters, by name, of the algorithm ``algorithm()``
+    returns, read when a round is scored.
+
+    Why late: the algorithm makes its global parameters from the model when it is built, and it
+    is built with its exchange, which is built with its scorer. A round is only scored by the
+    built algorithm, so the scorer reads the parameters then; the exchange is built once,
+    scorer included, and nothing is assigned to it afterwards (the alternatives: the root
+    making the algorithm's global parameters, or every round handing them to the exchange,
+    would change every algorithm's constructor or every exchange call)."""
+
+    def base() -> dict[str, torch.Tensor]:
+        built = algorithm()
+        return dict(zip(built.names, built.global_params))
+
+    return base
 
 
 @dataclass
@@ -328,11 +366,18 @@ def compose(
     site=None,  # noqa: ANN001
     global_lighthouse: str | None = None,
     global_collective: Collective | None = None,
+    scorer: LossScorer | None = None,
+    score_data=None,  # noqa: ANN001
     **options: Any,
 ) -> Parts:
     """One replica of a run around ``model`` (the arguments of :class:`farlink.Optimizer`): the
     run's config (``config``, or its fields as keyword ``options``), then its site,
-    collective(s), exchange(s), ledger, algorithm and checkpoint writer."""
+    collective(s), exchange(s), ledger, algorithm and checkpoint writer.
+
+    ``scorer``: a built :class:`~farlink.robust.score.LossScorer` for the exchange; or
+    ``score_data`` (the run's prepared corpus, :func:`farlink.data.prepare_data`): with
+    ``--score loss``, the scorer :func:`build_scorer` makes from it over the algorithm's
+    global parameters (``farlink train``'s workers, the in-process bench)."""
     config_given = config is not None  # farlink train's whole config: its batches are ours
     if config is not None and options:
         raise TypeError("give either config=RunConfig(...) or its fields as keywords, not both")
@@ -354,8 +399,13 @@ def compose(
                                           global_lighthouse, global_collective)
     replica_id = f"w{index}"
     ledger = ContributionLedger()  # whose updates were accepted, rejected, and why
+    if scorer is not None and score_data is not None:
+        raise TypeError("give either scorer=LossScorer(...) or score_data=, not both")
+    if scorer is None and score_data is not None and cfg.score == "loss":
+        scorer = build_scorer(cfg, model, global_params_of(lambda: algorithm), score_data)
     exchange = build_exchange(cfg, collective, replica_id, index, ledger,
-                              claims="run" if config_given else "relative")
+                              claims="run" if config_given else "relative",
+                              scorer=scorer, **wire(cls, algo_options, cfg.codec))
     whole_replica_site = site is not None and not model_is_sharded(model)
     extra: dict[str, Any] = {}
     if whole_replica_site:
@@ -393,7 +443,7 @@ def build_stage_members(cfg: RunConfig, stage: int, peers: list[str],
     for p, peer in enumerate(peers):
         collective = group.member(p)
         exchange = build_exchange(cfg, collective, f"s{stage}p{p}", stage * len(peers) + p,
-                                  ledger)
+                                  ledger, **wire(cls, cfg, cfg.codec))
         # no inner steps here (the peer takes them): the inner optimizer is never stepped
         members.append(StageMember(peer, cls(module(), cfg, collective, exchange,
                                              lr_schedule=False)))

@@ -118,10 +118,10 @@ def _in_process(label: str, base: dict, overrides: dict) -> dict:
 
     values = {**base, **overrides}
 
-    def exchange(collective, rank, cfg):  # noqa: ANN001, ANN202
-        made = build_exchange(cfg, collective, f"w{rank}", rank, ContributionLedger())
-        made.path = "gathered"  # every peer's update judged on its own, as in the process runs
-        return made
+    def exchange(collective, rank, cfg, **parts):  # noqa: ANN001, ANN003, ANN202
+        # path: every peer's update judged on its own, as in the process runs
+        return build_exchange(cfg, collective, f"w{rank}", rank, ContributionLedger(),
+                              path="gathered", **parts)
 
     cfg = load_config(None, values)
     row = train_in_process(label, values, eval_points=4, exchange_factory=exchange)

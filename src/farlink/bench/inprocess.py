@@ -15,8 +15,8 @@ from typing import Any
 
 import torch
 
-from farlink.codecs import make_compressor
 from farlink.comm.inprocess import InProcessGroup
+from farlink.compose import build_scorer, global_params_of, wire
 from farlink.config import RunConfig, load_config
 from farlink.robust.aggregators import make_aggregator
 from farlink.sync import algorithm_class
@@ -28,8 +28,10 @@ def train_in_process(label: str, values: dict[str, Any], eval_points: int = 4,
     """Train ``values`` (RunConfig fields) with ``workers`` threads; return a result row with
     held-out loss at ``eval_points`` evenly spaced token counts (worker 0's replica).
 
-    ``exchange_factory(collective, rank, cfg)``: the exchange of each worker (default: the
-    config's codec and aggregator, no authentication); ``link``: in-process link emulation
+    ``exchange_factory(collective, rank, cfg, compressor=, combine=, scorer=)``: the exchange
+    of each worker, built with the algorithm's codec and combine (:func:`farlink.compose.wire`)
+    and the ``--score loss`` scorer or None (default: the config's aggregator, no
+    authentication); ``link``: in-process link emulation
     (:class:`~farlink.comm.base.LinkModel`) for every worker's collectives."""
     from farlink.data import ShardSampler, evaluate, heldout_batches, prepare_data
     from farlink.model import GPT, preset_config
@@ -52,14 +54,16 @@ def train_in_process(label: str, values: dict[str, Any], eval_points: int = 4,
         model.to(device)
         sampler = ShardSampler(data.train, shard=rank, num_shards=cfg.workers,
                                seq_len=cfg.seq_len, batch_size=cfg.batch_size, seed=cfg.seed)
-        exchange = exchange_factory(collective, rank, cfg) if exchange_factory else Exchange(
-            collective, make_compressor(cfg.codec), sender=f"w{rank}",
-            aggregator=make_aggregator(cfg.aggregator))
-        algo = algorithm_class(cfg.algorithm)(model, cfg, collective, exchange)
-        if cfg.score == "loss":
-            from farlink.compose import build_scorer
-
-            exchange.scorer = build_scorer(cfg, algo, data)
+        cls = algorithm_class(cfg.algorithm)
+        # the scorer reads the algorithm's global parameters when it scores (see
+        # farlink.compose.global_params_of): the exchange is built once, with its scorer
+        scorer = build_scorer(cfg, model, global_params_of(lambda: algo), data) \
+            if cfg.score == "loss" else None
+        parts = {**wire(cls, cfg, cfg.codec), "scorer": scorer}
+        exchange = exchange_factory(collective, rank, cfg, **parts) if exchange_factory \
+            else Exchange(collective, sender=f"w{rank}",
+                          aggregator=make_aggregator(cfg.aggregator), **parts)
+        algo = cls(model, cfg, collective, exchange)
         evals, compute_s = [], 0.0
         while not algo.finished():
             began = time.perf_counter()

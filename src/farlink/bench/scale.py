@@ -60,11 +60,11 @@ def run_one(codec: str, rule: str, peers: int, path: str, base: dict,
     exchanges: dict[int, TimedExchange] = {}
     lock = threading.Lock()
 
-    def build(collective, rank: int, cfg) -> TimedExchange:  # noqa: ANN001
-        ex = TimedExchange(collective, make_compressor(cfg.codec), f"w{rank}",
+    def build(collective, rank: int, cfg, **parts) -> TimedExchange:  # noqa: ANN001, ANN003
+        ex = TimedExchange(collective, sender=f"w{rank}",
                            aggregator=make_aggregator(cfg.aggregator),
                            authenticator=SharedSecretAuth(SECRET, peer_id=f"w{rank}")
-                           if auth else None, path=path)
+                           if auth else None, path=path, **parts)
         with lock:
             exchanges[rank] = ex
         return ex

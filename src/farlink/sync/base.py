@@ -36,10 +36,11 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field
 from torch import nn
 
+from farlink.codecs import Compressor, make_compressor
 from farlink.comm.base import Collective, RoundInfo
 from farlink.sync.digest import (StateTransferError, state_digest, verified,  # noqa: F401
                                  with_digest)
-from farlink.sync.exchange import Exchange, ExchangeResult
+from farlink.sync.exchange import Combine, Exchange, ExchangeResult
 from farlink.sync.moshpit import GroupMixing
 from farlink.sync.schedule import Schedule, make_schedule, nearest_step_boundary  # noqa: F401
 
@@ -333,6 +334,21 @@ class SyncAlgorithm(ABC):
         planner (:mod:`farlink.plan.payload`) reads it: the run's ``--codec`` unless the
         algorithm sends with its own codec (DeMo, SparseLoCo), whose knobs then set it."""
         return cfg.codec
+
+    @classmethod
+    def wire_compressor(cls, options: SyncOptions, codec: str) -> Compressor:
+        """The compressor this algorithm's exchange must be built with, from the run's codec
+        spec (``--codec``) and the algorithm's ``options``: the run's codec unless the
+        algorithm sends with its own (DeMo, SparseLoCo), which refuses a codec it cannot send.
+        Asked before the exchange is built, so that the exchange is built once with the codec it
+        will use and the algorithm never replaces it."""
+        return make_compressor(codec)
+
+    @classmethod
+    def wire_combine(cls, compressor: Compressor) -> Combine | None:
+        """The exchange's ``combine`` for an algorithm that averages the accepted payloads of
+        ``compressor`` its own way (None: the exchange's aggregator over decoded updates)."""
+        return None
 
     # --- the training loop's view -------------------------------------------------------------
     @abstractmethod

@@ -48,7 +48,7 @@ from __future__ import annotations
 import torch
 from pydantic import Field
 
-from farlink.codecs import DctTopKCodec, make_compressor
+from farlink.codecs import Compressor, DctTopKCodec, make_compressor
 from farlink.comm.base import RoundInfo
 from farlink.sync.base import (
     Capabilities,
@@ -58,7 +58,7 @@ from farlink.sync.base import (
     TensorState,
     lr_at,
 )
-from farlink.sync.exchange import Encoded, ExchangeResult
+from farlink.sync.exchange import Combine, Encoded, ExchangeResult
 
 
 class DeMoOptions(SyncOptions):
@@ -81,24 +81,47 @@ class DeMo(SyncAlgorithm):
             return cfg.codec
         return f"dct_topk:{cfg.demo_chunk}:{cfg.demo_topk}"
 
-    def __init__(self, *args, **kwargs) -> None:
-        super().__init__(*args, **kwargs)
-        cfg, compressor = self.cfg, self.exchange.compressor
+    @classmethod
+    def wire_compressor(cls, options: DeMoOptions, codec: str) -> Compressor:
+        """``--codec dct_topk:...`` as given (the user chose the chunk, k or fp16 values), or
+        for ``--codec none`` the DCT top-k of --demo-chunk/--demo-topk; any other codec, and
+        ``+ef`` (DeMo's error feedback is its momentum), is refused."""
+        compressor = make_compressor(codec)
         if compressor.error_feedback:
             raise ValueError("demo keeps its own error feedback in the momentum; drop '+ef' "
                              f"from --codec {compressor.spec}")
         if isinstance(compressor.codec, DctTopKCodec):
-            self.codec = compressor.codec  # the user chose the chunk, k or fp16 values
-        elif compressor.codec.name == "fp32":
-            self.codec = DctTopKCodec(cfg.demo_chunk, cfg.demo_topk)
-            self.exchange.compressor = make_compressor(self.codec.name)
-        else:
-            raise ValueError(f"demo sends DCT top-k coefficients; use --codec none (then "
-                             f"--demo-chunk/--demo-topk) or dct_topk[:CHUNK:K[:fp16]], "
-                             f"not {compressor.spec}")
-        self.exchange.combine = self._combine
+            return compressor
+        if compressor.codec.name == "fp32":
+            return make_compressor(DctTopKCodec(options.demo_chunk, options.demo_topk).name)
+        raise ValueError(f"demo sends DCT top-k coefficients; use --codec none (then "
+                         f"--demo-chunk/--demo-topk) or dct_topk[:CHUNK:K[:fp16]], "
+                         f"not {compressor.spec}")
+
+    @classmethod
+    def wire_combine(cls, compressor: Compressor) -> Combine:
+        """Each DCT coefficient averaged over the peers that sent it (the reference's
+        scatter-mean), then one inverse DCT, built on the device of the update (its parameter's)."""
+        codec = compressor.codec
+
+        def contributor_mean(name: str, payloads: list[bytes], shape: torch.Size,
+                             device: torch.device) -> torch.Tensor:
+            sparse = [codec.unpack(payload, shape, device) for payload in payloads]
+            return codec.decode_coefficients(sparse, reduce="contributors")
+
+        return contributor_mean
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        compressor = self.exchange.compressor
+        if not isinstance(compressor.codec, DctTopKCodec) or compressor.error_feedback \
+                or self.exchange.combine is None:
+            raise ValueError(f"demo sends its own DCT top-k coefficients and averages them "
+                             f"itself: build its exchange with compressor=DeMo.wire_compressor"
+                             f"(options, codec) and combine=DeMo.wire_combine(compressor), not "
+                             f"{compressor.spec}")
+        self.codec = compressor.codec  # the codec the exchange was built with
         self.momentum = [torch.zeros_like(p) for p in self.params]
-        self._devices = {n: p.device for n, p in zip(self.names, self.params)}
         self._extracted: dict[str, Encoded] = {}
 
     def current_lr(self) -> float:
@@ -129,12 +152,6 @@ class DeMo(SyncAlgorithm):
         if info.healed:  # a healed worker's momentum belongs to its old state: send nothing
             return {n: torch.zeros_like(e.tensor) for n, e in self._extracted.items()}
         return self._extracted
-
-    def _combine(self, name: str, payloads: list[bytes], shape: torch.Size) -> torch.Tensor:
-        """Each DCT coefficient averaged over the peers that sent it, then one inverse DCT."""
-        device = self._devices[name]  # the average is built where the parameter lives
-        sparse = [self.codec.unpack(payload, shape, device) for payload in payloads]
-        return self.codec.decode_coefficients(sparse, reduce="contributors")
 
     def _apply(self, result: ExchangeResult, info: RoundInfo) -> None:
         if result.total_weight <= 0:

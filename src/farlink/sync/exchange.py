@@ -19,9 +19,15 @@ This is the only place where an algorithm's update leaves the worker. Three path
 An algorithm whose update *is* a codec's output (DeMo's DCT top-k, SparseLoCo's sparse 2-bit
 values) hands over :class:`Encoded` entries: their bytes are sent as they are, so what peers
 decode is exactly what the sender took out of its error-feedback state (re-encoding a decoded
-tensor would not give back the same bytes). Such an algorithm may also set :attr:`Exchange.combine`
-to average the accepted payloads its own way (DeMo averages each DCT coefficient over the peers
-that sent it); Byzantine-robust rules still see the decoded dense updates.
+tensor would not give back the same bytes). Such an algorithm may also average the accepted
+payloads its own way (DeMo averages each DCT coefficient over the peers that sent it): the
+exchange is then built with that ``combine`` (the composition root asks the algorithm class for
+its codec and combine before building the exchange, :meth:`SyncAlgorithm.wire_compressor` and
+:meth:`SyncAlgorithm.wire_combine`); Byzantine-robust rules still see the decoded dense updates.
+
+What an exchange is built with, it keeps: ``compressor``, ``combine`` and ``scorer`` are
+read-only, so no object rewires another's exchange after construction (every member of a run
+decides its path from them, and a swap after the first round would leave members disagreeing).
 
 Around the update itself the gathered path checks the seams a member controls: each claimed token
 count is bounded (:mod:`farlink.robust.weights`; the ledger credits the bounded count), one
@@ -102,8 +108,9 @@ class Encoded:
 
 
 Update = dict[str, "torch.Tensor | Encoded"]
-# name, the accepted peers' payloads of that tensor, its shape -> the combined dense tensor
-Combine = Callable[[str, list[bytes], torch.Size], torch.Tensor]
+# name, the accepted peers' payloads of that tensor, its shape, the device the combined tensor
+# is built on (the update's own) -> the combined dense tensor
+Combine = Callable[[str, list[bytes], torch.Size, torch.device], torch.Tensor]
 
 
 def dense_of(value: torch.Tensor | Encoded) -> torch.Tensor:
@@ -127,9 +134,10 @@ class Exchange:
         path: str = "auto",
         scorer: LossScorer | None = None,
         round_allowance: float | None = None,
+        combine: Combine | None = None,
     ) -> None:
         self.collective = collective
-        self.compressor = compressor
+        self._compressor = compressor
         self.sender = sender
         self.aggregator = aggregator
         self.authenticator = authenticator or Authenticator()
@@ -140,16 +148,31 @@ class Exchange:
         # bounds on a claimed token count (see farlink.robust.weights): the tokens one peer can
         # process in a round, and the factor over the round's median claim
         self.max_weight, self.claim_factor = max_weight, claim_factor
-        self.combine: Combine | None = None  # set by an algorithm that averages payloads itself
+        self._combine = combine  # an algorithm's own average of the accepted payloads
         if path not in PATHS:
             raise ValueError(f"exchange path {path!r}: choose from {', '.join(PATHS)}")
         #: "auto": the cheapest path that is exact enough; "allreduce" or "gathered" by choice
         self.path = path
         self.last_path = ""  # the path of the last round, for the run's metrics
-        self.scorer = scorer  # loss-scored contributions (None: weights are the bounded claims)
+        self._scorer = scorer  # loss-scored contributions (None: weights are the bounded claims)
         #: tokens one peer can process in one round: the most one round credits it with
         self.round_allowance = round_allowance
         self.replays = ReplayCheck()
+
+    @property
+    def compressor(self) -> Compressor:
+        """The codec (and its error feedback) of every payload this exchange sends."""
+        return self._compressor
+
+    @property
+    def combine(self) -> Combine | None:
+        """The algorithm's own average of the accepted payloads (None: the aggregator's)."""
+        return self._combine
+
+    @property
+    def scorer(self) -> LossScorer | None:
+        """The loss scorer of ``--score loss`` (None: weights are the bounded claims)."""
+        return self._scorer
 
     @property
     def dense(self) -> bool:
@@ -356,7 +379,8 @@ class Exchange:
         if self.combine is not None and self.aggregator is weighted_mean:
             senders = [p for p in peers if bounded[p] > 0]  # a zero-weight peer only receives
             result.tensors = {
-                n: self.combine(n, [raw_payloads[p][n] for p in senders], dense_of(t).shape)
+                n: self.combine(n, [raw_payloads[p][n] for p in senders], dense_of(t).shape,
+                                dense_of(t).device)
                 for n, t in tensors.items()
             } if senders else {n: torch.zeros(dense_of(t).shape, device=dense_of(t).device)
                                for n, t in tensors.items()}

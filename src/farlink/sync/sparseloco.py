@@ -50,13 +50,13 @@ from typing import Literal
 
 from pydantic import Field
 
-from farlink.codecs import Compressor
+from farlink.codecs import Compressor, make_compressor
 from farlink.codecs._util import all_finite, as_flat_float32, require_finite, top_positions
 from farlink.codecs.base import Codec, CodecError
 from farlink.comm.base import RoundInfo
 from farlink.sync.base import Capabilities, StepOutcome, TensorState
 from farlink.sync.diloco import DiLoCo, DiLoCoOptions
-from farlink.sync.exchange import Encoded, dense_of
+from farlink.sync.exchange import Combine, Encoded, dense_of
 from farlink.sync.sparseloco_tiles import TILE, TiledTwoBitCodec, clipped_contributor_mean
 
 CHUNK = 4096
@@ -191,19 +191,49 @@ class SparseLoCo(DiLoCo):
                                                    diloco["outer_momentum"].default):
             log.warning("sparseloco takes its outer step with --sparseloco-lr and "
                         "--sparseloco-beta; --outer-lr/--outer-momentum (DiLoCo's) are ignored")
-        if self.exchange.compressor.codec.name != "fp32" or self.exchange.compressor.error_feedback:
-            raise ValueError(f"sparseloco sends its own sparse 2-bit values with its own error "
-                             f"feedback; drop --codec {self.exchange.compressor.spec}")
-        if cfg.sparseloco_variant == "authors":
-            self.codec = TiledTwoBitCodec(cfg.sparseloco_tile, cfg.sparseloco_topk)
-            self.exchange.combine = self._combine
-        else:
-            self.codec = SparseTwoBitCodec(cfg.sparseloco_chunk, cfg.sparseloco_topk)
-        self.exchange.compressor = Compressor(self.codec)
+        compressor = self.exchange.compressor
+        authors = cfg.sparseloco_variant == "authors"
+        wanted = TiledTwoBitCodec if authors else SparseTwoBitCodec
+        if type(compressor.codec) is not wanted or compressor.error_feedback \
+                or (self.exchange.combine is None) == authors:
+            raise ValueError(f"sparseloco sends its own sparse 2-bit values ({wanted.__name__}, "
+                             f"its variant's) and the authors' variant averages them itself: "
+                             f"build its exchange with compressor=SparseLoCo.wire_compressor"
+                             f"(options, codec) and combine=SparseLoCo.wire_combine(compressor), "
+                             f"not {compressor.spec}")
+        self.codec = compressor.codec  # the codec the exchange was built with
         self.beta = cfg.sparseloco_beta
         self.outer_opt = torch.optim.SGD(self.global_params, lr=cfg.sparseloco_lr, momentum=0.0)
         self.error = [torch.zeros_like(p) for p in self.params]
-        self._devices = {n: p.device for n, p in zip(self.names, self.params)}
+
+    @classmethod
+    def wire_compressor(cls, options: SparseLoCoOptions, codec: str) -> Compressor:
+        """The sparse 2-bit codec of ``options`` (the paper's chunks, or the authors' tiles);
+        another ``--codec`` than none, or ``+ef`` (the accumulator is its error feedback), is
+        refused."""
+        given = make_compressor(codec)
+        if given.codec.name != "fp32" or given.error_feedback:
+            raise ValueError(f"sparseloco sends its own sparse 2-bit values with its own error "
+                             f"feedback; drop --codec {given.spec}")
+        if options.sparseloco_variant == "authors":
+            return Compressor(TiledTwoBitCodec(options.sparseloco_tile, options.sparseloco_topk))
+        return Compressor(SparseTwoBitCodec(options.sparseloco_chunk, options.sparseloco_topk))
+
+    @classmethod
+    def wire_combine(cls, compressor: Compressor) -> Combine | None:
+        """The authors' variant: median-norm clipping, then a mean over each position's
+        contributors (:func:`farlink.sync.sparseloco_tiles.clipped_contributor_mean`); the
+        paper's: None (the token-weighted mean of the decoded updates)."""
+        codec = compressor.codec
+        if not isinstance(codec, TiledTwoBitCodec):
+            return None
+
+        def clipped_mean(name: str, payloads: list[bytes], shape: torch.Size,
+                         device: torch.device) -> torch.Tensor:
+            return clipped_contributor_mean(
+                [codec.decode_with_mask(p, tuple(shape), device) for p in payloads])
+
+        return clipped_mean
 
     def sync_now(self) -> StepOutcome:
         before = [e.clone() for e in self.error]
@@ -245,13 +275,6 @@ class SparseLoCo(DiLoCo):
                 e.sub_(sent)
                 out[n] = Encoded(payload, sent)
         return out
-
-    def _combine(self, name: str, payloads: list[bytes], shape: torch.Size) -> torch.Tensor:
-        """The authors' variant: median-norm clipping, then a mean over each position's
-        contributors (:func:`farlink.sync.sparseloco_tiles.clipped_contributor_mean`)."""
-        device = self._devices[name]
-        return clipped_contributor_mean(
-            [self.codec.decode_with_mask(p, tuple(shape), device) for p in payloads])
 
     def state_dict(self) -> TensorState:
         state = super().state_dict()

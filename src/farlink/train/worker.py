@@ -110,14 +110,12 @@ class Worker:
         # no inner optimizer given: the algorithm's own (AdamW), on farlink's lr schedule
         join = ({"peers": lighthouse} if cfg.backend == "hivemind" and lighthouse is not None
                 else {"lighthouse": lighthouse})  # the launcher's one address, named per backend
+        # score_data: with --score loss every peer's update is judged by the loss drop it
+        # gives on batches of this corpus (the composition root builds the scorer)
         self.sync = Optimizer(self.model, None, config=cfg, index=index, lr_schedule=True,
-                              collective=collective, site=self.site, **join)
+                              collective=collective, site=self.site, score_data=self.data,
+                              **join)
         self.replica_id = self.sync.replica_id
-        if cfg.score == "loss":  # every peer's update judged by the loss drop it gives
-            from farlink.compose import build_scorer
-
-            self.sync.parts.exchange.scorer = build_scorer(cfg, self.sync.parts.algorithm,
-                                                           self.data)
         self.ckpt_dir = cfg.run_dir / "checkpoints" / self.replica_id
         # a site's rank 0 reports for the replica: one metrics file per worker, as with K=1
         self.reports = self.site is None or self.site.rank == 0
