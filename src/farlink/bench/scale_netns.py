@@ -9,7 +9,8 @@ two runs over the difference of their rounds, which removes setup, quorum, heali
 evaluation traffic. Per row: bytes per worker per round as the kernel counted them (each worker
 veth's ``tx_bytes``: frames with Ethernet/IP/TCP headers and the ACKs for what the worker
 receives) and as farlink counted them (every message's length), the ideal ``2 (n-1)/n x
-payload`` of a ring all-reduce, the exchange's seconds per round (the workers' ``network_s``)
+payload`` of a ring all-reduce, the TCP segments each worker retransmitted and the packets the
+shared queue dropped (resent bytes are in ``tx_bytes`` too), the exchange's seconds per round (the workers' ``network_s``)
 and the whole round's (``round_s``: quorum and exchange), both over rounds after the first
 (a run of one round gives none), compute utilization and held-out loss of the longer run.
 
@@ -48,6 +49,40 @@ def kernel_tx_bytes(net) -> list[int]:  # noqa: ANN001 - a started emulate.Topol
         for i in range(net.n_workers)]
 
 
+#: TCP counters read in every worker namespace: segments sent again (their bytes are in
+#: ``tx_bytes`` too), and what made them: timeouts, tail-loss probes, and the receiver's reports
+#: that a resent segment had already arrived (DSACK: the resend was spurious)
+TCP_COUNTERS = ("RetransSegs", "TCPTimeouts", "TCPLossProbes", "TCPDSACKRecv")
+
+
+def tcp_counters(net) -> list[dict[str, int]]:  # noqa: ANN001 - a started Topology
+    """:data:`TCP_COUNTERS` of each worker's namespace (``/proc/net/snmp`` and ``netstat``)."""
+    found = []
+    for i in range(net.n_workers):
+        text = subprocess.check_output(["ip", "netns", "exec", net.namespace(i), "cat",
+                                        "/proc/net/snmp", "/proc/net/netstat"], text=True)
+        values: dict[str, int] = {}
+        lines = [line.split() for line in text.splitlines()]
+        for names, numbers in zip(lines, lines[1:]):
+            if names[0] in ("Tcp:", "TcpExt:") and names[0] == numbers[0] \
+                    and not numbers[1].isalpha():
+                values.update({k: int(v) for k, v in zip(names[1:], numbers[1:])
+                               if k in TCP_COUNTERS})
+        found.append(values)
+    return found
+
+
+def shared_drops(net) -> int:  # noqa: ANN001 - a started Topology
+    """Packets the shared bottleneck's queue has dropped (0 without one)."""
+    from farlink.emulate.topology import SHARED_IFB
+
+    if net.shared is None:
+        return 0
+    text = subprocess.check_output(["tc", "-s", "-n", net.router_namespace, "qdisc", "show",
+                                    "dev", SHARED_IFB], text=True)
+    return int(text.split("dropped ")[1].split(",")[0])
+
+
 def measure(codec: str, rule: str, peers: int, rounds: tuple[int, int], link: LinkProfile,
             shared: LinkProfile | None, base: dict, out: Path) -> dict:
     """Both run lengths of one variant: what each run counted, per worker."""
@@ -60,10 +95,14 @@ def measure(codec: str, rule: str, peers: int, rounds: tuple[int, int], link: Li
         label = f"{codec}-{rule}-{peers}-{'shared' if shared else 'own'}-R{count}"
         with Topology(peers, link, shared=shared) as net:
             before = kernel_tx_bytes(net)
+            tcp_before, drops_before = tcp_counters(net), shared_drops(net)
             row = run_variant(label, {**base, "workers": peers,
                                       "steps": count * base["inner_steps"]},
                               out, network=net, aggregator=rule, **CODECS[codec])
             kernel = [a - b for a, b in zip(kernel_tx_bytes(net), before)]
+            tcp = [{k: after[k] - was[k] for k in after}
+                   for after, was in zip(tcp_counters(net), tcp_before)]
+            drops = shared_drops(net) - drops_before
         network_s, round_s, paths = [], [], set()
         for w in range(peers):
             records = read_metrics(out / "runs" / label / "metrics" / f"w{w}.jsonl")
@@ -74,6 +113,7 @@ def measure(codec: str, rule: str, peers: int, rounds: tuple[int, int], link: Li
             round_s += [r["round_s"] for r in syncs[1:]]
             paths |= {r["exchange_path"] for r in syncs if r.get("exchange_path")}
         runs.append({"rounds": count, "kernel_tx_bytes": kernel,
+                     "tcp": tcp, "shared_drops": drops,
                      "counted_bytes": [row["per_worker"][f"w{w}"]["bytes_sent"]
                                        for w in range(peers)],
                      "network_s": network_s, "round_s": round_s, "paths": sorted(paths),
@@ -106,6 +146,11 @@ def row_of(m: dict, params: int) -> dict:
         "round_s": statistics.median(short["round_s"] + long["round_s"]),
         "utilization": long["utilization"], "heldout_loss": long["heldout_loss"],
         "wall_s": long["wall_s"],
+        **({f"{k}_per_peer_per_round": statistics.mean(
+            (b[k] - a[k]) / extra for a, b in zip(short["tcp"], long["tcp"]))
+            for k in TCP_COUNTERS} if "tcp" in long else {}),
+        "shared_drops_per_round": (long["shared_drops"] - short["shared_drops"]) / extra
+        if "shared_drops" in long else None,
         "kernel_bytes_per_worker": kernel, "counted_bytes_per_worker": counted,
     }
 
