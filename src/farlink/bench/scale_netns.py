@@ -103,11 +103,10 @@ def measure(codec: str, rule: str, peers: int, rounds: tuple[int, int], link: Li
             tcp = [{k: after[k] - was[k] for k in after}
                    for after, was in zip(tcp_counters(net), tcp_before)]
             drops = shared_drops(net) - drops_before
+        metrics = [read_metrics(out / "runs" / label / "metrics" / f"w{w}.jsonl")
+                   for w in range(peers)]
         network_s, round_s, paths = [], [], set()
-        for w in range(peers):
-            records = read_metrics(out / "runs" / label / "metrics" / f"w{w}.jsonl")
-            params = next((r["params"] for r in records if r["kind"] == "start"), None) \
-                if w == 0 else params
+        for records in metrics:
             syncs = [r for r in records if r["kind"] == "sync"]
             network_s += [b["network_s"] - a["network_s"] for a, b in zip(syncs, syncs[1:])]
             round_s += [r["round_s"] for r in syncs[1:]]
@@ -119,7 +118,7 @@ def measure(codec: str, rule: str, peers: int, rounds: tuple[int, int], link: Li
                      "network_s": network_s, "round_s": round_s, "paths": sorted(paths),
                      "heldout_loss": row["final_heldout_loss"],
                      "utilization": row["compute_utilization"], "wall_s": row["wall_s"],
-                     "params": params})
+                     "params": next(r["params"] for r in metrics[0] if r["kind"] == "start")})
     return {"codec": codec, "rule": rule, "peers": peers, "runs": runs}
 
 
