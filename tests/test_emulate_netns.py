@@ -1,4 +1,5 @@
-"""Namespace emulation: measured TCP throughput and RTT against the profiles, cleanup on exit,
+"""Namespace emulation: measured TCP throughput and RTT against the profiles, a shared
+bottleneck split between concurrent senders, cleanup on exit,
 on exceptions and after SIGKILL, and refusal to delete what the emulator did not create."""
 
 from __future__ import annotations
