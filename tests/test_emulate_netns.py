@@ -1,4 +1,5 @@
-"""Namespace emulation: measured TCP throughput and RTT against the profiles, cleanup on exit,
+"""Namespace emulation: measured TCP throughput and RTT against the profiles, a shared
+bottleneck split between concurrent senders, cleanup on exit,
 on exceptions and after SIGKILL, and refusal to delete what the emulator did not create."""
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import pytest
 
 from farlink.emulate import registry, sysnet
 from farlink.emulate.capabilities import detect_capabilities
-from farlink.emulate.measure import measure_link
+from farlink.emulate.measure import measure_link, measure_links
 from farlink.links import LinkProfile, scaled
 from farlink.emulate.topology import Topology
 
@@ -169,3 +170,22 @@ def test_refuses_namespaces_it_did_not_create(tmp_path: Path) -> None:
     finally:
         for ns in (foreign, lookalike):
             sysnet.delete_namespace(ns)
+
+
+@pytest.mark.slow  # three timed transfers; the measured-link test covers the emulator by default
+def test_shared_bottleneck_is_split_between_concurrent_senders() -> None:
+    """Four workers on 50 Mbit/s links behind one 20 Mbit/s shared bottleneck: one sender alone
+    gets the whole shared rate, two sending at once (to different receivers, so no worker's own
+    link is shared) each get about half of it, and together the whole. Tolerance: 20% of the
+    expected rate, as for the single-link measurements above."""
+    shared = 20.0
+    with Topology(4, scaled("cross-region", 50), shared=scaled("cross-region", shared)) as topo:
+        assert topo.expected_throughput_mbit(0, 2) == shared
+        alone = measure_link(topo, 0, 2, window_s=3.0, pings=2)
+        both = measure_links(topo, [(0, 2), (1, 3)], window_s=3.0, pings=2)
+    rates = [m.throughput_mbit for m in both]
+    print(f"alone {alone.throughput_mbit:.1f} Mbit/s; together {rates[0]:.1f} + "
+          f"{rates[1]:.1f} = {sum(rates):.1f} Mbit/s (shared {shared})")
+    assert within(alone.throughput_mbit, shared), alone
+    assert all(within(r, shared / 2) for r in rates), rates
+    assert within(sum(rates), shared), rates

@@ -84,6 +84,47 @@ def register(app: typer.Typer, bench_app: typer.Typer) -> None:
                                     "bytes_vs_gathered", "round_s", "utilization",
                                     "heldout_loss", "loss_vs_gathered"], "farlink bench scale")
 
+    @bench_app.command("scale-netns")
+    def scale_netns(
+        out: Path = typer.Option(Path("docs/results"), help="output directory"),
+        runs_dir: Path = typer.Option(Path("bench/scale-netns-shared"), help="the runs"),
+        peers: list[int] = typer.Option([4, 8], help="peer counts (processes)"),
+        codec: list[str] = typer.Option(["fp32", "int8+ef", "int4+ef", "sparseloco"],
+                                        help="fp32, int8+ef, int4+ef, sparseloco"),
+        rule: list[str] = typer.Option(["mean", "centered_clip"], help="mean, centered_clip "
+                                       "(dense codecs only; no --auth inside namespaces)"),
+        link: str = typer.Option("datacenter", help="every worker's own link (profile)"),
+        link_mbit: float = typer.Option(50.0, help="its rate, Mbit/s"),
+        shared: str = typer.Option("shared-20mbit", help="the bottleneck every upload crosses"),
+        unshared: list[str] = typer.Option(["fp32", "int8+ef"], help="codecs also run (with "
+                                           "mean) on their own links alone"),
+        short_rounds: int = typer.Option(1, help="rounds of the shorter run"),
+        long_rounds: int = typer.Option(3, help="rounds of the longer run"),
+        inner_steps: int = typer.Option(5, help="inner steps per round"),
+        name: str = typer.Option("scale_netns", help="NAME.json, NAME.png"),
+    ) -> None:
+        """Kernel-counted bytes per peer per round, round time, utilization and loss with the
+        peers as processes in network namespaces behind a shared bottleneck (root)."""
+        from farlink.bench.scale import CODECS
+        from farlink.bench.scale_netns import RULES, run as run_netns
+        from farlink.links import scaled
+
+        for option, given, known in (("codec", codec + unshared, CODECS), ("rule", rule, RULES)):
+            unknown = set(given) - set(known)
+            if unknown:
+                raise typer.BadParameter(f"unknown {option} {sorted(unknown)}; choose from "
+                                         f"{', '.join(known)}")
+        if not 0 < short_rounds < long_rounds:
+            raise typer.BadParameter("need 0 < --short-rounds < --long-rounds")
+        result = run_netns(out, runs_dir, peers, codec, rule, (short_rounds, long_rounds),
+                           scaled(link, link_mbit), shared, unshared, inner_steps, name)
+        print_rows(result["rows"], ["codec", "rule", "peers", "shared", "path",
+                                    "kernel_bytes_per_peer_per_round",
+                                    "counted_bytes_per_peer_per_round", "kernel_vs_counted",
+                                    "counted_vs_ideal", "exchange_s", "round_s", "utilization",
+                                    "heldout_loss"], "farlink bench scale-netns")
+        print(result["uptime"])
+
     @bench_app.command("scale-planner")
     def scale_planner(
         out: Path = typer.Option(Path("docs/results"), help="output directory"),

@@ -1,6 +1,7 @@
 """Measure what an emulated link really delivers, with a real TCP transfer between namespaces.
 
-:func:`measure_serving` times one worker serving several at once
+:func:`measure_links` measures several links at once (links behind a shared bottleneck
+compete for it); :func:`measure_serving` times one worker serving several at once
 (:mod:`farlink.emulate.serve_probe`).
 
 The probe's server runs in worker ``b``, its client in worker ``a``: RTT is the median of
@@ -37,46 +38,65 @@ class LinkMeasurement:
 def measure_link(topology: Topology, a: int, b: int, window_s: float = 3.0, pings: int = 10,
                  port: int | None = None, timeout_s: float = 120.0) -> LinkMeasurement:
     """RTT and throughput from worker ``a`` to worker ``b`` of a started topology."""
-    if a == b:
-        raise EmulationError("measure_link needs two different workers")
-    if b in topology.behind_nat:
-        raise EmulationError(f"worker {b} is behind a NAT: nobody can dial it. Measure from it "
-                             f"instead: measure_link(topology, {b}, {a})")
+    return measure_links(topology, [(a, b)], window_s, pings, port, timeout_s)[0]
+
+
+def measure_links(topology: Topology, pairs: list[tuple[int, int]], window_s: float = 3.0,
+                  pings: int = 10, port: int | None = None,
+                  timeout_s: float = 120.0) -> list[LinkMeasurement]:
+    """:func:`measure_link` for every ``(a, b)`` in ``pairs`` at once, so links that share a
+    bottleneck compete for it; each transfer's window lies inside the others' transfers (they
+    start within a warm-up of each other and send a margin past their window)."""
+    for a, b in pairs:
+        if a == b:
+            raise EmulationError("measure_link needs two different workers")
+        if b in topology.behind_nat:
+            raise EmulationError(f"worker {b} is behind a NAT: nobody can dial it. Measure from "
+                                 f"it instead: measure_link(topology, {b}, {a})")
     topology.check()
-    expected_rtt = 2 * topology.expected_one_way_ms(a, b)
-    warmup = max(0.5, min(4.0, 8 * expected_rtt / 1000))
-    port = port or random.randint(20000, 60000)
-    host = topology.address(b)
+    expected_rtt = [2 * topology.expected_one_way_ms(a, b) for a, b in pairs]
+    warmup = max(0.5, min(4.0, 8 * max(expected_rtt) / 1000))
+    port = port or random.randint(20000, 60000 - len(pairs))
     py = [sys.executable, "-m", "farlink.emulate.probe"]
-    server = topology.spawn(b, [*py, "server", "--host", host, "--port", str(port),
-                                "--warmup", str(warmup), "--window", str(window_s)],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    servers, clients = [], []
     try:
-        assert server.stdout is not None
-        line = server.stdout.readline().strip()
-        if line != LISTENING:
-            raise EmulationError(f"probe server did not start: {line} {server.stderr.read()}")
-        client = topology.spawn(a, [*py, "client", "--host", host, "--port", str(port),
-                                    "--seconds", str(warmup + window_s + 1.0),
-                                    "--pings", str(pings)],
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        c_out, c_err = client.communicate(timeout=timeout_s)
-        s_out, s_err = server.communicate(timeout=timeout_s)
+        for k, (_, b) in enumerate(pairs):
+            servers.append(topology.spawn(
+                b, [*py, "server", "--host", topology.address(b), "--port", str(port + k),
+                    "--warmup", str(warmup), "--window", str(window_s)],
+                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+        for server in servers:
+            assert server.stdout is not None
+            line = server.stdout.readline().strip()
+            if line != LISTENING:
+                raise EmulationError(f"probe server did not start: {line} "
+                                     f"{server.stderr.read()}")
+        for k, (a, b) in enumerate(pairs):
+            clients.append(topology.spawn(
+                a, [*py, "client", "--host", topology.address(b), "--port", str(port + k),
+                    "--seconds", str(warmup + window_s + 1.0), "--pings", str(pings)],
+                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+        c_outs = [client.communicate(timeout=timeout_s) for client in clients]
+        s_outs = [server.communicate(timeout=timeout_s) for server in servers]
     finally:
-        for proc in (server,):
+        for proc in (*servers, *clients):
             if proc.poll() is None:
                 proc.kill()
-    if client.returncode or server.returncode:
-        raise EmulationError(f"probe failed: client {client.returncode} {c_err.strip()} | "
-                             f"server {server.returncode} {s_err.strip()}")
+    failed = [f"client {c.returncode} {ce.strip()} | server {s.returncode} {se.strip()}"
+              for c, s, (_, ce), (_, se) in zip(clients, servers, c_outs, s_outs)
+              if c.returncode or s.returncode]
+    if failed:
+        raise EmulationError(f"probe failed: {'; '.join(failed)}")
     topology.check()
-    c, s = json.loads(c_out.splitlines()[-1]), json.loads(s_out.splitlines()[-1])
-    return LinkMeasurement(
-        throughput_mbit=s["throughput_mbit"], rtt_ms=c["rtt_ms"], connect_ms=c["connect_ms"],
-        rtt_samples_ms=tuple(c["rtt_samples_ms"]),
-        expected_throughput_mbit=topology.expected_throughput_mbit(a, b),
-        expected_rtt_ms=expected_rtt,
-    )
+    found = []
+    for (a, b), rtt, (c_out, _), (s_out, _) in zip(pairs, expected_rtt, c_outs, s_outs):
+        c, s = json.loads(c_out.splitlines()[-1]), json.loads(s_out.splitlines()[-1])
+        found.append(LinkMeasurement(
+            throughput_mbit=s["throughput_mbit"], rtt_ms=c["rtt_ms"],
+            connect_ms=c["connect_ms"], rtt_samples_ms=tuple(c["rtt_samples_ms"]),
+            expected_throughput_mbit=topology.expected_throughput_mbit(a, b),
+            expected_rtt_ms=rtt))
+    return found
 
 
 def measure_serving(topology: Topology, server: int, clients: list[int], nbytes: int,

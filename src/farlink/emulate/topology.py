@@ -23,6 +23,18 @@ WAN side and lets in only replies to connections made from inside, so the worker
 but nobody can dial in (:mod:`farlink.emulate.nat`)::
 
     P-w2 [flkw2 10.78.2.2] ==veth== [flkl2 10.78.2.1 P-n2 flkn2 10.77.0.3] ==veth== [flkr2]--+
+
+With ``shared`` (a shared bottleneck: one cell, hub or congested uplink that every worker's
+traffic crosses), what every worker uploads passes one more token bucket after its own: the
+ingress of every router-side port ``flkrI`` is redirected (a ``u32`` match-all filter with
+``mirred``) to one ``ifb`` device ``flkshared`` in the router namespace, whose ``tbf`` holds it to
+the shared profile's rate, then it is handed back to the bridge. The workers therefore share
+that rate instead of each having it; only the shared profile's rate is used (delay and loss stay
+per worker)::
+
+    [flkr0] --ingress--+
+    [flkr1] --ingress--+--> flkshared (ifb, tbf at the shared rate) --> back to flkbr0
+    ...                +
 """
 
 from __future__ import annotations
@@ -50,6 +62,7 @@ LAN_SUBNET = "10.78"  # + ".I": the private LAN behind worker I's NAT router
 ROUTER_HOST = 254
 MAX_WORKERS = 250
 BRIDGE = "flkbr0"
+SHARED_IFB = "flkshared"  # the shared bottleneck's device in the router namespace
 MIN_BURST_BYTES = 96 * 1024  # above one 64 KiB GSO segment, so tbf never has to split one
 TCP_BUFFER_MAX = 64 << 20  # socket autotuning headroom for large bandwidth-delay products
 # Every delayed packet passes through a Python callback: measured 100-300 Mbit/s per receiving
@@ -73,7 +86,8 @@ class Topology:
     """Workers in their own namespaces behind shaped, delayed links; a context manager.
 
     ``profile`` applies to every worker, ``overrides`` maps worker index -> profile for
-    heterogeneous links. ``behind_nat`` lists workers that each sit behind a NAT router of their
+    heterogeneous links. ``shared`` adds one bottleneck that every worker's upload crosses
+after its own link (its rate is shared by all; None: no shared bottleneck). ``behind_nat`` lists workers that each sit behind a NAT router of their
     own (they dial out; nobody dials in). Use :meth:`spawn` to run commands inside a worker's
     namespace and :meth:`address` / :meth:`ifname` to point programs at each other; a NATed
     worker listens on :meth:`address` (private) and others see it at :meth:`wan_address`.
@@ -88,6 +102,7 @@ class Topology:
         seed: int = 0,
         wan_tuned_tcp: bool = True,
         behind_nat: Collection[int] = (),
+        shared: str | LinkProfile | None = None,
     ) -> None:
         if not 1 <= n_workers <= MAX_WORKERS:
             raise EmulationError(f"n_workers must be in 1..{MAX_WORKERS}, got {n_workers}")
@@ -103,6 +118,7 @@ class Topology:
         self.profiles: list[LinkProfile] = [
             get_profile(overrides.get(i, profile)) for i in range(n_workers)
         ]
+        self.shared: LinkProfile | None = None if shared is None else get_profile(shared)
         self.seed = seed
         self.wan_tuned_tcp = wan_tuned_tcp  # False: Linux defaults (slow start after idle)
         self.record: registry.RunRecord | None = None
@@ -164,8 +180,10 @@ class Topology:
         return path_latency_ms(self.profile(a), self.profile(b))
 
     def expected_throughput_mbit(self, a: int, b: int) -> float | None:
-        """Rate from ``a`` to ``b``: the lower of a's upload and b's download (None: unshaped)."""
-        rates = [r for r in (self.profile(a).up_mbit, self.profile(b).down_mbit) if r]
+        """Rate from ``a`` to ``b`` alone on the network: the lowest of a's upload, b's download
+        and the shared bottleneck's rate (None: unshaped)."""
+        shared = self.shared.up_mbit if self.shared is not None else None
+        rates = [r for r in (self.profile(a).up_mbit, self.profile(b).down_mbit, shared) if r]
         return min(rates) if rates else None
 
     def worker_env(self, i: int) -> dict[str, str]:
@@ -248,7 +266,8 @@ class Topology:
         assert self.record is not None
         n = self.n_workers
         router = self.router_namespace
-        self.record.claim(router, [BRIDGE] + [f"flkr{i}" for i in range(n)])
+        self.record.claim(router, [BRIDGE] + [f"flkr{i}" for i in range(n)]
+                          + ([SHARED_IFB] if self._shared_mbit else []))
         sysnet.add_namespace(router)
         sysnet.ip_batch(router, [
             "link set lo up",
@@ -330,6 +349,27 @@ class Topology:
             if prof.down_mbit:
                 sysnet.tc(self.router_namespace, "qdisc", "replace", "dev", f"flkr{i}", "root",
                           *_tbf_args(prof.down_mbit, q))
+        self._shape_shared()
+
+    @property
+    def _shared_mbit(self) -> float | None:
+        return self.shared.up_mbit if self.shared is not None else None
+
+    def _shape_shared(self) -> None:
+        """Every worker's upload, as it arrives at the router, through one shared token bucket."""
+        rate = self._shared_mbit
+        if not rate:
+            return
+        router = self.router_namespace
+        q = max(self._queue_seconds(i) for i in range(self.n_workers))
+        sysnet.ip_batch(router, [f"link add {SHARED_IFB} type ifb", f"link set {SHARED_IFB} up"])
+        sysnet.tc(router, "qdisc", "replace", "dev", SHARED_IFB, "root", *_tbf_args(rate, q))
+        for i in range(self.n_workers):
+            sysnet.tc(router, "qdisc", "add", "dev", f"flkr{i}", "handle", "ffff:", "ingress")
+            # u32 matching every packet: the kernels this runs on may lack the matchall filter
+            sysnet.tc(router, "filter", "add", "dev", f"flkr{i}", "parent", "ffff:", "protocol",
+                      "all", "u32", "match", "u32", "0", "0", "action", "mirred", "egress",
+                      "redirect", "dev", SHARED_IFB)
 
     def _rules_for(self, i: int | None) -> dict[str, list[float]]:
         """Delayer rules for packets arriving at worker ``i`` (None: at the router)."""
