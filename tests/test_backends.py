@@ -44,6 +44,10 @@ def test_three_peers_agree_and_learn_on_each_backend(tmp_path: Path, cache_dir: 
     assert result.summary["final_heldout_loss"] < 6.0  # from ln(512) = 6.24 at init
 
 
+# the same run (2 hivemind workers, plain fp32 updates, 30 steps of 10) is
+# test_run_groups::test_local_hivemind_swarm_averages_all_workers_by_default, through the CLI,
+# which asserts all of this in the default suite
+@pytest.mark.slow
 def test_hivemind_fp32_run_keeps_replicas_bit_identical(tmp_path: Path, cache_dir: Path) -> None:
     cfg = load_config(None, {**BASE, "backend": "hivemind", "workers": 2, "min_replicas": 2,
                              "run_dir": tmp_path / "run", "cache_dir": cache_dir})
