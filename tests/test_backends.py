@@ -1,4 +1,7 @@
-"""The same algorithms and codecs on both transports: 3 real worker processes each."""
+"""The same algorithms and codecs on both transports, 3 workers each: hivemind's as real worker
+processes; torchft's as threads (``launch_in_threads``) against torchft's real Lighthouse and
+Gloo, the subject being the algorithm on the transport (test_train_integration's three-worker
+run is torchft's run of worker processes)."""
 
 from __future__ import annotations
 
@@ -8,6 +11,7 @@ import pytest
 from safetensors.torch import load_file
 
 from farlink.config import load_config
+from farlink.testing.runs import launch_in_threads
 from farlink.train.audit import audit_run
 from farlink.train.launcher import launch
 
@@ -17,7 +21,9 @@ BASE = {"model": "nano",
         "join_timeout": 10}
 
 
-@pytest.mark.parametrize("backend", ["torchft", "hivemind"])
+@pytest.mark.parametrize("backend", [
+    # torchft in this process: after every test that forks (see conftest)
+    pytest.param("torchft", marks=pytest.mark.torchft_threads), "hivemind"])
 @pytest.mark.parametrize("algorithm,codec", [
     ("diloco", "int8"),
     pytest.param("streaming_diloco", "int4+ef", marks=pytest.mark.slow),
@@ -30,7 +36,7 @@ def test_three_peers_agree_and_learn_on_each_backend(tmp_path: Path, cache_dir: 
     cfg = load_config(None, {**BASE, "backend": backend, "algorithm": algorithm,
                              "codec": codec, **streaming,
                              "run_dir": tmp_path / "run", "cache_dir": cache_dir})
-    result = launch(cfg, show_progress=False)
+    result = launch_in_threads(cfg) if backend == "torchft" else launch(cfg, show_progress=False)
     assert result.returncodes == [0, 0, 0]
     audit = audit_run(cfg.run_dir)
     # the gathered path decodes the same bytes everywhere: committed state is bit-identical
@@ -38,6 +44,10 @@ def test_three_peers_agree_and_learn_on_each_backend(tmp_path: Path, cache_dir: 
     assert result.summary["final_heldout_loss"] < 6.0  # from ln(512) = 6.24 at init
 
 
+# the same run (2 hivemind workers, plain fp32 updates, 30 steps of 10) is
+# test_run_groups::test_local_hivemind_swarm_averages_all_workers_by_default, through the CLI,
+# which asserts all of this in the default suite
+@pytest.mark.slow
 def test_hivemind_fp32_run_keeps_replicas_bit_identical(tmp_path: Path, cache_dir: Path) -> None:
     cfg = load_config(None, {**BASE, "backend": "hivemind", "workers": 2, "min_replicas": 2,
                              "run_dir": tmp_path / "run", "cache_dir": cache_dir})

@@ -1,6 +1,7 @@
 """Evaluation and checkpoints off the critical path, and utilization that counts all wall-clock.
 
-One real run (two worker processes, Gloo over TCP, a Lighthouse) with a held-out evaluation far
+One real run (two workers as threads, ``launch_in_threads``: torchft's real Lighthouse, Gloo over
+TCP) with a held-out evaluation far
 longer than a training step, every other round: rank 0 keeps training while it evaluates, its
 peer waits no longer at the round after an evaluation than at a round after none, the
 background evaluation reports what a synchronous evaluation of the same parameters gives, and
@@ -17,8 +18,11 @@ import pytest
 from safetensors.torch import load_model
 
 from farlink.config import load_config
-from farlink.train.launcher import launch
+from farlink.testing.runs import launch_in_threads
 from farlink.train.metrics import read_metrics
+
+# torchft runs in this process: after every test that forks (see conftest)
+pytestmark = pytest.mark.torchft_threads
 
 RUN = {"vocab_size": 512, "seq_len": 64, "batch_size": 4, "warmup_steps": 5, "workers": 2,
        "steps": 80, "inner_steps": 20, "eval_every": 2, "eval_batches": 128, "log_every": 1,
@@ -29,7 +33,7 @@ RUN = {"vocab_size": 512, "seq_len": 64, "batch_size": 4, "warmup_steps": 5, "wo
 def run(tmp_path_factory: pytest.TempPathFactory, cache_dir: Path):  # noqa: ANN201
     cfg = load_config(None, {**RUN, "run_dir": tmp_path_factory.mktemp("bg") / "run",
                              "cache_dir": cache_dir})
-    result = launch(cfg, show_progress=False)
+    result = launch_in_threads(cfg)
     assert result.returncodes == [0, 0]
     return cfg, result.summary
 

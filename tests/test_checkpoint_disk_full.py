@@ -1,6 +1,8 @@
 """A full disk while writing a checkpoint: one clear line, no temp files left, and after the user
 frees space, ``--resume`` redoes the lost round bit for bit, which the audit calls a redone round,
-not a divergence. The disk is a real, small tmpfs (root only: mounting needs it)."""
+not a divergence. The disk is a real, small tmpfs (root only: mounting needs it). The run that
+meets the full disk is worker processes (their exit code and logs are the subject); the resume,
+whose subject is the redone round, has its workers as threads (``launch_in_threads``)."""
 
 from __future__ import annotations
 
@@ -15,6 +17,7 @@ import pytest
 from farlink.config import load_config
 from farlink.train.audit import audit_run
 from farlink.state.checkpoint import EXIT_DISK_FULL
+from farlink.testing.runs import launch_in_threads
 from farlink.train.launcher import launch
 
 TINY = {"vocab_size": 512, "seq_len": 64, "batch_size": 4, "eval_batches": 2, "workers": 2,
@@ -52,6 +55,7 @@ def squash(text: str) -> str:
     return "".join(text.split())
 
 
+@pytest.mark.torchft_threads  # the resume: torchft in this process, after every test that forks
 def test_disk_full_stops_with_one_line_and_resume_redoes_the_round(
         small_disk: Path, cache_dir: Path, capsys: pytest.CaptureFixture) -> None:
     run_dir = small_disk / "run"
@@ -73,7 +77,7 @@ def test_disk_full_stops_with_one_line_and_resume_redoes_the_round(
     assert _mount(small_disk, 400, remount=True).returncode == 0  # the user frees space
     resumed = load_config(None, {**TINY, "run_dir": run_dir, "cache_dir": cache_dir,
                                  "resume": True})
-    result = launch(resumed, show_progress=False)
+    result = launch_in_threads(resumed)
     assert result.returncodes == [0, 0]
     audit = audit_run(run_dir)
     # round 2 was committed, its checkpoint never written, and done again to the same state

@@ -7,6 +7,7 @@ killed. Each runs the real CLI as a user does, with tiny settings.
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import shutil
@@ -115,15 +116,34 @@ def _can_mount_read_only() -> bool:
     return probe.returncode == 0
 
 
-def farlink_read_only(read_only: Path, *args: str) -> tuple[int, str]:
+# the CLI's app run once per invocation, in one interpreter (typer's runner, as farlink_here):
+# each invocation's exit code and output, as JSON
+_CLI_INVOCATIONS = """
+import json, sys
+from typer.testing import CliRunner
+from farlink.cli import app
+answers = []
+for args in json.loads(sys.argv[1]):
+    result = CliRunner().invoke(app, args, env={"COLUMNS": "200"})
+    out = result.output
+    if result.exception is not None and not isinstance(result.exception, SystemExit):
+        out += f"Traceback: {result.exception!r}"  # what a user would have seen
+    answers.append([result.exit_code, out])
+print(json.dumps(answers))
+"""
+
+
+def farlink_read_only(read_only: Path, *invocations: list[str]) -> list[tuple[int, str]]:
     """The CLI in a mount namespace of its own where ``read_only`` is a read-only mount (as
-    for root a chmod does not stop writes); the namespace ends with the process."""
+    for root a chmod does not stop writes); the namespace ends with the process. Each of
+    ``invocations`` is one command line, run in turn in that one process."""
     script = 'mount --bind -o ro "$0" "$0" && exec "$@"'
     proc = subprocess.run(["unshare", "-m", "sh", "-c", script, str(read_only), sys.executable,
-                           "-m", "farlink.cli", *args], env={**os.environ, "COLUMNS": "200"},
-                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                          timeout=120)
-    return proc.returncode, proc.stdout
+                           "-c", _CLI_INVOCATIONS, json.dumps([list(i) for i in invocations])],
+                          env={**os.environ, "COLUMNS": "200"}, stdout=subprocess.PIPE,
+                          stderr=subprocess.PIPE, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return [(code, out) for code, out in json.loads(proc.stdout.strip().splitlines()[-1])]
 
 
 @pytest.mark.skipif(not _can_mount_read_only(), reason="needs unshare and mount (root)")
@@ -132,14 +152,16 @@ def test_a_read_only_run_dir_is_refused_naming_it(tmp_path: Path) -> None:
     mine.mkdir()
     (mine / "notes.txt").write_text("the user's own notes")
     before = snapshot(mine)
-    # a new run dir inside it, and the read-only dir itself
-    for run in (mine / "run", mine):
-        code, out = farlink_read_only(mine, "train", *tiny_flags(), "--run-dir", str(run))
+    # a new run dir inside it, the read-only dir itself, and a joiner's run dir inside it
+    answers = farlink_read_only(
+        mine, ["train", *tiny_flags(), "--run-dir", str(mine / "run")],
+        ["train", *tiny_flags(), "--run-dir", str(mine)],
+        ["join", "--lighthouse", "http://127.0.0.1:9", "--index", "0", "--run-dir",
+         str(mine / "run")])
+    for code, out in answers[:2]:
         assert code == 2
         assert_one_line_error(out, str(mine), "read-only", "--run-dir")
-        assert snapshot(mine) == before
-    code, out = farlink_read_only(mine, "join", "--lighthouse", "http://127.0.0.1:9",
-                                  "--index", "0", "--run-dir", str(mine / "run"))
+    code, out = answers[2]
     assert code == 2
     assert_one_line_error(out, str(mine), "read-only")
     assert snapshot(mine) == before
@@ -148,11 +170,12 @@ def test_a_read_only_run_dir_is_refused_naming_it(tmp_path: Path) -> None:
     run = mine / "run"
     write_run_config(load_config(None, {**TINY, "run_dir": run}))
     before = snapshot(mine)
-    code, out = farlink_read_only(run, "train", *tiny_flags(), "--resume", "--run-dir", str(run))
+    [(code, out)] = farlink_read_only(run, ["train", *tiny_flags(), "--resume", "--run-dir",
+                                            str(run)])
     assert code == 2
     assert_one_line_error(out, str(run), "read-only")
-    code, out = farlink_read_only(mine, "train", *tiny_flags(), "--overwrite", "--run-dir",
-                                  str(run))
+    [(code, out)] = farlink_read_only(mine, ["train", *tiny_flags(), "--overwrite", "--run-dir",
+                                             str(run)])
     assert code == 2
     assert_one_line_error(out, str(mine), "read-only")
     assert snapshot(mine) == before

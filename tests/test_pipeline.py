@@ -1,9 +1,17 @@
-"""Pipeline stages: split GPT, real stage processes over TCP, gradients equal to the unsplit
-model's, compressed activations, stochastic wiring and peers killed mid-run."""
+"""Pipeline stages: split GPT, stage peers over TCP, gradients equal to the unsplit model's,
+compressed activations, stochastic wiring and peers killed mid-run.
+
+A peer that is SIGKILLed is a real stage process (``start_pipeline``); where the subject is the
+pipeline's arithmetic, wiring or protocol, the peers are real ``StageServer``s of real
+``StageWorker``s on threads of this process (:func:`pipeline_in_threads`), over the same
+sockets and handshake."""
 
 from __future__ import annotations
 
 import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
 
 import pytest
 import torch
@@ -12,6 +20,8 @@ from farlink.model import GPT, GPTConfig
 from farlink.parallel import wire
 from farlink.parallel.peers import start_pipeline, stop_pipeline
 from farlink.parallel.pipeline import PipelineTrainer
+from farlink.parallel.stage_auth import driver_auth
+from farlink.parallel.stage_server import StageServer, StageWorker
 from farlink.parallel.stages import build_stage, model_parameter_name, stage_bounds
 
 torch.set_num_threads(1)
@@ -23,6 +33,39 @@ def batch(seed: int, rows: int = 8, config: GPTConfig = MICRO) -> tuple[torch.Te
     g = torch.Generator().manual_seed(seed)
     data = torch.randint(0, config.vocab_size, (rows, config.seq_len + 1), generator=g)
     return data[:, :-1].contiguous(), data[:, 1:].contiguous()
+
+
+@dataclass
+class ThreadPeer:
+    stage: int
+    address: str  # host:port
+    server: StageServer
+
+
+def start_thread_peer(config: GPTConfig, stage: int, stages: int, lr: float = 3e-3) -> ThreadPeer:
+    """What ``start_stage_peer`` starts (the same seed, optimizer and driver token), served
+    on a thread of this process."""
+    server = StageServer(StageWorker(build_stage(config, 0, stage, stages), lr),
+                         auth=driver_auth())
+    server.on_shutdown = server.stop
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    return ThreadPeer(stage, f"127.0.0.1:{server.port}", server)
+
+
+@contextmanager
+def pipeline_in_threads(config: GPTConfig, stages: int, peers_per_stage: int = 1,
+                        lr: float = 3e-3) -> Iterator[list[list[ThreadPeer]]]:
+    """``start_pipeline``'s peers (by stage), served on threads; stopped on leaving."""
+    peers: list[list[ThreadPeer]] = []
+    try:
+        for s in range(stages):
+            peers.append([start_thread_peer(config, s, stages, lr)
+                          for _ in range(peers_per_stage)])
+        yield peers
+    finally:
+        for stage in peers:
+            for peer in stage:
+                peer.server.stop()
 
 
 def unsplit_gradients(config: GPTConfig, tokens, targets, micro_batches: int):
@@ -56,17 +99,14 @@ def test_stages_chained_in_process_compute_the_unsplit_loss() -> None:
 
 @pytest.mark.parametrize("n_stages", [2, 3])
 def test_pipelined_gradients_equal_unsplit_model(n_stages: int) -> None:
-    """Stage processes over real sockets, 4 micro-batches in flight: fp32 gradients to 1e-5."""
+    """Stage peers over real sockets, 4 micro-batches in flight: fp32 gradients to 1e-5."""
     tokens, targets = batch(2)
     expected = unsplit_gradients(MICRO, tokens, targets, micro_batches=4)
-    peers = start_pipeline(MICRO, n_stages)
-    try:
+    with pipeline_in_threads(MICRO, n_stages) as peers:
         trainer = PipelineTrainer([[p.address for p in stage] for stage in peers],
                                   micro_batches=4, in_flight=4)
         losses = trainer.forward_backward(tokens, targets)
         grads = trainer.gradients()
-    finally:
-        stop_pipeline(peers)
     assert len(losses) == 4
     assert all(load.in_flight == 0 for load in trainer.router.load.values())  # all work done
     assert set(grads) == set(expected)
@@ -76,7 +116,7 @@ def test_pipelined_gradients_equal_unsplit_model(n_stages: int) -> None:
 
 
 def test_pipelined_adamw_steps_equal_unsplit_model_steps() -> None:
-    """Three AdamW steps (weight decay, lr 1e-2) through 2 stage processes leave every weight,
+    """Three AdamW steps (weight decay, lr 1e-2) through 2 stage peers leave every weight,
     both copies of the tied embedding included, where the unsplit model's steps on the same
     micro-batches leave it (fp32, 1e-5)."""
     lr, steps = 1e-2, 3
@@ -91,8 +131,7 @@ def test_pipelined_adamw_steps_equal_unsplit_model_steps() -> None:
             (model(x, y)[1] / 4).backward()
         optimizer.step()
     expected = {n: p.detach() for n, p in model.named_parameters()}
-    peers = start_pipeline(MICRO, 2, lr=lr)
-    try:
+    with pipeline_in_threads(MICRO, 2, lr=lr) as peers:
         trainer = PipelineTrainer(_addresses(peers), micro_batches=4, in_flight=4, lr=lr)
         for tokens, targets in batches:
             trainer.step(tokens, targets)
@@ -101,8 +140,6 @@ def test_pipelined_adamw_steps_equal_unsplit_model_steps() -> None:
             start = trainer.call(stage[0], wire.Message("ping")).meta["start"]
             states.append({model_parameter_name(n, start): t for n, t in
                            trainer.call(stage[0], wire.Message("state")).tensors.items()})
-    finally:
-        stop_pipeline(peers)
     first, last = states
     assert torch.allclose(first["embed.weight"], last.pop("lm_head.weight"), atol=1e-5, rtol=0)
     torch.manual_seed(0)
@@ -253,11 +290,7 @@ def test_killing_a_peer_of_each_stage_mid_step_loses_no_committed_step() -> None
 
 
 def test_peers_of_a_stage_average_and_a_joiner_takes_the_stage_weights() -> None:
-    from farlink.parallel.peers import start_stage_peer
-
-    peers = start_pipeline(MICRO, 2, peers_per_stage=2)
-    joiner = None
-    try:
+    with pipeline_in_threads(MICRO, 2, peers_per_stage=2) as peers:
         trainer = PipelineTrainer(_addresses(peers), micro_batches=4, in_flight=4)
         trainer.step(*batch(20))
         states = [trainer.call(p.address, wire.Message("state")).tensors for p in peers[1]]
@@ -269,15 +302,14 @@ def test_peers_of_a_stage_average_and_a_joiner_takes_the_stage_weights() -> None
         states = [trainer.call(p.address, wire.Message("state")).tensors for p in peers[1]]
         for n in states[0]:
             assert torch.equal(states[0][n], states[1][n]), n
-        joiner = start_stage_peer(MICRO, trainer.router.bottleneck(), 2)
+        joiner = start_thread_peer(MICRO, trainer.router.bottleneck(), 2)
+        peers.append([joiner])  # stopped with the others
         trainer.add_peer(joiner.stage, joiner.address)
         joined = trainer.call(joiner.address, wire.Message("state")).tensors
         donor = trainer.call(trainer.router.live(joiner.stage)[0], wire.Message("state")).tensors
         assert all(torch.equal(joined[n], donor[n]) for n in donor)
         report = trainer.step(*batch(21))
         assert trainer.router.load[joiner.address].served > 0 and report.failed_peers == []
-    finally:
-        stop_pipeline(peers + ([[joiner]] if joiner else []))
 
 
 def test_placement_keeps_stage_boundaries_inside_sites_and_beats_random() -> None:
@@ -374,12 +406,9 @@ def test_pipelined_evaluation_equals_the_unsplit_model() -> None:
     batches = [batch(30 + i, rows=3) for i in range(2)]
     torch.manual_seed(0)
     expected = evaluate(GPT(MICRO), batches)
-    peers = start_pipeline(MICRO, 2)
-    try:
+    with pipeline_in_threads(MICRO, 2) as peers:
         trainer = PipelineTrainer(_addresses(peers), micro_batches=1)
         assert trainer.evaluate(batches) == pytest.approx(expected, abs=1e-5)
-    finally:
-        stop_pipeline(peers)
 
 
 def test_router_counts_backward_work_it_did_not_choose() -> None:
@@ -394,15 +423,12 @@ def test_router_counts_backward_work_it_did_not_choose() -> None:
 
 
 def test_fixed_pipelines_wire_micro_batch_i_to_pipeline_i_mod_p() -> None:
-    peers = start_pipeline(MICRO, 2, peers_per_stage=2)
-    try:
+    with pipeline_in_threads(MICRO, 2, peers_per_stage=2) as peers:
         # both pipelines through the first peer of stage 0: the router alone would share out
         pipelines = [[peers[0][0].address, peers[1][1].address],
                      [peers[0][0].address, peers[1][0].address]]
         trainer = PipelineTrainer(_addresses(peers), micro_batches=4, pipelines=pipelines)
         trainer.step(*batch(40))
-    finally:
-        stop_pipeline(peers)
     served = {a: trainer.router.load[a].served for stage in _addresses(peers) for a in stage}
     # stage 0: 4 forward + 4 backward passes on the shared peer; stage 1: 2 loss passes each
     assert served == {peers[0][0].address: 8, peers[0][1].address: 0,
@@ -448,15 +474,12 @@ def test_trainer_reuses_its_connections_to_a_stage_peer() -> None:
     leave, on every link. The trainer keeps them: after 3 steps of 4 micro-batches (each stage
     serves at least 12 requests), a peer has accepted no more connections than requests were
     in flight at once, plus the step's side-by-side calls."""
-    peers = start_pipeline(MICRO, 2)
-    try:
+    with pipeline_in_threads(MICRO, 2) as peers:
         trainer = PipelineTrainer(_addresses(peers), micro_batches=4, in_flight=2)
         for step in range(3):
             trainer.step(*batch(30 + step))
         accepted = [trainer.call(p.address, wire.Message("ping")).meta["connections"]
                     for stage in peers for p in stage]
-    finally:
-        stop_pipeline(peers)
     assert all(1 <= n <= 4 for n in accepted), accepted
 
 
@@ -469,8 +492,7 @@ def test_each_fixed_pipeline_steps_as_the_unsplit_model_on_its_own_micro_batches
     lr = 1e-2
     tokens, targets = batch(60)
     chunks = list(zip(tokens.chunk(4), targets.chunk(4)))
-    peers = start_pipeline(MICRO, 2, peers_per_stage=2, lr=lr)
-    try:
+    with pipeline_in_threads(MICRO, 2, peers_per_stage=2, lr=lr) as peers:
         pipelines = [[peers[0][p].address, peers[1][p].address] for p in range(2)]
         trainer = PipelineTrainer(_addresses(peers), micro_batches=4, lr=lr,
                                   pipelines=pipelines)
@@ -478,8 +500,6 @@ def test_each_fixed_pipeline_steps_as_the_unsplit_model_on_its_own_micro_batches
         states = [[{model_parameter_name(n, trainer.call(a, wire.Message("ping")).meta["start"]):
                     t for n, t in trainer.call(a, wire.Message("state")).tensors.items()}
                    for a in pipeline] for pipeline in pipelines]
-    finally:
-        stop_pipeline(peers)
     for p, (first, last) in enumerate(states):
         torch.manual_seed(0)
         model = GPT(MICRO)

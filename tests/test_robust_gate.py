@@ -24,6 +24,7 @@ from farlink.robust.gate import (
     Gate,
     GateRefused,
     GateUnreachable,
+    LogLimiter,
     Tunnel,
     answers_as_gate,
     frame,
@@ -320,14 +321,27 @@ def test_flood_of_refusals_keeps_the_log_small(service, tmp_path: Path):
     assert "280 more refused lines left out" in lines[-1]
 
 
+class SteppedClock:
+    """A monotonic clock that stands still until the test moves ``now`` on."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
 def test_flood_of_failed_tunnel_connections_keeps_the_log_small(service, caplog):
     """A worker's tunnel handshakes every local connection with the gate. Once the gate refuses
     this peer (restarted under another secret), a local client retrying in a loop must not write
-    a log line per attempt: at most 20 per 10 s, then one line counting those left out."""
+    a log line per attempt: at most 20 per 10 s, then one line counting those left out.
+    The limiter's 10 s are on a clock this test moves on (each line is admitted before the
+    tunnel closes its connection, so all 300 fall in the first window)."""
+    clock = SteppedClock()
     first = Gate(SharedSecretAuth("s", "gate"), ("127.0.0.1", service.port),
                  name="Lighthouse").start()
     tunnel = Tunnel(SharedSecretAuth("s", "w0"), ("127.0.0.1", first.port),
-                    name="Lighthouse").start()
+                    name="Lighthouse", log_limit=LogLimiter(clock=clock)).start()
     first.close()
     rotated = Gate(SharedSecretAuth("rotated", "gate"), ("127.0.0.1", service.port),
                    port=first.port, name="Lighthouse").start()
@@ -344,7 +358,7 @@ def test_flood_of_failed_tunnel_connections_keeps_the_log_small(service, caplog)
         for _ in range(300):
             with socket.create_connection(("127.0.0.1", tunnel.port), timeout=10) as s:
                 assert s.recv(1) == b""  # closed by the tunnel: nothing relayed
-        time.sleep(10.2)  # the limiter's 10 s window is over: the next line counts the skipped
+        clock.now += 10.2  # the limiter's 10 s window is over: the next line counts the skipped
         with socket.create_connection(("127.0.0.1", tunnel.port), timeout=10) as s:
             assert s.recv(1) == b""
     finally:

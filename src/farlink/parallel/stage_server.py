@@ -249,7 +249,10 @@ class StageServer:
         self.listener.close()
 
     def stop(self) -> None:
+        """Stop accepting, and end the compute thread once the work queued before is done (an
+        in-process server leaves no thread behind)."""
         self.stopped.set()
+        self.work.put((float("inf"), next(self._order), None, None))  # after all queued work
 
     def _refuse(self, where: str, why: str) -> None:
         """Keep and log (rate-limited) a refusal: who, and that nothing of theirs ran."""
@@ -263,6 +266,8 @@ class StageServer:
     def _compute(self) -> None:
         while True:
             _, _, request, done = self.work.get()
+            if request is None:  # stop()
+                return
             try:
                 done.append(self.worker.handle(request))
             except Exception as exc:  # noqa: BLE001 - sent back to the trainer as an error

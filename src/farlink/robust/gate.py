@@ -37,7 +37,7 @@ import socket
 import struct
 import threading
 import time
-from collections.abc import Coroutine
+from collections.abc import Callable, Coroutine
 from pathlib import Path
 from typing import Any, Self
 
@@ -142,15 +142,19 @@ async def relay(a_reader: asyncio.StreamReader, a_writer: asyncio.StreamWriter,
 
 class LogLimiter:
     """At most ``burst`` lines of one kind per ``window`` seconds; then one line says how many
-    were left out. A flood of refusals or failed connections costs bytes, not the disk."""
+    were left out. A flood of refusals or failed connections costs bytes, not the disk.
 
-    def __init__(self, burst: int = 20, window: float = 10.0) -> None:
-        self.burst, self.window = burst, window
+    ``clock`` (seconds, monotonic) is what the windows are measured on: a test that must see a
+    window end passes its own instead of waiting one out."""
+
+    def __init__(self, burst: int = 20, window: float = 10.0,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.burst, self.window, self.clock = burst, window, clock
         self._state: dict[str, list[float | int]] = {}  # kind -> [window start, lines, skipped]
 
     def admit(self, kind: str) -> tuple[bool, int]:
         """(write this line?, lines of this kind left out since the last one written)."""
-        now = time.monotonic()
+        now = self.clock()
         state = self._state.setdefault(kind, [now, 0, 0])
         if now - state[0] >= self.window:
             state[0], state[1] = now, 0
@@ -237,7 +241,8 @@ class Gate(_LoopServer):
 
     ``events`` keeps the last 1000 admissions, refusals and evictions as ``(kind, peer address,
     detail)``; with ``log_path`` they are also appended to that file, and refusals go to the log
-    as warnings, both rate-limited (:class:`LogLimiter`).
+    as warnings, both rate-limited by ``log_limit`` (by default a :class:`LogLimiter` of 20
+    lines per 10 s).
     """
 
     def __init__(
@@ -253,6 +258,7 @@ class Gate(_LoopServer):
         max_pending: int = 64,
         max_pending_per_source: int = 4,
         log_path: Path | None = None,
+        log_limit: LogLimiter | None = None,
     ) -> None:
         if max_pending < 1 or max_pending_per_source < 1:
             raise ValueError("max_pending and max_pending_per_source must be >= 1")
@@ -265,7 +271,7 @@ class Gate(_LoopServer):
         self.events: collections.deque[tuple[str, str, str]] = collections.deque(maxlen=1000)
         # source address -> its pending handshakes (task -> peer name), oldest first
         self._pending: dict[str, dict[asyncio.Task, str]] = {}
-        self._log_limit = LogLimiter()
+        self._log_limit = log_limit or LogLimiter()
         self._runner: _LoopThread | None = None
         self._server: asyncio.AbstractServer | None = None
 
@@ -408,7 +414,8 @@ class Tunnel(_LoopServer):
     fails at once with :class:`GateRefused` instead of its client retrying until a timeout.
 
     A later refusal (the run's keys changed, the gate restarted with another secret) is kept in
-    ``failure`` for the owner to report.
+    ``failure`` for the owner to report; the log line of each failed connection is rate-limited
+    by ``log_limit`` (by default a :class:`LogLimiter` of 20 lines per 10 s).
     """
 
     def __init__(
@@ -419,6 +426,7 @@ class Tunnel(_LoopServer):
         name: str = "service",
         handshake_timeout: float = 10.0,
         connect_timeout: float = 10.0,
+        log_limit: LogLimiter | None = None,
     ) -> None:
         self.auth, self.remote, self.name = auth, remote, name
         self.handshake_timeout, self.connect_timeout = handshake_timeout, connect_timeout
@@ -427,7 +435,7 @@ class Tunnel(_LoopServer):
         self.failure: AdmissionError | None = None
         self._runner: _LoopThread | None = None
         self._server: asyncio.AbstractServer | None = None
-        self._log_limit = LogLimiter()
+        self._log_limit = log_limit or LogLimiter()
 
     @property
     def url(self) -> str:
