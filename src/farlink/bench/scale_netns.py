@@ -10,8 +10,8 @@ evaluation traffic. Per row: bytes per worker per round as the kernel counted th
 veth's ``tx_bytes``: frames with Ethernet/IP/TCP headers and the ACKs for what the worker
 receives) and as farlink counted them (every message's length), the ideal ``2 (n-1)/n x
 payload`` of a ring all-reduce, the TCP segments each worker retransmitted and the packets the
-shared queue dropped (resent bytes are in ``tx_bytes`` too), the exchange's seconds per round (the workers' ``network_s``)
-and the whole round's (``round_s``: quorum and exchange), both over rounds after the first
+shared queue dropped (resent bytes are in ``tx_bytes`` too), the exchange's seconds per round
+(the workers' ``network_s``) and the whole round's (``round_s``: quorum and exchange), both over rounds after the first
 (a run of one round gives none), compute utilization and held-out loss of the longer run.
 
 ``centered_clip`` runs without ``--auth``: runs inside emulated namespaces refuse it (no

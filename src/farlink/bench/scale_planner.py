@@ -140,9 +140,8 @@ def measure_netns(peers: int, rounds: tuple[int, int], profile: str, mbit: float
     runs over the difference of their rounds, which removes setup, healing and evaluation
     traffic; the exchange's seconds per round from the workers' logs (``network_s``, rounds
     after the first). The namespaces are deleted after each run."""
-    import subprocess
-
     from farlink.bench.runner import run_variant
+    from farlink.bench.scale_netns import kernel_tx_bytes
     from farlink.emulate import Topology
     from farlink.links import scaled
     from farlink.train.metrics import read_metrics
@@ -151,19 +150,13 @@ def measure_netns(peers: int, rounds: tuple[int, int], profile: str, mbit: float
     runs = []
     for count in rounds:
         with Topology(peers, link) as net:
-            def sent() -> list[int]:
-                return [int(subprocess.check_output(
-                    ["ip", "netns", "exec", net.namespace(i), "cat",
-                     f"/sys/class/net/{net.ifname(i)}/statistics/tx_bytes"]).strip())
-                    for i in range(peers)]
-
-            before = sent()
+            before = kernel_tx_bytes(net)
             base = {"workers": peers, "steps": count * inner_steps, "inner_steps": inner_steps,
                     "eval_batches": 2, "model": "nano", "batch_size": 2, "seq_len": 64,
                     "warmup_steps": 2, "threads": 1}
             label = f"netns-{peers}-R{count}"
             run_variant(label, base, out, network=net, algorithm="diloco", codec="int8+ef")
-            kernel = [a - b for a, b in zip(sent(), before)]
+            kernel = [a - b for a, b in zip(kernel_tx_bytes(net), before)]
         network = []
         for w in range(peers):
             syncs = [r for r in read_metrics(out / "runs" / label / "metrics" / f"w{w}.jsonl")

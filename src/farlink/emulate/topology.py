@@ -87,8 +87,9 @@ class Topology:
 
     ``profile`` applies to every worker, ``overrides`` maps worker index -> profile for
     heterogeneous links. ``shared`` adds one bottleneck that every worker's upload crosses
-after its own link (its rate is shared by all; None: no shared bottleneck). ``behind_nat`` lists workers that each sit behind a NAT router of their
-    own (they dial out; nobody dials in). Use :meth:`spawn` to run commands inside a worker's
+    after its own link (its rate is shared by all; None: no shared bottleneck). ``behind_nat``
+    lists workers that each sit behind a NAT router of their own (they dial out; nobody dials
+    in). Use :meth:`spawn` to run commands inside a worker's
     namespace and :meth:`address` / :meth:`ifname` to point programs at each other; a NATed
     worker listens on :meth:`address` (private) and others see it at :meth:`wan_address`.
     """
@@ -182,8 +183,8 @@ after its own link (its rate is shared by all; None: no shared bottleneck). ``be
     def expected_throughput_mbit(self, a: int, b: int) -> float | None:
         """Rate from ``a`` to ``b`` alone on the network: the lowest of a's upload, b's download
         and the shared bottleneck's rate (None: unshaped)."""
-        shared = self.shared.up_mbit if self.shared is not None else None
-        rates = [r for r in (self.profile(a).up_mbit, self.profile(b).down_mbit, shared) if r]
+        rates = [r for r in (self.profile(a).up_mbit, self.profile(b).down_mbit,
+                             self._shared_mbit) if r]
         return min(rates) if rates else None
 
     def worker_env(self, i: int) -> dict[str, str]:

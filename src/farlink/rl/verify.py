@@ -15,14 +15,13 @@ Honest workers do not compute bit-identical logits (thread counts and batch shap
 reduction orders, bf16 rounds), so each check has a tolerance. A worker says which precision its
 forward ran in (``Rollout.precision``) and the trainer recomputes in the same one, so what is
 left to tolerate is reduction order: measured over 1600 honest completions each (sorting:3,
-the bench's base model), a bf16 draw lands at most 0.0025 outside its token's CDF interval
-(0.011 when bf16 is checked in fp32), fp32 draws never. Every token must be the seeded draw
+the bench's base model), fp32 draws never land outside their token's CDF interval; bf16 draws
+do in 0.25% of completions, by at most 0.009 (0.011 when bf16 is checked in fp32). Every token must be the seeded draw
 within :attr:`Tolerance.cdf`; no fraction of misses is forgiven, because a fabricated
 completion usually differs from the draw at one token of six (allowing a quarter of the tokens
 to miss let fabricated groups through). A draw a little further out (up to
-:attr:`Tolerance.cdf_clear`) is a **near-tie**: rounding can do it (bf16 at the first
-completion token, whose forward had another shape on the worker: 0.25% of honest bf16
-completions, up to 0.009 off), and so can a forged token next to the draw, so the group is
+:attr:`Tolerance.cdf_clear`) is a **near-tie**: rounding can do it (the bf16 misses above,
+all at the first completion token, whose forward had another shape on the worker), and so can a forged token next to the draw, so the group is
 refused but the worker is only banned when near-ties repeat (the trainer's
 ``near_ties_to_ban``). Beyond ``cdf_clear`` it is not rounding, and the worker is banned.
 ``farlink bench rl`` reports the honest refusal rate (``false_rejects``) and whether any forged

@@ -26,8 +26,9 @@ from torch import nn
 
 from farlink.rl.board import Job, RolloutBoard
 from farlink.rl.broadcast import PolicyPublisher, PolicyReplica
-from farlink.rl.policy import Rollout, completion_logits, fingerprint_at, sample_group
+from farlink.rl.policy import Rollout, fingerprint_at, sample_group
 from farlink.rl.trainer import RLConfig
+from farlink.rl.verify import recomputed_logits
 
 BEHAVIOURS = ("honest", "fabricate", "wrong_model", "stale", "replay")
 
@@ -104,8 +105,7 @@ class RolloutWorker:
         """``rollout`` with ``tokens`` as its completion and honest commitments for them."""
         tokens = tokens[:self.config.max_new_tokens]
         forged = replace(rollout, completion_ids=tokens)
-        with torch.autocast("cpu", dtype=self.dtype, enabled=self.dtype != torch.float32):
-            logits = completion_logits(self.model, [forged])[0].float()
+        logits = recomputed_logits(self.model, [forged])[0]  # in the precision it sampled in
         logp = torch.log_softmax(logits / self.config.temperature, dim=-1)
         cfg = self.config
         return replace(forged,
