@@ -227,7 +227,7 @@ def test_allowed_keys_file_formats(keydir, tmp_path):
 def test_keys_cli(tmp_path):
     app, bench = typer.Typer(), typer.Typer()
     command.register(app, bench)
-    runner = CliRunner()
+    runner = CliRunner(env={"COLUMNS": "1000"})  # error boxes wrap at the terminal's width
     res = runner.invoke(app, ["keys", "generate", "--out", str(tmp_path), "--name", "alice"])
     assert res.exit_code == 0, res.output
     kid = key_id(load_private_key(tmp_path / "alice.key").public_key())

@@ -207,8 +207,10 @@ def test_delayed_round_runs_while_inner_steps_proceed(name: str) -> None:
     blocking = _overlap_run("none", name)
     for r in delayed:
         assert len(r["spans"]) == 4 and r["outer_steps"] == 4  # 20 steps / H = 5
-        # the rounds of phases 1-3 each ran while (at least) the next phase's steps ran
-        assert _steps_during_exchanges(r) >= 3 * 2, r
+        # the rounds of phases 1-3 each ran while the next phase's steps ran (how many steps
+        # fit in a round's 0.1 s depends on the machine's load: at least one does)
+        for began, ended in r["spans"][:3]:
+            assert any(began < t < ended for t in r["steps"]), r
     assert delayed[0]["fingerprint"] == delayed[1]["fingerprint"]
     for r in blocking:  # the blocking step: no inner step runs while its round does
         assert _steps_during_exchanges(r) == 0
