@@ -98,5 +98,8 @@ def test_serving_two_natted_workers_at_once_takes_at_least_the_uplinks_time() ->
             measure_serving(topo, 1, [0], nbytes)
     floor = 2 * nbytes * 8 / (rate_mbit * 1e6)  # 0.8 s: both payloads over the one uplink
     assert set(seconds) == {1, 2} and all(len(s) == 2 for s in seconds.values())
-    assert min(min(s) for s in seconds.values()) > 0.9 * floor, seconds
+    # both asked at once, each transfer shares the uplink: started d seconds apart (a busy
+    # machine starts threads late), both take floor - d, never less than one payload alone
+    assert min(min(s) for s in seconds.values()) > 0.9 * floor / 2, seconds
+    assert all(max(s) > 0.9 * floor for s in seconds.values()), seconds
     assert max(max(s) for s in seconds.values()) < 4 * floor + 2.0, seconds
