@@ -1,16 +1,19 @@
-"""The frontier's two byte/loss targets (issue 33) over three seeds: SparseLoCo and DiLoCo with
-Muon inside at longer H (fewer rounds at the same tokens, so fewer bytes), beside the rows of
-docs/results/frontier-seeds.json. What produced docs/results/frontier-targets.json::
+"""The frontier's two byte/loss targets (issue 33) over three seeds: SparseLoCo and DiLoCo int4
+with Muon inside at longer H (fewer rounds at the same tokens, so fewer bytes), SparseLoCo at the
+bench's other density (32 per 4096) and the authors' variant with Muon inside, beside the rows
+of docs/results/frontier-seeds.json. What produced docs/results/frontier-targets.json::
 
-    python examples/frontier_targets.py OUT_DIR [SEEDS_RUN_DIR]
+    python examples/frontier_targets.py OUT_DIR [SEEDS_RUN_DIR [LABEL,LABEL,...]]
 
 Same settings as frontier-seeds (nano, 4 workers as threads, 120 steps of batch 8 x 64 tokens,
-warmup 20, 16 held-out batches, seeds 0, 1, 2). No lr is tuned for the new rows: every method
-runs at its family's lrs from the sweep of docs/results/frontier-variants.json (DiLoCo lr 0.01,
-outer lr 0.3; SparseLoCo lr 0.01, SparseLoCo lr 1.5), swept at H=10 with AdamW inside. With
+warmup 20, 16 held-out batches, seeds 0, 1, 2). Every method runs at its family's lrs from the
+sweep of docs/results/frontier-variants.json (DiLoCo lr 0.01, outer lr 0.3; SparseLoCo lr 0.01,
+SparseLoCo lr 1.5; the authors' variant 0.01, 0.5), swept at H=10 with AdamW inside, Muon rows
+included; the ``-swept`` rows instead use a sweep of SparseLoCo's family at their own H, the
+grid and edge extension of ``farlink bench frontier`` (60 steps, AdamW inside). With
 ``SEEDS_RUN_DIR`` (the ``frontier`` run directory of examples/frontier_seeds.py) the H=10 rows
-that table trained are read back from its run files, marked so; the rest are trained here.
-The JSON records the machine's load (``uptime``) before and after.
+and sweep points that table trained are read back from its run files, marked so; the rest are
+trained here. The JSON records the machine's load (``uptime``) before and after.
 """
 import json
 import subprocess
@@ -86,9 +89,13 @@ if seeds_runs is not None:  # read back what frontier-seeds trained (same config
 up0 = subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
 t0 = time.time()
 result = run(out, base, sweep_steps, H, family_list=fams,
-             method_list=seeds_rows + longer + more + swept, only=only, reuse=True, max_extensions=3, seeds=3)
+             method_list=seeds_rows + longer + more + swept, only=only, reuse=True,
+             max_extensions=3, seeds=3)
 up1 = subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
 doc = json.loads((out / "frontier.json").read_text())
+fp32 = next(r for r in doc["rows"] if r["label"] == "diloco-fp32")["final_heldout_loss"]
+for r in doc["rows"]:  # each row's loss against DiLoCo fp32's too (target b)
+    r["loss_vs_diloco_fp32"] = r["final_heldout_loss"] / fp32 - 1
 doc["load"] = {"uptime_before": up0, "uptime_after": up1, "wall_s": time.time() - t0,
                "cores": 2, "note": "runs trained by earlier invocations were read back (each "
                "run file's wall_s is its own); 2 cores shared with other jobs"}
