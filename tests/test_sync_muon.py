@@ -76,7 +76,8 @@ _INIT = threading.Lock()
 
 @pytest.mark.parametrize("algorithm,variant", [
     ("diloco", {}), ("sparseloco", {"sparseloco_variant": "paper"}),
-    ("sparseloco", {"sparseloco_variant": "authors", "sparseloco_tile": 8})])
+    ("sparseloco", {"sparseloco_variant": "authors", "sparseloco_tile": 8})],
+    ids=["diloco", "sparseloco-paper", "sparseloco-authors"])
 def test_diloco_and_sparseloco_train_with_muon_inside_through_the_api(
         algorithm: str, variant: dict) -> None:
     def member(rank: int, collective):  # noqa: ANN001, ANN202
