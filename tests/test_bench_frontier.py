@@ -242,3 +242,31 @@ def test_seeds_and_time_to_loss_on_a_toy_run(tmp_path: Path, cache_dir: Path) ->
     curve = [{"step": 2, "loss": 5.0}, {"step": 4, "loss": 4.0}]
     assert steps_to_loss(curve, 4.5) == 3.0 and steps_to_loss(curve, 5.5) == 2.0
     assert steps_to_loss(curve, 3.9) is None
+
+
+def test_longer_h_rows_send_fewer_bytes_per_token_at_the_swept_lrs(
+        tmp_path: Path, cache_dir: Path) -> None:
+    """``methods(longer_h=...)``: SparseLoCo and DiLoCo int4, Muon inside, at twice the bench's
+    H: half the rounds at the same tokens, so half the bytes per token (SparseLoCo sends the
+    same number of entries every round), at the lrs its family swept at the bench's H."""
+    base = {"model": "nano", "workers": WORKERS, "steps": STEPS, "batch_size": BATCH,
+            "seq_len": SEQ, "warmup_steps": 1, "eval_batches": 2, "vocab_size": 300,
+            "cache_dir": cache_dir}
+    fams = [f for f in toy_families() if f.name == "sparseloco"]
+    default = [m.label for m in methods()]
+    after = default.index("sparseloco-muon-k64") + 1  # beside the rows of Muon inside at H
+    longer = methods(longer_h=(2 * H,))
+    assert [m.label for m in longer] == [
+        *default[:after], "sparseloco-muon-k64-H4", "diloco-muon-int4-H4", *default[after:]]
+    assert {m.label: (m.family, m.overrides) for m in longer}["diloco-muon-int4-H4"] == (
+        "diloco", {"inner": "muon", "codec": "int4+ef", "inner_steps": 2 * H})
+    result = run(tmp_path, base, SWEEP_STEPS, H, family_list=fams, method_list=longer,
+                 plot=False, max_extensions=0,
+                 only=["sparseloco-muon-k64", "sparseloco-muon-k64-H4"])
+    short, long = result["rows"]
+    assert long["config"]["inner_steps"] == 2 * H and long["config"]["inner"] == "muon"
+    assert short["config"]["inner_steps"] == H
+    swept = result["sweep"]["sparseloco"]["best"]
+    assert long["lrs_from_sweep"] == short["lrs_from_sweep"] == swept
+    assert long["tokens_per_worker"] == short["tokens_per_worker"]
+    assert long["bytes_per_token"] == pytest.approx(short["bytes_per_token"] / 2, rel=0.02)

@@ -1,6 +1,6 @@
 """Muon inside (``inner="muon"``): which parameters Muon steps, that the composite optimizer steps
 exactly as Muon and AdamW side by side, resumes bit for bit, and runs DiLoCo and SparseLoCo
-through the library's API on two replicas."""
+through the library's API on two replicas (SparseLoCo in both variants)."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ import farlink
 from farlink.comm.inprocess import InProcessGroup
 from farlink.model import GPT, preset_config
 from farlink.sync.muon import MuonAdamW, muon_parameters
+from farlink.sync.sparseloco_tiles import TiledTwoBitCodec
 
 
 def _gpt() -> GPT:
@@ -73,15 +74,22 @@ def test_the_composite_steps_as_muon_and_adamw_side_by_side_and_resumes() -> Non
 _INIT = threading.Lock()
 
 
-@pytest.mark.parametrize("algorithm", ["diloco", "sparseloco"])
-def test_diloco_and_sparseloco_train_with_muon_inside_through_the_api(algorithm: str) -> None:
+@pytest.mark.parametrize("algorithm,variant", [
+    ("diloco", {}), ("sparseloco", {"sparseloco_variant": "paper"}),
+    ("sparseloco", {"sparseloco_variant": "authors", "sparseloco_tile": 8})],
+    ids=["diloco", "sparseloco-paper", "sparseloco-authors"])
+def test_diloco_and_sparseloco_train_with_muon_inside_through_the_api(
+        algorithm: str, variant: dict) -> None:
     def member(rank: int, collective):  # noqa: ANN001, ANN202
         with _INIT:
             model = _gpt()
         sync = farlink.Optimizer(model, collective=collective, index=rank, backend="inprocess",
                                  algorithm=algorithm, inner="muon", inner_steps=3, steps=6,
-                                 warmup_steps=0, lr=0.01)
+                                 warmup_steps=0, lr=0.01, **variant)
         assert isinstance(sync.algorithm.inner_opt, MuonAdamW)
+        if algorithm == "sparseloco":  # the variant's own wire format, beside Muon inside
+            tiled = variant["sparseloco_variant"] == "authors"
+            assert isinstance(sync.algorithm.codec, TiledTwoBitCodec) == tiled
         gen = torch.Generator().manual_seed(rank)
         tokens = torch.randint(0, model.config.vocab_size, (2, 17), generator=gen)
         losses = []

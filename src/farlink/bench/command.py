@@ -203,6 +203,9 @@ def register(app: typer.Typer, bench_app: typer.Typer) -> None:
         eval_batches: int = typer.Option(32, help="held-out batches per evaluation"),
         sparseloco_topk: list[int] = typer.Option(
             [64, 32], help="SparseLoCo densities to place (entries kept per 4096)"),
+        longer_h: list[int] = typer.Option(
+            [], help="also SparseLoCo and DiLoCo int4 with Muon inside at this H (repeatable): "
+                     "fewer rounds, fewer bytes, at the lrs swept at --inner-steps"),
         only: list[str] | None = typer.Option(None, help="run only these method labels"),
         reuse: bool = typer.Option(False, help="read back finished runs of the same config"),
         ablations: bool = typer.Option(
@@ -219,8 +222,9 @@ def register(app: typer.Typer, bench_app: typer.Typer) -> None:
 
         base = {"model": model, "workers": workers, "steps": steps, "batch_size": batch_size,
                 "seq_len": seq_len, "warmup_steps": warmup_steps, "eval_batches": eval_batches}
-        result = run(out, base, sweep_steps, inner_steps, method_list=methods(sparseloco_topk),
-                     only=only, reuse=reuse, seeds=seeds, profiles=tuple(profile or ()),
+        result = run(out, base, sweep_steps, inner_steps,
+                     method_list=methods(sparseloco_topk, longer_h), only=only, reuse=reuse,
+                     seeds=seeds, profiles=tuple(profile or ()),
                      ablation_list=ablation_runs(inner_steps) if ablations else None)
         print_rows(result["rows"], ["label", "lrs_from_sweep", "final_heldout_loss",
                                     "loss_vs_ddp", "bytes_per_token",

@@ -126,8 +126,10 @@ def edge_extensions(tried: list[dict[str, Any]], best: dict[str, Any]) -> list[d
     return out
 
 
-def methods(sparse_topks: Sequence[int] = (64, 32)) -> list[Method]:
-    """The frontier's points, in the order they run (cheapest families first)."""
+def methods(sparse_topks: Sequence[int] = (64, 32), longer_h: Sequence[int] = ()) -> list[Method]:
+    """The frontier's points, in the order they run (cheapest families first). ``longer_h``
+    adds SparseLoCo and DiLoCo int4, both with Muon inside, at each of those H: fewer rounds
+    at the same tokens, so bytes per token fall as 1/H (at the lrs swept at the bench's H)."""
     out = [
         Method("ddp", "ddp"),
         Method("ddp-small-batch", "ddp-small-batch"),
@@ -145,6 +147,11 @@ def methods(sparse_topks: Sequence[int] = (64, 32)) -> list[Method]:
     out += [Method("diloco-muon", "diloco", {"inner": "muon"}),
             Method(f"sparseloco-muon-k{sparse_topks[0]}", "sparseloco",
                    {"sparseloco_topk": sparse_topks[0], "inner": "muon"})]
+    out += [m for h in longer_h for m in (
+        Method(f"sparseloco-muon-k{sparse_topks[0]}-H{h}", "sparseloco",
+               {"sparseloco_topk": sparse_topks[0], "inner": "muon", "inner_steps": h}),
+        Method(f"diloco-muon-int4-H{h}", "diloco",
+               {"inner": "muon", "codec": "int4+ef", "inner_steps": h}))]
     # the outer step off the critical path (farlink.sync.delayed): its loss cost, at the lrs
     # swept for the blocking step
     out += [Method("diloco-delayed", "diloco", {"outer_overlap": "delayed"}),
