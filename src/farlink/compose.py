@@ -39,7 +39,7 @@ from farlink.robust.weights import CLAIM_FACTOR, TIMED_CLAIM_FACTOR, round_token
 from farlink.state.background import Background
 from farlink.sync import ALGORITHMS, SyncAlgorithm, algorithm_class
 from farlink.sync.base import OuterOptimizerFactory
-from farlink.sync.exchange import Combine, Exchange
+from farlink.sync.exchange import Combine, Exchange, Tamper
 from farlink.train.network import needs_network
 from farlink.train.tiers import Tiers, build_tiers, two_levels
 
@@ -135,13 +135,15 @@ def build_collective(cfg: RunConfig, replica_id: str, lighthouse: str, site=None
 def build_exchange(cfg: RunConfig, collective: Collective, sender: str, index: int, ledger=None,
                    claims: str = "run", *, compressor: Compressor | None = None,
                    combine: Combine | None = None, scorer: LossScorer | None = None,
-                   path: str = "auto"):
+                   path: str = "auto", tamper: Tamper | None = None):
     """Codec, aggregator, authentication, screen and (emulated) attack of one replica.
 
     ``compressor`` and ``combine``: what the algorithm sends with and averages with
     (:func:`wire`; default: the run's ``--codec`` and the aggregator); ``scorer``: the loss
-    scorer of ``--score loss`` (:func:`build_scorer`); ``path``: the exchange's path. All are
-    given here because an exchange keeps what it is built with.
+    scorer of ``--score loss`` (:func:`build_scorer`); ``path``: the exchange's path;
+    ``tamper``: an emulated attacker's rewrite of this replica's updates (default: the run's
+    ``--attack`` on its ``--attackers``). All are given here because an exchange keeps what it
+    is built with.
 
     ``claims``: how a peer's claimed token count is bounded (:mod:`farlink.robust.weights`).
     ``"run"``: the config says how many tokens a round holds (its batch, sequence length,
@@ -153,8 +155,11 @@ def build_exchange(cfg: RunConfig, collective: Collective, sender: str, index: i
     auth = make_authenticator(cfg.auth, secret=run_secret(cfg), key_file=cfg.key_file,
                               allowed_keys=cfg.allowed_keys, peer_id=sender)
     protocol = hostile.parse(cfg.attack) is not None  # a hostile member, not a bad update
-    tamper = (make_attack(cfg.attack, seed=index)
-              if cfg.is_attacker(index) and not protocol else None)
+    if cfg.is_attacker(index) and not protocol:
+        if tamper is not None:
+            raise TypeError(f"replica {index} is one of the run's attackers (attack="
+                            f"{cfg.attack!r}): give either that or tamper=, not both")
+        tamper = make_attack(cfg.attack, seed=index)
     exchange = Exchange(
         collective,
         compressor if compressor is not None else make_compressor(cfg.codec),
@@ -190,6 +195,18 @@ def wire(cls: type[SyncAlgorithm], options: Any, codec: str) -> dict[str, Any]:
     exchange's; a codec it cannot send is refused here, with its own message."""
     compressor = cls.wire_compressor(options, codec)
     return {"compressor": compressor, "combine": cls.wire_combine(compressor)}
+
+
+def build_handoff(cls: type[SyncAlgorithm], exchange: Exchange) -> dict[str, Exchange]:
+    """The hand-off exchange a ``cls`` algorithm declares (:attr:`SyncAlgorithm.handoff_codec`),
+    as the keyword its constructor takes: over ``exchange``'s collective, with that codec and
+    the plain mean, sending and authenticating as ``exchange`` does (so a hand-off is signed
+    and verified when the run is). Empty for an algorithm without one."""
+    if cls.handoff_codec is None:
+        return {}
+    return {"handoff_exchange": Exchange(exchange.collective, make_compressor(cls.handoff_codec),
+                                         sender=exchange.sender,
+                                         authenticator=exchange.authenticator)}
 
 
 def build_scorer(cfg: RunConfig, model: nn.Module,
@@ -368,6 +385,7 @@ def compose(
     global_collective: Collective | None = None,
     scorer: LossScorer | None = None,
     score_data=None,  # noqa: ANN001
+    tamper: Tamper | None = None,
     **options: Any,
 ) -> Parts:
     """One replica of a run around ``model`` (the arguments of :class:`farlink.Optimizer`): the
@@ -377,7 +395,12 @@ def compose(
     ``scorer``: a built :class:`~farlink.robust.score.LossScorer` for the exchange; or
     ``score_data`` (the run's prepared corpus, :func:`farlink.data.prepare_data`): with
     ``--score loss``, the scorer :func:`build_scorer` makes from it over the algorithm's
-    global parameters (``farlink train``'s workers, the in-process bench)."""
+    global parameters (``farlink train``'s workers, the in-process bench).
+
+    ``tamper``: an emulated attacker's rewrite of this replica's updates, ``(update, round_id)
+    -> update`` (:mod:`farlink.robust.attacks` has the field's), given to its exchange (the
+    island's, with islands); the config's ``attack`` on its ``attackers`` builds one the same
+    way."""
     config_given = config is not None  # farlink train's whole config: its batches are ours
     if config is not None and options:
         raise TypeError("give either config=RunConfig(...) or its fields as keywords, not both")
@@ -405,7 +428,8 @@ def compose(
         scorer = build_scorer(cfg, model, global_params_of(lambda: algorithm), score_data)
     exchange = build_exchange(cfg, collective, replica_id, index, ledger,
                               claims="run" if config_given else "relative",
-                              scorer=scorer, **wire(cls, algo_options, cfg.codec))
+                              scorer=scorer, tamper=tamper,
+                              **wire(cls, algo_options, cfg.codec))
     whole_replica_site = site is not None and not model_is_sharded(model)
     extra: dict[str, Any] = {}
     if whole_replica_site:
@@ -415,6 +439,7 @@ def compose(
     if tiers is not None and tiers.upper is not None:
         extra["global_exchange"] = build_exchange(cfg, tiers.upper, replica_id, index, ledger,
                                                   claims="none")
+    extra.update(build_handoff(cls, exchange))
     checkpoint_writes = Background("checkpoint")  # save(background=True)
     algorithm = cls(model, algo_options, collective, exchange, inner_optimizer=inner_optimizer,
                     outer_optimizer=outer_optimizer, lr_schedule=lr_schedule,
@@ -446,5 +471,5 @@ def build_stage_members(cfg: RunConfig, stage: int, peers: list[str],
                                   ledger, **wire(cls, cfg, cfg.codec))
         # no inner steps here (the peer takes them): the inner optimizer is never stepped
         members.append(StageMember(peer, cls(module(), cfg, collective, exchange,
-                                             lr_schedule=False)))
+                                             lr_schedule=False, **build_handoff(cls, exchange))))
     return Stage(group, members)

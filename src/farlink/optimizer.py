@@ -117,6 +117,8 @@ class Optimizer(torch.optim.Optimizer):
     its island's Lighthouse as ``lighthouse`` (or its island's ``collective``), and exactly one
     replica per island, its leader, also gives the Lighthouse (or collective) the leaders
     share; only leaders cross that slow link.
+    ``tamper``: make this replica an emulated attacker: ``(update, round_id) -> update``
+    rewrites each update it sends (:mod:`farlink.robust.attacks`), to test a run's defences.
     """
 
     def __init__(self, model: nn.Module, inner_optimizer: torch.optim.Optimizer | None = None,

@@ -203,6 +203,12 @@ class SyncAlgorithm(ABC):
     name: ClassVar[str]
     Options: ClassVar[type[SyncOptions]] = SyncOptions
     capabilities: ClassVar[Capabilities] = Capabilities()
+    #: the codec of a second exchange over the same collective that this algorithm hands one
+    #: member's state to the others through (hierarchical DiLoCo's leader passes the new global
+    #: state to its island), or None: it has none. Declared so the composition root builds that
+    #: exchange (:func:`farlink.compose.build_handoff`) and hands it in as ``handoff_exchange``,
+    #: as it builds every exchange
+    handoff_codec: ClassVar[str | None] = None
 
     def __init__(
         self,
