@@ -14,7 +14,6 @@ into :func:`compose`.
 from __future__ import annotations
 
 import os
-import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -64,10 +63,11 @@ def advertised_host(cfg: RunConfig) -> str:
     return os.environ.get("FARLINK_EMULATED_HOST") or cfg.host
 
 
-def build_collective(cfg: RunConfig, replica_id: str, lighthouse: str, site=None,
+def build_collective(cfg: RunConfig, replica_id: str, address: str, site=None,
                      link: LinkModel | None = None, **hivemind: Any) -> Collective:
-    """The run's backend for one replica: ``lighthouse`` is the torchft Lighthouse address or
-    hivemind's initial peers (a comma list; empty: this peer starts the DHT). ``site``: a
+    """The run's backend for one replica: ``address`` is where it joins, the torchft
+    Lighthouse's address or hivemind's initial peers (a comma list of multiaddrs; empty: this
+    peer starts the DHT), as :func:`join_address` names them. ``site``: a
     started :class:`~farlink.parallel.sharding.Site` of several ranks, whose ranks form one
     replica group (torchft) or one member of each averaging group (hivemind; every rank runs
     its own peer, :mod:`farlink.comm.hivemind_site`). ``hivemind``: HivemindCollective options
@@ -83,13 +83,13 @@ def build_collective(cfg: RunConfig, replica_id: str, lighthouse: str, site=None
     if cfg.backend == "torchft":
         from farlink.comm.torchft_backend import TorchftCollective
 
-        if not lighthouse:
+        if not address:
             raise ValueError("the torchft backend needs a Lighthouse address (lighthouse=..., "
                              "or TORCHFT_LIGHTHOUSE); start one with "
                              "farlink.train.lighthouse.Lighthouse or torchft_lighthouse")
         return TorchftCollective(
             replica_id=replica_id,
-            lighthouse_addr=lighthouse,
+            lighthouse_addr=address,
             host=advertised_host(cfg),
             min_replicas=cfg.min_replicas,
             round_timeout=cfg.round_timeout,
@@ -105,7 +105,7 @@ def build_collective(cfg: RunConfig, replica_id: str, lighthouse: str, site=None
         from farlink.comm.hivemind_backend import HivemindCollective
         from farlink.comm.hivemind_net import tcp_maddr
 
-        peers = [p for p in lighthouse.split(",") if p] if lighthouse else []
+        peers = [p for p in address.split(",") if p] if address else []
         options: dict[str, Any] = dict(
             run_id=f"farlink-{cfg.run_dir.name}",
             initial_peers=peers,
@@ -313,12 +313,13 @@ def build_site(cfg: RunConfig, model: nn.Module, index: int, site=None):  # noqa
     return site if site is not None and site.size > 1 else None
 
 
-def build_collectives(cfg: RunConfig, cls: type[SyncAlgorithm], index: int, lighthouse: str,
+def build_collectives(cfg: RunConfig, cls: type[SyncAlgorithm], index: int, address: str,
                       site, collective: Collective | None,  # noqa: ANN001
                       global_lighthouse: str | None, global_collective: Collective | None):  # noqa: ANN201
     """This replica's collective and, with islands, its :class:`~farlink.train.tiers.Tiers`
     (island and global collectives): planned by the launcher's network, or formed by the caller
-    (its island's collective or Lighthouse, and for the island's leader the global one)."""
+    (its island's collective or Lighthouse, and for the island's leader the global one).
+    ``address``: where this replica joins (:func:`join_address`)."""
     replica_id = f"w{index}"
     tiered = cls.capabilities.islands
     formed = global_lighthouse is not None or global_collective is not None
@@ -327,7 +328,7 @@ def build_collectives(cfg: RunConfig, cls: type[SyncAlgorithm], index: int, ligh
         raise ValueError(f"global_lighthouse/global_collective link island leaders in "
                          f"{', '.join(names)}; {cls.name} has one level: drop them")
     host = advertised_host(cfg)
-    tiers = (build_tiers(cfg, index, lighthouse, build_collective, site, host)
+    tiers = (build_tiers(cfg, index, address, build_collective, site, host)
              if collective is None and not formed and needs_network(cfg) else None)
     if tiers is None and tiered:
         if collective is not None:
@@ -337,14 +338,14 @@ def build_collectives(cfg: RunConfig, cls: type[SyncAlgorithm], index: int, ligh
                                                      site=site)
         else:
             island, built = two_levels(
-                cfg, replica_id, lighthouse,
+                cfg, replica_id, address,
                 global_lighthouse if global_collective is None else None,
                 build_collective, site, host)
             global_collective = global_collective or built
         tiers = Tiers(island, global_collective)
     if tiers is not None:
         return tiers.collective, tiers
-    return collective or build_collective(cfg, replica_id, lighthouse, site=site), None
+    return collective or build_collective(cfg, replica_id, address, site=site), None
 
 
 def join_address(cfg: RunConfig, lighthouse: str | None,
@@ -362,9 +363,9 @@ def join_address(cfg: RunConfig, lighthouse: str | None,
         return peers if isinstance(peers, str) else ",".join(peers)
     if lighthouse is not None:
         if cfg.backend == "hivemind":
-            warnings.warn("lighthouse= on the hivemind backend names its initial peers; give "
-                          "them as peers=[...] (lighthouse= is torchft's)", DeprecationWarning,
-                          stacklevel=4)
+            raise ValueError("lighthouse= is torchft's Lighthouse address; on the hivemind "
+                             "backend give the initial peers as peers=[...] (multiaddrs, a list "
+                             "or a comma list)")
         return lighthouse
     return cfg.lighthouse or cfg.initial_peers or os.environ.get("TORCHFT_LIGHTHOUSE", "")
 
@@ -411,14 +412,14 @@ def compose(
     else:
         cfg = algo_options = config
     site = build_site(cfg, model, index, site)
-    lighthouse = join_address(cfg, lighthouse, peers)
+    address = join_address(cfg, lighthouse, peers)
     if collective is not None and cfg.emulate_link is not None and collective.emulated_link is None:
         raise ValueError(
             f"emulate_link={cfg.emulate_link!r} holds the collectives farlink builds; the "
             "collective you passed has no emulated link: build it with one "
             "(InProcessGroup(n, link=LinkModel.of_profile(get_profile(name))), "
             "TorchftCollective(..., emulated_link=...)) or leave emulate_link out")
-    collective, tiers = build_collectives(cfg, cls, index, lighthouse, site, collective,
+    collective, tiers = build_collectives(cfg, cls, index, address, site, collective,
                                           global_lighthouse, global_collective)
     replica_id = f"w{index}"
     ledger = ContributionLedger()  # whose updates were accepted, rejected, and why
