@@ -105,8 +105,8 @@ class StepOutcome:
     world_size: int = 1
     comm_seconds: float = 0.0  # time this step spent blocked on communication
     rejected: int = 0  # peer updates dropped by validation this step
-    # an island-level round ran (hierarchical_diloco, whose ``synced`` speaks of global rounds):
-    # it rewrote the parameters too
+    # an island-level round ran (hierarchical_diloco, whose ``synced`` counts global rounds
+    # only): it rewrote the parameters too
     island_round: bool = False
     # no group formed for this worker in time (Moshpit groups left it out): it averaged
     # nothing and goes on with its local update
