@@ -442,11 +442,11 @@ class SyncAlgorithm(ABC):
         return self.mixing.mixed_rounds
 
     def export_state(self) -> TensorState:
-        """Committed state for a healing peer, sealed with its SHA-256 (checked on arrival)."""
+        """Committed state for a healing peer, with its SHA-256 attached (checked on arrival)."""
         return with_digest(self.shared_state())
 
     def import_state(self, state: TensorState) -> None:
-        """Adopt a transferred state only if it hashes to what the sender sealed and every
+        """Adopt a transferred state only if it hashes to the digest the sender attached and every
         tensor has the shape this replica holds: a site heals rank r from rank r of another
         site, so a peer whose shards are cut otherwise (another --ranks-per-worker or
         --sharding) would hand over the wrong slice, or fail deep inside a copy."""
