@@ -19,9 +19,10 @@ pseudo-gradient crosses the WAN and islands never profit from their fast links. 
   since θ_g, and applies outer Nesterov SGD (lr 0.7, momentum 0.9) to the token-weighted mean over
   islands.
 * **hand-off**: the leader passes the new global parameters, the outer momentum and the outer step
-  counter to its members through the island's :class:`~farlink.sync.exchange.Exchange`, as a
-  token-weighted mean in which the leader weighs 1 and members 0 (exact in fp32: x * 1 + 0 = x,
-  / 1); every member, the leader included, adopts the result. So it is authenticated like any
+  counter to its members through a hand-off :class:`~farlink.sync.exchange.Exchange` over the
+  island's collective (lossless, :attr:`HierarchicalDiLoCo.handoff_codec`; the composition root
+  builds it and hands it in), as a token-weighted mean in which the leader weighs 1 and members 0
+  (exact in fp32: x * 1 + 0 = x, / 1); every member, the leader included, adopts the result. So it is authenticated like any
   other update when the run has ``--auth`` (signed, verified, impostors dropped), and a plain
   all-reduce without.
   By default the hand-off closes the same island round, so all replicas are bit-identical after
