@@ -22,9 +22,9 @@ pseudo-gradient crosses the WAN and islands never profit from their fast links. 
   counter to its members through a hand-off :class:`~farlink.sync.exchange.Exchange` over the
   island's collective (lossless, :attr:`HierarchicalDiLoCo.handoff_codec`; the composition root
   builds it and hands it in), as a token-weighted mean in which the leader weighs 1 and members 0
-  (exact in fp32: x * 1 + 0 = x, / 1); every member, the leader included, adopts the result. So it is authenticated like any
-  other update when the run has ``--auth`` (signed, verified, impostors dropped), and a plain
-  all-reduce without.
+  (exact in fp32: x * 1 + 0 = x, / 1); every member, the leader included, adopts the result.
+  So it is authenticated like any other update when the run has ``--auth`` (signed, verified,
+  impostors dropped), and a plain all-reduce without.
   By default the hand-off closes the same island round, so all replicas are bit-identical after
   each committed outer round. With ``overlap_global`` the leader runs the global round in a
   background thread while the island keeps training, and hands the result off at the next island
