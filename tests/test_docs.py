@@ -249,10 +249,11 @@ REVISED = {
 
 
 def layout_entries(text: str) -> list[str]:
-    """The modules docs/reference/layout.md lists, as paths under ``src/farlink``: in its block,
-    a top-level entry sits 2 spaces in (``name.py``, or ``name/`` opening a package) and a
-    package's module 4 spaces in; deeper lines continue a description."""
-    block = text.split("```\n", 2)[1]
+    """The modules docs/reference/layout.md lists under "Every module", as paths under
+    ``src/farlink``: in that section's block, a top-level entry sits 2 spaces in (``name.py``, or
+    ``name/`` opening a package) and a package's module 4 spaces in; deeper lines continue a
+    description."""
+    block = text.split("\n## Every module\n", 1)[1].split("```\n", 2)[1]
     entries, package = [], None
     for line in block.splitlines():
         entry = re.match(r"^(  |    )(\S+)(?: |$)", line)
