@@ -461,7 +461,7 @@ def test_public_names_are_the_lazy_exports() -> None:
 
 def test_peers_name_hivemind_initial_peers_and_lighthouse_is_torchft_s() -> None:
     """One word per backend: peers= is refused on torchft (with what to give instead), both at
-    once are refused, and lighthouse= on hivemind still joins but warns to say peers=."""
+    once are refused, and lighthouse= on hivemind is refused naming peers=."""
     from farlink.compose import join_address
     from farlink.config import RunConfig
 
@@ -471,6 +471,6 @@ def test_peers_name_hivemind_initial_peers_and_lighthouse_is_torchft_s() -> None
     with pytest.raises(TypeError, match="not also lighthouse="):
         join_address(hivemind, "/ip4/127.0.0.1/tcp/1", ["/ip4/127.0.0.1/tcp/2"])
     assert join_address(hivemind, None, ["/a", "/b"]) == "/a,/b"
-    with pytest.warns(DeprecationWarning, match="peers="):
-        assert join_address(hivemind, "/a", None) == "/a"
+    with pytest.raises(ValueError, match=r"give the initial peers as peers="):
+        join_address(hivemind, "/a", None)
     assert join_address(torchft, "http://h:1", None) == "http://h:1"

@@ -246,3 +246,42 @@ REVISED = {
         "default test suite, one pytest worker per core (`pytest -m slow` runs the multi-minute "
         "scenarios",
 }
+
+
+# --- the layout ------------------------------------------------------------------------------
+
+
+def layout_entries(text: str) -> list[str]:
+    """The modules docs/reference/layout.md lists under "Every module", as paths under
+    ``src/farlink``: in that section's block, a top-level entry sits 2 spaces in (``name.py``, or
+    ``name/`` opening a package) and a package's module 4 spaces in; deeper lines continue a
+    description."""
+    block = text.split("\n## Every module\n", 1)[1].split("```\n", 2)[1]
+    entries, package = [], None
+    for line in block.splitlines():
+        entry = re.match(r"^(  |    )(\S+)(?: |$)", line)
+        if entry is None:
+            continue
+        indent, name = len(entry.group(1)), entry.group(2)
+        if indent == 2 and name.endswith("/"):
+            package = name
+            entries.append(name)
+        elif indent == 2:
+            entries.append(name)
+        else:
+            assert package is not None, line
+            entries.append(package + name)
+    return entries
+
+
+def test_the_layout_lists_every_module_once() -> None:
+    source = ROOT / "src" / "farlink"
+    tree = sorted(
+        [p.name + "/" for p in source.iterdir() if (p / "__init__.py").is_file()]
+        + [str(p.relative_to(source)) for p in source.rglob("*.py")
+           if p.name != "__init__.py" or p.parent == source])
+    listed = layout_entries((DOCS / "reference" / "layout.md").read_text())
+    twice = sorted({e for e in listed if listed.count(e) > 1})
+    assert twice == [], f"listed more than once: {twice}"
+    missing, gone = sorted(set(tree) - set(listed)), sorted(set(listed) - set(tree))
+    assert (missing, gone) == ([], []), f"missing from the layout: {missing}; gone: {gone}"

@@ -233,8 +233,8 @@ def test_protocol_attacks_parse_and_say_where_they_do_not_apply() -> None:
                               "backend": "hivemind"}).attack == "equivocation"
 
 
-def test_a_served_poisoned_state_still_carries_a_valid_seal() -> None:
-    """The emulation reseals what it serves: a receiver's digest check passes, so only a
+def test_a_served_poisoned_state_still_carries_a_valid_digest() -> None:
+    """The emulation hashes what it serves anew: a receiver's digest check passes, so only a
     check of the content (finite, what the group holds) can refuse it."""
     from farlink.sync.digest import verified, with_digest
 

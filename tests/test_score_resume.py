@@ -66,6 +66,16 @@ def _batch(seed: int) -> tuple[torch.Tensor, torch.Tensor]:
     return seqs[:, :-1], seqs[:, 1:]
 
 
+class Reversed:
+    """w3's attack: 4 x its update reversed, until the test turns it honest."""
+
+    def __init__(self) -> None:
+        self.honest = False
+
+    def __call__(self, update: dict, round_id: int) -> dict:
+        return update if self.honest else {k: -4 * v for k, v in update.items()}
+
+
 def _replica(rank: int, collective, harmful: bool, start, seed: int = 0):
     """Replica ``w{rank}`` of four (DiLoCo, 2 inner steps, a loss scorer over the algorithm's
     global parameters); ``w3`` sends 4 x its update reversed while ``harmful``."""
@@ -83,9 +93,7 @@ def _replica(rank: int, collective, harmful: bool, start, seed: int = 0):
     sync = farlink.Optimizer(model, torch.optim.SGD(model.parameters(), lr=0.05),
                              collective=collective, index=rank, backend="inprocess",
                              algorithm="diloco", inner_steps=2, steps=100, codec="int8",
-                             scorer=scorer)
-    if rank == 3 and harmful:
-        sync.exchange.tamper = lambda update, round_id: {k: -4 * v for k, v in update.items()}
+                             scorer=scorer, tamper=Reversed() if rank == 3 and harmful else None)
     return model, sync
 
 
@@ -148,7 +156,8 @@ def _straight(rank: int, collective, start):
     model, sync = _replica(rank, collective, True, start)
     judged = _train(rank, model, sync, range(HARMFUL_STEPS))
     saved = _framework_checkpoint(model, sync)
-    sync.exchange.tamper = None
+    if sync.exchange.tamper is not None:  # w3 turns honest (it sends its update as it is)
+        sync.exchange.tamper.honest = True
     judged += _train(rank, model, sync, range(HARMFUL_STEPS, ALL_STEPS))
     sync.close()
     return judged, saved, sync.ledger.to_dict()

@@ -8,6 +8,7 @@ from torch import nn
 
 from farlink.codecs import make_compressor
 from farlink.comm.inprocess import InProcessCollective, InProcessGroup
+from farlink.compose import build_handoff
 from farlink.config import RunConfig
 from farlink.robust.aggregators import make_aggregator
 from farlink.robust.auth import make_authenticator
@@ -42,7 +43,8 @@ def make_hier(island, upper, secret: str | None = None, global_codec: str = "non
                                               aggregator=make_aggregator(global_aggregator),
                                               authenticator=auth(f"g{id(upper)}"))
     return algorithm_class("hierarchical_diloco")(model, cfg, island, exchange,
-                                                  global_exchange=top)
+                                                  global_exchange=top,
+                                                  **build_handoff(HierarchicalDiLoCo, exchange))
 
 
 # Worker w's local parameters and tokens before island round 1 and 2 (global round at 2).

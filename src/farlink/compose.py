@@ -14,7 +14,6 @@ into :func:`compose`.
 from __future__ import annotations
 
 import os
-import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -39,7 +38,7 @@ from farlink.robust.weights import CLAIM_FACTOR, TIMED_CLAIM_FACTOR, round_token
 from farlink.state.background import Background
 from farlink.sync import ALGORITHMS, SyncAlgorithm, algorithm_class
 from farlink.sync.base import OuterOptimizerFactory
-from farlink.sync.exchange import Combine, Exchange
+from farlink.sync.exchange import Combine, Exchange, Tamper
 from farlink.train.network import needs_network
 from farlink.train.tiers import Tiers, build_tiers, two_levels
 
@@ -64,10 +63,11 @@ def advertised_host(cfg: RunConfig) -> str:
     return os.environ.get("FARLINK_EMULATED_HOST") or cfg.host
 
 
-def build_collective(cfg: RunConfig, replica_id: str, lighthouse: str, site=None,
+def build_collective(cfg: RunConfig, replica_id: str, address: str, site=None,
                      link: LinkModel | None = None, **hivemind: Any) -> Collective:
-    """The run's backend for one replica: ``lighthouse`` is the torchft Lighthouse address or
-    hivemind's initial peers (a comma list; empty: this peer starts the DHT). ``site``: a
+    """The run's backend for one replica: ``address`` is where it joins, the torchft
+    Lighthouse's address or hivemind's initial peers (a comma list of multiaddrs; empty: this
+    peer starts the DHT), as :func:`join_address` names them. ``site``: a
     started :class:`~farlink.parallel.sharding.Site` of several ranks, whose ranks form one
     replica group (torchft) or one member of each averaging group (hivemind; every rank runs
     its own peer, :mod:`farlink.comm.hivemind_site`). ``hivemind``: HivemindCollective options
@@ -83,13 +83,13 @@ def build_collective(cfg: RunConfig, replica_id: str, lighthouse: str, site=None
     if cfg.backend == "torchft":
         from farlink.comm.torchft_backend import TorchftCollective
 
-        if not lighthouse:
+        if not address:
             raise ValueError("the torchft backend needs a Lighthouse address (lighthouse=..., "
                              "or TORCHFT_LIGHTHOUSE); start one with "
                              "farlink.train.lighthouse.Lighthouse or torchft_lighthouse")
         return TorchftCollective(
             replica_id=replica_id,
-            lighthouse_addr=lighthouse,
+            lighthouse_addr=address,
             host=advertised_host(cfg),
             min_replicas=cfg.min_replicas,
             round_timeout=cfg.round_timeout,
@@ -105,7 +105,7 @@ def build_collective(cfg: RunConfig, replica_id: str, lighthouse: str, site=None
         from farlink.comm.hivemind_backend import HivemindCollective
         from farlink.comm.hivemind_net import tcp_maddr
 
-        peers = [p for p in lighthouse.split(",") if p] if lighthouse else []
+        peers = [p for p in address.split(",") if p] if address else []
         options: dict[str, Any] = dict(
             run_id=f"farlink-{cfg.run_dir.name}",
             initial_peers=peers,
@@ -135,13 +135,15 @@ def build_collective(cfg: RunConfig, replica_id: str, lighthouse: str, site=None
 def build_exchange(cfg: RunConfig, collective: Collective, sender: str, index: int, ledger=None,
                    claims: str = "run", *, compressor: Compressor | None = None,
                    combine: Combine | None = None, scorer: LossScorer | None = None,
-                   path: str = "auto"):
+                   path: str = "auto", tamper: Tamper | None = None):
     """Codec, aggregator, authentication, screen and (emulated) attack of one replica.
 
     ``compressor`` and ``combine``: what the algorithm sends with and averages with
     (:func:`wire`; default: the run's ``--codec`` and the aggregator); ``scorer``: the loss
-    scorer of ``--score loss`` (:func:`build_scorer`); ``path``: the exchange's path. All are
-    given here because an exchange keeps what it is built with.
+    scorer of ``--score loss`` (:func:`build_scorer`); ``path``: the exchange's path;
+    ``tamper``: an emulated attacker's rewrite of this replica's updates (default: the run's
+    ``--attack`` on its ``--attackers``). All are given here because an exchange keeps what it
+    is built with.
 
     ``claims``: how a peer's claimed token count is bounded (:mod:`farlink.robust.weights`).
     ``"run"``: the config says how many tokens a round holds (its batch, sequence length,
@@ -153,8 +155,11 @@ def build_exchange(cfg: RunConfig, collective: Collective, sender: str, index: i
     auth = make_authenticator(cfg.auth, secret=run_secret(cfg), key_file=cfg.key_file,
                               allowed_keys=cfg.allowed_keys, peer_id=sender)
     protocol = hostile.parse(cfg.attack) is not None  # a hostile member, not a bad update
-    tamper = (make_attack(cfg.attack, seed=index)
-              if cfg.is_attacker(index) and not protocol else None)
+    if cfg.is_attacker(index) and not protocol:
+        if tamper is not None:
+            raise TypeError(f"replica {index} is one of the run's attackers (attack="
+                            f"{cfg.attack!r}): give either that or tamper=, not both")
+        tamper = make_attack(cfg.attack, seed=index)
     exchange = Exchange(
         collective,
         compressor if compressor is not None else make_compressor(cfg.codec),
@@ -190,6 +195,18 @@ def wire(cls: type[SyncAlgorithm], options: Any, codec: str) -> dict[str, Any]:
     exchange's; a codec it cannot send is refused here, with its own message."""
     compressor = cls.wire_compressor(options, codec)
     return {"compressor": compressor, "combine": cls.wire_combine(compressor)}
+
+
+def build_handoff(cls: type[SyncAlgorithm], exchange: Exchange) -> dict[str, Exchange]:
+    """The hand-off exchange a ``cls`` algorithm declares (:attr:`SyncAlgorithm.handoff_codec`),
+    as the keyword its constructor takes: over ``exchange``'s collective, with that codec and
+    the plain mean, sending and authenticating as ``exchange`` does (so a hand-off is signed
+    and verified when the run is). Empty for an algorithm without one."""
+    if cls.handoff_codec is None:
+        return {}
+    return {"handoff_exchange": Exchange(exchange.collective, make_compressor(cls.handoff_codec),
+                                         sender=exchange.sender,
+                                         authenticator=exchange.authenticator)}
 
 
 def build_scorer(cfg: RunConfig, model: nn.Module,
@@ -296,12 +313,13 @@ def build_site(cfg: RunConfig, model: nn.Module, index: int, site=None):  # noqa
     return site if site is not None and site.size > 1 else None
 
 
-def build_collectives(cfg: RunConfig, cls: type[SyncAlgorithm], index: int, lighthouse: str,
+def build_collectives(cfg: RunConfig, cls: type[SyncAlgorithm], index: int, address: str,
                       site, collective: Collective | None,  # noqa: ANN001
                       global_lighthouse: str | None, global_collective: Collective | None):  # noqa: ANN201
     """This replica's collective and, with islands, its :class:`~farlink.train.tiers.Tiers`
     (island and global collectives): planned by the launcher's network, or formed by the caller
-    (its island's collective or Lighthouse, and for the island's leader the global one)."""
+    (its island's collective or Lighthouse, and for the island's leader the global one).
+    ``address``: where this replica joins (:func:`join_address`)."""
     replica_id = f"w{index}"
     tiered = cls.capabilities.islands
     formed = global_lighthouse is not None or global_collective is not None
@@ -310,7 +328,7 @@ def build_collectives(cfg: RunConfig, cls: type[SyncAlgorithm], index: int, ligh
         raise ValueError(f"global_lighthouse/global_collective link island leaders in "
                          f"{', '.join(names)}; {cls.name} has one level: drop them")
     host = advertised_host(cfg)
-    tiers = (build_tiers(cfg, index, lighthouse, build_collective, site, host)
+    tiers = (build_tiers(cfg, index, address, build_collective, site, host)
              if collective is None and not formed and needs_network(cfg) else None)
     if tiers is None and tiered:
         if collective is not None:
@@ -320,14 +338,14 @@ def build_collectives(cfg: RunConfig, cls: type[SyncAlgorithm], index: int, ligh
                                                      site=site)
         else:
             island, built = two_levels(
-                cfg, replica_id, lighthouse,
+                cfg, replica_id, address,
                 global_lighthouse if global_collective is None else None,
                 build_collective, site, host)
             global_collective = global_collective or built
         tiers = Tiers(island, global_collective)
     if tiers is not None:
         return tiers.collective, tiers
-    return collective or build_collective(cfg, replica_id, lighthouse, site=site), None
+    return collective or build_collective(cfg, replica_id, address, site=site), None
 
 
 def join_address(cfg: RunConfig, lighthouse: str | None,
@@ -345,9 +363,9 @@ def join_address(cfg: RunConfig, lighthouse: str | None,
         return peers if isinstance(peers, str) else ",".join(peers)
     if lighthouse is not None:
         if cfg.backend == "hivemind":
-            warnings.warn("lighthouse= on the hivemind backend names its initial peers; give "
-                          "them as peers=[...] (lighthouse= is torchft's)", DeprecationWarning,
-                          stacklevel=4)
+            raise ValueError("lighthouse= is torchft's Lighthouse address; on the hivemind "
+                             "backend give the initial peers as peers=[...] (multiaddrs, a list "
+                             "or a comma list)")
         return lighthouse
     return cfg.lighthouse or cfg.initial_peers or os.environ.get("TORCHFT_LIGHTHOUSE", "")
 
@@ -368,6 +386,7 @@ def compose(
     global_collective: Collective | None = None,
     scorer: LossScorer | None = None,
     score_data=None,  # noqa: ANN001
+    tamper: Tamper | None = None,
     **options: Any,
 ) -> Parts:
     """One replica of a run around ``model`` (the arguments of :class:`farlink.Optimizer`): the
@@ -377,7 +396,12 @@ def compose(
     ``scorer``: a built :class:`~farlink.robust.score.LossScorer` for the exchange; or
     ``score_data`` (the run's prepared corpus, :func:`farlink.data.prepare_data`): with
     ``--score loss``, the scorer :func:`build_scorer` makes from it over the algorithm's
-    global parameters (``farlink train``'s workers, the in-process bench)."""
+    global parameters (``farlink train``'s workers, the in-process bench).
+
+    ``tamper``: an emulated attacker's rewrite of this replica's updates, ``(update, round_id)
+    -> update`` (:mod:`farlink.robust.attacks` has the field's), given to its exchange (the
+    island's, with islands); the config's ``attack`` on its ``attackers`` builds one the same
+    way."""
     config_given = config is not None  # farlink train's whole config: its batches are ours
     if config is not None and options:
         raise TypeError("give either config=RunConfig(...) or its fields as keywords, not both")
@@ -388,14 +412,14 @@ def compose(
     else:
         cfg = algo_options = config
     site = build_site(cfg, model, index, site)
-    lighthouse = join_address(cfg, lighthouse, peers)
+    address = join_address(cfg, lighthouse, peers)
     if collective is not None and cfg.emulate_link is not None and collective.emulated_link is None:
         raise ValueError(
             f"emulate_link={cfg.emulate_link!r} holds the collectives farlink builds; the "
             "collective you passed has no emulated link: build it with one "
             "(InProcessGroup(n, link=LinkModel.of_profile(get_profile(name))), "
             "TorchftCollective(..., emulated_link=...)) or leave emulate_link out")
-    collective, tiers = build_collectives(cfg, cls, index, lighthouse, site, collective,
+    collective, tiers = build_collectives(cfg, cls, index, address, site, collective,
                                           global_lighthouse, global_collective)
     replica_id = f"w{index}"
     ledger = ContributionLedger()  # whose updates were accepted, rejected, and why
@@ -405,7 +429,8 @@ def compose(
         scorer = build_scorer(cfg, model, global_params_of(lambda: algorithm), score_data)
     exchange = build_exchange(cfg, collective, replica_id, index, ledger,
                               claims="run" if config_given else "relative",
-                              scorer=scorer, **wire(cls, algo_options, cfg.codec))
+                              scorer=scorer, tamper=tamper,
+                              **wire(cls, algo_options, cfg.codec))
     whole_replica_site = site is not None and not model_is_sharded(model)
     extra: dict[str, Any] = {}
     if whole_replica_site:
@@ -415,6 +440,7 @@ def compose(
     if tiers is not None and tiers.upper is not None:
         extra["global_exchange"] = build_exchange(cfg, tiers.upper, replica_id, index, ledger,
                                                   claims="none")
+    extra.update(build_handoff(cls, exchange))
     checkpoint_writes = Background("checkpoint")  # save(background=True)
     algorithm = cls(model, algo_options, collective, exchange, inner_optimizer=inner_optimizer,
                     outer_optimizer=outer_optimizer, lr_schedule=lr_schedule,
@@ -446,5 +472,5 @@ def build_stage_members(cfg: RunConfig, stage: int, peers: list[str],
                                   ledger, **wire(cls, cfg, cfg.codec))
         # no inner steps here (the peer takes them): the inner optimizer is never stepped
         members.append(StageMember(peer, cls(module(), cfg, collective, exchange,
-                                             lr_schedule=False)))
+                                             lr_schedule=False, **build_handoff(cls, exchange))))
     return Stage(group, members)

@@ -98,10 +98,11 @@ class Optimizer(torch.optim.Optimizer):
     run has no fixed length: your loop decides when it ends.
     ``lighthouse``: the torchft Lighthouse address; ``peers``: hivemind's initial peers (the
     multiaddrs of a replica already running: its :attr:`addresses`; none for the first replica,
-    which starts the DHT). Default: the config's ``lighthouse``/``initial_peers``, then
-    ``TORCHFT_LIGHTHOUSE``. On hivemind every replica says how many a round waits for:
-    ``workers=N`` (all N replicas you start) or ``min_replicas=M`` (elastic). The DHT listens on
-    ``host`` (default 127.0.0.1) and never maps ports, uses relays or public bootstrap peers.
+    which starts the DHT); each is refused on the other's backend. Default: the config's
+    ``lighthouse``/``initial_peers``, then ``TORCHFT_LIGHTHOUSE``. On hivemind every replica
+    says how many a round waits for: ``workers=N`` (all N replicas you start) or
+    ``min_replicas=M`` (elastic). The DHT listens on ``host`` (default 127.0.0.1) and never
+    maps ports, uses relays or public bootstrap peers.
     ``index``: this replica's number in the run (names it ``w{index}``).
     ``outer_optimizer``: a factory ``params -> torch.optim.Optimizer`` for the outer step.
     ``collective``: a ready :class:`~farlink.comm.base.Collective` (e.g. an
@@ -117,6 +118,8 @@ class Optimizer(torch.optim.Optimizer):
     its island's Lighthouse as ``lighthouse`` (or its island's ``collective``), and exactly one
     replica per island, its leader, also gives the Lighthouse (or collective) the leaders
     share; only leaders cross that slow link.
+    ``tamper``: make this replica an emulated attacker: ``(update, round_id) -> update``
+    rewrites each update it sends (:mod:`farlink.robust.attacks`), to test a run's defences.
     """
 
     def __init__(self, model: nn.Module, inner_optimizer: torch.optim.Optimizer | None = None,

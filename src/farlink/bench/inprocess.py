@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from farlink.comm.inprocess import InProcessGroup
-from farlink.compose import build_scorer, global_params_of, wire
+from farlink.compose import build_handoff, build_scorer, global_params_of, wire
 from farlink.config import RunConfig, load_config
 from farlink.robust.aggregators import make_aggregator
 from farlink.sync import algorithm_class
@@ -63,7 +63,7 @@ def train_in_process(label: str, values: dict[str, Any], eval_points: int = 4,
         exchange = exchange_factory(collective, rank, cfg, **parts) if exchange_factory \
             else Exchange(collective, sender=f"w{rank}",
                           aggregator=make_aggregator(cfg.aggregator), **parts)
-        algo = cls(model, cfg, collective, exchange)
+        algo = cls(model, cfg, collective, exchange, **build_handoff(cls, exchange))
         evals, compute_s = [], 0.0
         while not algo.finished():
             began = time.perf_counter()

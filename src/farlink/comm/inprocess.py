@@ -272,7 +272,7 @@ class DrivenGroup:
         members = sorted(self._ranks, key=self._ranks.__getitem__)
         return self._round.run(lambda rank, _: fn(members[rank]), timeout)
 
-    def seat(self, member: int) -> InProcessCollective:
+    def collective_of(self, member: int) -> InProcessCollective:
         """``member``'s collective in the formed round."""
         if self._round is None or member not in self._ranks:
             raise RuntimeError(f"member {member} was not formed into this round")
@@ -290,39 +290,39 @@ class DrivenMember(Collective):
         self.group, self.id = group, member
         self.committed_rounds = 0
         self._get_state = self._set_state = None
-        self._seat: InProcessCollective | None = None
+        self._round_collective: InProcessCollective | None = None
 
     def begin_round(self, final: bool = False, *, joining: bool = False,
                     timeout: float | None = None) -> RoundInfo:
-        seat = self._seat = self.group.seat(self.id)
-        seat.stats = self.stats  # the bytes this member sends, whichever round it sat in
-        seat.committed_rounds = self.committed_rounds
-        seat.register_state(self._get_state, self._set_state)
-        info = seat.begin_round(final)
-        self.committed_rounds = seat.committed_rounds
+        current = self._round_collective = self.group.collective_of(self.id)
+        current.stats = self.stats  # the bytes this member sends, whichever round it was in
+        current.committed_rounds = self.committed_rounds
+        current.register_state(self._get_state, self._set_state)
+        info = current.begin_round(final)
+        self.committed_rounds = current.committed_rounds
         return info
 
     def all_reduce_sum(self, tensors: list[torch.Tensor]) -> None:
-        self._seat.all_reduce_sum(tensors)
+        self._round_collective.all_reduce_sum(tensors)
 
     def all_gather_bytes(self, payload: bytes) -> list[bytes]:
-        return self._seat.all_gather_bytes(payload)
+        return self._round_collective.all_gather_bytes(payload)
 
     def all_to_all_bytes(self, outgoing: list[bytes]) -> list[bytes]:
-        return self._seat.all_to_all_bytes(outgoing)
+        return self._round_collective.all_to_all_bytes(outgoing)
 
     def round_members(self) -> int:
-        return self._seat.round_members()
+        return self._round_collective.round_members()
 
     def round_rank(self) -> int:
-        return self._seat.round_rank()
+        return self._round_collective.round_rank()
 
     def fail_round(self, error: Exception, blame=()) -> None:  # noqa: ANN001 - ranks
-        self._seat.fail_round(error, blame)
+        self._round_collective.fail_round(error, blame)
 
     def commit(self) -> bool:
-        committed = self._seat.commit()
-        self.committed_rounds = self._seat.committed_rounds
+        committed = self._round_collective.commit()
+        self.committed_rounds = self._round_collective.committed_rounds
         return committed
 
     def close(self) -> None:

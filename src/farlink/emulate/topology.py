@@ -6,8 +6,8 @@ Layout (``P`` = the run prefix ``flk-<pid>-<n>``)::
     P-w1 [flkw1 10.77.0.2] ==veth== [flkr1]--+-- flkbr0 10.77.0.254   (namespace P-r)
     ...                                      +
 
-Every interface is created directly inside one of the run's namespaces (the veth pair is born in
-the router namespace with its far end placed in the worker's), so the host namespace is never
+Every interface is created directly inside one of the run's namespaces (the veth pair is created
+in the router namespace with its far end placed in the worker's), so the host namespace is never
 modified. Per worker: ``tbf`` on the worker end shapes its upload, ``tbf`` on the router end its
 download; one-way delay, jitter and loss are added on arrival by a delayer process
 (:mod:`farlink.emulate.delayer`) fed by an NFQUEUE rule on the receiving namespace's INPUT chain.

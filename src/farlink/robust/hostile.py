@@ -119,8 +119,8 @@ def poisoned(get_state, nan: bool):  # noqa: ANN001, ANN201 - state callables
 
     def serve():  # noqa: ANN202
         state = get_state()
-        sealed = "integrity.sha256" in state
-        state = verified(state) if sealed else dict(state)
+        has_digest = "integrity.sha256" in state
+        state = verified(state) if has_digest else dict(state)
         gen = torch.Generator().manual_seed(ROUND_OFFSET)
         for name, value in state.items():
             if value.is_floating_point() and not name.startswith("schedule."):
@@ -129,7 +129,7 @@ def poisoned(get_state, nan: bool):  # noqa: ANN001, ANN201 - state callables
                 state[name] = bad.to(dtype=value.dtype, device=value.device)
         log.warning("%s: serving a poisoned state (%s) to a healing peer", HOSTILE_TAG,
                     "NaN" if nan else "random weights")
-        return with_digest(state) if sealed else state
+        return with_digest(state) if has_digest else state
 
     return serve
 

@@ -182,7 +182,7 @@ class ShardedReduce:
             if b > a:
                 sent[a:b] = x.compressor.codec.decode(payload, (b - a,), torch.float32,
                                                       target.device)
-            outgoing.append(self._seal(round_id, weight, "shard", payload, b - a, j, n))
+            outgoing.append(self._signed_message(round_id, weight, "shard", payload, b - a, j, n))
         if x.compressor.error_feedback:
             x.compressor.residuals[RESIDUAL] = target - sent
         received = coll.all_to_all_bytes(outgoing)
@@ -237,7 +237,7 @@ class ShardedReduce:
         # 4. all-gather of the re-encoded aggregate shards
         a, b = bounds[me]
         payload = self._encode_aggregate(shard, (n, me, a, b)) if b > a else b""
-        back = self._seal(round_id, result.total_weight, "aggregate", payload, b - a, me, n)
+        back = self._signed_message(round_id, result.total_weight, "aggregate", payload, b - a, me, n)
         returned = coll.all_to_all_bytes(self.return_shard(back, n))
         live, lost = self._owner_equivocated(returned, result, round_id, ident)
         if live is None:
@@ -300,7 +300,7 @@ class ShardedReduce:
         comp.residuals[OWNER_PLACE] = at
         return payload
 
-    def _seal(self, round_id: int, weight: float, kind: str, payload: bytes, numel: int,
+    def _signed_message(self, round_id: int, weight: float, kind: str, payload: bytes, numel: int,
               shard: int, members: int) -> bytes:
         message = envelope.pack(self.x.sender, round_id, weight, {kind: payload},
                                 {kind: (numel,)}, {kind: torch.float32},
@@ -667,7 +667,7 @@ class ShardedReduce:
                                 blame=[liar] if liar is not None else [])
             else:
                 payload = self.x.compressor.codec.encode(shard) if b > a else b""
-                message = self._seal(round_id, result.total_weight, "aggregate", payload, b - a,
+                message = self._signed_message(round_id, result.total_weight, "aggregate", payload, b - a,
                                      dead, n)
                 back = [message if k in live else b"" for k in range(n)]
         got = coll.all_to_all_bytes(back)

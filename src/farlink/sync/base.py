@@ -105,8 +105,8 @@ class StepOutcome:
     world_size: int = 1
     comm_seconds: float = 0.0  # time this step spent blocked on communication
     rejected: int = 0  # peer updates dropped by validation this step
-    # an island-level round ran (hierarchical_diloco, whose ``synced`` speaks of global rounds):
-    # it rewrote the parameters too
+    # an island-level round ran (hierarchical_diloco, whose ``synced`` counts global rounds
+    # only): it rewrote the parameters too
     island_round: bool = False
     # no group formed for this worker in time (Moshpit groups left it out): it averaged
     # nothing and goes on with its local update
@@ -203,6 +203,12 @@ class SyncAlgorithm(ABC):
     name: ClassVar[str]
     Options: ClassVar[type[SyncOptions]] = SyncOptions
     capabilities: ClassVar[Capabilities] = Capabilities()
+    #: the codec of a second exchange over the same collective that this algorithm hands one
+    #: member's state to the others through (hierarchical DiLoCo's leader passes the new global
+    #: state to its island), or None: it has none. Declared so the composition root builds that
+    #: exchange (:func:`farlink.compose.build_handoff`) and hands it in as ``handoff_exchange``,
+    #: as it builds every exchange
+    handoff_codec: ClassVar[str | None] = None
 
     def __init__(
         self,
@@ -436,11 +442,11 @@ class SyncAlgorithm(ABC):
         return self.mixing.mixed_rounds
 
     def export_state(self) -> TensorState:
-        """Committed state for a healing peer, sealed with its SHA-256 (checked on arrival)."""
+        """Committed state for a healing peer, with its SHA-256 attached (checked on arrival)."""
         return with_digest(self.shared_state())
 
     def import_state(self, state: TensorState) -> None:
-        """Adopt a transferred state only if it hashes to what the sender sealed and every
+        """Adopt a transferred state only if it hashes to the digest the sender attached and every
         tensor has the shape this replica holds: a site heals rank r from rank r of another
         site, so a peer whose shards are cut otherwise (another --ranks-per-worker or
         --sharding) would hand over the wrong slice, or fail deep inside a copy."""

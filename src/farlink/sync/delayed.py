@@ -56,7 +56,7 @@ MODES = ("none", "delayed", "eager")
 
 
 @dataclass
-class _Landed:
+class _Finished:
     """A finished round, waiting to be applied at the next phase's end."""
 
     committed: bool
@@ -74,7 +74,7 @@ class DelayedOuterStep:
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="farlink-outer")
         self._future: Future | None = None
         self._update: dict | None = None  # the in-flight round's update
-        self._landed: _Landed | None = None  # waited for (a checkpoint), not yet applied
+        self._finished: _Finished | None = None  # waited for (a checkpoint), not yet applied
         self.members = 0  # M: participants of the last round seen
         if eager:
             self.params = [g.detach().clone() for g in algo.global_params]
@@ -98,8 +98,8 @@ class DelayedOuterStep:
         weight = float(algo.tokens_since_sync)
         algo.tokens_since_sync = 0
         outcome = StepOutcome(outer_step=algo.outer_step)
-        landed = self._wait(outcome)
-        self._apply(landed, update)
+        finished = self._wait(outcome)
+        self._apply(finished, update)
         self._launch(update, weight)
         outcome.synced = True
         outcome.outer_step = algo.outer_step
@@ -107,11 +107,11 @@ class DelayedOuterStep:
 
     def finish(self) -> StepOutcome | None:
         """Land the run's last round and end every replica on the committed parameters."""
-        if self._future is None and self._landed is None:
+        if self._future is None and self._finished is None:
             return None
         outcome = StepOutcome(outer_step=self.algo.outer_step)
-        landed = self._wait(outcome)
-        self._apply_committed(landed)
+        finished = self._wait(outcome)
+        self._apply_committed(finished)
         if self.eager:
             self._restart_eager()
         self.algo.reset_local_to(self.algo.global_params)
@@ -135,11 +135,11 @@ class DelayedOuterStep:
         self._update = update
         self._future = self._executor.submit(run)
 
-    def _wait(self, outcome: StepOutcome) -> _Landed | None:
+    def _wait(self, outcome: StepOutcome) -> _Finished | None:
         """The round launched a phase ago, once done; the seconds waited are exposed time."""
-        if self._landed is not None:
-            landed, self._landed = self._landed, None
-            return landed
+        if self._finished is not None:
+            finished, self._finished = self._finished, None
+            return finished
         if self._future is None:
             return None
         began = time.perf_counter()
@@ -155,21 +155,21 @@ class DelayedOuterStep:
         outcome.world_size = info.world_size if info else 1
         if info is not None and info.world_size > 0:
             self.members = info.world_size
-        return _Landed(committed, info, result, self._update)
+        return _Finished(committed, info, result, self._update)
 
-    def _apply_committed(self, landed: _Landed | None) -> bool:
+    def _apply_committed(self, finished: _Finished | None) -> bool:
         """θ^t = Opt(θ^(t-1), Δ^(t-1)) if that round committed; a failed one is carried."""
-        if landed is None:
+        if finished is None:
             return False
-        if landed.committed and landed.result is not None:
-            self.algo.apply_delayed(landed.result, landed.info)
+        if finished.committed and finished.result is not None:
+            self.algo.apply_delayed(finished.result, finished.info)
             return True
-        self.algo.round_failed(landed.update)
+        self.algo.round_failed(finished.update)
         return False
 
-    def _apply(self, landed: _Landed | None, update: dict) -> None:
+    def _apply(self, finished: _Finished | None, update: dict) -> None:
         algo = self.algo
-        committed = self._apply_committed(landed)
+        committed = self._apply_committed(finished)
         if self.eager:
             own = algo.own_contribution(update)
             share = 1.0 / self.members if self.members else 0.0
@@ -178,8 +178,8 @@ class DelayedOuterStep:
                 g = own[n] * share
                 if n in self.own_prev:
                     g = g - self.own_prev[n] * share
-                if committed and landed.result.total_weight > 0:
-                    g = landed.result.tensors[n].to(g.dtype) + g
+                if committed and finished.result.total_weight > 0:
+                    g = finished.result.tensors[n].to(g.dtype) + g
                 stand_in[n] = g
             for n, p in zip(algo.names, self.params):
                 p.grad = stand_in[n].to(p.dtype)
@@ -194,19 +194,19 @@ class DelayedOuterStep:
         """Waits for the round in flight (its result is kept, to be applied at the phase's end
         as it would have been) and saves it with the eager copy of the outer state."""
         if self._future is not None:
-            self._landed = self._wait(StepOutcome())
+            self._finished = self._wait(StepOutcome())
         state: TensorState = {}
-        landed = self._landed
-        if landed is not None:
-            state["delayed.committed"] = torch.tensor(int(landed.committed
-                                                          and landed.result is not None))
+        finished = self._finished
+        if finished is not None:
+            state["delayed.committed"] = torch.tensor(int(finished.committed
+                                                          and finished.result is not None))
             state["delayed.weight"] = torch.tensor(
-                landed.result.total_weight if landed.result is not None else 0.0)
-            if landed.result is not None:
+                finished.result.total_weight if finished.result is not None else 0.0)
+            if finished.result is not None:
                 state.update({f"delayed.avg.{n}": t.clone()
-                              for n, t in landed.result.tensors.items()})
+                              for n, t in finished.result.tensors.items()})
             state.update({f"delayed.sent.{n}": dense_of(t).clone()
-                          for n, t in landed.update.items()})
+                          for n, t in finished.update.items()})
         state["delayed.members"] = torch.tensor(self.members)
         if self.eager:
             state.update({f"eager.{n}": p.detach().clone()
@@ -217,14 +217,14 @@ class DelayedOuterStep:
 
     def load_state_dict(self, state: TensorState) -> None:
         self.members = int(state.get("delayed.members", torch.tensor(0)))
-        self._landed = None
+        self._finished = None
         if "delayed.committed" in state:
             names = self.algo.names
             result = ExchangeResult({n: state[f"delayed.avg.{n}"] for n in names
                                      if f"delayed.avg.{n}" in state},
                                     float(state["delayed.weight"]))
             sent = {n: state[f"delayed.sent.{n}"] for n in names}
-            self._landed = _Landed(bool(int(state["delayed.committed"])), None,
+            self._finished = _Finished(bool(int(state["delayed.committed"])), None,
                                    result if result.tensors else None, sent)
         if self.eager:
             with torch.no_grad():
@@ -246,6 +246,6 @@ class DelayedOuterStep:
         """After healing: the eager copy restarts from the committed state just loaded. The
         round in flight (the one that healed this replica) still lands at the phase's end, on
         the loaded state, as it does on its peers'."""
-        self._landed = None
+        self._finished = None
         if self.eager:
             self._restart_eager()

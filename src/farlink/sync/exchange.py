@@ -111,6 +111,8 @@ Update = dict[str, "torch.Tensor | Encoded"]
 # name, the accepted peers' payloads of that tensor, its shape, the device the combined tensor
 # is built on (the update's own) -> the combined dense tensor
 Combine = Callable[[str, list[bytes], torch.Size, torch.device], torch.Tensor]
+# an emulated attacker's rewrite of its own dense update: (update, round_id) -> update
+Tamper = Callable[[dict[str, torch.Tensor], int], dict[str, torch.Tensor]]
 
 
 def dense_of(value: torch.Tensor | Encoded) -> torch.Tensor:
@@ -127,7 +129,7 @@ class Exchange:
         authenticator: Authenticator | None = None,
         max_update_norm: float | None = None,
         ledger=None,
-        tamper=None,
+        tamper: Tamper | None = None,
         screen_ratio: float | None = None,
         max_weight: float | None = None,
         claim_factor: float | None = CLAIM_FACTOR,
@@ -143,7 +145,7 @@ class Exchange:
         self.authenticator = authenticator or Authenticator()
         self.max_update_norm = max_update_norm
         self.ledger = ledger
-        self.tamper = tamper
+        self._tamper = tamper  # an emulated attacker's rewrite of this peer's updates
         self.screen_ratio = screen_ratio  # reject updates with norm > ratio x the round's median
         # bounds on a claimed token count (see farlink.robust.weights): the tokens one peer can
         # process in a round, and the factor over the round's median claim
@@ -173,6 +175,12 @@ class Exchange:
     def scorer(self) -> LossScorer | None:
         """The loss scorer of ``--score loss`` (None: weights are the bounded claims)."""
         return self._scorer
+
+    @property
+    def tamper(self) -> Tamper | None:
+        """An emulated attacker's rewrite of this peer's dense update, ``(update, round_id) ->
+        update``, before it is encoded (:mod:`farlink.robust.attacks`; None: an honest peer)."""
+        return self._tamper
 
     @property
     def dense(self) -> bool:

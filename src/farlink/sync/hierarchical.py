@@ -19,11 +19,12 @@ pseudo-gradient crosses the WAN and islands never profit from their fast links. 
   since θ_g, and applies outer Nesterov SGD (lr 0.7, momentum 0.9) to the token-weighted mean over
   islands.
 * **hand-off**: the leader passes the new global parameters, the outer momentum and the outer step
-  counter to its members through the island's :class:`~farlink.sync.exchange.Exchange`, as a
-  token-weighted mean in which the leader weighs 1 and members 0 (exact in fp32: x * 1 + 0 = x,
-  / 1); every member, the leader included, adopts the result. So it is authenticated like any
-  other update when the run has ``--auth`` (signed, verified, impostors dropped), and a plain
-  all-reduce without.
+  counter to its members through a hand-off :class:`~farlink.sync.exchange.Exchange` over the
+  island's collective (lossless, :attr:`HierarchicalDiLoCo.handoff_codec`; the composition root
+  builds it and hands it in), as a token-weighted mean in which the leader weighs 1 and members 0
+  (exact in fp32: x * 1 + 0 = x, / 1); every member, the leader included, adopts the result.
+  So it is authenticated like any other update when the run has ``--auth`` (signed, verified,
+  impostors dropped), and a plain all-reduce without.
   By default the hand-off closes the same island round, so all replicas are bit-identical after
   each committed outer round. With ``overlap_global`` the leader runs the global round in a
   background thread while the island keeps training, and hands the result off at the next island
@@ -68,7 +69,6 @@ import torch
 from pydantic import Field
 
 from farlink.comm.base import RoundInfo
-from farlink.codecs import make_compressor
 from farlink.sync.base import (
     Capabilities,
     StepOutcome,
@@ -145,8 +145,17 @@ class HierarchicalDiLoCo(DiLoCo):
             raise ValueError(f"island_seconds={cfg.island_seconds} exceeds the global round's "
                              f"round_seconds={cfg.round_seconds}")
 
+    # the hand-off: exact fp32 and a plain mean whatever the run's codec and aggregator,
+    # authenticated as the run is
+    handoff_codec = "none"
+
     def __init__(self, model, options, *args, global_exchange: Exchange | None = None,
+                 handoff_exchange: Exchange | None = None,
                  **kwargs) -> None:  # noqa: ANN001 - as DiLoCo's
+        """``handoff_exchange``: the exchange over the island's collective that the leader
+        hands the global state off through (:attr:`handoff_codec`, the island exchange's sender
+        and authenticator: :func:`farlink.compose.build_handoff` builds it);
+        ``global_exchange``: the leaders' exchange, given to the island's leader only."""
         if options.steps is None:
             raise ValueError("hierarchical_diloco needs steps (its last global round is "
                              "synchronous, so the run's end must be known)")
@@ -155,12 +164,13 @@ class HierarchicalDiLoCo(DiLoCo):
             raise ValueError("hierarchical_diloco needs an island collective whose all-reduce is "
                              "bitwise exact (the hand-off relies on it), e.g. torchft")
         cfg = self.cfg
+        if handoff_exchange is None or handoff_exchange.collective is not self.collective:
+            raise ValueError("hierarchical_diloco hands the global state to its island through "
+                             "an exchange of its own over the island's collective: build it "
+                             "with farlink.compose.build_handoff(HierarchicalDiLoCo, exchange) "
+                             "and pass it as handoff_exchange=")
         self.global_exchange = global_exchange
-        # the hand-off: exact fp32 and a plain mean whatever the run's codec and aggregator,
-        # authenticated as the run is
-        self.handoff_exchange = Exchange(self.collective, make_compressor("none"),
-                                         sender=self.exchange.sender,
-                                         authenticator=self.exchange.authenticator)
+        self.handoff_exchange = handoff_exchange
         self.leader = global_exchange is not None
         if global_exchange is not None:
             global_exchange.collective.register_state(self._export_global, self._import_global)

@@ -127,16 +127,16 @@ class StreamingDiLoCo(DiLoCo):
         outcome = StepOutcome(outer_step=self.outer_step)
         t = self.inner_steps_done
         while self._queue and t >= self._queue[0].apply_at:
-            self._land(outcome)
+            self._apply_oldest(outcome)
         for fragment in self.due(t):
             # tau too long for the schedule (a round still in flight when the next is due, or
             # this fragment's own with a delayed outer step): wait, stay correct
             while self._queue and (self.delay < self.cfg.inner_steps
                                    or any(r.fragment == fragment for r in self._queue)):
-                self._land(outcome)
+                self._apply_oldest(outcome)
             self._launch(fragment, t)
             if self.delay == 0:  # tau = 0: no overlap, the update lands right now
-                self._land(outcome)
+                self._apply_oldest(outcome)
         self.period_ended = self.schedule.due(t)
         if self.period_ended:
             self.launched_in_period = 0
@@ -161,7 +161,7 @@ class StreamingDiLoCo(DiLoCo):
             return None
         outcome = StepOutcome(outer_step=self.outer_step)
         while self._queue:
-            self._land(outcome)
+            self._apply_oldest(outcome)
         return outcome
 
     def _launch(self, fragment: int, step: int) -> None:
@@ -188,7 +188,7 @@ class StreamingDiLoCo(DiLoCo):
         future = self._executor.submit(run)
         self._queue.append(_InFlight(fragment, future, step + self.delay))
 
-    def _land(self, outcome: StepOutcome) -> None:
+    def _apply_oldest(self, outcome: StepOutcome) -> None:
         inflight = self._queue.pop(0)
         start = time.perf_counter()
         committed, _, info, result = inflight.future.result()
@@ -254,7 +254,7 @@ class StreamingDiLoCo(DiLoCo):
 
     def state_dict(self) -> TensorState:
         while self._queue:  # land them so the checkpoint is a consistent cut
-            self._land(StepOutcome())
+            self._apply_oldest(StepOutcome())
         state = super().state_dict()
         state["counter.fragment_tokens"] = torch.tensor(self.fragment_tokens)
         return state

@@ -65,7 +65,7 @@ def launch_in_threads(cfg, timeout: float = 300.0):
     building = threading.Lock()
 
     def work(index: int, _member: object) -> int:
-        born = time.time()
+        thread_started = time.time()
         try:
             with building:
                 worker = Worker(cfg, index, address)
@@ -73,7 +73,7 @@ def launch_in_threads(cfg, timeout: float = 300.0):
             start_line.abort()  # the others stop waiting for a worker that will not come
             raise
         start_line.wait(cfg.join_timeout)
-        worker.started_at = born  # this worker's life began with its thread, not with the process
+        worker.started_at = thread_started  # its wall clock counts from its thread's start
         try:
             return worker.run()
         finally:

@@ -73,7 +73,7 @@ def register(app: typer.Typer, bench_app: typer.Typer) -> None:
             raise typer.Exit(2)
         try:
             check_writable(cfg.run_dir)
-            if os.environ.get("RANK", "0") == "0":  # a site's rank 0 speaks for it (its lock)
+            if os.environ.get("RANK", "0") == "0":  # a site's rank 0 takes the index lock for the whole site
                 check_joinable(cfg.run_dir, index, cfg.resume)
             run_secret(cfg)  # a missing or exposed secret fails here, not in the first round
             require_sinks(cfg.log_to)  # --log-to's packages (farlink[metrics]), before joining

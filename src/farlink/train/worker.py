@@ -336,7 +336,7 @@ class Worker:
         if rank0 and (boundary % cfg.eval_every == 0 or final):
             self._evaluate_in_background(step, final)
 
-    def _land_background_work(self) -> None:
+    def _wait_for_background_work(self) -> None:
         """Wait for the checkpoint write in flight (its error, a full disk, is raised here),
         then for the evaluation still running: a process that exits while a thread is inside
         torch aborts, so a stopped worker waits for it too."""
@@ -434,7 +434,7 @@ class Worker:
         t0 = time.perf_counter()
         model_sha256 = self._save_final_model() if finished else None
         self.checkpoint_s += time.perf_counter() - t0
-        self._land_background_work()  # a stop too waits for the write in flight
+        self._wait_for_background_work()  # a stop too waits for the write in flight
         fingerprint, bytes_sent = self.fingerprint(), self.site_bytes_sent()
         traffic = self.site_traffic()
         self.metrics.write("end", worker=self.replica_id, finished=finished,
