@@ -111,8 +111,9 @@ def test_the_library_reports_an_optimizers_figures_with_rejections_per_peer(
                                  algorithm="diloco", inner_steps=3, steps=9, attack="nan", auth="secret",
                                  secret="s3cret",
                                  attackers="2")
-        report = farlink.Reporter(sync, open_sinks("tensorboard,wandb", tmp_path / f"r{rank}",
-                                                   name=f"r{rank}"))
+        with _INIT:  # wandb's first import is not safe from several threads at once
+            report = farlink.Reporter(sync, open_sinks("tensorboard,wandb", tmp_path / f"r{rank}",
+                                                       name=f"r{rank}"))
         gen = torch.Generator().manual_seed(rank)
         for _ in range(9):
             x = torch.randn(16, 4, generator=gen)
