@@ -108,10 +108,12 @@ def test_scorer_ranks_by_loss_drop_and_spares_a_slow_peer():
         assert scorer.factor(verdicts[bad].rating) == 0.0
     assert scorer.seconds > 0 and scorer.rounds == 1
     # its work in sequences run forward: the held-out batch at theta and at the round's median
-    # step, then for each of the four measured peers (the free rider is marked, not measured)
-    # its held-out batch moved, its shard batch at theta and moved, and the held-out batch at
-    # the median step plus its share; and the long IPM step's three again at the usual length
-    assert scorer.sequences == 4 * (2 + 4 * 4 + 3)
+    # step, and at that step plus each of the three distinct shares (8, 4 and 80 of 100 tokens)
+    # of itself; then for each of the four measured peers (the free rider is marked, not
+    # measured) its held-out batch moved, its shard batch at theta and moved, and the held-out
+    # batch at the median step plus its share; and the long IPM step's three again at the usual
+    # length
+    assert scorer.sequences == 4 * (2 + 3 + 4 * 4 + 3)
     # ratings average over rounds: a peer that turns good climbs back, not at once
     again = scorer.judge(1, {"full": full, "ipm": full}, {"full": 8.0, "ipm": 8.0})
     assert -1.0 < again["ipm"].rating < again["full"].rating

@@ -43,9 +43,10 @@ loss fell by 1.47 a step of the honest mean's length *reversed* and by 1.2 four 
 IPM's update, ``-4 mu``, scored like an honest one for its first rounds; as a quarter of the mean
 at the others' step, it returns the model to where the round started.
 
-Cost per member and round: ``2 + 4 x turns`` forward passes of ``rows`` sequences (the held-out
-batch at ``theta`` and at the median step; each measured peer's held-out batch moved, its shard
-batch at ``theta`` and moved, the held-out batch at the median step plus its share), whatever the
+Cost per member and round: ``3 + 4 x turns`` forward passes of ``rows`` sequences (the held-out
+batch at ``theta``, at the median step and at the median step plus a share of itself (one per
+distinct share: one when the peers claim alike); each measured peer's held-out batch moved, its
+shard batch at ``theta`` and moved, the held-out batch at the median step plus its share), whatever the
 number of peers, plus 3 for each measured long step, against ``H x batch``
 sequences forward and backward of the round's training; :attr:`LossScorer.seconds` measures it
 in time and :attr:`LossScorer.sequences` in sequences run forward (a training sequence's forward
@@ -274,17 +275,19 @@ class LossScorer:
 
         The others' step is the coordinate median ``c`` of the ``pool``'s updates (an
         attacker among a majority of honest peers barely moves it); a peer's share is its
-        update times its weight in the token-weighted mean (``tokens[p] / sum``), as the mean
-        would add it. Its effect is ``L(theta - c - share) - L(theta - c)`` over the median
-        step's own gain ``L(theta) - L(theta - c)``. An honest share points where the median
-        step does, which has not overshot after one round's training: it lowers the loss
-        further or raises it by a fraction of the gain (``bench attack``: -0.2 to +0.15 of
-        it). IPM's share (``-eps mu / n``) walks the median step back: at eps=4 among four
-        it returns the model to ``theta`` (0.8 to 9 times the gain), however much its own
-        step lowered the loss applied alone (early in training a step of four honest lengths
-        reversed does: the loss is nearly even in that direction at first, see
-        docs/trust.md). Needs three peers in the pool (the median of two is their mean) and
-        a median step that lowers the held-out loss (else there is nothing to undo)."""
+        update times its weight ``a`` in the token-weighted mean (``tokens[p] / sum``), as the
+        mean would add it. Its effect is compared with a typical share's, the median step's:
+        ``L(theta - c - a u_p) - L(theta - c - a c)``, over the median step's own gain
+        ``L(theta) - L(theta - c)``. An honest share points where the median step does and
+        differs from it by a fraction of the gain (``bench attack``, on the 2 held-out
+        sequences: within 0.25 of it). Compared with ``L(theta - c)`` instead, late rounds
+        whose median step lowers these sequences' loss little and has overshot them put honest
+        shares at up to 0.7 of the gain. IPM's share (``-eps mu / n``) walks the median step
+        back: at eps=4 among four it returns the model to ``theta`` (more than the whole gain),
+        however much its own step lowered the loss applied alone (early in training a step of
+        four honest lengths reversed does: the loss is nearly even in that direction at first,
+        see docs/trust.md). Needs three peers in the pool (the median of two is their mean)
+        and a median step that lowers the held-out loss (else there is nothing to undo)."""
         if len(pool) < 3 or not chosen:
             return set()
         total = sum(tokens[p] for p in pool)
@@ -296,12 +299,17 @@ class LossScorer:
         gain = at_base - at_median
         if not gain > 0:
             return set()
+        typical: dict[float, float] = {}  # share -> the loss with that share of the median step
         out = set()
         for p in chosen:
             share = tokens[p] / total
+            if share not in typical:
+                typical[share] = self._loss(
+                    {n: stepped[n] - share * median[n] if n in median else stepped[n]
+                     for n in stepped}, self.heldout)
             moved = {n: stepped[n] - share * updates[p][n].to(base[n]) if n in median
                      else stepped[n] for n in stepped}
-            if self._loss(moved, self.heldout) - at_median > UNDOES * gain:
+            if self._loss(moved, self.heldout) - typical[share] > UNDOES * gain:
                 out.add(p)
         return out
 
