@@ -187,6 +187,22 @@ def test_a_share_that_undoes_the_median_step_is_harmful():
     assert all(verdicts[p].score > 0.8 for p in honest)
 
 
+def test_honest_shares_past_the_median_steps_valley_are_kept():
+    """Late in a run the round's median step can overshoot the held-out sequences' valley, so
+    a further quarter of it raises their loss by most of the step's gain: an honest share is
+    judged against a typical share (the median step's own), not against stopping there."""
+    model = _Valleys()
+    base = {"w": model.w.detach()}
+    batch = (torch.zeros(1), torch.zeros(1))
+    scorer = LossScorer(model, lambda: base, lambda peer, r: batch, batch)
+    updates = {p: {"w": torch.tensor([v])} for p, v in
+               {"a": -0.4, "b": -0.41, "c": -0.39, "d": -0.4}.items()}
+    at = {w: scorer._loss({"w": torch.tensor([w])}, batch) for w in (0.0, 0.4, 0.5)}
+    assert at[0.5] - at[0.4] > 0.5 * (at[0.0] - at[0.4])  # a quarter more climbs back
+    verdicts = scorer.judge(0, updates, dict.fromkeys(updates, 8.0))
+    assert all(v.score > 0.8 and v.mark is None for v in verdicts.values()), verdicts
+
+
 def test_trust_is_lost_fast_and_regained_slowly():
     """An attacker that harms two rounds and then helps (ALIE at z=3 in ``bench attack``)
     stays rated below an honest peer with one poor round, whose rating recovers."""
