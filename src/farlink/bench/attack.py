@@ -161,7 +161,8 @@ def _judged(row: dict, attackers: set[str]) -> dict:
     return {"credited": credited,
             "attacker_credited": sum(v for p, v in credited.items() if p in attackers),
             **_rates(peers, attackers), "first_round_discounted": caught,
-            "discounted": {p: r.get("rejections", {}) for p, r in peers.items() if r.get("rejections")},
+            "discounted": {p: r.get("rejections", {}) for p, r in peers.items()
+                           if r.get("rejections")},
             "marks": {p: r.get("marks", {}) for p, r in peers.items() if r.get("marks")},
             "rating_curves": curves, "rounds_to_separate": separated,
             "attackers": sorted(attackers)}

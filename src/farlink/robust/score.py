@@ -17,10 +17,10 @@ one that inflates its claim scores its true drop over its false claim.
 
 A rating over rounds (an exponential average, ``decay`` per round when a peer scores below its
 rating and the slower ``regain_decay`` when above: trust is lost fast and regained slowly; a new
-peer starts at its first score) sets each peer's weight: ``tokens x rating`` when the rating is at least ``threshold``,
-0 below. Updates that repeat one seen in an earlier round (a replay, or a copycat resending a
-peer's update) and all-zero updates are marked (:class:`ReplayCheck`) and score 0 without being
-evaluated.
+peer starts at its first score) sets each peer's weight: ``tokens x rating`` when the rating is
+at least ``threshold``, 0 below. Updates that repeat one seen in an earlier round (a replay, or a
+copycat resending a peer's update) and all-zero updates are marked (:class:`ReplayCheck`) and
+score 0 without being evaluated.
 
 Peers are measured in turn (:meth:`farlink.sync.exchange.Exchange.turn`): each member measures
 ``turns`` other peers per round (the next ones in name order, one further each round), so every
@@ -36,8 +36,9 @@ step reversed against the honest direction can lower the loss by its length alon
 training (IPM, ``-eps mu`` with eps=4, did for three rounds); at an honest length it raises it.
 
 An update is also judged as the aggregate will use it, not only applied alone: its share of the
-token-weighted mean, added to the round's coordinate-median step, must not walk that step back by
-more than half of what the step lowered the held-out loss (:meth:`LossScorer._undoing`). A step
+token-weighted mean, added to the round's coordinate-median step, must not raise the held-out
+loss above where the same share of the median step itself takes it by more than half of what
+that step lowered it (:meth:`LossScorer._undoing`). A step
 applied alone can lower the loss in either direction early in training (at H=20 the nano model's
 loss fell by 1.47 a step of the honest mean's length *reversed* and by 1.2 four times that), so
 IPM's update, ``-4 mu``, scored like an honest one for its first rounds; as a quarter of the mean
@@ -46,8 +47,8 @@ at the others' step, it returns the model to where the round started.
 Cost per member and round: ``3 + 4 x turns`` forward passes of ``rows`` sequences (the held-out
 batch at ``theta``, at the median step and at the median step plus a share of itself (one per
 distinct share: one when the peers claim alike); each measured peer's held-out batch moved, its
-shard batch at ``theta`` and moved, the held-out batch at the median step plus its share), whatever the
-number of peers, plus 3 for each measured long step, against ``H x batch``
+shard batch at ``theta`` and moved, the held-out batch at the median step plus its share),
+whatever the number of peers, plus 3 for each measured long step, against ``H x batch``
 sequences forward and backward of the round's training; :attr:`LossScorer.seconds` measures it
 in time and :attr:`LossScorer.sequences` in sequences run forward (a training sequence's forward
 and backward cost about 3 forwards).
