@@ -187,6 +187,26 @@ def test_a_share_that_undoes_the_median_step_is_harmful():
     assert all(verdicts[p].score > 0.8 for p in honest)
 
 
+def test_two_ipm_attackers_of_eight_are_harmful_each():
+    """Two IPM attackers of eight reverse the mean as one of four does, but each weighs an
+    eighth: the bound on what a share may undo grows with its weight, so each is judged
+    harmful; applied alone (and at the honest length) each lowers the loss more than the
+    honest updates do."""
+    model = _Valleys()
+    base = {"w": model.w.detach()}
+    batch = (torch.zeros(1), torch.zeros(1))
+    scorer = LossScorer(model, lambda: base, lambda peer, r: batch, batch)
+    honest = {"a": -0.3, "b": -0.31, "c": -0.29, "d": -0.3, "e": -0.305, "f": -0.295}
+    updates = {p: {"w": torch.tensor([v])} for p, v in honest.items()}
+    updates.update({p: {"w": torch.tensor([1.2])} for p in ("ipm1", "ipm2")})  # -4 x mean
+    at = {w: scorer._loss({"w": torch.tensor([w])}, batch) for w in (0.0, 0.3, -0.3, -1.2)}
+    assert at[-1.2] < at[0.3] < at[0.0] and 4 * (at[0.0] - at[-0.3]) > at[0.0] - at[0.3]
+    verdicts = scorer.judge(0, updates, dict.fromkeys(updates, 8.0))
+    for bad in ("ipm1", "ipm2"):
+        assert verdicts[bad].mark == "harmful" and scorer.factor(verdicts[bad].rating) == 0
+    assert all(verdicts[p].score > 0.8 for p in honest)
+
+
 def test_honest_shares_past_the_median_steps_valley_are_kept():
     """Late in a run the round's median step can overshoot the held-out sequences' valley, so
     a further quarter of it raises their loss by most of the step's gain: an honest share is

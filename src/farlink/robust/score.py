@@ -73,10 +73,11 @@ REPLAY_SIMILARITY = 0.999
 #: an update longer than this times the round's (lower) median norm is also judged in its
 #: direction, scaled to that norm (see :meth:`LossScorer.measure`)
 LONG_STEP = 1.25
-#: a peer whose share of the mean, added to the round's median step, raises the held-out loss by
-#: more than this fraction of what that step lowered it is judged harmful (see
-#: :meth:`LossScorer._undoing`)
-UNDOES = 0.5
+#: a peer whose share of the mean, added to the round's median step, raises the held-out loss
+#: above a typical share's by more than this times its weight in the mean times what that step
+#: lowered it is judged harmful (see :meth:`LossScorer._undoing`): 0.5 of the gain for a quarter
+#: of the mean, 0.25 for an eighth
+UNDOES = 2.0
 
 
 def _norm(update: dict[str, torch.Tensor]) -> float:
@@ -271,19 +272,23 @@ class LossScorer:
     def _undoing(self, base: dict[str, torch.Tensor], at_base: float,
                  updates: dict[str, dict[str, torch.Tensor]], tokens: dict[str, float],
                  pool: list[str], chosen: list[str]) -> set[str]:
-        """The peers of ``chosen`` whose share of the aggregate undoes more than
-        :data:`UNDOES` of the step the others agree on, on the held-out batch.
+        """The peers of ``chosen`` whose share of the aggregate, per unit of their weight in
+        it, undoes more than :data:`UNDOES` times the step the others agree on, on the held-out
+        batch.
 
         The others' step is the coordinate median ``c`` of the ``pool``'s updates (an
         attacker among a majority of honest peers barely moves it); a peer's share is its
         update times its weight ``a`` in the token-weighted mean (``tokens[p] / sum``), as the
         mean would add it. Its effect is compared with a typical share's, the median step's:
         ``L(theta - c - a u_p) - L(theta - c - a c)``, over the median step's own gain
-        ``L(theta) - L(theta - c)``. An honest share points where the median step does and
+        ``L(theta) - L(theta - c)`` times ``a``: both the effect of a share and its spread
+        among honest peers grow with its weight, so one bound holds for a quarter of the mean
+        and an eighth (two IPM attackers of eight each weigh an eighth and together reverse
+        the mean as one of four does). An honest share points where the median step does and
         differs from it by a fraction of the gain (``bench attack``, on the 2 held-out
-        sequences: within 0.25 of it). Compared with ``L(theta - c)`` instead, late rounds
-        whose median step lowers these sequences' loss little and has overshot them put honest
-        shares at up to 0.7 of the gain. IPM's share (``-eps mu / n``) walks the median step
+        sequences, a quarter of the mean: within 0.25 of the gain). Compared with
+        ``L(theta - c)`` instead, late rounds whose median step lowers these sequences' loss
+        little and has overshot them put honest shares at up to 0.7 of the gain. IPM's share (``-eps mu / n``) walks the median step
         back: at eps=4 among four it returns the model to ``theta`` (more than the whole gain),
         however much its own step lowered the loss applied alone (early in training a step of
         four honest lengths reversed does: the loss is nearly even in that direction at first,
@@ -310,7 +315,7 @@ class LossScorer:
                      for n in stepped}, self.heldout)
             moved = {n: stepped[n] - share * updates[p][n].to(base[n]) if n in median
                      else stepped[n] for n in stepped}
-            if self._loss(moved, self.heldout) - typical[share] > UNDOES * gain:
+            if self._loss(moved, self.heldout) - typical[share] > UNDOES * share * gain:
                 out.add(p)
         return out
 
