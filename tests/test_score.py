@@ -223,6 +223,27 @@ def test_honest_shares_past_the_median_steps_valley_are_kept():
     assert all(v.score > 0.8 and v.mark is None for v in verdicts.values()), verdicts
 
 
+def test_a_median_step_within_the_noise_judges_no_share():
+    """Where the round's median step lowers the held-out loss by less than 1% of it (late in a
+    run, on a few sequences: noise), no share is judged by it; its own drop still judges it."""
+    model = _Valleys()
+    base = {"w": torch.tensor([0.29])}  # next to the bottom of the near valley (w=0.3)
+    batch = (torch.zeros(1), torch.zeros(1))
+    scorer = LossScorer(model, lambda: base, lambda peer, r: batch, batch)
+    updates = {p: {"w": torch.tensor([v])} for p, v in
+               {"a": -0.005, "b": -0.03, "c": -0.004, "d": 0.02}.items()}
+    stepped = scorer._loss({"w": torch.tensor([0.295])}, batch)  # the median step
+    assert 0 < scorer._loss(base, batch) - stepped < 0.01 * stepped
+    assert scorer._undoing(base, scorer._loss(base, batch), updates, dict.fromkeys(updates, 8.0),
+                           sorted(updates), sorted(updates)) == set()
+    # the same shares, judged against a step that lowers the loss enough, are judged
+    far = {"w": torch.tensor([0.0])}
+    steps = {p: {"w": torch.tensor([v])} for p, v in
+             {"a": -0.3, "b": -0.31, "c": -0.29, "ipm": 1.2}.items()}
+    assert scorer._undoing(far, scorer._loss(far, batch), steps, dict.fromkeys(steps, 8.0),
+                           sorted(steps), sorted(steps)) == {"ipm"}
+
+
 def test_trust_is_lost_fast_and_regained_slowly():
     """An attacker that harms two rounds and then helps (ALIE at z=3 in ``bench attack``)
     stays rated below an honest peer with one poor round, whose rating recovers."""
