@@ -60,11 +60,13 @@ def run(out: Path, attacks: list[str], setups: list[tuple[int, int]], steps: int
                       "workers": workers, "attackers": ""}))
         for attack in attacks:
             for rule in rules:
-                label = f"{workers}w-{bad}bad-{attack.replace(':', '')}-{rule}"
-                jobs.append((label, base, {"attack": attack, "attackers": attackers,
+                # "none" with a rule: the clean run under it (honest peers discounted by scoring)
+                count, who = (0, "") if attack == "none" else (bad, attackers)
+                label = f"{workers}w-{count}bad-{attack.replace(':', '')}-{rule}"
+                jobs.append((label, base, {"attack": attack, "attackers": who,
                                            **rule_settings(rule)},
-                             {"attack": attack, "aggregator": rule, "malicious": bad,
-                              "workers": workers, "attackers": attackers}))
+                             {"attack": attack, "aggregator": rule, "malicious": count,
+                              "workers": workers, "attackers": who}))
     if in_process:
         from concurrent.futures import ProcessPoolExecutor
 
@@ -76,17 +78,18 @@ def run(out: Path, attacks: list[str], setups: list[tuple[int, int]], steps: int
     for (label, _, _, fields), row in zip(jobs, trained):
         attackers = fields.pop("attackers")
         row.update(fields)
-        if in_process and attackers:
-            row.update(_judged(row, {f"w{a}" for a in attackers.split(",")}))
+        if in_process and (attackers or row.get("rating_curves") or row.get("ratings")):
+            row.update(_judged(row, {f"w{a}" for a in attackers.split(",") if a}))
         rows.append(row)
     for r in rows:
-        clean = next(c for c in rows if c["attack"] == "none" and c["workers"] == r["workers"])
+        clean = next(c for c in rows if c["attack"] == "none" and c["workers"] == r["workers"]
+                     and c["aggregator"] == "mean")
         if r["final_heldout_loss"] and clean["final_heldout_loss"]:
             r["loss_vs_clean"] = r["final_heldout_loss"] / clean["final_heldout_loss"] - 1
     panels: dict[str, dict[str, list[tuple[float, float]]]] = {}
-    cleans = {r["workers"]: r for r in rows if r["attack"] == "none"}
+    cleans = {r["workers"]: r for r in rows if r["attack"] == "none" and r["aggregator"] == "mean"}
     for r in rows:
-        if r["attack"] == "none":
+        if r["attack"] == "none" and not r.get("malicious") and r["aggregator"] == "mean":
             continue
         title = f"{r['malicious']} of {r['workers']}: {r['attack']}"
         panel = panels.setdefault(title, {"clean": _curve(cleans[r["workers"]])})
@@ -158,7 +161,8 @@ def _judged(row: dict, attackers: set[str]) -> dict:
     return {"credited": credited,
             "attacker_credited": sum(v for p, v in credited.items() if p in attackers),
             **_rates(peers, attackers), "first_round_discounted": caught,
-            "discounted": {p: r.get("rejections", {}) for p, r in peers.items() if r.get("rejections")},
+            "discounted": {p: r.get("rejections", {}) for p, r in peers.items()
+                           if r.get("rejections")},
             "marks": {p: r.get("marks", {}) for p, r in peers.items() if r.get("marks")},
             "rating_curves": curves, "rounds_to_separate": separated,
             "attackers": sorted(attackers)}
@@ -205,6 +209,51 @@ def plot_ratings(path: Path, rows: list[dict]) -> Path:
     fig.legend(unique.values(), unique.keys(), loc="upper right")
     fig.supxlabel("round")
     fig.supylabel("rating (agreed)")
+    return save_figure(fig, path)
+
+
+def plot_targets(path: Path, rows: list[dict]) -> Path:
+    """The targets of loss scoring in one figure: held-out loss against the clean run per
+    attack and rule (one bar group per setup, the 5% target dashed), then the honest (blue)
+    and attacker (red) ratings over rounds of every scored run."""
+    from farlink.bench.report import pyplot, save_figure
+
+    plt = pyplot()
+    rated = [r for r in rows if r.get("rating_curves")]
+    setups = sorted({(r["workers"], r["malicious"]) for r in rows if r["malicious"]})
+    columns = 4
+    lines = 1 + math.ceil(len(rated) / columns)
+    fig = plt.figure(figsize=(4 * columns, 3.2 * lines))
+    grid = fig.add_gridspec(lines, columns)
+    for i, (workers, bad) in enumerate(setups[:2]):
+        ax = fig.add_subplot(grid[0, 2 * i: 2 * i + 2])
+        mine = [r for r in rows if r["workers"] == workers
+                and (r["malicious"] == bad or r["attack"] == "none")
+                and r.get("loss_vs_clean") is not None and r["aggregator"] != "mean"]
+        rules = sorted({r["aggregator"] for r in mine})
+        attacks = list(dict.fromkeys(r["attack"] for r in mine))
+        width = 0.8 / max(1, len(rules))
+        for j, rule in enumerate(rules):
+            by = {r["attack"]: r["loss_vs_clean"] * 100 for r in mine if r["aggregator"] == rule}
+            ax.bar([k + (j - (len(rules) - 1) / 2) * width for k in range(len(attacks))],
+                   [by.get(a, 0.0) for a in attacks], width * 0.9, label=rule)
+        ax.axhline(5, color="black", ls="--", lw=0.8)
+        ax.axhline(-5, color="black", ls="--", lw=0.8)
+        ax.set_xticks(range(len(attacks)), attacks, fontsize=7, rotation=20)
+        ax.set_ylabel("held-out vs clean (%)")
+        ax.set_title(f"{bad} of {workers} attackers", fontsize=9)
+        ax.legend(fontsize=7)
+    for k, row in enumerate(rated):
+        ax = fig.add_subplot(grid[1 + k // columns, k % columns])
+        for peer, curve in sorted(row["rating_curves"].items()):
+            bad = peer in row.get("attackers", [])
+            ax.plot([r for r, _ in curve], [v for _, v in curve],
+                    color="tab:red" if bad else "tab:blue", alpha=0.8)
+        ax.set_title(f"{row['malicious']}/{row['workers']} {row['attack']} "
+                     f"({row['aggregator']})", fontsize=8)
+        ax.set_ylim(-1.1, 1.1)
+        ax.axhline(0.25, color="gray", lw=0.5, ls="--")
+        ax.set_xlabel("round (red: attackers, blue: honest)", fontsize=7)
     return save_figure(fig, path)
 
 

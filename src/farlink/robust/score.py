@@ -15,11 +15,12 @@ peer trained on fewer tokens and is weighted by fewer tokens already, so it is n
 for it), a peer that sends nothing scores 0, one that makes the model worse scores below 0, and
 one that inflates its claim scores its true drop over its false claim.
 
-A rating over rounds (an exponential average, ``decay`` per round; a new peer starts at its first
-score) sets each peer's weight: ``tokens x rating`` when the rating is at least ``threshold``,
-0 below. Updates that repeat one seen in an earlier round (a replay, or a copycat resending a
-peer's update) and all-zero updates are marked (:class:`ReplayCheck`) and score 0 without being
-evaluated.
+A rating over rounds (an exponential average, ``decay`` per round when a peer scores below its
+rating and the slower ``regain_decay`` when above: trust is lost fast and regained slowly; a new
+peer starts at its first score) sets each peer's weight: ``tokens x rating`` when the rating is
+at least ``threshold``, 0 below. Updates that repeat one seen in an earlier round (a replay, or a
+copycat resending a peer's update) and all-zero updates are marked (:class:`ReplayCheck`) and
+score 0 without being evaluated.
 
 Peers are measured in turn (:meth:`farlink.sync.exchange.Exchange.turn`): each member measures
 ``turns`` other peers per round (the next ones in name order, one further each round), so every
@@ -34,9 +35,20 @@ the round's median length (its drop per token scaled alike), it must lower the l
 step reversed against the honest direction can lower the loss by its length alone early in
 training (IPM, ``-eps mu`` with eps=4, did for three rounds); at an honest length it raises it.
 
-Cost per member and round: ``1 + 3 x turns`` forward passes of ``rows`` sequences (the held-out
-batch at ``theta``; each measured peer's held-out batch moved, its shard batch at ``theta`` and
-moved), whatever the number of peers, plus 3 for each measured long step, against ``H x batch``
+An update is also judged as the aggregate will use it, not only applied alone: its share of the
+token-weighted mean, added to the round's coordinate-median step, must not raise the held-out
+loss above where the same share of the median step itself takes it by more than half of what
+that step lowered it (:meth:`LossScorer._undoing`). A step
+applied alone can lower the loss in either direction early in training (at H=20 the nano model's
+loss fell by 1.47 a step of the honest mean's length *reversed* and by 1.2 four times that), so
+IPM's update, ``-4 mu``, scored like an honest one for its first rounds; as a quarter of the mean
+at the others' step, it returns the model to where the round started.
+
+Cost per member and round: ``3 + 4 x turns`` forward passes of ``rows`` sequences (the held-out
+batch at ``theta``, at the median step and at the median step plus a share of itself (one per
+distinct share: one when the peers claim alike); each measured peer's held-out batch moved, its
+shard batch at ``theta`` and moved, the held-out batch at the median step plus its share),
+whatever the number of peers, plus 3 for each measured long step, against ``H x batch``
 sequences forward and backward of the round's training; :attr:`LossScorer.seconds` measures it
 in time and :attr:`LossScorer.sequences` in sequences run forward (a training sequence's forward
 and backward cost about 3 forwards).
@@ -61,6 +73,16 @@ REPLAY_SIMILARITY = 0.999
 #: an update longer than this times the round's (lower) median norm is also judged in its
 #: direction, scaled to that norm (see :meth:`LossScorer.measure`)
 LONG_STEP = 1.25
+#: a peer whose share of the mean, added to the round's median step, raises the held-out loss
+#: above a typical share's by more than this times its weight in the mean times what that step
+#: lowered it is judged harmful (see :meth:`LossScorer._undoing`): 0.5 of the gain for a quarter
+#: of the mean, 0.25 for an eighth
+UNDOES = 2.0
+#: ... and only where the median step lowers the held-out loss by at least this fraction of it:
+#: a smaller gain is within the noise of a few sequences (the last round of a clean H=10 run:
+#: 0.15%, and honest shares then measured up to 6 times it), and by then a harmful update's own
+#: step raises the loss (IPM's did from its third round on)
+MIN_GAIN = 0.01
 
 
 def _norm(update: dict[str, torch.Tensor]) -> float:
@@ -168,9 +190,12 @@ class LossScorer:
 
     def __init__(self, model: nn.Module, base: Callable[[], dict[str, torch.Tensor]],
                  assigned: Callable[[str, int], Batch | None], heldout: Batch,
-                 threshold: float = 0.25, decay: float = 0.5, turns: int = 3) -> None:
-        if not 0 <= decay < 1:
-            raise ValueError(f"rating decay must be in [0, 1), got {decay}")
+                 threshold: float = 0.25, decay: float = 0.5, turns: int = 3,
+                 regain_decay: float = 0.75) -> None:
+        for what, value in (("decay", decay), ("regain decay", regain_decay)):
+            if not 0 <= value < 1:
+                raise ValueError(f"rating {what} must be in [0, 1), got {value}")
+        self.regain_decay = regain_decay
         self.model, self.base, self.assigned, self.heldout = model, base, assigned, heldout
         if turns < 1:
             raise ValueError(f"each member must measure at least one peer, got turns={turns}")
@@ -234,6 +259,7 @@ class LossScorer:
                  if tokens.get(p, 0.0) > 0 and p not in marks}
         ordered = sorted(norms.values())
         usual = ordered[(len(ordered) - 1) // 2] if ordered else 0.0  # the lower median
+        undone = self._undoing(base, at_base, updates, tokens, sorted(norms), chosen)
         out = {}
         for p in chosen:
             drop = self._drop(base, at_base, updates[p], p, round_id) / tokens[p]
@@ -242,8 +268,61 @@ class LossScorer:
                 k = usual / norms[p]
                 scaled = {n: k * t for n, t in updates[p].items()}
                 drop = min(drop, self._drop(base, at_base, scaled, p, round_id) / (k * tokens[p]))
+            if p in undone:
+                drop = min(drop, -abs(drop))  # it undoes the others' step: harmful
             out[p] = drop
         self.seconds += time.perf_counter() - started
+        return out
+
+    def _undoing(self, base: dict[str, torch.Tensor], at_base: float,
+                 updates: dict[str, dict[str, torch.Tensor]], tokens: dict[str, float],
+                 pool: list[str], chosen: list[str]) -> set[str]:
+        """The peers of ``chosen`` whose share of the aggregate, per unit of their weight in
+        it, undoes more than :data:`UNDOES` times the step the others agree on, on the held-out
+        batch.
+
+        The others' step is the coordinate median ``c`` of the ``pool``'s updates (an
+        attacker among a majority of honest peers barely moves it); a peer's share is its
+        update times its weight ``a`` in the token-weighted mean (``tokens[p] / sum``), as the
+        mean would add it. Its effect is compared with a typical share's, the median step's:
+        ``L(theta - c - a u_p) - L(theta - c - a c)``, over the median step's own gain
+        ``L(theta) - L(theta - c)`` times ``a``: both the effect of a share and its spread
+        among honest peers grow with its weight, so one bound holds for a quarter of the mean
+        and an eighth (two IPM attackers of eight each weigh an eighth and together reverse
+        the mean as one of four does). An honest share points where the median step does and
+        differs from it by a fraction of the gain (``bench attack``, on the 2 held-out
+        sequences, a quarter of the mean: within 0.25 of the gain). Compared with
+        ``L(theta - c)`` instead, late rounds whose median step lowers these sequences' loss
+        little and has overshot them put honest shares at up to 0.7 of the gain. IPM's share (``-eps mu / n``) walks the median step
+        back: at eps=4 among four it returns the model to ``theta`` (more than the whole gain),
+        however much its own step lowered the loss applied alone (early in training a step of
+        four honest lengths reversed does: the loss is nearly even in that direction at first,
+        see docs/trust.md). Needs three peers in the pool (the median of two is their mean)
+        and a median step that lowers the held-out loss by :data:`MIN_GAIN` of it (else there
+        is nothing to undo, or too little to tell from the few sequences' noise)."""
+        if len(pool) < 3 or not chosen:
+            return set()
+        total = sum(tokens[p] for p in pool)
+        names = [n for n in updates[pool[0]] if n in base]
+        median = {n: torch.stack([updates[p][n].to(base[n]) for p in pool]).median(dim=0).values
+                  for n in names}
+        stepped = {n: base[n] - median[n] if n in median else base[n] for n in base}
+        at_median = self._loss(stepped, self.heldout)
+        gain = at_base - at_median
+        if not gain > MIN_GAIN * abs(at_base):  # within the held-out batch's noise
+            return set()
+        typical: dict[float, float] = {}  # share -> the loss with that share of the median step
+        out = set()
+        for p in chosen:
+            share = tokens[p] / total
+            if share not in typical:
+                typical[share] = self._loss(
+                    {n: stepped[n] - share * median[n] if n in median else stepped[n]
+                     for n in stepped}, self.heldout)
+            moved = {n: stepped[n] - share * updates[p][n].to(base[n]) if n in median
+                     else stepped[n] for n in stepped}
+            if self._loss(moved, self.heldout) - typical[share] > UNDOES * share * gain:
+                out.add(p)
         return out
 
     def rate(self, round_id: int, per_token: dict[str, float],
@@ -253,7 +332,13 @@ class LossScorer:
         agreed among the members) and their ratings before this round (``priors``, None for
         a new peer): the score is the drop per token over the round's median positive one,
         clipped to [-1, 1] (0 for a marked peer, and for one nobody measured), and the rating
-        ``decay x prior + (1 - decay) x score`` (a new peer: its score). Adopts the ratings."""
+        ``decay x prior + (1 - decay) x score`` (a new peer: its score), or with
+        ``regain_decay`` in place of ``decay`` when the score is above the prior: trust is lost
+        fast and regained slowly. Why: ALIE at z=3 raises the loss in the rounds after it first
+        sees the others' updates and helps afterwards; regained at the rate it was lost, its
+        rating was back above an honest peer's after one noisy honest round (0.87 against 0.76
+        in ``bench attack``), and it is the record, not the last rounds, that tells them apart.
+        Adopts the ratings."""
         marks = marks or {}
         positive = sorted(v for p, v in per_token.items() if v > 0 and p not in marks)
         reference = positive[(len(positive) - 1) // 2] if positive else None
@@ -267,7 +352,11 @@ class LossScorer:
             else:
                 score = max(-1.0, min(1.0, value / reference))
             prior = priors.get(p)
-            rating = score if prior is None else self.decay * prior + (1 - self.decay) * score
+            if prior is None:
+                rating = score
+            else:
+                keep = self.regain_decay if score > prior else self.decay
+                rating = keep * prior + (1 - keep) * score
             self.ratings[p] = rating
             mark = marks.get(p) or ("harmful" if score < 0 else None)
             verdicts[p] = Verdict(score, rating, value, mark)
