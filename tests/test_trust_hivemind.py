@@ -75,7 +75,9 @@ def _signed(name: str, round_id: int, tensor: torch.Tensor, weight: float = 10.0
 
 @pytest.fixture(scope="module")
 def group():  # noqa: ANN201
-    opts = dict(target_group_size=3, min_group_size=3, **FAST)
+    # a busy machine (tests in parallel) may take seconds to deliver a payload; the rounds
+    # here end when every payload is in, so a longer limit costs a passing test nothing
+    opts = dict(target_group_size=3, min_group_size=3, **{**FAST, "gather_timeout": 20.0})
     first = HivemindCollective(RUN, **opts)
     members = {"w0": first, "w1": HivemindCollective(RUN, first.maddrs, **opts),
                "bad": Hostile(RUN, first.maddrs, **opts)}
