@@ -93,6 +93,14 @@ density_scan = [
     for f in (1.0, 0.5, 0.25, 0.05)
 ] + [Method("diloco-muon-fp16-H20", "diloco",
              {"inner": "muon", "codec": "fp16", "inner_steps": 20})]
+# whether DiLoCo's outer lr is what holds the 1% row back: larger outer lrs, and plain averaging
+# of the sparse deltas (outer lr 1, no momentum), also off the frontier
+density_scan += [
+    Method(f"diloco-muon-topk0.01-fp16-H20-{tag}", "diloco",
+           {"inner": "muon", "codec": "topk:0.01:fp16+ef", "inner_steps": 20, **outer})
+    for tag, outer in (("olr0.7", {"outer_lr": 0.7}), ("olr1", {"outer_lr": 1.0}),
+                       ("olr1-nomom", {"outer_lr": 1.0, "outer_momentum": 0.0}))
+]
 # the longer-H rows at lrs swept at their own H (the swept families above)
 swept = [Method(f"sparseloco-muon-k64-H{h}-swept", f"sparseloco-H{h}",
                 {"sparseloco_topk": 64, "inner": "muon"}) for h in (20, 30)]
