@@ -1,7 +1,9 @@
 """The frontier's two byte/loss targets (issue 33) over three seeds: SparseLoCo and DiLoCo int4
 with Muon inside at longer H (fewer rounds at the same tokens, so fewer bytes), SparseLoCo at the
-bench's other density (32 per 4096) and the authors' variant with Muon inside, beside the rows
-of docs/results/frontier-seeds.json. What produced docs/results/frontier-targets.json::
+bench's other density (32 per 4096) and the authors' variant with Muon inside, DiLoCo + Muon at
+H=20 with a top-k error-feedback codec at densities past 1000x, ~500x and ~130x fewer bytes than
+DDP (and, off the frontier, denser top-k and dense fp16), beside the rows of
+docs/results/frontier-seeds.json. What produced docs/results/frontier-targets.json::
 
     python examples/frontier_targets.py OUT_DIR [SEEDS_RUN_DIR [LABEL,LABEL,...]]
 
@@ -9,11 +11,13 @@ Same settings as frontier-seeds (nano, 4 workers as threads, 120 steps of batch 
 warmup 20, 16 held-out batches, seeds 0, 1, 2). Every method runs at its family's lrs from the
 sweep of docs/results/frontier-variants.json (DiLoCo lr 0.01, outer lr 0.3; SparseLoCo lr 0.01,
 SparseLoCo lr 1.5; the authors' variant 0.01, 0.5), swept at H=10 with AdamW inside, Muon rows
-included; the ``-swept`` rows instead use a sweep of SparseLoCo's family at their own H, the
-grid and edge extension of ``farlink bench frontier`` (60 steps, AdamW inside). With
-``SEEDS_RUN_DIR`` (the ``frontier`` run directory of examples/frontier_seeds.py) the H=10 rows
-and sweep points that table trained are read back from its run files, marked so; the rest are
-trained here. The JSON records the machine's load (``uptime``) before and after.
+included (the top-k DiLoCo rows too: DiLoCo's lrs, none tuned per row); the ``-swept`` rows
+instead use a sweep of SparseLoCo's family at their own H, the grid and edge extension of
+``farlink bench frontier`` (60 steps, AdamW inside). With ``SEEDS_RUN_DIR`` (the ``frontier``
+run directory of examples/frontier_seeds.py) the H=10 rows and sweep points that table trained
+are read back from its run files, marked so; the rest are trained here (the run files of OUT_DIR
+from an earlier invocation are read back too, so new rows train alone). The JSON records the
+machine's load (``uptime``) before and after.
 """
 import json
 import subprocess
@@ -68,6 +72,35 @@ more = [
     Method("sparseloco-k32", "sparseloco", {"sparseloco_topk": 32}),
     Method("sparseloco-muon-k32", "sparseloco", {"sparseloco_topk": 32, "inner": "muon"}),
 ]
+# DiLoCo + Muon at H=20 with top-k error feedback instead of int4 (int4+ef there: 150x fewer
+# bytes than DDP at -1.4%). A sparse payload takes the exchange's gathered path, (n-1) x payload
+# per worker per round, indices included (per tensor the smaller of uint16 and varint gaps), so
+# the densities below were set from the bytes one round of each codec measured on this model:
+# 1% of entries as fp16 values ~1120x fewer than DDP, 0.64% as fp32 ~1060x, 2.5% as fp16 ~500x;
+# and 10% as fp16 (~130x), about int4's bytes, to compare the two codecs at one budget. (The
+# top-k codec has no int4 values.)
+sparse_codec = [
+    Method(f"diloco-muon-topk{label}-H{h}", "diloco",
+           {"inner": "muon", "codec": f"topk:{spec}+ef", "inner_steps": h})
+    for h, label, spec in ((20, "0.01-fp16", "0.01:fp16"), (20, "0.0064", "0.0064"),
+                           (20, "0.025-fp16", "0.025:fp16"), (20, "0.1-fp16", "0.1:fp16"))
+]
+# where the loss goes between dense and 10%: the same row at denser top-k, off the frontier (the
+# JSON's ``ablations``); at 100% top-k sends every entry, so it must match a dense fp16 exchange
+density_scan = [
+    Method(f"diloco-muon-topk{f:g}-fp16-H20", "diloco",
+           {"inner": "muon", "codec": f"topk:{f:g}:fp16+ef", "inner_steps": 20})
+    for f in (1.0, 0.5, 0.25, 0.05)
+] + [Method("diloco-muon-fp16-H20", "diloco",
+             {"inner": "muon", "codec": "fp16", "inner_steps": 20})]
+# whether DiLoCo's outer lr is what holds the 1% row back: larger outer lrs, and plain averaging
+# of the sparse deltas (outer lr 1, no momentum), also off the frontier
+density_scan += [
+    Method(f"diloco-muon-topk0.01-fp16-H20-{tag}", "diloco",
+           {"inner": "muon", "codec": "topk:0.01:fp16+ef", "inner_steps": 20, **outer})
+    for tag, outer in (("olr0.7", {"outer_lr": 0.7}), ("olr1", {"outer_lr": 1.0}),
+                       ("olr1-nomom", {"outer_lr": 1.0, "outer_momentum": 0.0}))
+]
 # the longer-H rows at lrs swept at their own H (the swept families above)
 swept = [Method(f"sparseloco-muon-k64-H{h}-swept", f"sparseloco-H{h}",
                 {"sparseloco_topk": 64, "inner": "muon"}) for h in (20, 30)]
@@ -86,11 +119,13 @@ if seeds_runs is not None:  # read back what frontier-seeds trained (same config
             row = json.loads(path.read_text())
             row.setdefault("source", source)
             target.write_text(json.dumps(row, indent=1))
+earlier = (json.loads((out / "frontier.json").read_text()).get("load")
+           if (out / "frontier.json").is_file() else None)
 up0 = subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
 t0 = time.time()
 result = run(out, base, sweep_steps, H, family_list=fams,
-             method_list=seeds_rows + longer + more + swept, only=only, reuse=True,
-             max_extensions=3, seeds=3)
+             method_list=seeds_rows + longer + more + swept + sparse_codec, only=only, reuse=True,
+             max_extensions=3, seeds=3, ablation_list=density_scan)
 up1 = subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
 doc = json.loads((out / "frontier.json").read_text())
 fp32 = next(r for r in doc["rows"] if r["label"] == "diloco-fp32")["final_heldout_loss"]
@@ -99,6 +134,8 @@ for r in doc["rows"]:  # each row's loss against DiLoCo fp32's too (target b)
 doc["load"] = {"uptime_before": up0, "uptime_after": up1, "wall_s": time.time() - t0,
                "cores": 2, "note": "runs trained by earlier invocations were read back (each "
                "run file's wall_s is its own); 2 cores shared with other jobs"}
+if earlier is not None:  # the invocations before this one, as they recorded their load
+    doc["load"]["earlier_invocations"] = earlier
 (out / "frontier.json").write_text(json.dumps(doc, indent=1, default=str))
 for r in result["rows"]:
     print(r["label"], round(r["final_heldout_loss"], 4), [round(x, 4) for x in
