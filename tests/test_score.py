@@ -135,11 +135,17 @@ class _Ridge(torch.nn.Module):
         return None, ((self.w ** 2 - 1) ** 2 + 0.3 * self.w).sum()
 
 
+def _scorer_of(model, base=None):  # noqa: ANN001, ANN202
+    """A scorer of one-parameter updates around ``base`` (the model's own value by default),
+    whose shard and held-out batches are the same empty batch: the model's loss ignores it."""
+    base = {"w": model.w.detach()} if base is None else base
+    batch = (torch.zeros(1), torch.zeros(1))
+    return LossScorer(model, lambda: base, lambda peer, r: batch, batch), base, batch
+
+
 def test_a_long_step_is_judged_in_its_direction():
     model = _Ridge()
-    base = {"w": model.w.detach()}
-    batch = (torch.zeros(1), torch.zeros(1))
-    scorer = LossScorer(model, lambda: base, lambda peer, r: batch, batch)
+    scorer, base, batch = _scorer_of(model)
     honest = {"a": -0.1, "b": -0.11, "c": -0.09}
     updates = {p: {"w": torch.tensor([v])} for p, v in honest.items()}
     updates["ipm"] = {"w": torch.tensor([1.2])}  # 12 x an honest length, the other way
@@ -173,9 +179,7 @@ def test_a_share_that_undoes_the_median_step_is_harmful():
     mean would add it (a quarter of it, at the round's median step) it walks the others' step
     back to where the round started: harmful. The honest shares go on down."""
     model = _Valleys()
-    base = {"w": model.w.detach()}
-    batch = (torch.zeros(1), torch.zeros(1))
-    scorer = LossScorer(model, lambda: base, lambda peer, r: batch, batch)
+    scorer, base, batch = _scorer_of(model)
     honest = {"a": -0.25, "b": -0.26, "c": -0.24}
     updates = {p: {"w": torch.tensor([v])} for p, v in honest.items()}
     updates["ipm"] = {"w": torch.tensor([1.0])}  # -4 x the honest mean
@@ -193,9 +197,7 @@ def test_two_ipm_attackers_of_eight_are_harmful_each():
     harmful; applied alone (and at the honest length) each lowers the loss more than the
     honest updates do."""
     model = _Valleys()
-    base = {"w": model.w.detach()}
-    batch = (torch.zeros(1), torch.zeros(1))
-    scorer = LossScorer(model, lambda: base, lambda peer, r: batch, batch)
+    scorer, base, batch = _scorer_of(model)
     honest = {"a": -0.3, "b": -0.31, "c": -0.29, "d": -0.3, "e": -0.305, "f": -0.295}
     updates = {p: {"w": torch.tensor([v])} for p, v in honest.items()}
     updates.update({p: {"w": torch.tensor([1.2])} for p in ("ipm1", "ipm2")})  # -4 x mean
@@ -212,9 +214,7 @@ def test_honest_shares_past_the_median_steps_valley_are_kept():
     a further quarter of it raises their loss by most of the step's gain: an honest share is
     judged against a typical share (the median step's own), not against stopping there."""
     model = _Valleys()
-    base = {"w": model.w.detach()}
-    batch = (torch.zeros(1), torch.zeros(1))
-    scorer = LossScorer(model, lambda: base, lambda peer, r: batch, batch)
+    scorer, base, batch = _scorer_of(model)
     updates = {p: {"w": torch.tensor([v])} for p, v in
                {"a": -0.4, "b": -0.41, "c": -0.39, "d": -0.4}.items()}
     at = {w: scorer._loss({"w": torch.tensor([w])}, batch) for w in (0.0, 0.4, 0.5)}
@@ -227,9 +227,8 @@ def test_a_median_step_within_the_noise_judges_no_share():
     """Where the round's median step lowers the held-out loss by less than 1% of it (late in a
     run, on a few sequences: noise), no share is judged by it; its own drop still judges it."""
     model = _Valleys()
-    base = {"w": torch.tensor([0.29])}  # next to the bottom of the near valley (w=0.3)
-    batch = (torch.zeros(1), torch.zeros(1))
-    scorer = LossScorer(model, lambda: base, lambda peer, r: batch, batch)
+    # next to the bottom of the near valley (w=0.3)
+    scorer, base, batch = _scorer_of(model, {"w": torch.tensor([0.29])})
     updates = {p: {"w": torch.tensor([v])} for p, v in
                {"a": -0.005, "b": -0.03, "c": -0.004, "d": 0.02}.items()}
     stepped = scorer._loss({"w": torch.tensor([0.295])}, batch)  # the median step
