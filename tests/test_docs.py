@@ -28,7 +28,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = ROOT / "docs"
 SETUP = ("python3 -m venv .venv && .venv/bin/pip install -e '.[test]' && .venv/bin/farlink train",
-         ".venv/bin/python -m pytest")
+         ".venv/bin/python -m pytest -n auto")
 MARK = re.compile(r"<!-- docs-test: (fast|slow|check|skip)(?: (.+?))? -->$")
 FENCE = re.compile(r"^```(bash|sh|python)\s*$")
 # commands whose options are a run's config (RunConfig fields as flags)
@@ -243,8 +243,7 @@ REVISED = {
     '`lighthouse=",".join(first.addresses)`.':
         "the others `peers=first.addresses` (hivemind's",
     'default test suite (`pytest -m slow` runs the multi-minute scenarios as well).':
-        "default test suite (`pytest -m slow` runs the multi-minute scenarios as well; `pytest -n "
-        "auto`",
+        "`pytest -m slow`\nruns them, and CI runs them after the default suite.",
 }
 
 
