@@ -270,3 +270,58 @@ def test_longer_h_rows_send_fewer_bytes_per_token_at_the_swept_lrs(
     assert long["lrs_from_sweep"] == short["lrs_from_sweep"] == swept
     assert long["tokens_per_worker"] == short["tokens_per_worker"]
     assert long["bytes_per_token"] == pytest.approx(short["bytes_per_token"] / 2, rel=0.02)
+
+
+def _toy_row(label: str, overrides: dict, curve: list[tuple[int, float]]) -> dict:
+    config = {"model": "nano", "workers": 4, "steps": curve[-1][0], "batch_size": 8,
+              "seq_len": 64, "warmup_steps": 2, "eval_batches": 2, **overrides}
+    return {"label": label, "params": 368960, "config": config,
+            "evals": [{"step": s, "loss": loss} for s, loss in curve],
+            "final_heldout_loss": curve[-1][1]}
+
+
+def test_time_to_loss_priced_at_larger_sizes_from_a_toy_frontier(tmp_path: Path) -> None:
+    """Priced at 125m and 1b from measured curves: on a fast link the method that needs the
+    fewest steps wins, on a slow one the method that sends the fewest bytes; a method that never
+    reaches a target has no time for it; bytes and compute grow with the size."""
+    from farlink.bench.time_to_loss import rows_of, write_priced
+
+    ddp = _toy_row("ddp", {"algorithm": "ddp"}, [(10, 4.2), (20, 4.0), (30, 3.9)])
+    diloco = _toy_row("diloco-fp32", {"algorithm": "diloco", "inner_steps": 10},
+                      [(10, 4.6), (20, 4.1), (30, 3.5)])  # reaches 3.9 at step 23.3
+    sparse = _toy_row("sparseloco-k64", {"algorithm": "sparseloco", "inner_steps": 10,
+                                         "sparseloco_topk": 64},
+                      [(10, 4.7), (20, 4.3), (30, 4.1), (60, 3.85)])  # 3.9 at step 54
+    first = tmp_path / "a.json"
+    second = tmp_path / "b.json"
+    first.write_text(json.dumps({"rows": [ddp, diloco]}))
+    # a label both files hold is taken from the first: this copy of DDP would win everything
+    second.write_text(json.dumps({"rows": [{**ddp, "final_heldout_loss": 0.0}, sparse]}))
+    assert [r["final_heldout_loss"] for r in rows_of(
+        [json.loads(first.read_text()), json.loads(second.read_text())])] == [3.9, 3.5, 3.85]
+    results = write_priced(tmp_path, "ttl", [first, second], ["125m", "1b"],
+                           ("datacenter", "home"))
+    for size in ("125m", "1b"):
+        assert (tmp_path / f"ttl-{size}.png").stat().st_size > 0
+        saved = json.loads((tmp_path / f"ttl-{size}.json").read_text())
+        assert saved["priced_at"]["model"] == size and "not a measurement" in saved["assumes"]
+        result = results[size]
+        assert result["targets"]["ddp_final"] == 3.9
+        for profile, winner in (("datacenter", "diloco-fp32"), ("home", "sparseloco-k64")):
+            body = result["profiles"][profile]
+            assert body["winner"]["ddp_final"] == winner
+            rows = {e["label"]: e for e in body["rows"]}
+            assert rows["diloco-fp32"]["steps_to_target"]["ddp_final"] == pytest.approx(70 / 3)
+            assert rows["sparseloco-k64"]["steps_to_target"]["ddp_final"] == pytest.approx(54)
+            best = "best_local_final (diloco-fp32)"
+            assert body["winner"][best] == "diloco-fp32"
+            assert rows["ddp"]["time_to_target_s"][best] is None  # never got to 3.5
+            assert rows["sparseloco-k64"]["time_to_target_s"][best] is None
+            assert (rows["sparseloco-k64"]["bytes_per_round_planned"] * 50
+                    < rows["diloco-fp32"]["bytes_per_round_planned"])
+    small, large = results["125m"], results["1b"]
+    assert large["priced_at"]["n_params"] > 5 * small["priced_at"]["n_params"]
+    assert large["compute_s_per_step"] > 5 * small["compute_s_per_step"]
+    for a, b in zip(small["profiles"]["home"]["rows"], large["profiles"]["home"]["rows"]):
+        assert b["bytes_per_round_planned"] > 5 * a["bytes_per_round_planned"]
+        assert b["seconds_per_step"] > a["seconds_per_step"]

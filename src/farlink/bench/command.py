@@ -240,6 +240,34 @@ def register(app: typer.Typer, bench_app: typer.Typer) -> None:
 
             print("\n".join(summary(result["time_to_loss"])))
 
+    @bench_app.command("time-to-loss")
+    def time_to_loss_priced(
+        source: list[Path] = typer.Option(
+            [Path("docs/results/frontier-seeds.json"), Path("docs/results/frontier-targets.json")],
+            "--from", help="frontier result JSONs whose rows (loss curves) to price"),
+        price_at: str = typer.Option("125m,1b", help="model sizes to price at, comma-separated"),
+        out: Path = typer.Option(Path("docs/results"), help="output directory"),
+        name: str = typer.Option("frontier-time-to-loss", help="file name stem"),
+        profile: list[str] | None = typer.Option(None, help="link profiles (default: all four)"),
+        gpu: str = typer.Option("h100", help="GPU of the planner's compute model"),
+        gpus_per_worker: int | None = typer.Option(None, help="default: the GPU table's"),
+        mfu: float = typer.Option(0.4, help="model FLOP utilization"),
+        batch_tokens: int = typer.Option(2**20, help="tokens per worker per inner step"),
+    ) -> None:
+        """Time to each frontier target at a larger model, priced by the planner from the
+        measured loss curves (no run is repeated; assumes the steps to each target carry
+        over)."""
+        from farlink.bench.time_to_loss import PROFILES, summary, write_priced
+
+        results = write_priced(out, name, source, [s.strip() for s in price_at.split(",")],
+                               tuple(profile or PROFILES), gpu=gpu,
+                               gpus_per_worker=gpus_per_worker, mfu=mfu,
+                               batch_tokens=batch_tokens)
+        for size, result in results.items():
+            print(f"-- {size}: {result['priced_at']['compute_s_per_step']:.3f} s per inner "
+                  f"step planned; {result['assumes']}")
+            print("\n".join(summary(result)))
+
     @bench_app.command("gpu")
     def gpu(
         out: Path = typer.Option(Path("bench/gpu"), help="output directory"),

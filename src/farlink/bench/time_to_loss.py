@@ -20,6 +20,7 @@ numbers are measured and which planned is written into every row.
 
 from __future__ import annotations
 
+import json
 import math
 from pathlib import Path
 from typing import Any
@@ -42,8 +43,10 @@ def steps_to_loss(evals: list[dict], target: float) -> float | None:
     return None
 
 
-def price(row: dict, profile: str, step_seconds: float) -> Any:  # noqa: ANN401 - RoundPrediction
-    """The planner's round of ``row``'s configuration on ``profile`` at ``step_seconds``."""
+def price(row: dict, profile: str, step_seconds: float,
+          n_params: float | None = None) -> Any:  # noqa: ANN401 - RoundPrediction
+    """The planner's round of ``row``'s configuration on ``profile`` at ``step_seconds``, for a
+    model of ``n_params`` parameters (default: the row's own)."""
     from farlink.config import load_config
     from farlink.links import get_profile
     from farlink.plan import predict_round
@@ -58,7 +61,7 @@ def price(row: dict, profile: str, step_seconds: float) -> Any:  # noqa: ANN401 
     return predict_round(
         cfg.algorithm, cfg.workers, step_seconds, link.bandwidth_mbit * 1e6,
         link.latency_ms / 1e3, jitter_s=link.jitter_ms / 1e3, loss=link.loss,
-        n_params=row["params"], inner_steps=cfg.inner_steps, codec=codec,
+        n_params=row["params"] if n_params is None else n_params, inner_steps=cfg.inner_steps, codec=codec,
         fragments=cfg.fragments if fragmented else 1,
         overlap_steps=cfg.overlap_steps if fragmented else None,
         outer_overlap=getattr(cfg, "outer_overlap", "none"))
@@ -79,10 +82,11 @@ def targets(rows: list[dict]) -> dict[str, float]:
 
 
 def table(rows: list[dict], profiles: tuple[str, ...] = PROFILES,
-          step_seconds: float | None = None) -> dict[str, Any]:
+          step_seconds: float | None = None, n_params: float | None = None) -> dict[str, Any]:
     """Per profile: every method's planned round and its time to each target, and the winner
     of each target. ``step_seconds``: the compute of one inner step (default: the median of the
-    rows' measured ones)."""
+    rows' measured ones); ``n_params``: the model size the links are priced at (default: each
+    row's own, the size that was run)."""
     goals = targets(rows)
     measured = sorted(r["compute_s_per_step"] for r in rows if "compute_s_per_step" in r)
     if step_seconds is None:
@@ -98,16 +102,19 @@ def table(rows: list[dict], profiles: tuple[str, ...] = PROFILES,
     for profile in profiles:
         entries = []
         for r in rows:
-            pred = price(r, profile, step_seconds)
+            pred = price(r, profile, step_seconds, n_params)
             per_step = pred.round_seconds / pred.steps_per_round
             entry = {"label": r["label"], "compute_s_per_step": step_seconds,
                      "compute_s_per_step_of_its_runs": r.get("compute_s_per_step"),
                      "round_seconds_planned": pred.round_seconds,
                      "exposed_comm_seconds_planned": pred.exposed_comm_seconds,
                      "utilization_planned": pred.utilization,
+                     "bytes_per_round_planned": pred.bytes_sent_per_round,
                      "seconds_per_step": per_step, "time_to_target_s": {}}
+            entry["steps_to_target"] = {}
             for name, goal in goals.items():
                 steps = steps_to_loss(r["evals"], goal)
+                entry["steps_to_target"][name] = steps
                 entry["time_to_target_s"][name] = None if steps is None else steps * per_step
             entries.append(entry)
         winners = {}
@@ -128,6 +135,10 @@ def plot(path: Path, result: dict[str, Any]) -> Path:
     from farlink.bench.report import pyplot, save_figure
 
     plt = pyplot()
+    at = result.get("priced_at")
+    xlabel = ("seconds to target (planned link and compute, measured steps)" if at else
+              "seconds to target (planned link, measured compute)")
+    title = f" at {at['model']}" if at else ""
     profiles = list(result["profiles"])
     fig, axes = plt.subplots(1, len(profiles), figsize=(4.2 * len(profiles), 4.8), sharey=True)
     axes = [axes] if len(profiles) == 1 else list(axes)
@@ -145,10 +156,10 @@ def plot(path: Path, result: dict[str, Any]) -> Path:
         ax.set_yticks([i + 0.4 - height / 2 for i in range(len(rows))])
         ax.set_yticklabels(labels, fontsize=7)
         ax.set_xscale("log")
-        ax.set_xlabel("seconds to target (planned link, measured compute)")
-        ax.set_title(profile)
+        ax.set_title(f"{profile}{title}")
         ax.grid(alpha=0.3, which="both", axis="x")
     axes[0].legend(fontsize=7, loc="lower right")
+    fig.supxlabel(f"{xlabel}; no bar: never reached", fontsize=9)
     fig.tight_layout()
     return save_figure(fig, path)
 
@@ -163,3 +174,73 @@ def summary(result: dict[str, Any]) -> list[str]:
             lines.append(f"{profile:16s} {goal:40s} {label or 'none reached it'} "
                          f"({time:.1f} s)")
     return lines
+
+
+def rows_of(documents: list[dict]) -> list[dict]:
+    """The frontier rows of several result documents, one per label (the first document's row
+    where two hold the same label: the frontier's files share their common runs)."""
+    seen: dict[str, dict] = {}
+    for doc in documents:
+        for row in doc["rows"]:
+            seen.setdefault(row["label"], row)
+    return list(seen.values())
+
+
+def priced_at(rows: list[dict], size: str, profiles: tuple[str, ...] = PROFILES,
+              gpu: str = "h100", gpus_per_worker: int | None = None, mfu: float = 0.4,
+              batch_tokens: int = 2**20) -> dict[str, Any]:
+    """:func:`table` for a model of ``size`` (a planner size: ``125m``, ``1b``, ``7e9``): the
+    compute of an inner step from the planner's FLOP model (6 N T / (F * mfu * g) on ``gpu``)
+    and each method's bytes from its codec at that size; the steps to each target are those
+    the rows' measured curves took. That assumes the steps-to-target of every method carry
+    over from the size that was run to this one (their ratios, which decide the winner): a
+    pricing, not a measurement, recorded as such in the result."""
+    from farlink.plan import load_hardware, parse_model_size
+    from farlink.plan import step_seconds as planned_step
+    from farlink.plan.tables import lookup
+
+    n_params, read = parse_model_size(size)
+    card = lookup(load_hardware(), gpu, "gpu")
+    gpus = gpus_per_worker or card.default_per_worker
+    step = planned_step(n_params, batch_tokens, card, mfu, gpus)
+    result = table(rows, profiles, step_seconds=step, n_params=n_params)
+    for body in result["profiles"].values():
+        for entry in body["rows"]:
+            del entry["compute_s_per_step_of_its_runs"]  # the run's size, not this one
+    run_sizes = sorted({r["params"] for r in rows})
+    result.pop("compute_s_per_step_of_the_runs")
+    result["priced_at"] = {
+        "model": size, "n_params": n_params, "read_as": read, "gpu": gpu,
+        "gpus_per_worker": gpus, "mfu": mfu, "batch_tokens_per_worker_step": batch_tokens,
+        "compute_s_per_step": step, "measured_at_params": run_sizes}
+    result["measured"] = (
+        f"held-out loss curves (mean over seeds) of runs at {run_sizes} parameters: the inner "
+        "steps each method took to reach each target")
+    result["planned"] = (
+        "compute per inner step from the planner's FLOP model (6 N T / (F * mfu * g)) and each "
+        "round's communication on the profile with the method's codec at this size "
+        "(farlink.plan.predict_round), hence seconds per step and time to target")
+    result["assumes"] = (
+        "the steps to each target measured at the run's size carry over to this size for every "
+        "method (so do their ratios, which decide the winner): a pricing, not a measurement")
+    return result
+
+
+def write_priced(out: Path, name: str, sources: list[Path], sizes: list[str],
+                 profiles: tuple[str, ...] = PROFILES, plot_too: bool = True,
+                 **assumptions: Any) -> dict[str, dict[str, Any]]:  # noqa: ANN401
+    """Read the frontier results ``sources`` (no run is repeated) and write, per size,
+    ``out/{name}-{size}.json`` (the :func:`priced_at` table) and its PNG."""
+    from farlink.bench.report import write_json
+
+    documents = [json.loads(Path(p).read_text()) for p in sources]
+    rows = rows_of(documents)
+    results = {}
+    for size in sizes:
+        result = priced_at(rows, size, profiles, **assumptions)
+        result["sources"] = [str(p) for p in sources]
+        write_json(out / f"{name}-{size}.json", "time-to-loss priced", [], result)
+        if plot_too:
+            plot(out / f"{name}-{size}.png", result)
+        results[size] = result
+    return results
