@@ -10,7 +10,7 @@ import sys
 import threading
 import time
 
-from procfs import alive
+from procfs import alive, command_line, descendants
 
 from farlink.train.lighthouse import Lighthouse
 
@@ -101,5 +101,40 @@ def test_a_worker_blocked_when_its_launcher_dies_takes_its_subprocesses_with_it(
     finally:
         launcher.kill()
         for pid in pids:
+            if alive(pid):
+                os.kill(pid, signal.SIGKILL)
+
+
+HIVEMIND_PEER = """
+import time
+from farlink.comm.hivemind_backend import HivemindCollective
+peer = HivemindCollective("tied")  # on the main thread: its DHT process is tied to this one
+print("ready", flush=True)
+time.sleep(600)
+"""
+
+
+def test_a_sigkilled_process_takes_its_dht_and_p2pd_along() -> None:
+    """A process holding a hivemind peer (as ``farlink swarm join`` and a hivemind worker do)
+    killed with SIGKILL: its DHT process (forked, with its p2pd) must not outlive it. An orphaned
+    DHT also held the process's output pipes open, so whoever waited for its output waited
+    forever. (``farlink swarm join`` itself: test_orphans, with the slow scenarios.)"""
+    peer = subprocess.Popen([sys.executable, "-c", HIVEMIND_PEER], stdout=subprocess.PIPE,
+                            text=True)
+    below: set[int] = set()
+    try:
+        assert peer.stdout.readline().strip() == "ready"
+        below = descendants(peer.pid)
+        assert any("p2pd" in command_line(pid) for pid in below), [command_line(p) for p in below]
+        peer.send_signal(signal.SIGKILL)
+        peer.wait(30)
+        deadline = time.monotonic() + 20
+        while any(alive(pid) for pid in below) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not [command_line(pid) for pid in below if alive(pid)]
+        assert peer.stdout.read() == ""  # no process left holding its output open
+    finally:
+        peer.kill()
+        for pid in below:
             if alive(pid):
                 os.kill(pid, signal.SIGKILL)

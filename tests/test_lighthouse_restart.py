@@ -16,6 +16,7 @@ from farlink.train.lighthouse import Lighthouse, free_port
 
 # torchft runs in this process: after every test that forks (see conftest)
 pytestmark = pytest.mark.torchft_threads
+ROUNDS = 8  # the Lighthouse is killed after round 4: rounds 5-7 commit after the restart
 
 
 def _peer(index: int, address: str, rounds: int, queue, quorum_timeout: float = 90,  # noqa: ANN001
@@ -47,8 +48,8 @@ def test_run_survives_a_lighthouse_restart() -> None:
     port = free_port()
     lighthouse = Lighthouse(port=port, min_replicas=2, join_timeout=3).start()
     queue = queues.Queue()
-    procs = [threading.Thread(target=_peer, args=(i, lighthouse.address, 14, queue), daemon=True)
-             for i in range(2)]
+    procs = [threading.Thread(target=_peer, args=(i, lighthouse.address, ROUNDS, queue),
+                              daemon=True) for i in range(2)]
     for p in procs:
         p.start()
     logs, killed_at = {}, None
@@ -69,7 +70,7 @@ def test_run_survives_a_lighthouse_restart() -> None:
     assert not any(p.is_alive() for p in procs), "a peer still runs"
     assert killed_at is not None
     for log in logs.values():
-        assert [r[0] for r in log] == list(range(14))  # no round lost or repeated
+        assert [r[0] for r in log] == list(range(ROUNDS))  # no round lost or repeated
         assert all(world == 2 and value == 2.0 and ok for _, world, value, ok, _ in log)
         assert any(t > killed_at + 2 for *_, t in log)  # rounds committed after the restart
 

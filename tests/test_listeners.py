@@ -26,8 +26,13 @@ def rounds_committed(run_dir: Path) -> int:
                 for path in (run_dir / "metrics").glob("w*.jsonl")), default=0)
 
 
+# one process run by default (torchft, 1 rank); the hivemind run and the sites run go with the
+# slow scenarios: test_hivemind_peers_of_a_loopback_run_listen_on_loopback_only (the same
+# listeners built in this process) and test_a_site_without_an_agent_hosts_its_store_on_master_addr
+# stand in for them
 @pytest.mark.parametrize(("backend", "ranks_per_worker"),
-                         [("torchft", 1), ("hivemind", 1), ("torchft", 2)])
+                         [("torchft", 1), pytest.param("hivemind", 1, marks=pytest.mark.slow),
+                          pytest.param("torchft", 2, marks=pytest.mark.slow)])
 def test_loopback_run_binds_no_public_interface(tmp_path: Path, cache_dir: Path, backend: str,
                                                 ranks_per_worker: int) -> None:
     """With ``ranks_per_worker=2`` each worker is a site: torchrun's agent, its store, the
@@ -75,3 +80,32 @@ def test_a_site_without_an_agent_hosts_its_store_on_master_addr(monkeypatch) -> 
     store.set("up", "1")
     assert [(host, p) for _, host, p in listening({os.getpid()}) if p == port] == [
         ("127.0.0.1", port)]
+
+
+def test_hivemind_peers_of_a_loopback_run_listen_on_loopback_only(tmp_path: Path) -> None:
+    """The listeners of a hivemind run on the default --host, built in this process as the
+    launcher (its bootstrap DHT) and a worker (its collective) build them: their DHT processes
+    and p2p daemons listen, and on loopback only."""
+    from farlink.comm.hivemind_net import start_bootstrap_peer
+    from farlink.compose import build_collective
+    from farlink.config import load_config
+
+    cfg = load_config(None, {**BASE, "backend": "hivemind", "run_dir": tmp_path / "run"})
+    before = descendants(os.getpid())
+    bootstrap, maddrs = start_bootstrap_peer(cfg.host)
+    collective = None
+    try:
+        collective = build_collective(cfg, "w0", ",".join(maddrs))
+        started = descendants(os.getpid()) - before
+        sockets = listening(started)
+        names = {pid: command_line(pid) for pid in started}
+    finally:
+        if collective is not None:
+            collective.close()
+        bootstrap.shutdown()
+    daemons = {pid for pid in started if "p2pd" in names[pid]}
+    assert len(daemons) == 2, names  # the bootstrap peer's and the worker's
+    assert {pid for pid, _, _ in sockets} >= daemons, (daemons, sockets)
+    public = [(names[pid][:80], host, port) for pid, host, port in sockets
+              if not ipaddress.ip_address(host).is_loopback]
+    assert not public, public

@@ -48,6 +48,9 @@ def tensorboard_scalars(directory: Path) -> dict[str, list[tuple[int, float]]]:
             for tag in acc.Tags()["scalars"]}
 
 
+# by default: test_a_runs_workers_log_their_records_to_tensorboard (the workers' sinks, as
+# threads) and test_the_library_reports_an_optimizers_figures_with_rejections_per_peer (W&B)
+@pytest.mark.slow
 def test_farlink_train_logs_to_tensorboard_and_wandb(tmp_path: Path, cache_dir: Path) -> None:
     """A real 2-worker run with ``--log-to tensorboard,wandb``: every worker's curves in both,
     equal to its JSONL records (the run's own record). Worker processes, not threads: two W&B
@@ -91,6 +94,39 @@ def test_farlink_train_logs_to_tensorboard_and_wandb(tmp_path: Path, cache_dir: 
     assert held_out == [(r["step"], pytest.approx(r["loss"])) for r in evals] and len(evals) == 2
     assert [(h["step"], h["eval/loss"]) for h in runs["w0"].history if "eval/loss" in h] == [
         (r["step"], r["loss"]) for r in evals]
+
+
+@pytest.mark.torchft_threads  # torchft in this process: after every test that forks
+def test_a_runs_workers_log_their_records_to_tensorboard(tmp_path: Path, cache_dir: Path) -> None:
+    """The same 2-worker run with ``log_to="tensorboard"``, its workers as threads: every
+    worker's TensorBoard curves equal its JSONL records. (W&B from a run's workers, which are
+    processes: test_farlink_train_logs_to_tensorboard_and_wandb, with the slow scenarios.)"""
+    from farlink.testing.runs import launch_in_threads
+
+    cfg = load_config(None, {**TINY, "log_to": "tensorboard", "run_dir": tmp_path / "run",
+                             "cache_dir": cache_dir})
+    assert launch_in_threads(cfg).returncodes == [0, 0]
+    run = cfg.run_dir
+    for worker in ("w0", "w1"):
+        records = read_metrics(run / "metrics" / f"{worker}.jsonl")
+        steps = {r["step"]: r for r in records if r["kind"] in ("step", "sync")}
+        syncs = [r for r in records if r["kind"] == "sync"]
+        end = next(r for r in records if r["kind"] == "end")
+        tb = tensorboard_scalars(run / "tensorboard" / worker)
+        assert [s for s, _ in tb["train/loss"]] == sorted(steps)
+        for step, value in tb["train/loss"]:
+            assert value == pytest.approx(steps[step]["loss"], rel=1e-6)
+        assert tb["train/tokens"][-1][1] == end["tokens"] == 4 * 4 * 64
+        assert tb["net/bytes_sent"][-1][1] == end["bytes_sent"] > 0
+        assert [v for _, v in tb["round/outer_step"]][-1] == end["outer_step"] == 2
+        assert [v for _, v in tb["peers/live"]] == [r["world_size"] for r in syncs] == [2, 2]
+        assert [v for _, v in tb["round/seconds"]] == pytest.approx(
+            [r["round_s"] for r in syncs])
+        assert all(0 < v <= 1 for _, v in tb["time/utilization"])
+        assert "round/quorum_s" in tb and "peers/rejected" in tb
+    evals = [r for r in read_metrics(run / "metrics" / "w0.jsonl") if r["kind"] == "eval"]
+    held_out = tensorboard_scalars(run / "tensorboard" / "w0")["eval/loss"]
+    assert held_out == [(r["step"], pytest.approx(r["loss"])) for r in evals] and len(evals) == 2
 
 
 _INIT = threading.Lock()

@@ -76,6 +76,8 @@ def test_sigkilled_launcher_leaves_no_process_and_resume_finishes(tmp_path: Path
         assert (run_dir / "final" / f"{w}.safetensors").exists()
 
 
+# by default: test_lifeline's test_a_sigkilled_process_takes_its_dht_and_p2pd_along
+@pytest.mark.slow
 def test_a_sigkilled_volunteer_leaves_no_process(tmp_path: Path, cache_dir: Path) -> None:
     """``farlink swarm join`` killed with SIGKILL: its DHT process (forked, with its p2pd) must
     not outlive it. An orphaned DHT also held the volunteer's output pipes open, so whoever

@@ -257,6 +257,11 @@ def _kill_first_sent(trainer: PipelineTrainer, stage, op: str, at_step: int) -> 
     return victims
 
 
+# by default: test_pipeline_train's
+# test_a_stage_peer_killed_mid_run_is_routed_around_and_the_run_finishes (a stage process
+# SIGKILLed, its work re-routed, every step committed) and
+# test_router_sends_more_to_faster_peers_and_skips_failed_ones
+@pytest.mark.slow
 def test_killing_a_peer_of_each_stage_mid_step_loses_no_committed_step() -> None:
     """2 stages x 2 peers: a first-stage peer is SIGKILLed in step 2 between a micro-batch's
     forward and backward pass (its graph dies: the forward is redone on the other peer), and a

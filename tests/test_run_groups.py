@@ -9,6 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from safetensors.torch import load_file
 
 from farlink.train.audit import audit_run
@@ -49,6 +50,7 @@ def test_local_hivemind_swarm_averages_all_workers_by_default(tmp_path: Path,
     assert all((a[k] == b[k]).all() for k in a)
 
 
+@pytest.mark.slow  # by default: test_rounds_of_one_are_named_as_independent_models
 def test_run_whose_rounds_never_averaged_fails_loudly(tmp_path: Path, cache_dir: Path) -> None:
     """Groups of one allowed and the two peers far out of step (paced devices, one 5x slower):
     each commits every round alone. That is two independent models, never a success."""
@@ -77,3 +79,31 @@ def test_min_replicas_default_of_a_local_swarm_is_every_worker() -> None:
                        ).min_replicas == 1
     # torchft's Lighthouse waits join_timeout for every live peer; 1 keeps the run elastic
     assert load_config(None, {"workers": 3}).min_replicas == 1
+
+
+@pytest.mark.parametrize("widest", [1, 2])
+def test_rounds_of_one_are_named_as_independent_models(tmp_path: Path, widest: int) -> None:
+    """What the launcher makes of two workers' records in which every committed round had a
+    group of ``widest``: of groups of one, the run's problem (two independent models, and the
+    fix); of groups of two, none. (The run that really commits alone, and the CLI's exit code:
+    test_run_whose_rounds_never_averaged_fails_loudly, with the slow scenarios.)"""
+    from farlink.config import load_config
+    from farlink.train.launcher import never_averaged, summarize
+
+    cfg = load_config(None, {**BASE, "min_replicas": 1, "run_dir": tmp_path / "run"})
+    (cfg.run_dir / "metrics").mkdir(parents=True)
+    for worker in ("w0", "w1"):
+        records = [{"kind": "sync", "step": 10 * (r + 1), "committed": True,
+                    "world_size": widest} for r in range(3)]
+        records.append({"kind": "end", "tokens": 7680, "bytes_sent": 100, "compute_s": 1.0,
+                        "wall_s": 2.0, "comm_s": 0.5, "widest_group": widest})
+        (cfg.run_dir / "metrics" / f"{worker}.jsonl").write_text(
+            "".join(json.dumps(r) + "\n" for r in records))
+    summary = summarize(cfg)
+    assert summary["widest_group"] == widest
+    problem = never_averaged(cfg, summary)
+    if widest == 2:
+        assert problem is None, problem
+        return
+    assert "no round averaged two or more of the 2 workers" in problem, problem
+    assert "--min-replicas 2" in problem and "independent models" in problem

@@ -180,6 +180,8 @@ def wait_for_start(run_dir: Path, worker: str, proc: subprocess.Popen, count: in
         time.sleep(0.3)
 
 
+# by default: test_an_index_held_by_a_live_process_is_refused_and_free_once_it_is_killed
+@pytest.mark.slow
 def test_join_refuses_an_index_in_use_and_continues_its_own_after_a_crash(
         tmp_path: Path, cache_dir: Path) -> None:
     """A second process as worker 0 would share its metrics, its checkpoints and its replica
@@ -221,6 +223,54 @@ def test_join_refuses_an_index_in_use_and_continues_its_own_after_a_crash(
         lighthouse.stop()
 
 
+HOLDS_INDEX_0 = """
+import sys, time
+from pathlib import Path
+from farlink.train.index_lock import IndexLock
+lock = IndexLock(Path(sys.argv[1]), 0)  # what a worker holds for its whole life
+print("held", flush=True)
+time.sleep(600)
+"""
+
+
+def test_an_index_held_by_a_live_process_is_refused_and_free_once_it_is_killed(
+        tmp_path: Path) -> None:
+    """What ``farlink join`` asks before it starts anything, against a real process holding
+    worker 0's index: a joiner is refused with a free index; once the holder is SIGKILLed the
+    index is free, a plain join of it is told to --resume, and a resumed worker 0 takes it.
+    (The CLI's refusal, against a real worker: the test after this one, with the slow
+    scenarios.)"""
+    from farlink.train.index_lock import IndexInUse, IndexLock, check_joinable, holder
+
+    run = tmp_path / "run"
+    (run / "metrics").mkdir(parents=True)
+    (run / "metrics" / "w0.jsonl").write_text("{}\n")  # worker 0's record so far
+    worker = subprocess.Popen([sys.executable, "-c", HOLDS_INDEX_0, str(run)],
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        assert worker.stdout.readline().strip() == "held"
+        assert holder(run, 0) == worker.pid
+        for resume in (False, True):
+            with pytest.raises(IndexInUse, match=rf"in use by a live worker \(pid {worker.pid}\)"
+                                                 r".*--index 1"):
+                check_joinable(run, 0, resume=resume)
+        with pytest.raises(IndexInUse, match="in use by a live worker"):
+            IndexLock(run, 0)  # a second process as worker 0 cannot take it either
+        worker.kill()
+        worker.wait()
+    finally:
+        worker.kill()
+    assert holder(run, 0) is None  # the kernel dropped the lock with the process
+    with pytest.raises(IndexInUse, match=r"continue that worker with --resume.*--index 1"):
+        check_joinable(run, 0, resume=False)
+    check_joinable(run, 0, resume=True)
+    lock = IndexLock(run, 0)
+    try:
+        assert holder(run, 0) == os.getpid()
+    finally:
+        lock.release()
+
+
 @pytest.mark.parametrize("change", [{"model": "small"}, {"seq_len": 32}, {"corpus": "other.txt"},
                                     {"seed": 7}, {"batch_size": 2}, {"workers": 3},
                                     {"algorithm": "local_sgd"}, {"inner_steps": 4}])
@@ -259,6 +309,8 @@ def test_resume_may_change_what_does_not_define_the_run(tmp_path: Path,
 
 # --- secrets ------------------------------------------------------------------------------------
 
+# by default: test_a_run_given_a_secret_file_keeps_it_off_disk_and_console (workers as threads)
+@pytest.mark.slow
 def test_secret_file_run_keeps_the_secret_off_disk_and_console(tmp_path: Path,
                                                                cache_dir: Path) -> None:
     secret = "s3cret-correct-horse-battery"
@@ -270,6 +322,30 @@ def test_secret_file_run_keeps_the_secret_off_disk_and_console(tmp_path: Path,
                         str(secret_file), "--run-dir", str(run), "--cache-dir", str(cache_dir))
     assert code == 0, out  # the workers authenticated: they got the secret
     assert secret not in out
+    files = [p for p in run.rglob("*") if p.is_file()]
+    assert files and not [p for p in files if secret.encode() in p.read_bytes()]
+    assert "secret_file =" not in (run / "config.toml").read_text()
+    assert 'auth = "secret"' in (run / "config.toml").read_text()
+
+
+@pytest.mark.torchft_threads  # torchft in this process: after every test that forks
+def test_a_run_given_a_secret_file_keeps_it_off_disk_and_console(
+        tmp_path: Path, cache_dir: Path, capfd: pytest.CaptureFixture) -> None:
+    """The same run with its workers as threads (the gated Lighthouse a process, given the
+    secret as the launcher gives it): the workers authenticate, and the secret is in no file of
+    the run dir and on no console line it printed. (`farlink train --secret-file`, its console
+    and its worker processes:
+    test_secret_file_run_keeps_the_secret_off_disk_and_console, with the slow scenarios.)"""
+    secret = "s3cret-correct-horse-battery"
+    secret_file = tmp_path / "run.secret"
+    secret_file.write_text(secret + "\n")
+    secret_file.chmod(0o600)
+    run = tmp_path / "run"
+    cfg = load_config(None, {**TINY, "auth": "secret", "secret_file": secret_file,
+                             "run_dir": run, "cache_dir": cache_dir})
+    assert launch_in_threads(cfg).returncodes == [0, 0]  # they authenticated: they got it
+    out, err = capfd.readouterr()
+    assert secret not in out + err  # what this process printed (the CLI's: the test above)
     files = [p for p in run.rglob("*") if p.is_file()]
     assert files and not [p for p in files if secret.encode() in p.read_bytes()]
     assert "secret_file =" not in (run / "config.toml").read_text()
