@@ -21,6 +21,14 @@ BASE = {"model": "nano",
         "join_timeout": 10}
 
 
+# in the default suite instead: hivemind's end-to-end run is
+# test_run_groups::test_local_hivemind_swarm_averages_all_workers_by_default (consistent audit,
+# >= 3 rounds, learns) with int8 on real hivemind peers in
+# test_allreduce_hivemind::test_shards_go_to_their_owners_and_a_dead_owner_costs_one_round;
+# torchft's are test_train_integration::test_diloco_three_workers_agree_and_learn (3 workers,
+# bit-identical, learns) and test_every_algorithm_keeps_replicas_in_agreement[diloco-int8+ef]
+# (the quantized codec through the same threads)
+@pytest.mark.slow
 @pytest.mark.parametrize("backend", [
     # torchft in this process: after every test that forks (see conftest)
     pytest.param("torchft", marks=pytest.mark.torchft_threads), "hivemind"])

@@ -20,9 +20,16 @@ SMALL = {"model": "nano", "vocab_size": 512, "seq_len": 64, "batch_size": 4, "ev
          "warmup_steps": 5, "log_every": 5, "join_timeout": 10, "heartbeat_timeout": 3}
 
 
+# the end-to-end proof; in the default suite each part stands in on its own: the launcher's
+# measured islands (test_measured_islands_and_gated_island_lighthouses_are_planned_before_the_run),
+# the algorithm against a hand-computed reference with and without overlap
+# (test_sync_hierarchical), a hierarchical run of threads that ends bit-identical with only leaders
+# crossing islands (test_site_hierarchical::..._train_what_one_rank_sites_train[fsdp]), and a slow
+# worker under time-budgeted rounds (test_train_integration::
+# test_time_budgeted_rounds_keep_a_slow_worker_in_every_round, test_site_clock)
+@pytest.mark.slow
 @pytest.mark.torchft_threads
-@pytest.mark.parametrize("overlap", [
-    False, pytest.param(True, marks=pytest.mark.slow)], ids=["synchronous", "overlapped"])
+@pytest.mark.parametrize("overlap", [False, True], ids=["synchronous", "overlapped"])
 def test_two_islands_with_a_slow_worker_stay_bit_identical_and_learn(
         tmp_path: Path, cache_dir: Path, overlap: bool) -> None:
     # islands interleaved on purpose: they must come from the measured links, not the indices
@@ -65,6 +72,11 @@ def test_two_islands_with_a_slow_worker_stay_bit_identical_and_learn(
         "inter_bytes"]
 
 
+# in the default suite: the island Lighthouses' gates in
+# test_measured_islands_and_gated_island_lighthouses_are_planned_before_the_run, and the signed
+# island updates, hand-offs and global rounds in
+# test_sync_hierarchical::test_two_islands_match_hand_computed_reference[authenticated]
+@pytest.mark.slow
 @pytest.mark.torchft_threads
 def test_authenticated_islands_gate_their_lighthouses_and_sign_the_handoff(
         tmp_path: Path, cache_dir: Path) -> None:
@@ -102,6 +114,33 @@ def test_authenticated_islands_gate_their_lighthouses_and_sign_the_handoff(
 def test_bad_topology_or_island_flags_are_clear_errors(values: dict, message: str) -> None:
     with pytest.raises(ConfigError, match=message):
         load_config(None, {"workers": 4, **values})
+
+
+def test_measured_islands_and_gated_island_lighthouses_are_planned_before_the_run(
+        tmp_path: Path) -> None:
+    """What the launcher does before any worker starts: islands measured through the emulated
+    links (interleaved on purpose: they come from the links, not the indices), written to
+    ``network.json``, and with --auth one gated Lighthouse per island (the Lighthouse itself on
+    loopback, the gate on the address the workers are given)."""
+    from farlink.train.network import prepare_network
+
+    cfg = load_config(None, {**SMALL, "run_dir": tmp_path, "workers": 4,
+                             "algorithm": "hierarchical_diloco", "topology": "0,2|1,3",
+                             "auth": "secret", "secret": "s3cret"})
+    plan, lighthouses = prepare_network(cfg, 512)
+    try:
+        assert plan.islands == [[0, 2], [1, 3]] and plan.source == "measured"
+        network = json.loads((tmp_path / "network.json").read_text())
+        assert network["islands"] == [[0, 2], [1, 3]] and network["source"] == "measured"
+        assert len(lighthouses) == 2
+        assert plan.island_lighthouses == [lh.address for lh in lighthouses]
+        for k, lighthouse in enumerate(lighthouses):
+            assert (tmp_path / f"lighthouse-island{k}.log").exists()
+            assert lighthouse.gate is not None and lighthouse.bind_host == "127.0.0.1"
+            assert lighthouse.bind_port != lighthouse.port
+    finally:
+        for lighthouse in lighthouses:
+            lighthouse.stop()
 
 
 def test_islands_are_forced_or_kept_on_resume_without_measuring(tmp_path: Path) -> None:
