@@ -22,7 +22,7 @@ from farlink.train.metrics import read_metrics
 # last round (one group of all five) must join them
 # every shape is a whole `farlink train` run (slow): by default the same groups of two stand in
 # on the collectives (test_the_left_out_peer_skips_...), Moshpit mixing in groups of two in
-# test_moshpit_groups, and an end-to-end hivemind run in test_backends
+# test_moshpit_groups, and an end-to-end hivemind run in test_run_groups
 @pytest.mark.parametrize("shape", [
     pytest.param({}, marks=pytest.mark.slow),
     pytest.param({"ranks_per_worker": 2}, marks=pytest.mark.slow, id="sites"),
