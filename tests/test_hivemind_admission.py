@@ -49,8 +49,24 @@ def start_bootstrap(secret: str, run_dir) -> tuple[subprocess.Popen, list[str]]:
     raise AssertionError(f"no multiaddress printed; stderr: {proc.stderr.read()}")
 
 
-def test_members_train_and_non_members_are_refused(tmp_path) -> None:
-    boot, maddrs = start_bootstrap("run-secret", tmp_path / "boot")
+def start_bootstrap_in_process(secret: str) -> tuple[object, list[str]]:
+    """The bootstrap peer `farlink swarm start --auth secret` runs (its DHT with the run's
+    authorizer, built by the same function), in this process: the DHT and its multiaddress."""
+    from farlink.comm.hivemind_admission import RunAuthorizer
+    from farlink.comm.hivemind_net import start_bootstrap_peer
+
+    dht, maddrs = start_bootstrap_peer(
+        authorizer=RunAuthorizer(SharedSecretAuth(secret, "bootstrap")))
+    return dht, maddrs[:1]
+
+
+# the CLI's bootstrap process proves the same end to end (slow: it prepares the run's data)
+@pytest.mark.parametrize("bootstrap", ["in-process", pytest.param("cli", marks=pytest.mark.slow)])
+def test_members_train_and_non_members_are_refused(tmp_path, bootstrap: str) -> None:
+    if bootstrap == "cli":
+        boot, maddrs = start_bootstrap("run-secret", tmp_path / "boot")
+    else:
+        dht, maddrs = start_bootstrap_in_process("run-secret")
     a = b = mallory = None
     try:
         a, b = member("a", maddrs), member("b", maddrs)
@@ -120,7 +136,10 @@ def test_members_train_and_non_members_are_refused(tmp_path) -> None:
         for coll in (a, b, mallory):
             if coll is not None:
                 coll.close()
-        stop(boot)
+        if bootstrap == "cli":
+            stop(boot)
+        else:
+            dht.shutdown()
 
 
 def test_a_member_restarted_with_its_identity_is_proven_again_by_those_that_knew_it(

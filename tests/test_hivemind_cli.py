@@ -6,6 +6,7 @@ import signal
 import subprocess
 import sys
 
+import pytest
 from swarm_output import read_multiaddress
 
 # The swarm sub-app on its own typer app, as farlink.cli wires it via register(app, bench_app).
@@ -38,6 +39,56 @@ def test_start_prints_full_multiaddress_and_stops_on_ctrl_c(tmp_path, cache_dir)
         proc.kill()
 
 
+def swarm_in_process(*args: str, env: dict | None = None):
+    """The same swarm sub-app run in this process (typer's CliRunner): its exit code and its
+    stderr, for messages that need no process of their own."""
+    import typer
+    from typer.testing import CliRunner
+
+    from farlink.swarm.command import register
+
+    app = typer.Typer()
+    register(app, typer.Typer())
+    return CliRunner().invoke(app, ["swarm", *args], env=env)
+
+
+def test_join_with_bad_address_and_several_ranks_say_how_to_fix_in_process(tmp_path) -> None:
+    """The messages of the two process tests below (marked slow), from the same sub-app."""
+    bad = swarm_in_process("join", "--initial-peers", "127.0.0.1:4000")
+    assert bad.exit_code == 2
+    assert "not a valid multiaddress" in bad.stderr and "farlink swarm start" in bad.stderr
+
+    start = swarm_in_process("start", "--ranks-per-worker", "2", "--run-dir",
+                             str(tmp_path / "boot"))
+    assert start.exit_code == 2, start.stderr
+    assert "one process each" in start.stderr and "Drop it" in start.stderr, start.stderr
+    assert not (tmp_path / "boot").exists()
+    join = swarm_in_process("join", "--initial-peers", "/ip4/127.0.0.1/tcp/4000",
+                            env={"WORLD_SIZE": "2"})
+    assert join.exit_code == 2 and "without torchrun" in join.stderr, join.stderr
+
+
+def test_join_commands_for_a_start_on_every_interface_and_on_loopback() -> None:
+    """What ``swarm start`` prints (the process test below, marked slow): on every interface the
+    join command names an address other machines can dial and has the volunteer listen on
+    every interface too; on loopback only, neither, and the start says only this machine can
+    join (it says so exactly when ``is_loopback_only``)."""
+    from farlink.comm.hivemind_net import best_address, is_loopback_only
+    from farlink.swarm.command import join_command
+
+    everywhere = ["/ip4/127.0.0.1/tcp/4000/p2p/QmBoot", "/ip4/192.168.1.4/tcp/4000/p2p/QmBoot"]
+    args = join_command(best_address(everywhere), "d" * 64, "none").split()
+    assert args[args.index("--initial-peers") + 1] == everywhere[1]
+    assert args[args.index("--host") + 1] == "0.0.0.0" and "--public" not in args
+    assert not is_loopback_only(everywhere)
+
+    loopback = everywhere[:1]
+    args = join_command(best_address(loopback), "d" * 64, "none").split()
+    assert args[args.index("--initial-peers") + 1] == loopback[0]
+    assert "--host" not in args and "--public" not in args and is_loopback_only(loopback)
+
+
+@pytest.mark.slow  # a process for a parse error: test_join_with_bad_address_and_several_ranks_...
 def test_join_with_bad_address_says_how_to_fix() -> None:
     proc = swarm("join", "--initial-peers", "127.0.0.1:4000")
     _, err = proc.communicate(timeout=60)
@@ -45,6 +96,7 @@ def test_join_with_bad_address_says_how_to_fix() -> None:
     assert "not a valid multiaddress" in err and "farlink swarm start" in err
 
 
+@pytest.mark.slow  # two processes: test_join_with_bad_address_and_several_ranks_... in-process
 def test_volunteers_of_several_ranks_are_refused_with_what_to_do(tmp_path) -> None:
     """A volunteer is one process: a run of several ranks per worker cannot be served, and
     ``swarm join`` under torchrun would make each rank a volunteer of its own."""
@@ -60,6 +112,7 @@ def test_volunteers_of_several_ranks_are_refused_with_what_to_do(tmp_path) -> No
     assert join.returncode == 2 and "without torchrun" in err, err
 
 
+@pytest.mark.slow  # two bootstrap processes: test_join_commands_for_a_start_on_every_interface_...
 def test_start_on_every_interface_prints_a_command_for_other_machines(tmp_path, cache_dir) -> None:
     """``--host 0.0.0.0``: the printed join command names an address other machines can dial
     (not loopback, when the machine has another) and has the volunteer listen on every
@@ -145,3 +198,23 @@ def test_a_nat_is_seen_when_the_bootstrap_peer_sees_none_of_the_volunteers_addre
     assert nat_in_between("/ip4/127.0.0.1/tcp/40111", own[:1]) is None  # one machine
     assert nat_in_between(None, own) is None  # an older bootstrap peer does not say
     assert nat_in_between("/ip4/84.17.40.9/tcp/4001/p2p/QmR/p2p-circuit", own) is None
+
+
+def test_the_bootstrap_peer_tells_a_volunteer_on_its_machine_where_it_came_from() -> None:
+    """The definition fetch of test_hivemind_nat (netns, marked slow) on one machine, in this
+    process: the bootstrap peer serves the blob and says which address the request came from,
+    one of the fetching peer's own, so no NAT is seen (the NAT case of ``nat_in_between`` is
+    the test above)."""
+    from farlink.comm.hivemind_net import best_address, nat_in_between, start_bootstrap_peer
+    from farlink.swarm.definition import DefinitionServer, fetch_definition
+
+    dht, maddrs = start_bootstrap_peer("127.0.0.1", 0, False)
+    server = DefinitionServer(dht, b'{"run": "nat"}')
+    try:
+        got = fetch_definition([best_address(maddrs)], None, "0.0.0.0", timeout=60)
+    finally:
+        server.close()
+        dht.shutdown()
+    assert got.blob == b'{"run": "nat"}'
+    assert got.seen_from is not None and got.seen_from.startswith("/ip4/127.0.0.1/tcp/")
+    assert nat_in_between(got.seen_from, got.own_maddrs) is None

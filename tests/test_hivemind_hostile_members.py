@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 
+import pytest
 import torch
 from test_hivemind_early_matchmaking import FAST, in_threads
 
@@ -179,6 +180,8 @@ def test_malformed_metadata_fails_the_round_cleanly_and_the_member_is_left_out()
         close_all(members)
 
 
+@pytest.mark.slow  # six rounds of four peers; left out and committing again by default in
+# test_hostile_members::test_a_member_that_always_votes_no_is_left_out
 def test_an_always_no_voter_is_named_then_excluded_and_rounds_commit_again() -> None:
     """Three honest members and one that always votes no: each failed round names it; after it
     made three consecutive rounds fail the honest members leave it out and commit again."""

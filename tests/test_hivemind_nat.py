@@ -15,6 +15,10 @@ from farlink.emulate.topology import Topology
 
 CAPS = detect_capabilities()
 pytestmark = [
+    # four Python processes in namespaces; on one machine the same fetch runs by default in
+    # test_hivemind_cli::test_the_bootstrap_peer_tells_a_volunteer_on_its_machine_where_it_came_from
+    # and the NAT case of nat_in_between in test_hivemind_cli::test_a_nat_is_seen_when_...
+    pytest.mark.slow,
     pytest.mark.netns,
     pytest.mark.skipif(not CAPS.full, reason=f"namespace emulation unavailable: {CAPS.reason}"),
 ]

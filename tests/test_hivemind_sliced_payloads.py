@@ -6,6 +6,7 @@ after such a round leaves nothing pending on the collective's loop."""
 
 from __future__ import annotations
 
+import asyncio
 import random
 import subprocess
 import sys
@@ -62,6 +63,10 @@ def sliced_rounds() -> tuple[dict, dict, dict]:
 
 def test_payloads_split_over_streams_arrive_whole_in_rank_order() -> None:
     members, big, small = sliced_rounds()
+    for name, coll in members.items():  # closed: nothing left pending on its loop (the process
+        # test below, slow, also sees that no task is destroyed pending at exit)
+        pending = asyncio.all_tasks(coll._loop)
+        assert not pending, (name, pending)
 
     for size, results in ((BIG, big), (SMALL, small)):
         order = results["a"][0].peers  # rank order: the same list on every member
@@ -96,6 +101,8 @@ def test_slices_cover_the_payload_and_bad_slice_requests_are_refused() -> None:
             slice_in(bad)
 
 
+@pytest.mark.slow  # a process for the same rounds: by default the loops' pending tasks are
+# checked after test_payloads_split_over_streams_arrive_whole_in_rank_order's rounds
 def test_closing_after_a_round_leaves_no_task_pending() -> None:
     """Handlers still waiting when the collective closes (a fetch waiting out its deadline)
     are cancelled, not dropped with the stopped loop: no "Task was destroyed but it is
