@@ -301,22 +301,30 @@ def test_hierarchical_diloco_with_islands_the_user_forms() -> None:
     """Two islands of two replicas (threads, in-process collectives): every replica passes its
     island's collective, each island's leader also the collective the leaders share. After two
     global rounds every replica holds the same committed state; only leaders crossed the slow
-    link."""
+    link. The shared model learned: its loss on data no replica trained on fell."""
     from island_threads import run_islands
+
+    def heldout(model: nn.Module) -> float:
+        with torch.no_grad():
+            return sum(nn.functional.mse_loss(model(x), y).item()
+                       for x, y in (data(99, step) for step in range(4)))
 
     def member(worker: int, island, leaders) -> tuple:  # noqa: ANN001
         with _INIT:
             torch.manual_seed(0)
             model = Tiny()
+        before = heldout(model)
         sync = farlink.Optimizer(
             model, torch.optim.SGD(model.parameters(), lr=0.05), index=worker,
             algorithm="hierarchical_diloco", backend="inprocess", steps=8, inner_steps=4,
             island_steps=2, collective=island, global_collective=leaders)
         user_loop(sync, model, worker, 0, 8)
-        return sync.fingerprint(), sync.outer_step, sync.metrics()
+        return sync.fingerprint(), sync.outer_step, sync.metrics(), before, heldout(model)
 
     results = run_islands(member)
     assert len({r[0] for r in results}) == 1 and all(r[1] == 2 for r in results)
+    assert all(after < 0.9 * before for *_, before, after in results), \
+        [(before, after) for *_, before, after in results]
     crossed = [r[2]["inter_bytes"] > 0 for r in results]
     assert crossed == [True, False, True, False]
 
