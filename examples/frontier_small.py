@@ -67,6 +67,33 @@ fp32 = next((r for r in doc["rows"] if r["label"] == "diloco-fp32"), None)
 for r in doc["rows"]:  # each row's loss against DiLoCo fp32's too
     if fp32 is not None:
         r["loss_vs_diloco_fp32"] = r["final_heldout_loss"] / fp32["final_heldout_loss"] - 1
+# seeds past the last complete stage that some rows already have (an interrupted stage, or
+# seeds trained by another process into the same run store): each row's every seed, their
+# mean and the mean's gap to DDP's mean over its own seeds, beside the stage's uniform table
+every_seed = {r["label"]: dict(enumerate(r.get("heldout_loss_seeds",
+                                                [r["final_heldout_loss"]])))
+              for r in doc["rows"]}
+for r in doc["rows"]:
+    for s in range(len(every_seed[r["label"]]), 3):
+        path = out / "frontier" / "final" / f"{r['label']}-seed{s}.json"
+        if path.is_file() and json.loads(path.read_text())["config"].get("seed") == s:
+            every_seed[r["label"]][s] = json.loads(path.read_text())["final_heldout_loss"]
+
+
+def mean(values) -> float:  # noqa: ANN001
+    return sum(values) / len(values)
+
+
+for r in doc["rows"]:
+    losses = every_seed[r["label"]]
+    r["seeds_every_run"], r["heldout_loss_every_seed_run"] = list(losses), list(losses.values())
+    r["heldout_loss_mean_every_seed_run"] = mean(losses.values())
+    if "ddp" in every_seed:
+        r["loss_vs_ddp_every_seed_run"] = (r["heldout_loss_mean_every_seed_run"]
+                                           / mean(every_seed["ddp"].values()) - 1)
+    if "diloco-fp32" in every_seed:
+        r["loss_vs_diloco_fp32_every_seed_run"] = (r["heldout_loss_mean_every_seed_run"]
+                                                   / mean(every_seed["diloco-fp32"].values()) - 1)
 if nano_path.is_file():
     nano = json.loads(nano_path.read_text())
     by_label = {r["label"]: r for r in nano["rows"]}
@@ -90,7 +117,7 @@ if "nano" in doc:
             continue
         n = doc["nano"]["rows"][r["label"]]
         xs = [n["bytes_per_token_reduction_vs_ddp"], r["bytes_per_token_reduction_vs_ddp"]]
-        ys = [100 * n["loss_vs_ddp"], 100 * r["loss_vs_ddp"]]
+        ys = [100 * n["loss_vs_ddp"], 100 * r["loss_vs_ddp_every_seed_run"]]
         line, = ax.plot(xs, ys, linewidth=0.8, alpha=0.6)
         ax.scatter(xs[0], ys[0], marker="o", color=line.get_color(), s=30)
         ax.scatter(xs[1], ys[1], marker="s", color=line.get_color(), s=40, label=r["label"])
@@ -101,9 +128,9 @@ if "nano" in doc:
     ax.set_xscale("log")
     ax.set_xlabel("bytes per token, fewer than DDP (x)")
     ax.set_ylabel("held-out loss vs DDP (%)")
-    seeds_run = max(len(r.get("seeds", [0])) for r in doc["rows"])
-    ax.set_title(f"gap to DDP: nano (circles, 3 seeds) -> small (squares, {seeds_run} "
-                 f"seed{'s' if seeds_run > 1 else ''})")
+    counts = sorted({len(r["seeds_every_run"]) for r in doc["rows"]})
+    ax.set_title(f"gap to DDP: nano (circles, 3 seeds) -> small (squares, "
+                 f"{'-'.join(map(str, (counts[0], counts[-1])[:len(counts)]))} seeds per row)")
     ax.grid(alpha=0.3, which="both")
     ax.legend(fontsize=7)
     save_figure(fig, out / "frontier-vs-nano.png")
