@@ -270,9 +270,10 @@ def compare(rows: list[dict]) -> list[dict]:
     return rows
 
 
-def plot_frontier(path: Path, rows: list[dict]) -> Path:
+def plot_frontier(path: Path, rows: list[dict], swept: bool = True) -> Path:
     """Held-out loss against bytes per token (log x), the Pareto front drawn through its points,
-    and DDP's +2% line."""
+    and DDP's +2% line; ``swept``: whether the lrs came from the bench's sweep (the title says
+    which)."""
     plt = pyplot()
     fig, ax = plt.subplots(figsize=(7.5, 4.8))
     for r in rows:
@@ -298,8 +299,9 @@ def plot_frontier(path: Path, rows: list[dict]) -> Path:
     ax.set_xlabel("bytes sent per worker per token")
     ax.set_ylabel("held-out loss")
     seeds = max((len(r.get("seeds", [0])) for r in rows), default=1)
-    ax.set_title("held-out loss vs bytes per token (each method at its swept lrs)"
-                 + (f"; mean of {seeds} seeds, bars: their range" if seeds > 1 else ""))
+    ax.set_title("held-out loss vs bytes per token ("
+                 + ("each method at its swept lrs" if swept else "lrs given, not swept") + ")"
+                 + (f";\nmean of {seeds} seeds, bars: their range" if seeds > 1 else ""))
     ax.grid(alpha=0.3, which="both")
     ax.legend(fontsize=7)
     return save_figure(fig, path)
@@ -438,5 +440,5 @@ def run(out: Path, base: dict[str, Any], sweep_steps: int, inner_steps: int,
         if plot:
             time_to_loss.plot(out / "frontier-time-to-loss.png", doc["time_to_loss"])
     if plot:
-        plot_frontier(out / "frontier.png", rows)
+        plot_frontier(out / "frontier.png", rows, swept=sweep_steps > 0)
     return {"rows": rows, **doc}
