@@ -11,10 +11,12 @@ import pytest
 
 from farlink.bench.frontier import (
     Family,
+    Method,
     ablations,
     edge_extensions,
     equal_tokens,
     families,
+    grid,
     methods,
     pareto_front,
     run,
@@ -22,6 +24,7 @@ from farlink.bench.frontier import (
 )
 from farlink.bench.inprocess import train_in_process
 from farlink.comm.base import ring_allreduce_bytes
+from farlink.model import preset_config
 
 STEPS, SWEEP_STEPS, H, WORKERS, BATCH, SEQ = 4, 2, 2, 2, 2, 16
 
@@ -325,3 +328,43 @@ def test_time_to_loss_priced_at_larger_sizes_from_a_toy_frontier(tmp_path: Path)
     for a, b in zip(small["profiles"]["home"]["rows"], large["profiles"]["home"]["rows"]):
         assert b["bytes_per_round_planned"] > 5 * a["bytes_per_round_planned"]
         assert b["seconds_per_step"] > a["seconds_per_step"]
+
+
+def test_given_lrs_train_at_another_preset_without_a_sweep(
+        tmp_path: Path, cache_dir: Path) -> None:
+    """``sweep_steps=0`` (lrs carried over from another size's sweep): nothing is swept, each
+    family runs at the one point it names, recorded as not swept; the run's ``model`` preset is
+    the model every row trains (``small``'s parameter count); a family naming several points is
+    refused before anything trains."""
+    calls: list[str] = []
+
+    def train(label: str, values: dict, eval_points: int) -> dict:
+        calls.append(label)
+        return train_in_process(label, values, eval_points=eval_points)
+
+    base = {"model": "small", "workers": WORKERS, "steps": STEPS, "batch_size": BATCH,
+            "seq_len": SEQ, "warmup_steps": 1, "eval_batches": 2, "vocab_size": 300,
+            "cache_dir": cache_dir}
+    fams = [Family("ddp", {"algorithm": "ddp"}, grid(lr=[3e-3])),
+            Family("diloco", {"algorithm": "diloco", "inner_steps": H},
+                   grid(lr=[1e-2], outer_lr=[0.3]))]
+    rows = [Method("ddp", "ddp"), Method("diloco-fp32", "diloco")]
+    result = run(tmp_path, base, 0, H, family_list=fams, method_list=rows, train=train,
+                 plot=False)
+    assert calls == ["ddp", "diloco-fp32"]  # no sweep run
+    sweep = result["sweep"]["diloco"]
+    assert sweep["best"] == {"lr": 1e-2, "outer_lr": 0.3}
+    assert sweep["points"] == [] and sweep["steps"] == 0 and "not_swept" in sweep
+    ddp, diloco = result["rows"]
+    assert ddp["config"]["lr"] == 3e-3 and ddp["lrs_from_sweep"] == {"lr": 3e-3}
+    assert (diloco["config"]["lr"], diloco["config"]["outer_lr"]) == (1e-2, 0.3)
+    small = preset_config("small", vocab_size=300, seq_len=SEQ).num_parameters()
+    assert small > 10 * preset_config("nano", vocab_size=300, seq_len=SEQ).num_parameters()
+    assert ddp["params"] == diloco["params"] == small
+    assert diloco["bytes_per_token_reduction_vs_ddp"] == pytest.approx(H, rel=0.01)
+
+    two_points = [Family("ddp", {"algorithm": "ddp"}, grid(lr=[1e-3, 3e-3]))]
+    with pytest.raises(ValueError, match="ddp list several"):
+        run(tmp_path / "refused", base, 0, H, family_list=two_points,
+            method_list=[Method("ddp", "ddp")], train=train, plot=False)
+    assert calls == ["ddp", "diloco-fp32"]

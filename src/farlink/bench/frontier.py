@@ -270,9 +270,10 @@ def compare(rows: list[dict]) -> list[dict]:
     return rows
 
 
-def plot_frontier(path: Path, rows: list[dict]) -> Path:
+def plot_frontier(path: Path, rows: list[dict], swept: bool = True) -> Path:
     """Held-out loss against bytes per token (log x), the Pareto front drawn through its points,
-    and DDP's +2% line."""
+    and DDP's +2% line; ``swept``: whether the lrs came from the bench's sweep (the title says
+    which)."""
     plt = pyplot()
     fig, ax = plt.subplots(figsize=(7.5, 4.8))
     for r in rows:
@@ -298,8 +299,9 @@ def plot_frontier(path: Path, rows: list[dict]) -> Path:
     ax.set_xlabel("bytes sent per worker per token")
     ax.set_ylabel("held-out loss")
     seeds = max((len(r.get("seeds", [0])) for r in rows), default=1)
-    ax.set_title("held-out loss vs bytes per token (each method at its swept lrs)"
-                 + (f"; mean of {seeds} seeds, bars: their range" if seeds > 1 else ""))
+    ax.set_title("held-out loss vs bytes per token ("
+                 + ("each method at its swept lrs" if swept else "lrs given, not swept") + ")"
+                 + (f";\nmean of {seeds} seeds, bars: their range" if seeds > 1 else ""))
     ax.grid(alpha=0.3, which="both")
     ax.legend(fontsize=7)
     return save_figure(fig, path)
@@ -352,9 +354,17 @@ def run(out: Path, base: dict[str, Any], sweep_steps: int, inner_steps: int,
     profiles): each method's time to reach DDP's and the best local method's loss on them, the
     curves and the compute measured, the links priced by the planner
     (:mod:`farlink.bench.time_to_loss`), into the JSON's ``time_to_loss`` and
-    ``out/frontier-time-to-loss.png``."""
+    ``out/frontier-time-to-loss.png``. ``sweep_steps=0`` sweeps nothing: every family runs at
+    the one lr point its grid names (lrs carried over from a sweep at another size, where a
+    sweep at this one does not fit the machine); a family with several points is refused."""
     store = RunStore(out / "frontier", reuse, train)
     fams = {f.name: f for f in (family_list or families(inner_steps))}
+    if sweep_steps == 0:  # lrs given, not swept: each family must name exactly one point
+        several = [f.name for f in fams.values() if len(f.grid) != 1]
+        if several:
+            raise ValueError(f"sweep_steps=0 runs every family at its one given lr point; "
+                             f"{', '.join(several)} list several: sweep them (sweep_steps > 0) "
+                             f"or keep one point each")
     chosen = [m for m in (method_list or methods()) if not only or m.label in only]
     sweep: dict[str, dict[str, Any]] = {}
     rows: list[dict] = []
@@ -381,6 +391,10 @@ def run(out: Path, base: dict[str, Any], sweep_steps: int, inner_steps: int,
     def best_lrs(fam: Family) -> dict[str, Any]:
         """The family's grid, extended outwards while its best point lies on an edge (at most
         MAX_EXTENSIONS rounds; the JSON records each added point and any edge left)."""
+        if fam.name not in sweep and sweep_steps == 0:
+            sweep[fam.name] = {"steps": 0, "grid": fam.grid, "extended": [], "points": [],
+                               "best": fam.grid[0], "edge_left_untried": [],
+                               "not_swept": "lrs given (sweep_steps=0)"}
         if fam.name not in sweep:
             points: list[dict[str, Any]] = []
             axes = list(fam.grid[0])
@@ -426,5 +440,5 @@ def run(out: Path, base: dict[str, Any], sweep_steps: int, inner_steps: int,
         if plot:
             time_to_loss.plot(out / "frontier-time-to-loss.png", doc["time_to_loss"])
     if plot:
-        plot_frontier(out / "frontier.png", rows)
+        plot_frontier(out / "frontier.png", rows, swept=sweep_steps > 0)
     return {"rows": rows, **doc}
