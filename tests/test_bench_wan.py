@@ -117,3 +117,19 @@ def test_the_outer_step_off_the_critical_path_is_a_variant_and_planned_as_one(
     eager, blocking = validate_planner(rows, get_profile("intercontinental"), tmp_path)[
         "predicted"]
     assert eager["utilization"] > blocking["utilization"]
+
+
+def test_a_round_sent_in_the_background_is_counted_between_sync_records(tmp_path: Path) -> None:
+    """With the outer step off the critical path a round's bytes go out during the next phase's
+    steps: the sync record adds nothing to the step before it (the peak read 0)."""
+    from farlink.bench.wan import peak_round_bytes
+
+    metrics = tmp_path / "metrics"
+    metrics.mkdir()
+    records = [{"kind": "step", "bytes_sent": 0}, {"kind": "sync", "bytes_sent": 0},
+               {"kind": "step", "bytes_sent": 600}, {"kind": "step", "bytes_sent": 1000},
+               {"kind": "sync", "bytes_sent": 1000}, {"kind": "step", "bytes_sent": 2000},
+               {"kind": "sync", "bytes_sent": 2000}]
+    (metrics / "w0.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    assert peak_round_bytes(tmp_path) == 0  # as a blocking round's record is read
+    assert peak_round_bytes(tmp_path, in_background=True) == 1000

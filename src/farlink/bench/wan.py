@@ -22,15 +22,19 @@ from farlink.links import LinkProfile
 from farlink.train.metrics import read_metrics
 
 
-def peak_round_bytes(run_dir: Path) -> int:
-    """Largest number of bytes one worker sent in a single round."""
+def peak_round_bytes(run_dir: Path, in_background: bool = False) -> int:
+    """Largest number of bytes one worker sent in a single round: what the sync step's record
+    adds to the step's before it, or, for rounds sent ``in_background`` (an outer step off the
+    critical path, whose bytes go out during the next phase's steps), what one sync record adds
+    to the previous sync record."""
     records = [r for r in read_metrics(run_dir / "metrics" / "w0.jsonl")
                if r["kind"] in ("step", "sync")]
     peak, previous = 0, 0
     for r in records:
         if r["kind"] == "sync":
             peak = max(peak, r["bytes_sent"] - previous)
-        previous = r["bytes_sent"]
+        if r["kind"] == "sync" or not in_background:
+            previous = r["bytes_sent"]
     return peak
 
 
@@ -109,7 +113,8 @@ def run(out: Path, profile: str, steps: int, inner_steps: int, workers: int, fra
         row["load_average_1_5_15_min"] = {"start": load_start,
                                           "end": [round(x, 2) for x in os.getloadavg()]}
         row["outer_overlap"] = overrides.get("outer_overlap", "none")
-        row["peak_round_bytes"] = peak_round_bytes(out / "runs" / run_label)
+        row["peak_round_bytes"] = peak_round_bytes(out / "runs" / run_label,
+                                                   "outer_overlap" in overrides)
         row["utilization_per_worker"] = {w: round(v["compute_utilization"], 3)
                                          for w, v in row["per_worker"].items()}
         # process start to first step, as a share of the worker's whole wall-clock
