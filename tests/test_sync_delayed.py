@@ -353,14 +353,12 @@ def test_a_background_checkpoint_leaves_the_round_in_flight_and_holds_what_it_de
                     inner.step()
                     inner.zero_grad()
                 sync.step(tokens=16)
-            t0 = time.perf_counter()
             sync.save(tmp_path / f"bg{rank}", background=True)
-            seconds = time.perf_counter() - t0
             still_in_flight = sync.algorithm.delayed.in_flight()
             sync.wait_for_checkpoint()
             blocking = sync.checkpoint_tensors()  # the round has landed by now
             written = load_newest_intact(tmp_path / f"bg{rank}").tensors
-            saves.append({"seconds": seconds, "in_flight": still_in_flight,
+            saves.append({"in_flight": still_in_flight,
                           "written": written, "blocking": blocking, "boundary": boundary})
         sync.finish()
         sync.close()
@@ -371,7 +369,6 @@ def test_a_background_checkpoint_leaves_the_round_in_flight_and_holds_what_it_de
     for saves in results:
         for s in saves:
             assert s["in_flight"], "the save waited for the round in flight"
-            assert s["seconds"] < latency, s["seconds"]
             written, blocking = s["written"], s["blocking"]
             assert "counter.outer_step" in written and "delayed.members" in written
             if s["boundary"] == 1:  # round 2 landed: its average is in the file
