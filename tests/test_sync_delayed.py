@@ -320,13 +320,18 @@ def test_a_stop_request_ends_the_wait_for_the_round_in_flight() -> None:
     assert isinstance(raised[0], KeyboardInterrupt) and "delayed round" in str(raised[0])
 
 
-@pytest.mark.parametrize("name", ["diloco", "sparseloco"])
+@pytest.mark.parametrize(("name", "slow_round_start"),
+                         [("diloco", False), ("sparseloco", False), ("diloco", True)])
 def test_a_background_checkpoint_leaves_the_round_in_flight_and_holds_what_it_decided(
-        name: str, tmp_path) -> None:  # noqa: ANN001
+        name: str, slow_round_start: bool, tmp_path) -> None:  # noqa: ANN001
     """A checkpoint at the boundary, just after the round was launched, must not wait for that
     round in the training loop (with a checkpoint every round that wait put the whole WAN
     exchange back on the critical path); the file it writes still holds what the round
-    decided: the same tensors as a checkpoint taken after the round landed."""
+    decided: the same tensors as a checkpoint taken after the round landed.
+
+    ``slow_round_start``: the wait for the last write (``before_round``) takes 0.3 s, as a
+    round's thread that a busy machine starts late: the write submitted meanwhile waits for
+    that round, so a round that waited for it from its own thread never ended."""
     import farlink
     from farlink.state.checkpoint import load_newest_intact
 
@@ -343,6 +348,14 @@ def test_a_background_checkpoint_leaves_the_round_in_flight_and_holds_what_it_de
                                  algorithm=name, steps=20, inner_steps=5, warmup_steps=0,
                                  outer_overlap="eager",
                                  **({} if name == "sparseloco" else {"codec": "int4+ef"}))
+        if slow_round_start:
+            land_last_write = sync.algorithm.before_round
+
+            def late() -> None:
+                time.sleep(0.3)
+                land_last_write()
+
+            sync.algorithm.before_round = late
         gen = torch.Generator().manual_seed(rank + 1)
         saves = []
         for boundary in range(2):
@@ -365,7 +378,7 @@ def test_a_background_checkpoint_leaves_the_round_in_flight_and_holds_what_it_de
         return saves
 
     results = InProcessGroup(2, LinkModel(bandwidth_bytes_per_s=1e9, latency_s=latency)).run(
-        member, timeout=120)
+        member, timeout=60)
     for saves in results:
         for s in saves:
             assert s["in_flight"], "the save waited for the round in flight"

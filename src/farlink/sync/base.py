@@ -566,15 +566,17 @@ class SyncAlgorithm(ABC):
         optimizer.zero_grad(set_to_none=True)
 
     def run_round(
-        self, build: callable, apply: callable, weight: float
+        self, build: callable, apply: callable, weight: float, before: bool = True
     ) -> tuple[bool, float, RoundInfo | None]:
         """One fault-tolerant round: quorum, exchange, commit; retried after a failure.
+        ``before`` false: the caller already ran ``before_round`` (a delayed round does, in the
+        training thread, before its own thread starts).
 
         ``build(info)`` returns the named tensors to send (called after the quorum, so a worker
         healed in this quorum sends its freshly loaded state's update); ``apply(result, info)`` runs
         only when every participant committed. Returns (committed, seconds blocked, round info).
         """
-        if self.before_round is not None:
+        if before and self.before_round is not None:
             self.before_round()
         start = time.perf_counter()
         if self._round_ended is not None:

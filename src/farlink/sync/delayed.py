@@ -130,9 +130,15 @@ class DelayedOuterStep:
 
         def run() -> tuple[bool, RoundInfo | None, ExchangeResult | None]:
             results: list[ExchangeResult] = []
-            committed, _, info = algo.run_round(build, lambda r, i: results.append(r), weight)
+            committed, _, info = algo.run_round(build, lambda r, i: results.append(r), weight,
+                                                before=False)
             return committed, info, results[0] if results else None
 
+        # the last checkpoint write lands first, here: it waits for the round before this one
+        # (landed already). In the round's own thread it could meet the write of this very
+        # round's boundary, submitted meanwhile, which waits for this round: a deadlock.
+        if algo.before_round is not None:
+            algo.before_round()
         self._update = update
         self._future = self._executor.submit(run)
 
