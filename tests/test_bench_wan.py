@@ -99,3 +99,37 @@ def test_demo_and_sparseloco_are_priced_with_the_codec_their_run_sent_with(
     wrong = predict_round("demo", WORKERS, 0.1, link.bandwidth_bps, link.latency_s,
                           n_params=n_params, codec="dct_topk:64:32")
     assert wrong.bytes_sent_per_round < 0.1 * WORKERS * n_params
+
+
+def test_the_outer_step_off_the_critical_path_is_a_variant_and_planned_as_one(
+        tmp_path: Path) -> None:
+    """``--outer-overlap eager`` adds DiLoCo int4+ef with its outer step one round late, and the
+    planner check prices that run with the round hidden behind the next phase, not as a
+    blocking round."""
+    labels = dict(variants(50, 4, outer_overlap="eager"))
+    assert labels["diloco-H50-int4-eager"] == {"algorithm": "diloco", "codec": "int4+ef",
+                                               "outer_overlap": "eager"}
+    assert not any("eager" in label for label, _ in variants(50, 4))
+    for label in ("eager", "blocking"):
+        write_round_logs(tmp_path / label, rounds=4)
+    rows = [row("eager", "diloco", "int4+ef") | {"outer_overlap": "eager"},
+            row("blocking", "diloco", "int4+ef")]
+    eager, blocking = validate_planner(rows, get_profile("intercontinental"), tmp_path)[
+        "predicted"]
+    assert eager["utilization"] > blocking["utilization"]
+
+
+def test_a_round_sent_in_the_background_is_counted_between_sync_records(tmp_path: Path) -> None:
+    """With the outer step off the critical path a round's bytes go out during the next phase's
+    steps: the sync record adds nothing to the step before it (the peak read 0)."""
+    from farlink.bench.wan import peak_round_bytes
+
+    metrics = tmp_path / "metrics"
+    metrics.mkdir()
+    records = [{"kind": "step", "bytes_sent": 0}, {"kind": "sync", "bytes_sent": 0},
+               {"kind": "step", "bytes_sent": 600}, {"kind": "step", "bytes_sent": 1000},
+               {"kind": "sync", "bytes_sent": 1000}, {"kind": "step", "bytes_sent": 2000},
+               {"kind": "sync", "bytes_sent": 2000}]
+    (metrics / "w0.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    assert peak_round_bytes(tmp_path) == 0  # as a blocking round's record is read
+    assert peak_round_bytes(tmp_path, in_background=True) == 1000

@@ -318,3 +318,79 @@ def test_a_stop_request_ends_the_wait_for_the_round_in_flight() -> None:
         interrupt.STOP.clear()
     assert not waiter.is_alive(), "the wait slept through the stop request"
     assert isinstance(raised[0], KeyboardInterrupt) and "delayed round" in str(raised[0])
+
+
+@pytest.mark.parametrize(("name", "slow_round_start"),
+                         [("diloco", False), ("sparseloco", False), ("diloco", True)])
+def test_a_background_checkpoint_leaves_the_round_in_flight_and_holds_what_it_decided(
+        name: str, slow_round_start: bool, tmp_path) -> None:  # noqa: ANN001
+    """A checkpoint at the boundary, just after the round was launched, must not wait for that
+    round in the training loop (with a checkpoint every round that wait put the whole WAN
+    exchange back on the critical path); the file it writes still holds what the round
+    decided: the same tensors as a checkpoint taken after the round landed.
+
+    ``slow_round_start``: the wait for the last write (``before_round``) takes 0.3 s, as a
+    round's thread that a busy machine starts late: the write submitted meanwhile waits for
+    that round, so a round that waited for it from its own thread never ended."""
+    import farlink
+    from farlink.state.checkpoint import load_newest_intact
+
+    latency = 0.5  # a round takes >= 2 latencies: 1 s
+    init = threading.Lock()
+
+    def member(rank: int, collective):  # noqa: ANN001, ANN202
+        with init:
+            torch.manual_seed(0)
+            model = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 8))
+        inner = torch.optim.SGD(model.parameters(), lr=0.05)
+        sync = farlink.Optimizer(model, None if name == "sparseloco" else inner,
+                                 collective=collective, index=rank, backend="inprocess",
+                                 algorithm=name, steps=20, inner_steps=5, warmup_steps=0,
+                                 outer_overlap="eager",
+                                 **({} if name == "sparseloco" else {"codec": "int4+ef"}))
+        if slow_round_start:
+            land_last_write = sync.algorithm.before_round
+
+            def late() -> None:
+                time.sleep(0.3)
+                land_last_write()
+
+            sync.algorithm.before_round = late
+        gen = torch.Generator().manual_seed(rank + 1)
+        saves = []
+        for boundary in range(2):
+            for _ in range(5):
+                x = torch.randn(16, 8, generator=gen)
+                (model(x) - x).pow(2).mean().backward()
+                if name == "sparseloco":
+                    inner.step()
+                    inner.zero_grad()
+                sync.step(tokens=16)
+            sync.save(tmp_path / f"bg{rank}", background=True)
+            still_in_flight = sync.algorithm.delayed.in_flight()
+            sync.wait_for_checkpoint()
+            blocking = sync.checkpoint_tensors()  # the round has landed by now
+            written = load_newest_intact(tmp_path / f"bg{rank}").tensors
+            saves.append({"in_flight": still_in_flight,
+                          "written": written, "blocking": blocking, "boundary": boundary})
+        sync.finish()
+        sync.close()
+        return saves
+
+    results = InProcessGroup(2, LinkModel(bandwidth_bytes_per_s=1e9, latency_s=latency)).run(
+        member, timeout=60)
+    for saves in results:
+        for s in saves:
+            assert s["in_flight"], "the save waited for the round in flight"
+            written, blocking = s["written"], s["blocking"]
+            assert "counter.outer_step" in written and "delayed.members" in written
+            if s["boundary"] == 1:  # round 2 landed: its average is in the file
+                assert any(k.startswith("delayed.avg.") for k in written)
+                assert int(written["counter.outer_step"]) == 2
+            if name == "diloco":
+                assert any(k.startswith("residual.") for k in written)
+            # (save adds what this member knows of its peers, trust.*, beside the state)
+            assert {k for k in written if not k.startswith("trust.")} == set(blocking)
+            for k, v in blocking.items():
+                if k != "rng.torch":  # the peers are threads of one process: one torch RNG
+                    assert torch.equal(written[k], v), k

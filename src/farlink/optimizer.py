@@ -443,13 +443,22 @@ class Optimizer(torch.optim.Optimizer):
         if self.site is not None:
             return self._save_site(directory, step, meta, background)
         meta[TRUST], trust_tensors = self.exchange.trust_state()
-        tensors = {**self.checkpoint_tensors(), **trust_tensors}
         if not background:
+            tensors = {**self.checkpoint_tensors(), **trust_tensors}
             self.checkpoint_writes.wait()
             return save_checkpoint(directory, step, tensors, meta)
+        # what a round still in flight decides (an outer step off the critical path) is
+        # waited for by the write's thread: the loop goes on at once
+        now, rest = self.algorithm.checkpoint_parts()
+        tensors = {**now, "rng.torch": torch.get_rng_state(), **trust_tensors}
         # the live tensors change at the next inner step: the write gets its own copy
         snapshot = {k: v.detach().clone() for k, v in tensors.items()}
-        self.checkpoint_writes.submit(lambda: save_checkpoint(directory, step, snapshot, meta))
+
+        def write() -> Path:
+            snapshot.update(rest())
+            return save_checkpoint(directory, step, snapshot, meta)
+
+        self.checkpoint_writes.submit(write)
         return checkpoint_path(directory, step)
 
     def _save_site(self, directory: Path, step: int, meta: dict, background: bool) -> Path:

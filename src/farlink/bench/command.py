@@ -506,14 +506,19 @@ def register(app: typer.Typer, bench_app: typer.Typer) -> None:
         overlap_steps: int | None = typer.Option(
             None, help="Streaming DiLoCo: inner steps each fragment's exchange overlaps "
             "(default about H / (2 x fragments) - 1)"),
+        outer_overlap: str = typer.Option(
+            "none", help="delayed or eager: also run DiLoCo int4+ef with its outer step one round "
+            "late (its exchange beside the next round's compute)"),
     ) -> None:
         """DDP vs DiLoCo vs Streaming DiLoCo vs SparseLoCo vs DeMo on an emulated WAN link."""
         from farlink.bench.wan import run
 
         if emulation not in ("auto", "netns", "inprocess"):
             raise typer.BadParameter("choose auto, netns or inprocess", param_hint="--emulation")
+        if outer_overlap not in ("none", "delayed", "eager"):
+            raise typer.BadParameter("choose none, delayed or eager", param_hint="--outer-overlap")
         result = run(out, profile, steps, inner_steps, workers, fragments, only, emulation,
-                     bandwidth_mbit, reuse, overlap_steps)
+                     bandwidth_mbit, reuse, overlap_steps, outer_overlap)
         print_rows(result["rows"], ["label", "final_heldout_loss", "bytes_per_token",
                                     "peak_round_bytes", "compute_utilization", "wall_s"],
                    f"farlink bench wan --profile {profile}")

@@ -22,26 +22,36 @@ from farlink.links import LinkProfile
 from farlink.train.metrics import read_metrics
 
 
-def peak_round_bytes(run_dir: Path) -> int:
-    """Largest number of bytes one worker sent in a single round."""
+def peak_round_bytes(run_dir: Path, in_background: bool = False) -> int:
+    """Largest number of bytes one worker sent in a single round: what the sync step's record
+    adds to the step's before it, or, for rounds sent ``in_background`` (an outer step off the
+    critical path, whose bytes go out during the next phase's steps), what one sync record adds
+    to the previous sync record."""
     records = [r for r in read_metrics(run_dir / "metrics" / "w0.jsonl")
                if r["kind"] in ("step", "sync")]
     peak, previous = 0, 0
     for r in records:
         if r["kind"] == "sync":
             peak = max(peak, r["bytes_sent"] - previous)
-        previous = r["bytes_sent"]
+        if r["kind"] == "sync" or not in_background:
+            previous = r["bytes_sent"]
     return peak
 
 
 def variants(inner_steps: int, fragments: int,
-             overlap_steps: int | None = None) -> list[tuple[str, dict]]:
+             overlap_steps: int | None = None,
+             outer_overlap: str = "none") -> list[tuple[str, dict]]:
     """The benchmark's runs. Streaming DiLoCo overlaps each fragment's exchange with
     ``overlap_steps`` inner steps (default: about half the steps between fragment syncs, less
-    one); an exchange longer than that many steps shows as time blocked."""
+    one); an exchange longer than that many steps shows as time blocked. With ``outer_overlap``
+    (delayed or eager) DiLoCo int4 with error feedback runs with its outer step one round late,
+    its whole exchange beside the next round's compute."""
     if overlap_steps is None:
         overlap_steps = max(1, inner_steps // (2 * fragments) - 1)
-    return [
+    off_path = [] if outer_overlap == "none" else [
+        (f"diloco-H{inner_steps}-int4-{outer_overlap}",
+         {"algorithm": "diloco", "codec": "int4+ef", "outer_overlap": outer_overlap})]
+    return off_path + [
         ("ddp", {"algorithm": "ddp", "log_every": 1}),
         (f"diloco-H{inner_steps}", {"algorithm": "diloco"}),
         (f"diloco-H{inner_steps}-int8", {"algorithm": "diloco", "codec": "int8"}),
@@ -70,7 +80,9 @@ def choose_emulation(requested: str) -> tuple[str, str]:
 def run(out: Path, profile: str, steps: int, inner_steps: int, workers: int, fragments: int,
         only: list[str] | None = None, emulation: str = "auto",
         bandwidth_mbit: float | None = None, reuse: bool = False,
-        overlap_steps: int | None = None) -> dict:
+        overlap_steps: int | None = None, outer_overlap: str = "none") -> dict:
+    import os
+
     from rich.console import Console
 
     from farlink.links import get_profile, scaled
@@ -85,10 +97,11 @@ def run(out: Path, profile: str, steps: int, inner_steps: int, workers: int, fra
     base = {"workers": workers, "steps": steps, "inner_steps": inner_steps, "eval_batches": 8,
             "emulate_link": profile if mode == "inprocess" else None}
     rows = []
-    for label, overrides in variants(inner_steps, fragments, overlap_steps):
+    for label, overrides in variants(inner_steps, fragments, overlap_steps, outer_overlap):
         if only and not any(o in label for o in only):
             continue
         run_label = f"{link.name}-{label}"
+        load_start = [round(x, 2) for x in os.getloadavg()]  # the machine may be shared
         if mode == "netns":
             from farlink.emulate import Topology
 
@@ -97,9 +110,19 @@ def run(out: Path, profile: str, steps: int, inner_steps: int, workers: int, fra
         else:
             row = run_variant(run_label, base, out, reuse=reuse, **overrides)
         row["profile"] = link.name
-        row["peak_round_bytes"] = peak_round_bytes(out / "runs" / run_label)
+        row["load_average_1_5_15_min"] = {"start": load_start,
+                                          "end": [round(x, 2) for x in os.getloadavg()]}
+        row["outer_overlap"] = overrides.get("outer_overlap", "none")
+        row["peak_round_bytes"] = peak_round_bytes(out / "runs" / run_label,
+                                                   "outer_overlap" in overrides)
         row["utilization_per_worker"] = {w: round(v["compute_utilization"], 3)
                                          for w, v in row["per_worker"].items()}
+        # process start to first step, as a share of the worker's whole wall-clock
+        row["setup_share_per_worker"] = {w: round(v["setup_s"] / max(v["wall_s"], 1e-9), 4)
+                                         for w, v in row["per_worker"].items()}
+        row["time_per_worker"] = {w: {k: round(v.get(k, 0.0), 2) for k in (
+            "wall_s", "compute_s", "comm_s", "eval_s", "checkpoint_s", "setup_s")}
+            for w, v in row["per_worker"].items()}
         rows.append(row)
     described = (f"network namespaces: each worker behind a veth with tc tbf at "
                  f"{link.bandwidth_mbit:g} Mbit/s and {link.latency_ms:g} ms one-way delay "
@@ -162,7 +185,7 @@ def validate_planner(rows: list[dict], link: LinkProfile, runs_dir: Path) -> dic
                 link.latency_s, jitter_s=link.jitter_s, loss=link.loss, n_params=n_params,
                 inner_steps=r["inner_steps"], codec=codec, fragments=r.get("fragments", 1),
                 overlap_steps=r.get("overlap_steps"), straggler_sigma=steady.straggler_sigma,
-                local_seconds=steady.local_seconds)
+                local_seconds=steady.local_seconds, outer_overlap=r.get("outer_overlap", "none"))
         except PlanInputError as exc:
             predicted.append({"label": r["label"], "not_planned": str(exc)})
             continue

@@ -84,7 +84,9 @@ class Background:
             finally:
                 self.busy_s += time.perf_counter() - start
 
-        self.jobs += 1
-        self._thread = threading.Thread(target=run, name=f"farlink-{self.name}", daemon=True)
-        self._thread.start()
+        thread = threading.Thread(target=run, name=f"farlink-{self.name}", daemon=True)
+        with self._lock:  # a wait in another thread (a round's) never sees it unstarted
+            self.jobs += 1
+            thread.start()
+            self._thread = thread
         return waited

@@ -164,13 +164,20 @@ def load_optimizer_state(opt: torch.optim.Optimizer, tensors: TensorState, prefi
     opt.load_state_dict(full)
 
 
-def worker_private_state(algo: SyncAlgorithm) -> TensorState:
+def worker_private_state(algo: SyncAlgorithm, residuals: bool = True) -> TensorState:
     """What a checkpoint adds for a local-update algorithm beyond the committed state: its inner
-    optimizer, its local (not yet synced) parameters and its codec residuals."""
+    optimizer, its local (not yet synced) parameters and its codec residuals (``residuals``
+    false leaves them out: a round in flight is still encoding, and so rewriting, them)."""
     state = optimizer_state(algo.inner_opt, "inner")
     state.update({f"local.{n}": p.detach().clone() for n, p in zip(algo.names, algo.params)})
-    state.update(algo.exchange.compressor.state_dict())
+    if residuals:
+        state.update(algo.exchange.compressor.state_dict())
     return state
+
+
+def nothing_more() -> TensorState:
+    """The second part of a checkpoint that has none (see ``SyncAlgorithm.checkpoint_parts``)."""
+    return {}
 
 
 def load_worker_private_state(algo: SyncAlgorithm, state: TensorState) -> None:
@@ -467,6 +474,14 @@ class SyncAlgorithm(ABC):
         """Shared state plus this worker's private state, for an exact resume."""
         return {**self.shared_state(), "counter.inner_steps": torch.tensor(self.inner_steps_done)}
 
+    def checkpoint_parts(self) -> tuple[TensorState, Callable[[], TensorState]]:
+        """:meth:`state_dict` in two parts, for a checkpoint written in the background: what
+        can be read now, and a function that returns the rest, called by the writer's thread.
+        The rest is what a round still in flight decides (an outer step off the critical path,
+        :mod:`farlink.sync.delayed`): waiting for it there keeps the training loop from waiting
+        for the WAN at every checkpoint. Here everything is read now."""
+        return self.state_dict(), nothing_more
+
     def load_state_dict(self, state: TensorState) -> None:
         self.load_shared_state(state)
         self.inner_steps_done = int(state["counter.inner_steps"])
@@ -551,15 +566,17 @@ class SyncAlgorithm(ABC):
         optimizer.zero_grad(set_to_none=True)
 
     def run_round(
-        self, build: callable, apply: callable, weight: float
+        self, build: callable, apply: callable, weight: float, before: bool = True
     ) -> tuple[bool, float, RoundInfo | None]:
         """One fault-tolerant round: quorum, exchange, commit; retried after a failure.
+        ``before`` false: the caller already ran ``before_round`` (a delayed round does, in the
+        training thread, before its own thread starts).
 
         ``build(info)`` returns the named tensors to send (called after the quorum, so a worker
         healed in this quorum sends its freshly loaded state's update); ``apply(result, info)`` runs
         only when every participant committed. Returns (committed, seconds blocked, round info).
         """
-        if self.before_round is not None:
+        if before and self.before_round is not None:
             self.before_round()
         start = time.perf_counter()
         if self._round_ended is not None:

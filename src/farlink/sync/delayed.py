@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -129,9 +130,15 @@ class DelayedOuterStep:
 
         def run() -> tuple[bool, RoundInfo | None, ExchangeResult | None]:
             results: list[ExchangeResult] = []
-            committed, _, info = algo.run_round(build, lambda r, i: results.append(r), weight)
+            committed, _, info = algo.run_round(build, lambda r, i: results.append(r), weight,
+                                                before=False)
             return committed, info, results[0] if results else None
 
+        # the last checkpoint write lands first, here: it waits for the round before this one
+        # (landed already). In the round's own thread it could meet the write of this very
+        # round's boundary, submitted meanwhile, which waits for this round: a deadlock.
+        if algo.before_round is not None:
+            algo.before_round()
         self._update = update
         self._future = self._executor.submit(run)
 
@@ -190,13 +197,31 @@ class DelayedOuterStep:
         algo.reset_local_to(self.start)
 
     # --- a consistent cut for checkpoints ------------------------------------------------------
-    def state_dict(self) -> TensorState:
-        """Waits for the round in flight (its result is kept, to be applied at the phase's end
-        as it would have been) and saves it with the eager copy of the outer state."""
-        if self._future is not None:
-            self._finished = self._wait(StepOutcome())
+    def in_flight_result(self) -> Callable[[], _Finished] | None:
+        """The round in flight as a function that waits for it (in the caller's thread: a
+        background checkpoint write) and returns it, leaving it in the pipeline, where the
+        phase's end still applies it; None when no round is in flight."""
+        future, update = self._future, self._update
+        if future is None:
+            return None
+        step = self.algo.outer_step
+
+        def landed() -> _Finished:
+            committed, info, result = interrupt.wait_future(
+                future, float("inf"), lambda: f"the delayed round of outer step {step}", log)
+            return _Finished(committed, info, result, update)
+
+        return landed
+
+    def waiting_to_apply(self) -> _Finished | None:
+        """A finished round not yet applied (one restored from a checkpoint), if any."""
+        return self._finished
+
+    def round_state(self, finished: _Finished | None) -> TensorState:
+        """What a checkpoint keeps of the round to be applied at the phase's end: whether it
+        committed, its average, what this worker sent (taken back if it failed), and M."""
         state: TensorState = {}
-        finished = self._finished
+        members = self.members
         if finished is not None:
             state["delayed.committed"] = torch.tensor(int(finished.committed
                                                           and finished.result is not None))
@@ -207,12 +232,18 @@ class DelayedOuterStep:
                               for n, t in finished.result.tensors.items()})
             state.update({f"delayed.sent.{n}": dense_of(t).clone()
                           for n, t in finished.update.items()})
-        state["delayed.members"] = torch.tensor(self.members)
-        if self.eager:
-            state.update({f"eager.{n}": p.detach().clone()
-                          for n, p in zip(self.algo.names, self.params)})
-            state.update(optimizer_state(self.opt, "eager_outer"))
-            state.update({f"eager_own.{n}": t.clone() for n, t in self.own_prev.items()})
+            if finished.info is not None and finished.info.world_size > 0:
+                members = finished.info.world_size  # as _wait counts it
+        state["delayed.members"] = torch.tensor(members)
+        return state
+
+    def own_state(self) -> TensorState:
+        """The eager copy of the outer state (the training thread's: read at once)."""
+        if not self.eager:
+            return {}
+        state = {f"eager.{n}": p.detach().clone() for n, p in zip(self.algo.names, self.params)}
+        state.update(optimizer_state(self.opt, "eager_outer"))
+        state.update({f"eager_own.{n}": t.clone() for n, t in self.own_prev.items()})
         return state
 
     def load_state_dict(self, state: TensorState) -> None:

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Callable
 from typing import Literal
 
 import torch
@@ -37,6 +38,7 @@ from farlink.sync.base import (
     load_optimizer_state,
     load_worker_private_state,
     nesterov,
+    nothing_more,
     optimizer_state,
     worker_private_state,
 )
@@ -292,13 +294,48 @@ class DiLoCo(SyncAlgorithm):
         self.rounds_skipped_since_commit = 0  # the sender's count includes the skipped rounds
 
     def state_dict(self) -> TensorState:
-        delayed = self.delayed.state_dict() if self.delayed is not None else {}
-        state = super().state_dict()
-        state.update(worker_private_state(self))
-        state["counter.tokens_since_sync"] = torch.tensor(self.tokens_since_sync)
-        state.update(delayed)
-        state.update({f"carry.{n}": t.clone() for n, t in self._carry.items()})
+        """A consistent cut: with a delayed round in flight, it waits for that round."""
+        state, rest = self.state_parts()
+        state.update(rest())
         return state
+
+    def checkpoint_parts(self) -> tuple[TensorState, Callable[[], TensorState]]:
+        if self.delayed is None or not self.delayed.in_flight():
+            return self.state_dict(), nothing_more  # with a subclass's own state_dict
+        return self.state_parts()
+
+    def state_parts(self) -> tuple[TensorState, Callable[[], TensorState]]:
+        """The state as :meth:`checkpoint_parts` splits it. A delayed round in flight decides
+        its own outcome and average, the committed step counter and the codec residuals (its
+        encoding rewrites them); the rest is the training thread's and is read now. The second
+        part waits for that round, in whichever thread calls it: what it returns is what a
+        checkpoint taken after the round landed holds (the training thread only changes those
+        at the next phase's end, and the next round starts after the write, ``before_round``)."""
+        landed = self.delayed.in_flight_result() if self.delayed is not None else None
+        state = super().state_dict()
+        state.update(worker_private_state(self, residuals=landed is None))
+        state["counter.tokens_since_sync"] = torch.tensor(self.tokens_since_sync)
+        state.update({f"carry.{n}": t.clone() for n, t in self._carry.items()})
+        if self.delayed is None:
+            return state, nothing_more
+        delayed = self.delayed
+        state.update(delayed.own_state())
+        if landed is None:
+            state.update(delayed.round_state(delayed.waiting_to_apply()))
+            return state, nothing_more
+        outer_step, compressor = self.outer_step, self.exchange.compressor
+
+        def rest() -> TensorState:
+            finished = landed()
+            if finished.committed and finished.info is not None:
+                counter = finished.info.round_id + 1  # as run_round sets it on a commit
+            else:
+                counter = outer_step
+            return {**delayed.round_state(finished),
+                    "counter.outer_step": torch.tensor(counter),
+                    **{k: v.clone() for k, v in compressor.state_dict().items()}}
+
+        return state, rest
 
     def load_state_dict(self, state: TensorState) -> None:
         super().load_state_dict(state)

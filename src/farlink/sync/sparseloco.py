@@ -43,6 +43,7 @@ from __future__ import annotations
 import math
 
 import logging
+from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -276,10 +277,10 @@ class SparseLoCo(DiLoCo):
                 out[n] = Encoded(payload, sent)
         return out
 
-    def state_dict(self) -> TensorState:
-        state = super().state_dict()
+    def state_parts(self) -> tuple[TensorState, Callable[[], TensorState]]:
+        state, rest = super().state_parts()  # e is the training thread's: read now
         state.update({f"error.{n}": e.clone() for n, e in zip(self.names, self.error)})
-        return state
+        return state, rest
 
     def load_state_dict(self, state: TensorState) -> None:
         super().load_state_dict(state)
