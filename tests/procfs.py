@@ -41,10 +41,10 @@ def descendants(root: int) -> set[int]:
     return found
 
 
-def site_ranks(root: int, argument: bytes, replica_group: int | None = None) -> list[int]:
-    """PIDs of a site's training ranks below ``root``: torchrun's children (LOCAL_RANK in their
-    environment, not the site agent itself) with ``argument`` among their arguments, and of
-    replica group ``replica_group`` when given."""
+def replica_group_ranks(root: int, argument: bytes, replica_group: int | None = None) -> list[int]:
+    """PIDs of a replica group's training ranks below ``root``: torchrun's children (LOCAL_RANK in
+    their environment, not the replica group agent itself) with ``argument`` among their arguments,
+    and of replica group ``replica_group`` when given."""
     ranks = []
     for pid in descendants(root):
         try:
@@ -52,10 +52,10 @@ def site_ranks(root: int, argument: bytes, replica_group: int | None = None) -> 
             environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
         except OSError:
             continue
-        if (argument in cmdline and b"farlink.parallel.site_agent" not in cmdline
-                and (replica_group is None
-                     or f"REPLICA_GROUP_ID={replica_group}".encode() in environ)
-                and any(e.startswith(b"LOCAL_RANK=") for e in environ)):
+        if (argument in cmdline and b"farlink.parallel.replica_group_agent" not in cmdline
+            and (replica_group is None
+                 or f"REPLICA_GROUP_ID={replica_group}".encode() in environ)
+            and any(e.startswith(b"LOCAL_RANK=") for e in environ)):
             ranks.append(pid)
     return ranks
 

@@ -17,7 +17,7 @@ from farlink.config import (COMPONENTS, INVOCATION_FIELDS, SECTION_OF, ConfigErr
                             flatten, load_config)
 from farlink.emulate.pairwise import EmulationOptions
 from farlink.parallel.pipeline import PipelineOptions
-from farlink.parallel.sharding import SiteOptions
+from farlink.parallel.sharding import ReplicaGroupOptions
 from farlink.robust.auth import TrustOptions
 from farlink.sync.exchange import ExchangeOptions
 
@@ -53,13 +53,26 @@ def test_a_section_per_component_loads_as_the_flat_keys(tmp_path: Path) -> None:
                     'ranks_per_worker = 2\nemulate_link = "home"\ninner_steps = 10\n')
     nested = tmp_path / "nested.toml"
     nested.write_text('algorithm = "diloco"\n[exchange]\ncodec = "int8"\n[trust]\n'
-                      'auth = "secret"\n[site]\nranks_per_worker = 2\n[emulation]\n'
+                      'auth = "secret"\n[replica_group]\nranks_per_worker = 2\n[emulation]\n'
                       'emulate_link = "home"\n[sync]\ninner_steps = 10\n')
     assert load_config(nested) == load_config(flat)
     assert load_config(nested).tree()["exchange"] == {"codec": "int8", "aggregator": "mean",
                                                       "screen_ratio": 10.0, "score": "none",
                                                       "score_rows": 2, "score_threshold": 0.25,
                                                       "score_turns": 3}
+
+
+def test_a_config_file_with_the_earlier_site_section_loads_as_replica_group(tmp_path: Path) -> None:
+    """``[site]`` was the replica group's section before it had that name."""
+    earlier = tmp_path / "earlier.toml"
+    earlier.write_text('[site]\nranks_per_worker = 2\nsharding = "ddp"\n')
+    cfg = load_config(earlier)
+    assert (cfg.ranks_per_worker, cfg.sharding) == (2, "ddp")
+    assert cfg.tree()["replica_group"] == {"ranks_per_worker": 2, "sharding": "ddp"}
+    twice = tmp_path / "twice.toml"
+    twice.write_text("[site]\nranks_per_worker = 2\n[replica_group]\nranks_per_worker = 2\n")
+    with pytest.raises(ConfigError, match="ranks_per_worker is given twice"):
+        load_config(twice)
 
 
 @pytest.mark.parametrize("text, says", [
@@ -93,7 +106,7 @@ def test_each_component_is_its_own_config_and_checks_its_own_values() -> None:
     cfg = RunConfig(codec="int8", auth="secret", ranks_per_worker=2, emulate_link="home")
     assert cfg.component("exchange") == ExchangeOptions(codec="int8")
     assert cfg.component("trust") == TrustOptions(auth="secret")
-    assert cfg.component("site") == SiteOptions(ranks_per_worker=2)
+    assert cfg.component("replica_group") == ReplicaGroupOptions(ranks_per_worker=2)
     assert cfg.component("emulation") == EmulationOptions(emulate_link="home")
     assert type(cfg.component("sync")).__name__ == "DiLoCoOptions"
     with pytest.raises(ValueError, match="would reject honest updates"):

@@ -24,9 +24,10 @@ SMALL = {"model": "nano", "vocab_size": 512, "seq_len": 64, "batch_size": 4, "ev
 # measured islands (test_measured_islands_and_gated_island_lighthouses_are_planned_before_the_run),
 # the algorithm against a hand-computed reference with and without overlap
 # (test_sync_hierarchical), a hierarchical run of threads that ends bit-identical with only leaders
-# crossing islands (test_site_hierarchical::..._train_what_one_rank_sites_train[fsdp]), and a slow
+# crossing islands (test_replica_group_hierarchical::..._one_rank_replica_groups_train[fsdp],
+# and test_api::test_hierarchical_diloco_with_islands_the_user_forms, whose loss falls), and a slow
 # worker under time-budgeted rounds (test_train_integration::
-# test_time_budgeted_rounds_keep_a_slow_worker_in_every_round, test_site_clock)
+# test_time_budgeted_rounds_keep_a_slow_worker_in_every_round, test_replica_group_clock)
 @pytest.mark.slow
 @pytest.mark.torchft_threads
 @pytest.mark.parametrize("overlap", [False, True], ids=["synchronous", "overlapped"])

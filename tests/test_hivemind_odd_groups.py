@@ -16,16 +16,16 @@ from farlink.train.launcher import launch
 from farlink.train.metrics import read_metrics
 
 
-# sites of 2 ranks (rank 0 matchmakes for the site; every rank skips with it) take 6 processes;
-# a time-budgeted run counts rounds, so a left-out peer must count the round it skipped; 5
-# peers form two groups a round, which commit one round number with different states, and the
-# last round (one group of all five) must join them
+# replica groups of 2 ranks (rank 0 matchmakes for the replica group; every rank skips with it)
+# take 6 processes; a time-budgeted run counts rounds, so a left-out peer must count the round it
+# skipped; 5 peers form two groups a round, which commit one round number with different states,
+# and the last round (one group of all five) must join them
 # every shape is a whole `farlink train` run (slow): by default the same groups of two stand in
 # on the collectives (test_the_left_out_peer_skips_...), Moshpit mixing in groups of two in
 # test_moshpit_groups, and an end-to-end hivemind run in test_run_groups
 @pytest.mark.parametrize("shape", [
     pytest.param({}, marks=pytest.mark.slow),
-    pytest.param({"ranks_per_worker": 2}, marks=pytest.mark.slow, id="sites"),
+    pytest.param({"ranks_per_worker": 2}, marks=pytest.mark.slow, id="replica_groups"),
     pytest.param({"round_seconds": 1.0}, marks=pytest.mark.slow, id="timed"),
     pytest.param({"workers": 5}, marks=pytest.mark.slow, id="two-groups"),
 ])

@@ -3,7 +3,7 @@ counts each peer's update once, and a member whose update never arrived is not b
 
 Two real hivemind peers (own p2p daemons, loopback) under ``farlink.Optimizer`` with ``--auth
 secret``. In its first attempt at round 0, peer w1 withholds its update and fails its part of
-the round, as a site does when one of its ranks failed: w0's all-gather waits its timeout,
+the round, as a replica group does when one of its ranks failed: w0's all-gather waits its timeout,
 gets nothing from w1, and the round is voted down. The retry commits.
 """
 
@@ -28,7 +28,7 @@ INNER, TOKENS = 3, 16
 
 class WithholdsFirstUpdate:
     """A real collective whose member sends nothing in its first round's all-gathers (its
-    update, then its report of what it received) and fails that round (what a site's rank 0
+    update, then its report of what it received) and fails that round (what a replica group's rank 0
     does when another of its ranks failed)."""
 
     def __init__(self, inner) -> None:

@@ -26,17 +26,17 @@ def rounds_committed(run_dir: Path) -> int:
                 for path in (run_dir / "metrics").glob("w*.jsonl")), default=0)
 
 
-# one process run by default (torchft, 1 rank); the hivemind run and the sites run go with the
+# one process run by default (torchft, 1 rank); the hivemind run and the replica-group run go with the
 # slow scenarios: test_hivemind_peers_of_a_loopback_run_listen_on_loopback_only (the same
-# listeners built in this process) and test_a_site_without_an_agent_hosts_its_store_on_master_addr
+# listeners built in this process) and test_a_replica_group_without_an_agent_hosts_its_store_on_master_addr
 # stand in for them
 @pytest.mark.parametrize(("backend", "ranks_per_worker"),
                          [("torchft", 1), pytest.param("hivemind", 1, marks=pytest.mark.slow),
                           pytest.param("torchft", 2, marks=pytest.mark.slow)])
 def test_loopback_run_binds_no_public_interface(tmp_path: Path, cache_dir: Path, backend: str,
                                                 ranks_per_worker: int) -> None:
-    """With ``ranks_per_worker=2`` each worker is a site: torchrun's agent, its store, the
-    site's own process group and rank 0's torchft store join the listeners checked."""
+    """With ``ranks_per_worker=2`` each worker is a replica group: torchrun's agent, its store, the
+    replica group's own process group and rank 0's torchft store join the listeners checked."""
     run_dir = tmp_path / "run"
     options = {**BASE, "backend": backend, "ranks_per_worker": ranks_per_worker}
     flags = [f"--{k.replace('_', '-')}={v}" for k, v in options.items()]
@@ -66,17 +66,18 @@ def test_loopback_run_binds_no_public_interface(tmp_path: Path, cache_dir: Path,
     assert not public, public
 
 
-def test_a_site_without_an_agent_hosts_its_store_on_master_addr(monkeypatch) -> None:  # noqa: ANN001
-    """Ranks started without torchrun's agent (RANK, WORLD_SIZE, MASTER_ADDR/PORT set by
-    hand): rank 0 hosts the site's store, on MASTER_ADDR only (torch's own: every interface)."""
-    from farlink.parallel.sharding import Site
+def test_a_replica_group_without_an_agent_hosts_its_store_on_master_addr(
+        monkeypatch) -> None:  # noqa: ANN001
+    """Ranks started without torchrun's agent (RANK, WORLD_SIZE, MASTER_ADDR/PORT set by hand):
+    rank 0 hosts the replica group's store, on MASTER_ADDR only (torch's own: every interface)."""
+    from farlink.parallel.sharding import ReplicaGroup
     from farlink.train.lighthouse import free_port
 
     port = free_port()
     monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
     monkeypatch.setenv("MASTER_PORT", str(port))
     monkeypatch.delenv("TORCHELASTIC_USE_AGENT_STORE", raising=False)
-    store = Site(rank=0, size=2)._rendezvous()
+    store = ReplicaGroup(rank=0, size=2)._rendezvous()
     store.set("up", "1")
     assert [(host, p) for _, host, p in listening({os.getpid()}) if p == port] == [
         ("127.0.0.1", port)]

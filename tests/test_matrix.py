@@ -152,7 +152,7 @@ def test_refusals_are_raised_in_one_place() -> None:
                "starts its own Lighthouses", "use in-process link emulation",
                "emulated namespaces use the torchft", "a swarm trains on the hivemind",
                "give the run secret once", "give either topology", "island_seconds needs",
-               "exchanges each rank's gradient shard", "ranks of a site on one GPU",
+               "exchanges each rank's gradient shard", "ranks of a replica group on one GPU",
                "sends DCT top-k coefficients", "own error feedback in the momentum"]
     found = {(str(p.relative_to(root)), phrase) for p, text in sources.items()
              for phrase in phrases if phrase in text}

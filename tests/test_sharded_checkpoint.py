@@ -1,4 +1,5 @@
-"""A site's checkpoint written by its ranks together (torch.distributed.checkpoint), verified.
+"""A replica group's checkpoint written by its ranks together (torch.distributed.checkpoint),
+verified.
 
 Two real processes in a Gloo group write two steps, each from a background thread while the
 training thread keeps running collectives of its own on the default group; the published
@@ -28,8 +29,9 @@ def rank_state(rank: int, step: int) -> dict[str, torch.Tensor]:
             "rng.torch": torch.full((5,), rank, dtype=torch.uint8)}
 
 
-def site_meta(step: int) -> dict:
-    """What farlink.Optimizer records with a site's checkpoint (the parts read back here)."""
+def replica_group_meta(step: int) -> dict:
+    """What farlink.Optimizer records with a replica group's checkpoint (the parts read back
+    here)."""
     return {"tokens": step * 8, "algorithm": "diloco", "site_ranks": 2, "bytes_sent": 0}
 
 
@@ -41,7 +43,7 @@ def _rank(rank: int, port: int, root: str) -> None:
     group = dist.new_group(backend="gloo")  # the checkpoint writer's own group
     for step in (10, 20):
         writer = threading.Thread(target=save_sharded_checkpoint, args=(
-            Path(root), step, rank_state(rank, step), site_meta(step), rank, group))
+            Path(root), step, rank_state(rank, step), replica_group_meta(step), rank, group))
         writer.start()
         for _ in range(50):  # the training thread's collectives go on meanwhile
             total = torch.ones(4)
@@ -56,7 +58,7 @@ def _rank(rank: int, port: int, root: str) -> None:
 def written(tmp_path_factory) -> Path:
     import socket
 
-    root = tmp_path_factory.mktemp("site") / "w0"
+    root = tmp_path_factory.mktemp("replica_group") / "w0"
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
@@ -86,7 +88,7 @@ def test_each_step_is_one_directory_whose_every_file_has_a_digest(written):
         assert all(torch.equal(tensors[k], expected[k]) for k in expected)
 
 
-def test_a_damaged_file_sets_the_step_aside_and_the_site_falls_back(written, tmp_path):
+def test_a_damaged_file_sets_the_step_aside_and_the_replica_group_falls_back(written, tmp_path):
     import shutil
 
     root = tmp_path / "w0"
@@ -122,7 +124,7 @@ def test_a_replica_whose_state_the_parts_do_not_fit_is_told_which_to_resume_with
     model = torch.nn.Linear(4, 1)
     sync = farlink.Optimizer(model, torch.optim.SGD(model.parameters(), lr=0.1),
                              backend="inprocess", algorithm="diloco", steps=10, inner_steps=5)
-    with pytest.raises(ValueError, match="site of 2 ranks.*--ranks-per-worker 2"):
+    with pytest.raises(ValueError, match="replica group of 2 ranks.*--ranks-per-worker 2"):
         sync.load(written)
     sync.close()
 
@@ -138,7 +140,7 @@ def _rank_on_a_small_disk(rank: int, port: int, root: str, queue) -> None:  # no
     outcomes = []
     for step in (10, 20):
         try:
-            save_sharded_checkpoint(Path(root), step, big, site_meta(step), rank,
+            save_sharded_checkpoint(Path(root), step, big, replica_group_meta(step), rank,
                                     dist.group.WORLD)
             outcomes.append("saved")
         except DiskFull as exc:
@@ -149,7 +151,7 @@ def _rank_on_a_small_disk(rank: int, port: int, root: str, queue) -> None:  # no
     queue.close()
     queue.join_thread()  # the outcome is delivered before this process leaves
     dist.destroy_process_group()
-    os._exit(0)  # as a site's rank leaves (farlink.worker.exit_process): no teardown
+    os._exit(0)  # as a replica group's rank leaves (farlink.worker.exit_process): no teardown
 
 
 def test_a_full_disk_stops_every_rank_and_keeps_the_previous_step(tmp_path):
@@ -194,9 +196,11 @@ def test_a_full_disk_stops_every_rank_and_keeps_the_previous_step(tmp_path):
         subprocess.run(["umount", str(disk)], capture_output=True)
 
 
-def test_a_site_beside_per_rank_checkpoints_of_the_earlier_layout_refuses_to_start_over(tmp_path):
-    """A site's run dir that holds only ``rankR/step-N`` checkpoints (the layout before one DCP
-    directory per step) is refused with what to do, never resumed from the initial state."""
+def test_a_replica_group_beside_per_rank_checkpoints_of_the_earlier_layout_refuses_to_start_over(
+        tmp_path):
+    """A replica group's run dir that holds only ``rankR/step-N`` checkpoints (the layout before
+    one DCP directory per step) is refused with what to do, never resumed from the initial
+    state."""
     import types
 
     import torch.distributed as dist
@@ -207,11 +211,11 @@ def test_a_site_beside_per_rank_checkpoints_of_the_earlier_layout_refuses_to_sta
     (root / "rank0" / "step-0000020").mkdir(parents=True)
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
-        replica = types.SimpleNamespace(site=types.SimpleNamespace(
+        replica = types.SimpleNamespace(replica_group=types.SimpleNamespace(
             rank=0, gloo_group=lambda: dist.group.WORLD))
         with pytest.raises(ValueError, match="earlier layout.*new --run-dir"):
-            farlink.Optimizer._load_site(replica, root)
+            farlink.Optimizer._load_replica_group(replica, root)
         (root / "rank0" / "step-0000020").rmdir()  # an empty run dir is a fresh start
-        assert farlink.Optimizer._load_site(replica, root) is None
+        assert farlink.Optimizer._load_replica_group(replica, root) is None
     finally:
         dist.destroy_process_group()

@@ -26,7 +26,7 @@ from farlink.comm.base import Collective, LinkModel
 from farlink.comm.inprocess import DrivenGroup, InProcessGroup
 from farlink.config import RunConfig
 from farlink.links import get_profile
-from farlink.parallel.sharding import Site, model_is_sharded
+from farlink.parallel.sharding import ReplicaGroup, model_is_sharded
 from farlink.parallel.stage_sync import Stage, StageMember
 from farlink.robust import hostile
 from farlink.robust.aggregators import make_aggregator
@@ -63,22 +63,23 @@ def advertised_host(cfg: RunConfig) -> str:
     return os.environ.get("FARLINK_EMULATED_HOST") or cfg.host
 
 
-def build_collective(cfg: RunConfig, replica_id: str, address: str, site=None,
+def build_collective(cfg: RunConfig, replica_id: str, address: str, replica_group=None,
                      link: LinkModel | None = None, **hivemind: Any) -> Collective:
-    """The run's backend for one replica: ``address`` is where it joins, the torchft
-    Lighthouse's address or hivemind's initial peers (a comma list of multiaddrs; empty: this
-    peer starts the DHT), as :func:`join_address` names them. ``site``: a
-    started :class:`~farlink.parallel.sharding.Site` of several ranks, whose ranks form one
-    replica group (torchft) or one member of each averaging group (hivemind; every rank runs
-    its own peer, :mod:`farlink.comm.hivemind_site`). ``hivemind``: HivemindCollective options
-    that override the ones derived from ``cfg`` (a volunteer's run id, identity file, client
-    mode). ``link``: the emulated link a network plan gives this collective; ``--emulate-link``
-    (one link for every collective) takes its place when set."""
+    """The run's backend for one replica: ``address`` is where it joins, the torchft Lighthouse's
+    address or hivemind's initial peers (a comma list of multiaddrs; empty: this peer starts the
+    DHT), as :func:`join_address` names them. ``replica_group``: a started
+    :class:`~farlink.parallel.sharding.ReplicaGroup` of several ranks, whose ranks form one replica
+    group (torchft) or one member of each averaging group (hivemind; every rank runs its own peer,
+    :mod:`farlink.comm.hivemind_replica_group`). ``hivemind``: HivemindCollective options that
+    override the ones derived from ``cfg`` (a volunteer's run id, identity file, client mode).
+    ``link``: the emulated link a network plan gives this collective; ``--emulate-link`` (one link
+    for every collective) takes its place when set."""
     if cfg.emulate_link is not None:
         link = LinkModel.of_profile(get_profile(cfg.emulate_link))
-    if site is not None and site.size > 1 and cfg.backend not in ("torchft", "hivemind"):
-        raise ValueError(f"a site of {site.size} ranks per replica runs on the torchft or "
-                         f"hivemind backend, not {cfg.backend!r}")
+    several_ranks = replica_group is not None and replica_group.size > 1
+    if several_ranks and cfg.backend not in ("torchft", "hivemind"):
+        raise ValueError(f"a replica group of {replica_group.size} ranks per replica runs on the "
+                         f"torchft or hivemind backend, not {cfg.backend!r}")
     admission = run_authenticator(cfg, replica_id)  # None without --auth: nothing to prove
     if cfg.backend == "torchft":
         from farlink.comm.torchft_backend import TorchftCollective
@@ -97,9 +98,9 @@ def build_collective(cfg: RunConfig, replica_id: str, address: str, site=None,
             join_timeout=cfg.join_timeout,
             admission=admission,
             emulated_link=link,
-            **({} if site is None or site.size == 1 else dict(
-                group_rank=site.rank, group_world_size=site.size,
-                store_addr=site.store_host, store_port=site.store_port)),
+            **({} if replica_group is None or replica_group.size == 1 else dict(
+                group_rank=replica_group.rank, group_world_size=replica_group.size,
+                store_addr=replica_group.store_host, store_port=replica_group.store_port)),
         )
     if cfg.backend == "hivemind":
         from farlink.comm.hivemind_backend import HivemindCollective
@@ -121,11 +122,11 @@ def build_collective(cfg: RunConfig, replica_id: str, address: str, site=None,
             admission=admission,
             emulated_link=link,
         )
-        if site is not None and site.size > 1:
-            from farlink.comm.hivemind_site import HivemindSiteCollective
+        if replica_group is not None and replica_group.size > 1:
+            from farlink.comm.hivemind_replica_group import HivemindReplicaGroupCollective
 
-            return HivemindSiteCollective(
-                site, lambda: HivemindCollective(**{**options, **hivemind}))
+            return HivemindReplicaGroupCollective(
+                replica_group, lambda: HivemindCollective(**{**options, **hivemind}))
         return HivemindCollective(**{**options, **hivemind})
     if cfg.backend == "inprocess":
         return InProcessGroup(1, link).member(0)  # peers as threads pass their own collective
@@ -266,10 +267,11 @@ class Parts:
     ledger: ContributionLedger
     checkpoint_writes: Background  # save(background=True)
     tiers: Tiers | None = None  # with islands: the island and global collectives
-    site: Site | None = None  # a started site of several ranks, or None for one rank
-    #: a site running DDP (each rank holds the whole replica): gradients are averaged over
-    #: its ranks, each rank syncs a 1/K slice across sites, and the slices are shared after
-    whole_replica_site: bool = False
+    # a started replica group of several ranks, or None for one rank
+    replica_group: ReplicaGroup | None = None
+    #: a replica group running DDP (each rank holds the whole replica): gradients are averaged over
+    #: its ranks, each rank syncs a 1/K slice across replica groups, and the slices are shared after
+    whole_replica_per_rank: bool = False
     trainable: list[torch.Tensor] = field(default_factory=list)
 
     @property
@@ -303,18 +305,19 @@ def run_config(cls: type[SyncAlgorithm], options: dict[str, Any],
     return config, algo_options
 
 
-def build_site(cfg: RunConfig, model: nn.Module, index: int, site=None):  # noqa: ANN001, ANN201
-    """The started :class:`~farlink.parallel.sharding.Site` of several ranks this replica runs
-    on (read from torchrun's environment for a sharded model), or None for one rank."""
-    if site is None and model_is_sharded(model):
-        site = Site.from_env(replica_index=index)
-    if site is not None and site.size > 1 and not site.store_port:
-        site.start(host=advertised_host(cfg))
-    return site if site is not None and site.size > 1 else None
+def build_replica_group(cfg: RunConfig, model: nn.Module, index: int,
+                        replica_group=None):  # noqa: ANN001, ANN201
+    """The started :class:`~farlink.parallel.sharding.ReplicaGroup` of several ranks this replica
+    runs on (read from torchrun's environment for a sharded model), or None for one rank."""
+    if replica_group is None and model_is_sharded(model):
+        replica_group = ReplicaGroup.from_env(replica_index=index)
+    if replica_group is not None and replica_group.size > 1 and not replica_group.store_port:
+        replica_group.start(host=advertised_host(cfg))
+    return replica_group if replica_group is not None and replica_group.size > 1 else None
 
 
 def build_collectives(cfg: RunConfig, cls: type[SyncAlgorithm], index: int, address: str,
-                      site, collective: Collective | None,  # noqa: ANN001
+                      replica_group, collective: Collective | None,  # noqa: ANN001
                       global_lighthouse: str | None, global_collective: Collective | None):  # noqa: ANN201
     """This replica's collective and, with islands, its :class:`~farlink.train.tiers.Tiers`
     (island and global collectives): planned by the launcher's network, or formed by the caller
@@ -328,24 +331,25 @@ def build_collectives(cfg: RunConfig, cls: type[SyncAlgorithm], index: int, addr
         raise ValueError(f"global_lighthouse/global_collective link island leaders in "
                          f"{', '.join(names)}; {cls.name} has one level: drop them")
     host = advertised_host(cfg)
-    tiers = (build_tiers(cfg, index, address, build_collective, site, host)
+    tiers = (build_tiers(cfg, index, address, build_collective, replica_group, host)
              if collective is None and not formed and needs_network(cfg) else None)
     if tiers is None and tiered:
         if collective is not None:
             island = collective
             if global_collective is None and global_lighthouse is not None:
                 global_collective = build_collective(cfg, replica_id, global_lighthouse,
-                                                     site=site)
+                                                     replica_group=replica_group)
         else:
             island, built = two_levels(
                 cfg, replica_id, address,
                 global_lighthouse if global_collective is None else None,
-                build_collective, site, host)
+                build_collective, replica_group, host)
             global_collective = global_collective or built
         tiers = Tiers(island, global_collective)
     if tiers is not None:
         return tiers.collective, tiers
-    return collective or build_collective(cfg, replica_id, address, site=site), None
+    return (collective or build_collective(cfg, replica_id, address, replica_group=replica_group),
+            None)
 
 
 def join_address(cfg: RunConfig, lighthouse: str | None,
@@ -381,7 +385,7 @@ def compose(
     outer_optimizer: OuterOptimizerFactory | None = None,
     lr_schedule: bool | None = None,
     collective: Collective | None = None,
-    site=None,  # noqa: ANN001
+    replica_group=None,  # noqa: ANN001
     global_lighthouse: str | None = None,
     global_collective: Collective | None = None,
     scorer: LossScorer | None = None,
@@ -390,7 +394,7 @@ def compose(
     **options: Any,
 ) -> Parts:
     """One replica of a run around ``model`` (the arguments of :class:`farlink.Optimizer`): the
-    run's config (``config``, or its fields as keyword ``options``), then its site,
+    run's config (``config``, or its fields as keyword ``options``), then its replica group,
     collective(s), exchange(s), ledger, algorithm and checkpoint writer.
 
     ``scorer``: a built :class:`~farlink.robust.score.LossScorer` for the exchange; or
@@ -411,7 +415,7 @@ def compose(
         cfg, algo_options = run_config(cls, options, inner_optimizer, lr_schedule)
     else:
         cfg = algo_options = config
-    site = build_site(cfg, model, index, site)
+    replica_group = build_replica_group(cfg, model, index, replica_group)
     address = join_address(cfg, lighthouse, peers)
     if collective is not None and cfg.emulate_link is not None and collective.emulated_link is None:
         raise ValueError(
@@ -419,7 +423,7 @@ def compose(
             "collective you passed has no emulated link: build it with one "
             "(InProcessGroup(n, link=LinkModel.of_profile(get_profile(name))), "
             "TorchftCollective(..., emulated_link=...)) or leave emulate_link out")
-    collective, tiers = build_collectives(cfg, cls, index, address, site, collective,
+    collective, tiers = build_collectives(cfg, cls, index, address, replica_group, collective,
                                           global_lighthouse, global_collective)
     replica_id = f"w{index}"
     ledger = ContributionLedger()  # whose updates were accepted, rejected, and why
@@ -431,12 +435,12 @@ def compose(
                               claims="run" if config_given else "relative",
                               scorer=scorer, tamper=tamper,
                               **wire(cls, algo_options, cfg.codec))
-    whole_replica_site = site is not None and not model_is_sharded(model)
+    whole_replica_per_rank = replica_group is not None and not model_is_sharded(model)
     extra: dict[str, Any] = {}
-    if whole_replica_site:
-        extra["part_of"] = site.part_of
-    if site is not None:
-        extra["agree"] = site.agree_any
+    if whole_replica_per_rank:
+        extra["part_of"] = replica_group.part_of
+    if replica_group is not None:
+        extra["agree"] = replica_group.agree_any
     if tiers is not None and tiers.upper is not None:
         extra["global_exchange"] = build_exchange(cfg, tiers.upper, replica_id, index, ledger,
                                                   claims="none")
@@ -447,8 +451,8 @@ def compose(
                     before_round=checkpoint_writes.wait, **extra)
     return Parts(config=cfg, index=index, model=model, algorithm=algorithm,
                  collective=collective, exchange=exchange, ledger=ledger,
-                 checkpoint_writes=checkpoint_writes, tiers=tiers, site=site,
-                 whole_replica_site=whole_replica_site,
+                 checkpoint_writes=checkpoint_writes, tiers=tiers, replica_group=replica_group,
+                 whole_replica_per_rank=whole_replica_per_rank,
                  trainable=[p for p in model.parameters() if p.requires_grad])
 
 

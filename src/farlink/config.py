@@ -1,12 +1,13 @@
 """The run configuration: one pydantic model, every field a CLI flag and a TOML key.
 
-``RunConfig`` composes the components' own configs, each next to what it configures and
-checking its own values: every algorithm's options (``farlink.sync``: each algorithm's file
-declares its knobs), the exchange's (``ExchangeOptions``), trust's (``TrustOptions``), a site's
-(``SiteOptions``), a pipeline's (``PipelineOptions``), the emulation's (``EmulationOptions``)
-and the run dir's (:class:`RunDirOptions`), with the fields of the job around them (model, data,
-transport). Their fields stay flat (flags, TOML keys, ``cfg.codec``); :data:`COMPONENTS` and
-:data:`SECTION_OF` give the tree (``[exchange]`` tables in a config file, :meth:`RunConfig.tree`).
+``RunConfig`` composes the components' own configs, each next to what it configures and checking
+its own values: every algorithm's options (``farlink.sync``: each algorithm's file declares its
+knobs), the exchange's (``ExchangeOptions``), trust's (``TrustOptions``), a replica group's
+(``ReplicaGroupOptions``), a pipeline's (``PipelineOptions``), the emulation's
+(``EmulationOptions``) and the run dir's (:class:`RunDirOptions`), with the fields of the job
+around them (model, data, transport). Their fields stay flat (flags, TOML keys, ``cfg.codec``);
+:data:`COMPONENTS` and :data:`SECTION_OF` give the tree (``[exchange]`` tables in a config file,
+:meth:`RunConfig.tree`).
 
 What does not run together is one table, :mod:`farlink.matrix` (``farlink matrix`` prints it):
 validation raises every such refusal from there. Rules that depend on the algorithm ask its
@@ -36,7 +37,7 @@ from farlink.emulate.pairwise import EmulationOptions
 from farlink.errors import ConfigError as ConfigError  # where callers find it
 from farlink.model.config import PRESETS
 from farlink.parallel.pipeline import PipelineOptions
-from farlink.parallel.sharding import SiteOptions
+from farlink.parallel.sharding import ReplicaGroupOptions
 from farlink.robust.auth import TrustOptions
 from farlink.sync import ALGORITHMS, algorithm_class, algorithm_options
 from farlink.sync.exchange import ExchangeOptions
@@ -89,7 +90,7 @@ COMPONENTS: dict[str, tuple[type[BaseModel], ...]] = {
     "sync": algorithm_options(),
     "exchange": (ExchangeOptions,),
     "trust": (TrustOptions,),
-    "site": (SiteOptions,),
+    "replica_group": (ReplicaGroupOptions,),
     "pipeline": (PipelineOptions,),
     "emulation": (EmulationOptions,),
     "rundir": (RunDirOptions,),
@@ -98,9 +99,11 @@ COMPONENTS: dict[str, tuple[type[BaseModel], ...]] = {
 #: the tree's leaves)
 SECTION_OF: dict[str, str] = {name: section for section, models in COMPONENTS.items()
                               for model in models for name in model.model_fields}
+#: a section's earlier name -> its name now: config files written before a rename still load
+RENAMED_SECTIONS: dict[str, str] = {"site": "replica_group"}
 
 
-class RunConfig(RunDirOptions, EmulationOptions, PipelineOptions, SiteOptions, TrustOptions,
+class RunConfig(RunDirOptions, EmulationOptions, PipelineOptions, ReplicaGroupOptions, TrustOptions,
                 ExchangeOptions, *algorithm_options()):
     """The run's configuration: the components' configs composed (their fields flat, as flags
     and TOML keys; :meth:`tree` and :meth:`component` give them back by component) and the
@@ -422,12 +425,14 @@ def load_config(path: Path | None = None, overrides: dict[str, Any] | None = Non
 
 def flatten(values: dict[str, Any], path: Path | str = "config") -> dict[str, Any]:
     """A config file's keys as flat fields: flat keys as they are (every config.toml a run
-    wrote), a component's section (``[exchange]``, ``[train.exchange]``) as its fields. A key
-    in the wrong section, or given both flat and in its section, is refused."""
+    wrote), a component's section (``[exchange]``, ``[train.exchange]``) as its fields, a section
+    under its earlier name (:data:`RENAMED_SECTIONS`) as the one it became. A key in the wrong
+    section, or given both flat and in its section, is refused."""
     flat = {k: v for k, v in values.items() if not isinstance(v, dict)}
     for section, table in values.items():
         if not isinstance(table, dict):
             continue
+        section = RENAMED_SECTIONS.get(section, section)
         if section not in COMPONENTS:
             raise ConfigError(f"config file {path}: [{section}] is not a section; the sections "
                               f"are {', '.join(COMPONENTS)} (or give the keys flat)")

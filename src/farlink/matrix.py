@@ -203,10 +203,11 @@ GROUP_SIZE = _flag("group_size", 2)
 ISLAND_OPTIONS = Feature("islands/island_seconds/overlap_global",
                          lambda c: bool(c.islands) or c.island_seconds is not None
                          or c.overlap_global, {"islands": "0,1|2,3"})
-SITES = Feature("ranks_per_worker>1", lambda c: c.ranks_per_worker > 1, {"ranks_per_worker": 2})
-DDP_SITES = Feature("ranks_per_worker>1 with sharding=ddp",
-                    lambda c: c.ranks_per_worker > 1 and c.sharding == "ddp",
-                    {"ranks_per_worker": 2, "sharding": "ddp"})
+REPLICA_GROUPS = Feature("ranks_per_worker>1", lambda c: c.ranks_per_worker > 1,
+                         {"ranks_per_worker": 2})
+DDP_REPLICA_GROUPS = Feature("ranks_per_worker>1 with sharding=ddp",
+                             lambda c: c.ranks_per_worker > 1 and c.sharding == "ddp",
+                             {"ranks_per_worker": 2, "sharding": "ddp"})
 PIPELINE = Feature("pipeline_stages>1", lambda c: c.pipeline_stages > 1, {"pipeline_stages": 2})
 ONE_STAGE = Feature("pipeline_stages=1", lambda c: c.pipeline_stages == 1, {})
 TOPOLOGY = _flag("topology", "0,1|2,3")
@@ -230,17 +231,17 @@ def _sharding_ddp_why(cfg: Config) -> str:
     caps = _caps(cfg.algorithm)
     if caps.fragments:
         return (f"{cfg.algorithm} applies a fragment's update steps after its round, which a "
-                "DDP site's slices do not follow yet: use --sharding fsdp, or "
-                f"{able(_ddp_sites, ', ')}")
-    if caps.inner_optimizer:  # ddp: the gradient itself is what crosses sites
-        return ("ddp across sites exchanges each rank's gradient shard: run the sites with "
-                "--sharding fsdp (a DDP site holds whole gradients)")
-    return (f"{cfg.algorithm} on sites of several ranks runs on FSDP2 shards: use "
+                "DDP replica group's slices do not follow yet: use --sharding fsdp, or "
+                f"{able(_ddp_replica_groups, ', ')}")
+    if caps.inner_optimizer:  # ddp: the gradient itself is what crosses replica groups
+        return ("ddp across replica groups exchanges each rank's gradient shard: run the "
+                "replica groups with --sharding fsdp (a DDP replica group holds whole gradients)")
+    return (f"{cfg.algorithm} on replica groups of several ranks runs on FSDP2 shards: use "
             "--sharding fsdp")
 
 
-def _ddp_sites(caps: Capabilities) -> bool:
-    """A DDP site's rank syncs a 1/K slice of whole parameters after its inner steps: an
+def _ddp_replica_groups(caps: Capabilities) -> bool:
+    """A DDP replica group's rank syncs a 1/K slice of whole parameters after its inner steps: an
     algorithm whose round follows its own local steps (not every step's gradient or momentum,
     not fragments applied later)."""
     return not caps.fragments and not caps.syncs_every_step
@@ -338,30 +339,33 @@ RULES: list[Pair | Needs | Unread] = [
           lambda c: f"--score loss applies a peer's pseudo-gradient to the global parameters "
           f"and measures the loss: {able(scorable)}, not {c.algorithm}; use --aggregator "
           "alone"),
-    Pair(SCORE, SITES, lambda c: f"--score loss needs each peer's whole update; a site of "
-         f"ranks_per_worker={c.ranks_per_worker} ranks exchanges shards: use --aggregator alone"),
+    Pair(SCORE, REPLICA_GROUPS, lambda c: f"--score loss needs each peer's whole update; a "
+         f"replica group of ranks_per_worker={c.ranks_per_worker} ranks exchanges shards: use "
+         "--aggregator alone"),
     # the options of other algorithms
     *_unread_rules(),
-    # sites: several ranks per replica
-    Pair(SITES, TOPOLOGY, lambda c: (
-        f"{c.algorithm} on sites of ranks_per_worker={c.ranks_per_worker} cannot take its "
-        "islands from the emulated WAN (--topology): sites do not run inside it yet. Give the "
-        "islands with --islands (e.g. '0,1|2') and drop --topology, or use ranks_per_worker=1"
+    # replica groups: several ranks per replica
+    Pair(REPLICA_GROUPS, TOPOLOGY, lambda c: (
+        f"{c.algorithm} on replica groups of ranks_per_worker={c.ranks_per_worker} cannot take its "
+        "islands from the emulated WAN (--topology): replica groups do not run inside it yet. "
+        "Give the islands with --islands (e.g. '0,1|2') and drop --topology, or use "
+        "ranks_per_worker=1"
         if _caps(c.algorithm).islands else "ranks_per_worker > 1 does not run inside the "
         "emulated WAN (--topology) yet; use --emulate-link for an in-process link")),
-    Needs(SITES, lambda caps: caps.sharded,
+    Needs(REPLICA_GROUPS, lambda caps: caps.sharded,
           lambda c: f"ranks_per_worker={c.ranks_per_worker} shards the model (FSDP2) inside "
           f"each worker; {c.algorithm} cannot run on shards. Use one of "
           f"{able(lambda caps: caps.sharded, ', ')}, or ranks_per_worker=1"),
-    Pair(SITES, _backend("inprocess"),
+    Pair(REPLICA_GROUPS, _backend("inprocess"),
          lambda c: f"ranks_per_worker={c.ranks_per_worker} runs on the torchft backend (a "
-         f"replica group of {c.ranks_per_worker} ranks) or on hivemind (the site one member of "
+         f"replica group of {c.ranks_per_worker} ranks) or on hivemind (the"
+         " replica group one member of "
          f"each averaging group), not {c.backend}"),
-    Needs(DDP_SITES, _ddp_sites, _sharding_ddp_why),
-    Pair(SITES, CUDA_INDEX,
+    Needs(DDP_REPLICA_GROUPS, _ddp_replica_groups, _sharding_ddp_why),
+    Pair(REPLICA_GROUPS, CUDA_INDEX,
          lambda c: f"device={c.device} with ranks_per_worker={c.ranks_per_worker} puts all "
-         f"{c.ranks_per_worker} ranks of a site on one GPU (NCCL refuses that): give --device "
-         "cuda (or auto), which puts rank r on cuda:LOCAL_RANK, and choose the GPUs with "
+         f"{c.ranks_per_worker} ranks of a replica group on one GPU (NCCL refuses that): give "
+         "--device cuda (or auto), which puts rank r on cuda:LOCAL_RANK, and choose the GPUs with "
          "CUDA_VISIBLE_DEVICES"),
     # pipelines: the peers of a stage are the members of a collective in the trainer
     Pair(_flag("peers_per_stage", 2), ONE_STAGE,
@@ -371,7 +375,7 @@ RULES: list[Pair | Needs | Unread] = [
           lambda c: f"pipeline_stages={c.pipeline_stages}: the peers of a stage average with "
           f"the run's outer step every inner_steps, which {c.algorithm} does not provide yet; "
           f"use {able(lambda caps: caps.stage_averaging, ' or ')}"),
-    _pipeline_refuses("ranks_per_worker", SITES, "a stage peer is one process; use "
+    _pipeline_refuses("ranks_per_worker", REPLICA_GROUPS, "a stage peer is one process; use "
                       "ranks_per_worker=1"),
     _pipeline_refuses("codec", CODEC, "a stage's peers are averaged inside the pipeline "
                       "trainer, which fetches and returns their weights in fp32, so a codec "
@@ -430,10 +434,10 @@ RULES: list[Pair | Needs | Unread] = [
          Feature("model=hf:DIR", lambda c: c.hf_model_dir is not None, {"model": "hf:model-dir"}),
          lambda c: f"a swarm serves preset models only (--model {c.model} is a directory on "
          "this machine); pick a preset", scope="swarm", extra={"backend": "hivemind"}),
-    Pair(_command("farlink swarm"), SITES,
+    Pair(_command("farlink swarm"), REPLICA_GROUPS,
          lambda c: f"a swarm's volunteers are one process each; ranks_per_worker="
-         f"{c.ranks_per_worker} is for sites that `farlink train` / `farlink join` start with "
-         "torchrun (on the torchft or hivemind backend). Drop it", scope="swarm",
+         f"{c.ranks_per_worker} is for replica groups that `farlink train` / `farlink join` start "
+         "with torchrun (on the torchft or hivemind backend). Drop it", scope="swarm",
          extra={"backend": "hivemind"}),
 ]
 

@@ -78,8 +78,11 @@ log = logging.getLogger(__name__)
 #: what a newcomer waits for the members' next round (their rounds may be long)
 JOIN_QUORUM_TIMEOUT = 3600.0
 TRUST = "trust"  # checkpoint meta: the exchange's records of its peers (Exchange.trust_state)
-SITE_RANKS = "site_ranks"  # a site's checkpoint meta: how many ranks wrote it
-BYTES_SENT = "counter.bytes_sent"  # a site's checkpoint: this rank's bytes (each sends its shard)
+#: a replica group's checkpoint meta: how many ranks wrote it (the key checkpoints have carried
+#: since before the name "replica group", so that they all still load)
+REPLICA_GROUP_RANKS = "site_ranks"
+# a replica group's checkpoint: this rank's bytes (each sends its shard)
+BYTES_SENT = "counter.bytes_sent"
 
 
 class Optimizer(torch.optim.Optimizer):
@@ -107,18 +110,18 @@ class Optimizer(torch.optim.Optimizer):
     ``outer_optimizer``: a factory ``params -> torch.optim.Optimizer`` for the outer step.
     ``collective``: a ready :class:`~farlink.comm.base.Collective` (e.g. an
     :class:`~farlink.comm.inprocess.InProcessGroup` member) instead of building one.
-    ``site``: for a model sharded with FSDP2 over several ranks (one replica trained by a
-    site of K processes, started by torchrun): the :class:`~farlink.parallel.sharding.Site`;
-    by default read from torchrun's environment and started here. Each rank then syncs its own
-    shard with the same rank of the other sites (torchft or hivemind), the ranks write each checkpoint together
-    (``directory/step-N``, one per step, through ``torch.distributed.checkpoint``), and the
-    site resumes from the newest one that verifies, each rank reading its own part.
-    ``global_lighthouse`` / ``global_collective``: ``hierarchical_diloco`` only, for islands
-    you form yourself (``farlink train`` forms them from measured links): every replica gives
-    its island's Lighthouse as ``lighthouse`` (or its island's ``collective``), and exactly one
-    replica per island, its leader, also gives the Lighthouse (or collective) the leaders
-    share; only leaders cross that slow link.
-    ``tamper``: make this replica an emulated attacker: ``(update, round_id) -> update``
+    ``replica_group``: for a model sharded with FSDP2 over several ranks (one replica trained by a
+    replica group of K processes, started by torchrun): the
+    :class:`~farlink.parallel.sharding.ReplicaGroup`; by default read from torchrun's environment
+    and started here. Each rank then syncs its own shard with the same rank of the other replica
+    groups (torchft or hivemind), the ranks write each checkpoint together (``directory/step-N``,
+    one per step, through ``torch.distributed.checkpoint``), and the replica group resumes from the
+    newest one that verifies, each rank reading its own part. ``global_lighthouse`` /
+    ``global_collective``: ``hierarchical_diloco`` only, for islands you form yourself (``farlink
+    train`` forms them from measured links): every replica gives its island's Lighthouse as
+    ``lighthouse`` (or its island's ``collective``), and exactly one replica per island, its
+    leader, also gives the Lighthouse (or collective) the leaders share; only leaders cross that
+    slow link. ``tamper``: make this replica an emulated attacker: ``(update, round_id) -> update``
     rewrites each update it sends (:mod:`farlink.robust.attacks`), to test a run's defences.
     """
 
@@ -133,8 +136,9 @@ class Optimizer(torch.optim.Optimizer):
         self.index, self.replica_id = parts.index, parts.replica_id
         self.model, self.algorithm = parts.model, parts.algorithm
         self.collective, self.exchange, self.ledger = parts.collective, parts.exchange, parts.ledger
-        self.tiers, self.site, self.trainable = parts.tiers, parts.site, parts.trainable
-        self.whole_replica_site = parts.whole_replica_site
+        self.tiers, self.replica_group = parts.tiers, parts.replica_group
+        self.trainable = parts.trainable
+        self.whole_replica_per_rank = parts.whole_replica_per_rank
         self.checkpoint_writes = parts.checkpoint_writes
         self.rejected_checkpoints: list[tuple[Path, str]] = []  # set aside by the last load
         self.last_outcome = StepOutcome()  # what the last step did (a framework drops it)
@@ -203,7 +207,8 @@ class Optimizer(torch.optim.Optimizer):
         tensors = {k: v for k, v in self.algorithm.state_dict().items()
                    if not k.startswith("inner.")}  # the inner state is torch's "state" above
         own = {"algorithm": self.algorithm.name, "tensors": tensors}
-        if self.site is None:  # as in save(): a site (one ledger per rank, never scored) keeps none
+        # as in save(): a replica group (one ledger per rank, never scored) keeps none
+        if self.replica_group is None:
             own[TRUST], trust_tensors = self.exchange.trust_state()
             tensors.update(trust_tensors)
         return {**torch_format, "farlink": own}
@@ -257,10 +262,10 @@ class Optimizer(torch.optim.Optimizer):
              tokens: int | None = None) -> Any:
         """After ``loss.backward()`` (or with a ``closure`` that computes the loss and its
         gradients, as torch optimizers take it): the inner step and, when due, the outer round.
-        ``tokens`` weighs this replica's contribution (a slower replica that did less counts
-        less); without it, the tokens given to :meth:`count_tokens` since the last step, or 1.
-        On a DDP site it first averages the gradients over the site's ranks, and after a round
-        gives every rank the slices the others updated. Returns the closure's loss when given
+        ``tokens`` weighs this replica's contribution (a slower replica that did less counts less);
+        without it, the tokens given to :meth:`count_tokens` since the last step, or 1. On a DDP
+        replica group it first averages the gradients over the replica group's ranks, and after a
+        round gives every rank the slices the others updated. Returns the closure's loss when given
         one (torch's contract), else the :class:`~farlink.sync.StepOutcome` (also kept in
         :attr:`last_outcome`)."""
         if closure is not None and not callable(closure):
@@ -275,12 +280,12 @@ class Optimizer(torch.optim.Optimizer):
             self._warn_of_an_unread_scheduler()
         counted, self._tokens_counted = self._tokens_counted, 0
         weight = tokens if tokens is not None else counted or 1
-        if self.whole_replica_site:
-            self.site.average_gradients(self.trainable)
+        if self.whole_replica_per_rank:
+            self.replica_group.average_gradients(self.trainable)
         outcome = self.algorithm.step(weight)
         # every round (an island's too) rewrote each rank's own slice
-        if self.whole_replica_site and (outcome.synced or outcome.island_round):
-            self.site.share_parts(self.trainable)
+        if self.whole_replica_per_rank and (outcome.synced or outcome.island_round):
+            self.replica_group.share_parts(self.trainable)
         self.last_outcome = outcome
         return outcome if closure is None else loss
 
@@ -289,8 +294,8 @@ class Optimizer(torch.optim.Optimizer):
         live peers (waiting for the members' next round, however long theirs are)."""
         outcome = self.algorithm.join(
             timeout=max(self.collective.quorum_timeout, JOIN_QUORUM_TIMEOUT))
-        if self.whole_replica_site:  # each rank healed its own slice
-            self.site.share_parts(self.trainable)
+        if self.whole_replica_per_rank:  # each rank healed its own slice
+            self.replica_group.share_parts(self.trainable)
         return outcome
 
     def finish(self) -> StepOutcome | None:
@@ -417,8 +422,8 @@ class Optimizer(torch.optim.Optimizer):
 
     def _load_tensors(self, tensors: dict[str, torch.Tensor]) -> None:
         self.algorithm.load_state_dict(tensors)
-        if self.whole_replica_site:  # each rank restored its own slice
-            self.site.share_parts(self.trainable)
+        if self.whole_replica_per_rank:  # each rank restored its own slice
+            self.replica_group.share_parts(self.trainable)
         self.collective.load_committed_step(self.algorithm.outer_step)
 
     def save(self, directory: str | Path, *, background: bool = False, **meta: Any) -> Path:
@@ -427,7 +432,7 @@ class Optimizer(torch.optim.Optimizer):
         checkpoint also keeps what this member knows of its peers (the contribution ledger,
         loss-scoring ratings, the recent updates a replay is compared with: a resumed run
         does not forget an attacker's record); :attr:`ledger` is readable on its own too
-        (``sync.ledger.save(path)``). A site of several ranks (one ledger per rank, never
+        (``sync.ledger.save(path)``). A replica group of several ranks (one ledger per rank, never
         scored) keeps no such record.
 
         ``background=True`` copies the state in memory and returns at once; a thread writes it
@@ -440,8 +445,8 @@ class Optimizer(torch.optim.Optimizer):
         step = self.algorithm.inner_steps_done
         meta = {**meta, "algorithm": self.algorithm.name, "inner_steps": step,
                 "outer_step": self.algorithm.outer_step, "bytes_sent": self.bytes_sent()}
-        if self.site is not None:
-            return self._save_site(directory, step, meta, background)
+        if self.replica_group is not None:
+            return self._save_replica_group(directory, step, meta, background)
         meta[TRUST], trust_tensors = self.exchange.trust_state()
         if not background:
             tensors = {**self.checkpoint_tensors(), **trust_tensors}
@@ -461,17 +466,18 @@ class Optimizer(torch.optim.Optimizer):
         self.checkpoint_writes.submit(write)
         return checkpoint_path(directory, step)
 
-    def _save_site(self, directory: Path, step: int, meta: dict, background: bool) -> Path:
-        """One checkpoint of the whole site per step, written by all its ranks together through
-        DCP (:func:`~farlink.state.checkpoint.save_sharded_checkpoint`); every rank calls it at
-        the same step. In the background the write runs on a process group of its own, so its
-        collectives never interleave with the training thread's (FSDP's, the site's)."""
-        group = self.site.checkpoint_group()  # created by every rank, in the training thread
-        meta = {**meta, SITE_RANKS: self.site.size}
+    def _save_replica_group(self, directory: Path, step: int, meta: dict, background: bool) -> Path:
+        """One checkpoint of the whole replica group per step, written by all its ranks together
+        through DCP (:func:`~farlink.state.checkpoint.save_sharded_checkpoint`); every rank calls
+        it at the same step. In the background the write runs on a process group of its own, so its
+        collectives never interleave with the training thread's (FSDP's, the replica group's)."""
+        # created by every rank, in the training thread
+        group = self.replica_group.checkpoint_group()
+        meta = {**meta, REPLICA_GROUP_RANKS: self.replica_group.size}
         # bytes differ by rank (each sends its own shard): each rank's count travels with it
         tensors = {**self.checkpoint_tensors(), BYTES_SENT: torch.tensor(self.bytes_sent())}
         write = partial(save_sharded_checkpoint, directory, step, meta=meta,
-                        rank=self.site.rank, group=group)
+                        rank=self.replica_group.rank, group=group)
         if not background:
             self.checkpoint_writes.wait()
             return write(tensors)
@@ -489,8 +495,8 @@ class Optimizer(torch.optim.Optimizer):
         fail their digests are set aside and listed in :attr:`rejected_checkpoints`; a live
         peer ahead of the one loaded heals this replica at its first quorum."""
         directory = Path(directory)
-        if self.site is not None:
-            return self._load_site(directory)
+        if self.replica_group is not None:
+            return self._load_replica_group(directory)
         restored = load_newest_intact(directory)
         self.rejected_checkpoints = restored.rejected
         path, tensors, meta = restored.path, restored.tensors, restored.meta
@@ -502,7 +508,8 @@ class Optimizer(torch.optim.Optimizer):
         if meta["algorithm"] != self.algorithm.name:
             raise ValueError(f"checkpoint {path} was written by algorithm {meta['algorithm']!r}, "
                              f"not {self.algorithm.name!r}; resume with the same algorithm")
-        written_by, ranks = meta.get(SITE_RANKS, 1), 1 if self.site is None else self.site.size
+        written_by = meta.get(REPLICA_GROUP_RANKS, 1)
+        ranks = 1 if self.replica_group is None else self.replica_group.size
         if written_by != ranks:  # each rank's part is its own shard: cut them again
             tensors = self._resharded(path, meta)
         bytes_sent = tensors.pop(BYTES_SENT, None)
@@ -523,54 +530,54 @@ class Optimizer(torch.optim.Optimizer):
             self.exchange.load_trust_state(records, trust_tensors)
 
     def _resharded(self, path: Path, meta: dict) -> dict[str, torch.Tensor]:
-        """This rank's state from a checkpoint written by a site of another number of ranks:
-        every part read, cut again to what each rank of this site holds (a collective of the
-        site's ranks: they tell each other their shapes). The bytes the old ranks sent go to
-        rank 0 (the site's total is what its metrics report)."""
+        """This rank's state from a checkpoint written by a replica group of another number of
+        ranks: every part read, cut again to what each rank of this replica group holds (a
+        collective of the replica group's ranks: they tell each other their shapes). The bytes the
+        old ranks sent go to rank 0 (the replica group's total is what its metrics report)."""
         parts, _ = load_checkpoint_parts(path)
         sent = [part.pop(BYTES_SENT, None) for part in parts]
         mine = {**self.algorithm.state_shapes(), "rng.torch": tuple(torch.get_rng_state().shape)}
-        rank = 0 if self.site is None else self.site.rank
-        layout = ([mine] if self.site is None else
+        rank = 0 if self.replica_group is None else self.replica_group.rank
+        layout = ([mine] if self.replica_group is None else
                   [{k: tuple(v) for k, v in json.loads(text).items()}
-                   for text in self.site.gather(json.dumps(mine))])
+                   for text in self.replica_group.gather(json.dumps(mine))])
         try:
             tensors = reshard(parts, rank, layout)
         except ReshardError as exc:
-            raise ValueError(f"checkpoint {path} (a site of {len(parts)} ranks) does not fit "
-                             f"this site of {len(layout)}: {exc}") from None
+            raise ValueError(f"checkpoint {path} (a replica group of {len(parts)} ranks) does not "
+                             f"fit this replica group of {len(layout)}: {exc}") from None
         total = (sum(int(s) for s in sent) if all(s is not None for s in sent)
                  else int(meta["bytes_sent"]))
         tensors[BYTES_SENT] = torch.tensor(total if rank == 0 else 0)
         log.info("resharded %s from %d ranks to %d", path, len(parts), len(layout))
         return tensors
 
-    def _load_site(self, directory: Path) -> dict | None:
-        """A site resumes from its newest checkpoint that verifies: rank 0 checks the digests
-        (setting aside any that fail) and names the step; every rank reads its own part of it,
-        or, when another number of ranks wrote it, every part, cut again for this site
-        (:meth:`_resharded`). A step is published only once all ranks wrote it, so each
-        published step is whole."""
-        restored = load_newest_intact(directory, rank=0) if self.site.rank == 0 else None
+    def _load_replica_group(self, directory: Path) -> dict | None:
+        """A replica group resumes from its newest checkpoint that verifies: rank 0 checks the
+        digests (setting aside any that fail) and names the step; every rank reads its own part of
+        it, or, when another number of ranks wrote it, every part, cut again for this replica group
+        (:meth:`_resharded`). A step is published only once all ranks wrote it, so each published
+        step is whole."""
+        restored = load_newest_intact(directory, rank=0) if self.replica_group.rank == 0 else None
         name = [restored.path.name if restored and restored.path else None]
-        dist.broadcast_object_list(name, src=0, group=self.site.gloo_group())
+        dist.broadcast_object_list(name, src=0, group=self.replica_group.gloo_group())
         self.rejected_checkpoints = restored.rejected if restored else []
         if name[0] is None:
             earlier = sorted(directory.glob("rank*/step-*"))
             if earlier:  # never start over silently beside a run's earlier state
                 raise ValueError(
                     f"{directory} holds per-rank checkpoints ({earlier[-1].relative_to(directory)}"
-                    f", ...) of an earlier layout, which this farlink does not read (a site now "
-                    f"writes one torch.distributed.checkpoint directory per step); finish that "
-                    f"run with the farlink that wrote it, or start a new --run-dir")
+                    f", ...) of an earlier layout, which this farlink does not read (a replica "
+                    f"group now writes one torch.distributed.checkpoint directory per step); "
+                    f"finish that run with the farlink that wrote it, or start a new --run-dir")
             return None
         path = directory / name[0]
-        if self.site.rank == 0:
+        if self.replica_group.rank == 0:
             tensors, meta = restored.tensors, restored.meta
         else:  # a rank the checkpoint has no part for reads them all (resharding)
             meta = read_verified_meta(path)
-            tensors = ({} if meta.get(SITE_RANKS, 1) != self.site.size
-                       else load_rank_part(path, self.site.rank))
+            tensors = ({} if meta.get(REPLICA_GROUP_RANKS, 1) != self.replica_group.size
+                       else load_rank_part(path, self.replica_group.rank))
         return self._restore(path, tensors, meta)
 
     def close(self) -> None:

@@ -1,4 +1,4 @@
-"""One site of a farlink run under a standard launcher: ``torchrun -m farlink.worker``.
+"""One replica group of a farlink run under a standard launcher: ``torchrun -m farlink.worker``.
 
 torchft's own examples start a replica group as ``torchrun --nproc-per-node K train.py`` with
 ``TORCHFT_LIGHTHOUSE`` and ``REPLICA_GROUP_ID`` in the environment; SLURM, Kubernetes and torchx
@@ -8,16 +8,16 @@ start jobs the same way. This entry point reads exactly that::
     torchrun --standalone --nproc-per-node 2 -m farlink.worker \\
         --run-dir runs/site0 --workers 2 --steps 500 --inner-steps 50 --host NODE_ADDRESS
 
-* RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR/PORT (torchrun's): this rank's place in its site;
-  ``--ranks-per-worker`` defaults to WORLD_SIZE, so it is never said twice.
-* REPLICA_GROUP_ID (torchft's): which worker of the run this site is (its data shard, its name
-  ``wI``); ``--index`` says the same on the command line, and the two must agree.
+* RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR/PORT (torchrun's): this rank's place in its replica
+  group; ``--ranks-per-worker`` defaults to WORLD_SIZE, so it is never said twice.
+* REPLICA_GROUP_ID (torchft's): which worker of the run this replica group is (its data shard, its
+  name ``wI``); ``--index`` says the same on the command line, and the two must agree.
 * TORCHFT_LIGHTHOUSE (torchft's): the Lighthouse; ``--lighthouse`` overrides it.
 
 Every other setting is a ``farlink train`` flag (or ``--config run.toml``; a run dir that already
-holds a run's ``config.toml`` starts from it). Only the site's rank 0 writes the run dir's shared
-files (config, tokenizer, model shape); every rank writes only its own checkpoints and ledger.
-``farlink worker`` is the same command.
+holds a run's ``config.toml`` starts from it). Only the replica group's rank 0 writes the run dir's
+shared files (config, tokenizer, model shape); every rank writes only its own checkpoints and
+ledger. ``farlink worker`` is the same command.
 """
 
 from __future__ import annotations
@@ -36,16 +36,17 @@ from farlink.flags import config_options
 
 
 class LaunchError(ValueError):
-    """The environment or the flags do not say which site this is, or say it twice, differently."""
+    """The environment or the flags do not say which replica group this is, or say it twice,
+    differently."""
 
 
-def site_index(given: int | None, environ: dict[str, str]) -> int:
-    """Which worker of the run this site is: ``--index`` or REPLICA_GROUP_ID, agreeing."""
+def replica_group_index(given: int | None, environ: dict[str, str]) -> int:
+    """Which worker of the run this replica group is: ``--index`` or REPLICA_GROUP_ID, agreeing."""
     from_env = environ.get("REPLICA_GROUP_ID")
     if from_env is not None and not from_env.strip().isdigit():
         raise LaunchError(f"REPLICA_GROUP_ID={from_env!r} is not a worker index (0, 1, ...)")
     if given is None and from_env is None:
-        raise LaunchError("which worker is this site? set REPLICA_GROUP_ID (as torchft's "
+        raise LaunchError("which worker is this replica group? set REPLICA_GROUP_ID (as torchft's "
                           "examples do) or give --index")
     if given is not None and from_env is not None and int(from_env) != given:
         raise LaunchError(f"--index {given} but REPLICA_GROUP_ID={from_env}: give one of them, "
@@ -53,10 +54,10 @@ def site_index(given: int | None, environ: dict[str, str]) -> int:
     return given if given is not None else int(from_env)
 
 
-def site_config(values: dict[str, Any], environ: dict[str, str]) -> RunConfig:
+def replica_group_config(values: dict[str, Any], environ: dict[str, str]) -> RunConfig:
     """The run's config for this rank: flags over ``--config`` (or the run dir's saved
-    ``config.toml``), with the Lighthouse and the site's size taken from the environment when
-    the flags leave them out."""
+    ``config.toml``), with the Lighthouse and the replica group's size taken from the environment
+    when the flags leave them out."""
     values = dict(values)
     config_path = values.pop("config", None)
     ignore: frozenset[str] = frozenset()
@@ -70,11 +71,12 @@ def site_config(values: dict[str, Any], environ: dict[str, str]) -> RunConfig:
         values["ranks_per_worker"] = world
     elif values["ranks_per_worker"] != world:
         raise LaunchError(f"--ranks-per-worker {values['ranks_per_worker']} but this process is "
-                          f"one of WORLD_SIZE={world}: start the site with torchrun "
+                          f"one of WORLD_SIZE={world}: start the replica group with torchrun "
                           f"--nproc-per-node {values['ranks_per_worker']}, or drop the flag")
     if config_path is None and values.get("run_dir") is not None:
         saved = Path(values["run_dir"]) / "config.toml"
-        if saved.is_file():  # a run dir prepared by `farlink train` or by this site's rank 0
+        # a run dir prepared by `farlink train` or by this replica group's rank 0
+        if saved.is_file():
             config_path, ignore = saved, INVOCATION_FIELDS
     return load_config(config_path, values, ignore=ignore)
 
@@ -98,21 +100,21 @@ def prepare_run_dir(cfg: RunConfig, rank: int) -> None:
 
 @config_options
 def worker(
-    index: Optional[int] = typer.Option(None, "--index", help="this site's worker index (its "
-                                        "data shard); default: REPLICA_GROUP_ID"),
+    index: Optional[int] = typer.Option(None, "--index", help="this replica group's worker index "
+                                        "(its data shard); default: REPLICA_GROUP_ID"),
     join: bool = typer.Option(False, "--join", help="heal from live peers in a first "
-                              "zero-weight round (a site joining a run under way)"),
+                              "zero-weight round (a replica group joining a run under way)"),
     **values: Any,
 ) -> None:
-    """Run one site (replica group) of a run under torchrun, SLURM, Kubernetes or torchx."""
+    """Run one replica group of a run under torchrun, SLURM, Kubernetes or torchx."""
     from farlink.robust.auth import run_secret
     from farlink.train.worker import run_worker
 
     environ = dict(os.environ)
     rank = int(environ.get("RANK", "0"))
     try:
-        index = site_index(index, environ)
-        cfg = site_config(values, environ)
+        index = replica_group_index(index, environ)
+        cfg = replica_group_config(values, environ)
         run_secret(cfg)  # a missing or exposed secret fails here, not in the first round
         prepare_run_dir(cfg, rank)
     except (ConfigError, ValueError) as exc:
@@ -149,7 +151,7 @@ def launched(argv: list[str]) -> int:
 
 
 def exit_process(code: int) -> None:
-    """End this process with ``code``. A rank of a site (torchrun's WORLD_SIZE > 1) leaves
+    """End this process with ``code``. A rank of a replica group (torchrun's WORLD_SIZE > 1) leaves
     without the interpreter's teardown once everything is written and closed: destructors of
     its process groups' threads can call std::terminate at exit, which would turn a finished
     run into SIGABRT."""
@@ -167,7 +169,7 @@ def register(app: typer.Typer, bench_app: typer.Typer) -> None:  # noqa: ARG001
 
 def main(argv: list[str] | None = None) -> None:
     """``python -m farlink.worker``: a launcher's worker names its run dir and index first
-    (:func:`launched`); a site under torchrun gives only flags (:func:`worker`)."""
+    (:func:`launched`); a replica group under torchrun gives only flags (:func:`worker`)."""
     argv = sys.argv[1:] if argv is None else argv
     if argv and not argv[0].startswith("-"):
         exit_process(launched(argv))

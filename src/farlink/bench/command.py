@@ -273,17 +273,18 @@ def register(app: typer.Typer, bench_app: typer.Typer) -> None:
         out: Path = typer.Option(Path("bench/gpu"), help="output directory"),
         batch_size: int = typer.Option(16, help="sequences of 1024 tokens per step (125m)"),
         steps: int = typer.Option(20, help="timed inner steps of the step measurement"),
-        site_steps: int = typer.Option(30, help="inner steps of each farlink train run"),
+        worker_steps: int = typer.Option(30, "--worker-steps", "--site-steps",
+                                         help="inner steps of each farlink train run"),
         loss_steps: int = typer.Option(100, help="inner steps of the CPU/GPU loss comparison"),
         peak_tflops: float | None = typer.Option(
             None, help="the GPU's dense bf16 peak, for a model farlink does not know"),
     ) -> None:
-        """Tokens/s and MFU of the 125m preset in bf16 on one GPU (1 and 2 sites), and DiLoCo's
-        loss on the GPU (bf16) against the CPU (fp32). Needs a CUDA device."""
+        """Tokens/s and MFU of the 125m preset in bf16 on one GPU (1 and 2 workers), and
+        DiLoCo's loss on the GPU (bf16) against the CPU (fp32). Needs a CUDA device."""
         from farlink.bench.gpu import NoGpu, run
 
         try:
-            result = run(out, batch_size, steps, site_steps, loss_steps,
+            result = run(out, batch_size, steps, worker_steps, loss_steps,
                          peak_tflops=peak_tflops)
         except NoGpu as exc:
             typer.secho(f"error: {exc}", fg="red", err=True)
@@ -309,22 +310,25 @@ def register(app: typer.Typer, bench_app: typer.Typer) -> None:
                                     "overhead"], "farlink bench overhead")
         Console().print(f"median overhead: {result['median_overhead']:.2%}")
 
-    @bench_app.command("sites")
-    def sites(
-        out: Path = typer.Option(Path("bench/sites"), help="output directory"),
+    @bench_app.command("sites", hidden=True)  # its earlier name, for scripts
+    @bench_app.command("replica-groups")
+    def replica_groups(
+        out: Path = typer.Option(Path("bench/replica_groups"), help="output directory"),
         steps: int = typer.Option(100, help="inner steps per measurement (the first 10 warm up)"),
         model: str = typer.Option("tiny", help="model preset"),
-        ranks: int = typer.Option(2, help="ranks of the site (--ranks-per-worker)"),
-        batch_size: int = typer.Option(8, help="rows per rank (a site of K ranks: K x this)"),
+        ranks: int = typer.Option(2, help="ranks of the replica group (--ranks-per-worker)"),
+        batch_size: int = typer.Option(8, help="rows per rank (a replica group of K ranks: "
+                                       "K x this)"),
         repeats: int = typer.Option(1, help="alternating repeats (medians are reported)"),
     ) -> None:
-        """Tokens/s per rank of a site of K ranks (fsdp, ddp) vs one rank vs plain torch."""
-        from farlink.bench.sites import run
+        """Tokens/s per rank of a replica group of K ranks (fsdp, ddp) vs one rank vs plain
+        torch."""
+        from farlink.bench.replica_groups import run
 
         result = run(out, steps, model, ranks, batch_size, repeats)
-        print_rows(result["rows"], ["repeat", "config", "site_tokens_per_s",
+        print_rows(result["rows"], ["repeat", "config", "replica_group_tokens_per_s",
                                     "tokens_per_s_per_rank", "per_rank_vs_one_rank",
-                                    "load_before", "load_after"], "farlink bench sites")
+                                    "load_before", "load_after"], "farlink bench replica-groups")
         Console().print(f"median overhead of farlink (1 rank) vs plain torch: "
                         f"{result['median_overhead_vs_plain']:.1%}; median per-rank tokens/s "
                         f"vs one rank: {result['median_per_rank_vs_one_rank']}")

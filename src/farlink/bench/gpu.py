@@ -6,8 +6,8 @@ Three measurements, printed and written to ``OUT/gpu.json`` and ``OUT/gpu.png``:
    shapes: 12 x 768, vocabulary 50304, 1024-token context) under bf16 autocast, timed over the
    worker's own inner step (micro-batch forward/backward, clipping, AdamW) after a warm-up, on
    synthetic tokens (throughput does not depend on the text);
-2. **sites**: ``farlink train --model 125m --precision bf16`` with DiLoCo through torchft, one
-   site of one rank and then two sites sharing the GPU (``--device cuda:0``), tokens/s from the
+2. **workers**: ``farlink train --model 125m --precision bf16`` with DiLoCo through torchft, one
+   worker of one rank and then two workers sharing the GPU (``--device cuda:0``), tokens/s from the
    workers' own metrics (the framework and its rounds included), the vocabulary that of the
    shipped corpus's tokenizer;
 3. **loss**: one short DiLoCo run of the ``tiny`` preset (two workers) on the CPU in fp32 and on
@@ -105,7 +105,7 @@ def measure_step(device: torch.device, batch_size: int, steps: int, warmup: int 
                                if device.type == "cuda" else None)}
 
 
-def _site_tokens_per_s(run_dir: Path, workers: int, warm: int) -> list[float]:
+def _worker_tokens_per_s(run_dir: Path, workers: int, warm: int) -> list[float]:
     """Each worker's steady tokens/s from its ``step`` records (rounds and checkpoints at the
     run's end fall outside them)."""
     from farlink.train.metrics import read_metrics
@@ -132,19 +132,19 @@ def _launch(out: Path, name: str, **values) -> Path:  # noqa: ANN003 - RunConfig
     return cfg.run_dir
 
 
-def measure_sites(out: Path, sites: int, steps: int, batch_size: int, vocab_size: int,
-                  device: str = "cuda:0", model_name: str = "125m") -> dict:
-    """``sites`` DiLoCo workers of the ``125m`` preset in bf16, all on one GPU."""
+def measure_workers(out: Path, workers: int, steps: int, batch_size: int, vocab_size: int,
+                    device: str = "cuda:0", model_name: str = "125m") -> dict:
+    """``workers`` DiLoCo workers of the ``125m`` preset in bf16, all on one GPU."""
     from farlink.model import preset_config
 
     seq_len = preset_config(model_name).seq_len
-    run_dir = _launch(out, f"sites-{sites}", model=model_name, precision="bf16", device=device,
-                      workers=sites, min_replicas=sites, steps=steps, inner_steps=steps,
+    run_dir = _launch(out, f"workers-{workers}", model=model_name, precision="bf16", device=device,
+                      workers=workers, min_replicas=workers, steps=steps, inner_steps=steps,
                       batch_size=batch_size, seq_len=seq_len, vocab_size=vocab_size,
                       eval_batches=1, log_every=1, warmup_steps=2, threads=2)
-    rates = _site_tokens_per_s(run_dir, sites, warm=3)
+    rates = _worker_tokens_per_s(run_dir, workers, warm=3)
     shape = preset_config(model_name, vocab_size=_vocab_of(run_dir))
-    return {"sites": sites, "tokens_per_s": sum(rates), "per_site_tokens_per_s": rates,
+    return {"workers": workers, "tokens_per_s": sum(rates), "per_worker_tokens_per_s": rates,
             "n_params": shape.num_parameters(), "n_layer": shape.n_layer,
             "d_model": shape.d_model, "seq_len": shape.seq_len}
 
@@ -171,7 +171,7 @@ def measure_loss(out: Path, steps: int, vocab_size: int, device: str = "cuda:0")
     return {**losses, "relative_gap": gap, "within_2_percent": gap < 0.02, "steps": steps}
 
 
-def run(out: Path, batch_size: int = 16, steps: int = 20, site_steps: int = 30,
+def run(out: Path, batch_size: int = 16, steps: int = 20, worker_steps: int = 30,
         loss_steps: int = 100, vocab_size: int = 8192, peak_tflops: float | None = None) -> dict:
     device = require_gpu()
     name = torch.cuda.get_device_name(device)
@@ -186,9 +186,9 @@ def run(out: Path, batch_size: int = 16, steps: int = 20, site_steps: int = 30,
         rows.append({"label": label, **figures, "flops_per_token": flops, "mfu": mfu})
 
     add("step 125m bf16 (1 rank)", measure_step(device, batch_size, steps))
-    for sites in (1, 2):
-        add(f"farlink train 125m bf16, {sites} site(s) on one GPU",
-            measure_sites(out, sites, site_steps, max(1, batch_size // 2), vocab_size))
+    for workers in (1, 2):
+        add(f"farlink train 125m bf16, {workers} worker(s) on one GPU",
+            measure_workers(out, workers, worker_steps, max(1, batch_size // 2), vocab_size))
     loss = measure_loss(out, loss_steps, vocab_size)
     extra = {"gpu": name, "peak_bf16_flops": peak,
              "peak_source": "--peak-tflops" if peak_tflops else "farlink.bench.gpu.PEAK_BF16",

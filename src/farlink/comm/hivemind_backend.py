@@ -173,8 +173,8 @@ class _Group:
     ok: bool = True
     dead: set[int] = field(default_factory=set)
     skipped: bool = False  # no group took this peer in time: a group of itself (see alone())
-    #: per member that is a site of several ranks: ``[peer id bytes, [multiaddrs]]`` of each of
-    #: its ranks' own peers, in rank order (empty for a one-process member)
+    #: per member that is a replica group of several ranks: ``[peer id bytes, [multiaddrs]]`` of
+    #: each of its ranks' own peers, in rank order (empty for a one-process member)
     endpoints: list[list] = field(default_factory=list)
 
     @property
@@ -188,18 +188,19 @@ class _Group:
         self.seq += 1
         return self.group_id + b"/" + kind + str(self.seq).encode()
 
-    def of_site_rank(self, rank: int) -> _Group:
-        """The group as rank ``rank`` of every member site sees it: the same members, order,
-        rounds and announcements, but each member's rank-``rank`` peer, under a group id of
-        its own (so the ranks' exchanges never mix). Every member must be a site of the same
-        number of ranks, or rank r of one would have no counterpart in another."""
+    def of_replica_group_rank(self, rank: int) -> _Group:
+        """The group as rank ``rank`` of every member replica group sees it: the same members,
+        order, rounds and announcements, but each member's rank-``rank`` peer, under a group id of
+        its own (so the ranks' exchanges never mix). Every member must be a replica group of the
+        same number of ranks, or rank r of one would have no counterpart in another."""
         sizes = [len(e) for e in self.endpoints]
         if len(set(sizes)) != 1 or not 0 <= rank < sizes[0]:
             raise CommError(
-                f"the averaging group mixes sites of {sorted(set(sizes))} ranks; rank {rank} of "
-                "a site exchanges its shard with the same rank of every other site. Fix: start "
-                "every worker of the run with the same --ranks-per-worker.")
-        return _Group(
+                f"the averaging group mixes replica groups of {sorted(set(sizes))} ranks; rank "
+                f"{rank} of a replica group exchanges its shard with the same rank of every other "
+                "replica group. Fix: start every worker of the run with the same "
+                "--ranks-per-worker.")
+        return _Group(  # the group id's suffix is wire data, named before "replica group"
             group_id=self.group_id + b"/site-rank" + str(rank).encode(),
             peers=[PeerID(e[rank][0]) for e in self.endpoints],
             client=list(self.client),
@@ -207,13 +208,13 @@ class _Group:
             committed=list(self.committed),
             me=self.me,
             round_id=self.round_id,
-            # members announce their rank 0's fingerprint: rank r of a site checks its shard's
-            # state for finiteness only
+            # members announce their rank 0's fingerprint: rank r of a replica group checks its
+            # shard's state for finiteness only
             fingerprints=list(self.fingerprints) if rank == 0 else [None] * self.size,
             ok=self.ok,
         )
 
-    def site_rank_addresses(self, rank: int) -> list[list[str]]:
+    def replica_group_rank_addresses(self, rank: int) -> list[list[str]]:
         """The multiaddresses of each member's rank-``rank`` peer, in member order."""
         return [list(e[rank][1]) for e in self.endpoints]
 
@@ -376,9 +377,9 @@ class HivemindCollective(Collective):
         self.state_bytes_sent = 0
         self.last_failure: CommError | None = None  # why the last round did not commit
         self.rejected: dict[int, str] = {}  # rank -> reason, for the last all-gather
-        #: a site's rank 0 announces its ranks' peers (``[peer id bytes, [multiaddrs]]`` each,
-        #: in rank order) in its matchmaking metadata; empty for a one-process worker
-        self.site_endpoints: list[list] = []
+        #: a replica group's rank 0 announces its ranks' peers (``[peer id bytes, [multiaddrs]]``
+        #: each, in rank order) in its matchmaking metadata; empty for a one-process worker
+        self.replica_group_endpoints: list[list] = []
         self.last_shards: list[int] = []  # elements each rank reduced in the last all-reduce
         self._get_state: Callable[[], dict[str, torch.Tensor]] | None = None
         self._set_state: Callable[[dict[str, torch.Tensor]], None] | None = None
@@ -571,8 +572,8 @@ class HivemindCollective(Collective):
     def enter_group(self, group: _Group) -> RoundInfo:
         """Make ``group`` this round's: prove membership to its members (with --auth), bring
         this worker up to the group's round if it is behind (healing), and say who takes part.
-        A site's ranks other than 0 enter the group their rank 0 found, as its rank-r view
-        (:mod:`farlink.comm.hivemind_site`)."""
+        A replica group's ranks other than 0 enter the group their rank 0 found, as its rank-r view
+        (:mod:`farlink.comm.hivemind_replica_group`)."""
         self._group = group
         self._admit_group(group)
         healed = self._heal(group) if group.ok else False
@@ -629,7 +630,8 @@ class HivemindCollective(Collective):
                 allow_retries=True,
                 weight=1.0,
                 data_for_gather=msgpack.packb(
-                    [self.round_id, int(self.client_mode), self.bandwidth, self.site_endpoints,
+                    [self.round_id, int(self.client_mode), self.bandwidth,
+                     self.replica_group_endpoints,
                      self._fingerprint[1] if self._fingerprint and not self._joining
                      and self._fingerprint[0] == self.round_id else None]),
             )
@@ -680,7 +682,7 @@ class HivemindCollective(Collective):
 
     async def forget_other_rounds(self, group_id: bytes) -> None:
         """Drop what earlier rounds left (payloads, runners, state snapshots), keeping what
-        groupmates already sent for ``group_id``: a site's rank other than 0 enters a group
+        groupmates already sent for ``group_id``: a replica group's rank other than 0 enters a group
         that others may have started sending to before this rank heard of it."""
         for store in (self._mailbox.slots, self._runners, self._snapshots):
             for key in [k for k in store if not k.startswith(group_id)]:
@@ -835,8 +837,8 @@ class HivemindCollective(Collective):
 
     def connect_to(self, peers: list[PeerID], addresses: list[list[str]],
                    group_id: bytes) -> None:
-        """Before entering a group someone else formed (a site's rank 0): dial its members at
-        the addresses they announced (best effort: the DHT finds them otherwise) and drop what
+        """Before entering a group someone else formed (a replica group's rank 0): dial its members
+        at the addresses they announced (best effort: the DHT finds them otherwise) and drop what
         earlier rounds left, keeping what members already sent for ``group_id``."""
         from hivemind.utils.multiaddr import Multiaddr
 
@@ -857,8 +859,8 @@ class HivemindCollective(Collective):
         return self._current().ok
 
     def fail_round(self, error: CommError, blame: Sequence[int] = ()) -> None:
-        """Fail the current round for a reason found outside this peer (another rank of its
-        site failed, the exchange caught a member equivocating): it votes no, and the members
+        """Fail the current round for a reason found outside this peer (another rank of its replica
+        group failed, the exchange caught a member equivocating): it votes no, and the members
         ``blame`` names get a strike (see :mod:`farlink.robust.strikes`)."""
         group = self._group
         if group is not None:

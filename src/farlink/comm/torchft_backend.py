@@ -1,12 +1,13 @@
 """Organizational mode: the collective interface on torchft (Lighthouse quorum + Gloo).
 
-Every worker is a torchft replica group: one rank with its own TCPStore, or the K ranks of a site
-(:mod:`farlink.parallel.sharding`) sharing the store its rank 0 hosts; rank ``r`` of a site then
-talks across sites only with rank ``r`` of the others, about its own shard. Each outer round is a
-torchft *step*: ``begin_round`` asks the Lighthouse for a quorum (which drops peers whose heartbeat
-stopped and admits newcomers), reconfigures the Gloo process group to the quorum, and heals this
-worker from a live peer's committed state when it is behind; ``commit`` is torchft's
-``should_commit``, which is False on every participant as soon as any collective failed.
+Every worker is a torchft replica group: one rank with its own TCPStore, or the K ranks of a
+replica group (:mod:`farlink.parallel.sharding`) sharing the store its rank 0 hosts; rank ``r`` of
+a replica group then talks across replica groups only with rank ``r`` of the others, about its own
+shard. Each outer round is a torchft *step*: ``begin_round`` asks the Lighthouse for a quorum
+(which drops peers whose heartbeat stopped and admits newcomers), reconfigures the Gloo process
+group to the quorum, and heals this worker from a live peer's committed state when it is behind;
+``commit`` is torchft's ``should_commit``, which is False on every participant as soon as any
+collective failed.
 
 Timeouts are derived from what the round must move: the Gloo timeout of the next process group is
 ``round_timeout + safety * (bytes this worker must move) / (measured bytes per second)``, so a link
@@ -216,7 +217,8 @@ class TorchftCollective(Collective):
         if group_world_size > 1:
             if store_port is None:
                 raise ValueError("a replica group of several ranks shares its rank 0's store: "
-                                 "give store_addr and store_port (Site.start() provides them)")
+                                 "give store_addr and store_port (ReplicaGroup.start() provides "
+                                 "them)")
             self._store = None
         else:
             listen_fd = listeners.store_listener(host)

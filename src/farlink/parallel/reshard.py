@@ -1,28 +1,29 @@
-"""A site's checkpoint resumed with another number of ranks: its parts cut again, exactly.
+"""A replica group's checkpoint resumed with another number of ranks: its parts cut again, exactly.
 
-Users move between node sizes: a run checkpointed by sites of 2 ranks may go on on machines that
-fit 1, 4 or 8. Each rank's part of a site's checkpoint holds its own state (:mod:`farlink.train.
-checkpoint`), and every tensor in it is one of two kinds:
+Users move between node sizes: a run checkpointed by replica groups of 2 ranks may go on on
+machines that fit 1, 4 or 8. Each rank's part of a replica group's checkpoint holds its own state
+(:mod:`farlink.train. checkpoint`), and every tensor in it is one of two kinds:
 
 * **a shard**: a contiguous range of the whole tensor flattened in row-major order. FSDP2 shards
-  dim 0 (``torch.chunk``), so its shard of a contiguous tensor is such a range; a DDP site's
-  ``1/K`` slice (:meth:`~farlink.parallel.sharding.Site.part_of`) is one by construction. The
-  two split at different sizes (``chunk`` rounds up, ``tensor_split`` spreads the remainder),
-  so the new sizes are never computed here: they are read from the new ranks' live state.
+  dim 0 (``torch.chunk``), so its shard of a contiguous tensor is such a range; a DDP replica
+  group's ``1/K`` slice (:meth:`~farlink.parallel.sharding.ReplicaGroup.part_of`) is one by
+  construction. The two split at different sizes (``chunk`` rounds up, ``tensor_split`` spreads the
+  remainder), so the new sizes are never computed here: they are read from the new ranks' live
+  state.
 * **a rank's own whole value**: the same shape on every rank (a DDP rank's whole replica and
   its AdamW state, counters, torch's RNG state).
 
-A tensor whose parts all have the shape every new rank holds (or are all scalars) is a whole
-value: new rank ``r`` takes old rank ``r``'s (the last old rank's when there are more new ranks).
-One whose parts add up to what the new ranks hold together is a shard: the parts are joined and
-each new rank takes its range. With different rank counts and a non-empty tensor the two cannot
-be confused (``K_old * n == K_new * n`` only if the counts are equal), and anything else is
-refused with what to do. What a new rank holds comes from its algorithm's ``state_shapes()``,
-which also sizes the states made only later (an optimizer's moments before its first step, a
-codec's residuals before the first round) by the parameter they belong to.
-No arithmetic touches a value, so the resumed site holds bit for bit the parameters, optimizer
-states and residuals that were saved; a site of K ranks trains them as one of K' would, up to
-the order of FSDP's reductions.
+A tensor whose parts all have the shape every new rank holds (or are all scalars) is a whole value:
+new rank ``r`` takes old rank ``r``'s (the last old rank's when there are more new ranks). One
+whose parts add up to what the new ranks hold together is a shard: the parts are joined and each
+new rank takes its range. With different rank counts and a non-empty tensor the two cannot be
+confused (``K_old * n == K_new * n`` only if the counts are equal), and anything else is refused
+with what to do. What a new rank holds comes from its algorithm's ``state_shapes()``, which also
+sizes the states made only later (an optimizer's moments before its first step, a codec's residuals
+before the first round) by the parameter they belong to. No arithmetic touches a value, so the
+resumed replica group holds bit for bit the parameters, optimizer states and residuals that were
+saved; a replica group of K ranks trains them as one of K' would, up to the order of FSDP's
+reductions.
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ Shapes = dict[str, tuple[int, ...]]
 
 
 def shapes_of(state: dict[str, torch.Tensor]) -> Shapes:
-    """What a rank holds: each tensor's shape (gathered from every new rank of a site)."""
+    """What a rank holds: each tensor's shape (gathered from every new rank of a replica group)."""
     return {key: tuple(tensor.shape) for key, tensor in state.items()}
 
 
@@ -67,7 +68,7 @@ def reshard(parts: list[dict[str, torch.Tensor]], rank: int,
         wanted = [wanted_shape(key, shapes) for shapes in layout]
         if any(t is None for t in held) or any(shape is None for shape in wanted):
             raise ReshardError(f"{key!r} is not held by every rank of the checkpoint and of this "
-                               f"site; resume with --ranks-per-worker {len(parts)}")
+                               f"replica group; resume with --ranks-per-worker {len(parts)}")
         out[key] = _cut(key, held, rank, wanted)
     return out
 

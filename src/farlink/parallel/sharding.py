@@ -1,40 +1,41 @@
-"""A site: several ranks that train one replica together, FSDP2 or DDP inside, farlink across.
+"""A replica group: K ranks that train one replica together, FSDP2 or DDP inside, farlink across.
 
-INTELLECT-1's shape: inside a node (a "site") the model is sharded over its K ranks with
-``fully_shard`` (FSDP2; NCCL on CUDA, Gloo on CPU); across sites the outer algorithm runs through
-torchft, as a replica group of K ranks, or through hivemind, as one member of each averaging
-group (:mod:`farlink.comm.hivemind_site`). Rank ``r`` of one site exchanges only its own shard
-with rank ``r`` of every other site (torchft's cross-group process groups pair ranks that way;
-on hivemind rank 0 matchmakes for the site and rank r takes the rank-r view of its group), so the
-bytes a site sends per round are those of one whole replica, whatever K is.
+INTELLECT-1's shape: inside a node (a "replica group") the model is sharded over its K ranks with
+``fully_shard`` (FSDP2; NCCL on CUDA, Gloo on CPU); across replica groups the outer algorithm runs
+through torchft, as a replica group of K ranks, or through hivemind, as one member of each
+averaging group (:mod:`farlink.comm.hivemind_replica_group`). Rank ``r`` of one replica group
+exchanges only its own shard with rank ``r`` of every other replica group (torchft's cross-group
+process groups pair ranks that way; on hivemind rank 0 matchmakes for the replica group and rank r
+takes the rank-r view of its group), so the bytes a replica group sends per round are those of one
+whole replica, whatever K is.
 
-With ``--sharding ddp`` every rank instead holds the whole replica and the site averages
-gradients (one packed all-reduce per inner step, as DDP does). Across sites each rank then
-exchanges its own ``1/K`` slice of every parameter's pseudo-gradient (:meth:`Site.part_of`) with
-the same rank of the other sites, so cross-site bytes per site stay those of one replica, as
-with FSDP; after a round the ranks broadcast their updated slices (:meth:`Site.share_parts`).
-The alternative, rank 0 alone exchanging and broadcasting, would leave the other ranks' links
-idle and put the whole replica through one rank's connection.
+With ``--sharding ddp`` every rank instead holds the whole replica and the replica group averages
+gradients (one packed all-reduce per inner step, as DDP does). Across replica groups each rank then
+exchanges its own ``1/K`` slice of every parameter's pseudo-gradient (:meth:`ReplicaGroup.part_of`)
+with the same rank of the other replica groups, so cross-replica-group bytes per replica group stay
+those of one replica, as with FSDP; after a round the ranks broadcast their updated slices
+(:meth:`ReplicaGroup.share_parts`). The alternative, rank 0 alone exchanging and broadcasting,
+would leave the other ranks' links idle and put the whole replica through one rank's connection.
 
-A site that joins a run under way, or restarts behind the others, heals through torchft as one
-process does. torchft pairs rank r of the healing replica group with rank r of the recovery
+A replica group that joins a run under way, or restarts behind the others, heals through torchft as
+one process does. torchft pairs rank r of the healing replica group with rank r of the recovery
 source (each rank's Manager serves and fetches its own state), and what a rank serves is its
 algorithm's state of its own shard as plain tensors: the algorithms keep ``to_local()`` views of
 FSDP2's DTensors (:func:`local_shard`) and copies of them, never DTensors, which torchft's
 transport would have to rebuild on a device mesh of the receiver's. So each rank receives exactly
-its shard and copies it into its local view in place; sites must have the same K and
-``--sharding`` for rank r's shards to be the same slice. A checkpoint resumed with another K is
-cut again instead (:mod:`farlink.parallel.reshard`).
+its shard and copies it into its local view in place; replica groups must have the same K and
+``--sharding`` for rank r's shards to be the same slice. A checkpoint resumed with another K is cut
+again instead (:mod:`farlink.parallel.reshard`).
 
-A site is started the way torchtitan and torchft examples start one, by ``torchrun``::
+A replica group is started the way torchtitan and torchft examples start one, by ``torchrun``::
 
     TORCHFT_LIGHTHOUSE=http://host:29510 REPLICA_GROUP_ID=0 \\
         torchrun --nproc-per-node 2 your_train.py
 
-:meth:`Site.from_env` reads RANK, WORLD_SIZE, LOCAL_RANK and MASTER_ADDR/PORT (torchrun's) plus
-REPLICA_GROUP_ID; :meth:`Site.start` joins the site's process group (FSDP2's) and hosts the
-replica group's torchft store at rank 0 (a fresh one per start, so a site restarted by
-``torchrun --max-restarts`` never reads its previous life's manager address).
+:meth:`ReplicaGroup.from_env` reads RANK, WORLD_SIZE, LOCAL_RANK and MASTER_ADDR/PORT (torchrun's)
+plus REPLICA_GROUP_ID; :meth:`ReplicaGroup.start` joins the replica group's process group (FSDP2's)
+and hosts the replica group's torchft store at rank 0 (a fresh one per start, so a replica group
+restarted by ``torchrun --max-restarts`` never reads its previous life's manager address).
 """
 
 from __future__ import annotations
@@ -66,8 +67,8 @@ def model_is_sharded(model: nn.Module) -> bool:
 
 
 def shard_model(model: nn.Module, blocks: list[nn.Module] | None = None, mesh=None) -> nn.Module:
-    """FSDP2 over the site's ranks, torchtitan's way: each block its own unit, then the root
-    (embeddings, head). ``blocks`` default: the children of the first ``nn.ModuleList`` found
+    """FSDP2 over the replica group's ranks, torchtitan's way: each block its own unit, then the
+    root (embeddings, head). ``blocks`` default: the children of the first ``nn.ModuleList`` found
     (a GPT's or a Hugging Face model's layers)."""
     from torch.distributed.fsdp import fully_shard
 
@@ -80,16 +81,17 @@ def shard_model(model: nn.Module, blocks: list[nn.Module] | None = None, mesh=No
 
 
 def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
-    """The whole model's tensors, gathered from every rank of the site (a collective: every
+    """The whole model's tensors, gathered from every rank of the replica group (a collective: every
     rank must call it); plain tensors, for export or evaluation."""
     return {name: (t.full_tensor() if is_sharded(t) else t).detach().cpu()
             for name, t in model.state_dict().items()}
 
 
 @dataclass
-class Site:
-    """Where this process stands in its site: rank ``rank`` of ``size``, in replica group
-    ``replica_index``; ``store_host``/``store_port``: the replica group's torchft store."""
+class ReplicaGroup:
+    """Where this process stands in its replica group: rank ``rank`` of ``size``, in the replica
+    group ``replica_index`` of the run; ``store_host``/``store_port``: the replica group's torchft
+    store."""
 
     rank: int = 0
     size: int = 1
@@ -99,7 +101,7 @@ class Site:
     store_port: int = 0
 
     @classmethod
-    def from_env(cls, replica_index: int | None = None) -> Site:
+    def from_env(cls, replica_index: int | None = None) -> ReplicaGroup:
         """torchrun's variables, and REPLICA_GROUP_ID (torchft's) for the replica's number."""
         if replica_index is None:
             replica_index = int(os.environ.get("REPLICA_GROUP_ID", "0"))
@@ -116,9 +118,9 @@ class Site:
             return torch.device("cuda", self.local_rank)
         return torch.device(requested)
 
-    def start(self, host: str = "127.0.0.1", device: torch.device | None = None) -> Site:
-        """Join the site's process group (NCCL on CUDA, Gloo on CPU) if none is up, and host the
-        torchft store of this replica group at rank 0 (its address reaches every rank)."""
+    def start(self, host: str = "127.0.0.1", device: torch.device | None = None) -> ReplicaGroup:
+        """Join the replica group's process group (NCCL on CUDA, Gloo on CPU) if none is up, and
+        host the torchft store of this replica group at rank 0 (its address reaches every rank)."""
         import torch.distributed as dist
 
         if self.size == 1:
@@ -138,7 +140,7 @@ class Site:
 
     def _host_store(self, host: str) -> tuple[str, int]:
         """A fresh TCPStore hosted by rank 0 on ``host``; its address, on every rank (a
-        collective of the site's ranks)."""
+        collective of the replica group's ranks)."""
         import torch.distributed as dist
 
         address = [None]
@@ -149,25 +151,25 @@ class Site:
 
             store = TCPStore(host, 0, is_master=True, wait_for_workers=False,
                              master_listen_fd=store_listener(host))
-            self._stores.append(store)  # alive as long as the site
+            self._stores.append(store)  # alive as long as the replica group
             address = [(host, store.port)]
         dist.broadcast_object_list(address, src=0, group=self.gloo_group())
         return address[0]
 
-    def with_own_store(self, host: str = "127.0.0.1") -> Site:
-        """This site as a second replica group: the same ranks around a store of its own.
+    def with_own_store(self, host: str = "127.0.0.1") -> ReplicaGroup:
+        """The same ranks as a second torchft replica group, around a store of its own.
 
         A torchft Manager publishes its server's address under fixed keys of its replica
         group's store, so two Managers on one store (hierarchical DiLoCo's island and global
         tiers) would read each other's; each tier gets its own store instead. A collective:
-        every rank of the site calls it at the same point."""
+        every rank of the replica group calls it at the same point."""
         if self.size == 1:
             return self
         store_host, store_port = self._host_store(host)
         return replace(self, store_host=store_host, store_port=store_port)
 
     def _rendezvous(self):
-        """The store the site's ranks meet in, at MASTER_ADDR/PORT: torchrun's agent's, or
+        """The store the replica group's ranks meet in, at MASTER_ADDR/PORT: torchrun's agent's, or
         rank 0's when no agent hosts one (ranks started by hand), under a prefix of this start's
         number, so ranks restarted by ``--max-restarts`` never
         read the addresses their previous life published there."""
@@ -184,11 +186,11 @@ class Site:
         store = TCPStore(address, port, self.size, is_master=hosts, wait_for_workers=False,
                          timeout=timedelta(minutes=10), **listener)
         attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-        return PrefixStore(f"farlink-site/attempt-{attempt}", store)
+        return PrefixStore(f"farlink-replica-group/attempt-{attempt}", store)
 
     def gloo_group(self):
-        """A Gloo group over the site's ranks for small host-side agreements (NCCL's default
-        group cannot carry Python objects on CPU)."""
+        """A Gloo group over the replica group's ranks for small host-side agreements (NCCL's
+        default group cannot carry Python objects on CPU)."""
         import torch.distributed as dist
 
         if getattr(self, "_gloo", None) is None:
@@ -197,10 +199,10 @@ class Site:
         return self._gloo
 
     def checkpoint_group(self):
-        """A Gloo group of the site's ranks for checkpoint writes alone: a write in a background
-        thread runs its collectives there, never interleaved with the training thread's on the
-        site's other groups. Created at the first call, which every rank makes at the same
-        point (the first checkpoint)."""
+        """A Gloo group of the replica group's ranks for checkpoint writes alone: a write in a
+        background thread runs its collectives there, never interleaved with the training thread's
+        on the replica group's other groups. Created at the first call, which every rank makes at
+        the same point (the first checkpoint)."""
         import torch.distributed as dist
 
         if getattr(self, "_checkpoint_group", None) is None:
@@ -208,7 +210,8 @@ class Site:
         return self._checkpoint_group
 
     def agree_min(self, value: int) -> int:
-        """The smallest ``value`` over the site's ranks (e.g. the newest checkpoint all hold)."""
+        """The smallest ``value`` over the replica group's ranks (e.g. the newest checkpoint all
+        hold)."""
         if self.size == 1:
             return value
         return int(self._reduce(value, "MIN", torch.int64))
@@ -221,11 +224,11 @@ class Site:
         return tensor
 
     def mean(self, value: float) -> float:
-        """``value`` averaged over the site's ranks (a loss each computed on its rows)."""
+        """``value`` averaged over the replica group's ranks (a loss each computed on its rows)."""
         return float(self._reduce(value, "SUM", torch.float64)) / self.size
 
     def total(self, value: int) -> int:
-        """``value`` summed over the site's ranks (bytes each sent for its shard)."""
+        """``value`` summed over the replica group's ranks (bytes each sent for its shard)."""
         return int(self._reduce(value, "SUM", torch.int64))
 
     def agree_any(self, flag: bool) -> bool:
@@ -240,11 +243,11 @@ class Site:
         dist.all_gather_object(out, text, group=self.gloo_group())
         return out
 
-    # --- DDP inside the site: every rank holds the whole replica -----------------------------
+    # --- DDP inside the replica group: every rank holds the whole replica -------------------------
     def average_gradients(self, params: list[torch.Tensor]) -> None:
-        """Average the gradients of a whole (unsharded) replica over the site's ranks, as DDP
-        does: each rank's loss is the mean over its rows, so the average is the mean over the
-        site's batch. One all-reduce of the gradients packed together."""
+        """Average the gradients of a whole (unsharded) replica over the replica group's ranks, as
+        DDP does: each rank's loss is the mean over its rows, so the average is the mean over the
+        replica group's batch. One all-reduce of the gradients packed together."""
         import torch.distributed as dist
 
         grads = [p.grad for p in params if p.grad is not None]
@@ -257,9 +260,10 @@ class Site:
             grad.copy_(part.view_as(grad))
 
     def part_of(self, param: torch.Tensor) -> torch.Tensor:
-        """The slice of a whole parameter this rank synchronizes across sites when the site
-        runs DDP: its ``1/K`` of the flattened tensor (a view sharing storage, so an outer step
-        written to it lands in the parameter). Rank r of every site holds the same slice."""
+        """The slice of a whole parameter this rank synchronizes across replica groups when the
+        replica group runs DDP: its ``1/K`` of the flattened tensor (a view sharing storage, so an
+        outer step written to it lands in the parameter). Rank r of every replica group holds the
+        same slice."""
         return torch.tensor_split(param.detach().view(-1), self.size)[self.rank]
 
     def share_parts(self, params: list[torch.Tensor]) -> None:
@@ -287,17 +291,18 @@ class Site:
             dist.destroy_process_group()
 
 
-class SiteOptions(BaseModel):
-    """A replica of several ranks (a :class:`Site`, started by torchrun): how many, and how
-    they hold the model. ``RunConfig`` composes these fields (flat flags, ``[site]`` in TOML)."""
+class ReplicaGroupOptions(BaseModel):
+    """A replica of several ranks (a :class:`ReplicaGroup`, started by torchrun): how many, and how
+    they hold the model. ``RunConfig`` composes these fields (flat flags, ``[replica_group]`` in
+    TOML)."""
 
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
     ranks_per_worker: int = Field(
-        1, ge=1, description="processes that train one worker's replica together (a site, "
+        1, ge=1, description="processes that train one worker's replica together (a replica group, "
         "started by torchrun): the model is sharded over them with FSDP2 (Gloo on CPU, NCCL on "
         "CUDA), each takes batch_size / K rows, and each syncs only its own shard across workers")
     sharding: Literal["fsdp", "ddp"] = Field(
-        "fsdp", description="inside a site of several ranks: fsdp (each rank holds 1/K of the "
-        "model, FSDP2) or ddp (each rank holds the whole replica, gradients averaged over the "
-        "site; each rank syncs a 1/K slice across sites)")
+        "fsdp", description="inside a replica group of several ranks: fsdp (each rank holds 1/K of "
+        "the model, FSDP2) or ddp (each rank holds the whole replica, gradients averaged over the "
+        "replica group; each rank syncs a 1/K slice across replica groups)")

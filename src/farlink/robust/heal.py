@@ -143,7 +143,7 @@ def parse_announcement(raw: object) -> Announcement:
             isinstance(e, (list, tuple)) and len(e) == 2 and isinstance(e[0], bytes)
             and isinstance(e[1], (list, tuple)) and all(isinstance(m, str) for m in e[1])
             for e in endpoints):
-        raise ValueError("site endpoints are not [[peer id bytes, [multiaddrs]], ...]")
+        raise ValueError("replica group endpoints are not [[peer id bytes, [multiaddrs]], ...]")
     fingerprint = raw[4] if len(raw) > 4 else None
     if fingerprint is not None and not (
             isinstance(fingerprint, str) and len(fingerprint) == FINGERPRINT_HEX

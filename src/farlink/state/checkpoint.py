@@ -20,13 +20,13 @@ refused with the file and what to do: resuming from it would only train NaN agai
 A full disk stops a save with :class:`DiskFull`, naming the directory, after removing what the
 save had written so far; the previous checkpoint stays the newest.
 
-A site of several ranks (FSDP2 or DDP inside) writes one checkpoint per step with
+A replica group of several ranks (FSDP2 or DDP inside) writes one checkpoint per step with
 ``torch.distributed.checkpoint`` (DCP): :func:`save_sharded_checkpoint` is a collective of the
-site's ranks, each writing its own part into the same directory, after which rank 0 records the
-SHA-256 of every file DCP wrote and publishes the directory as above. A rank killed mid-write
-leaves only a temporary directory, so a published step is always whole; on load every digest is
-checked the same way and each rank reads back only its own part, or, resumed with another number
-of ranks, every part (:func:`load_checkpoint_parts`), which :mod:`farlink.parallel.reshard`
+replica group's ranks, each writing its own part into the same directory, after which rank 0
+records the SHA-256 of every file DCP wrote and publishes the directory as above. A rank killed
+mid-write leaves only a temporary directory, so a published step is always whole; on load every
+digest is checked the same way and each rank reads back only its own part, or, resumed with another
+number of ranks, every part (:func:`load_checkpoint_parts`), which :mod:`farlink.parallel.reshard`
 cuts again.
 """
 
@@ -218,7 +218,7 @@ def read_verified_meta(path: Path) -> dict:
 
 def load_checkpoint(path: Path, rank: int = 0) -> tuple[dict[str, torch.Tensor], dict]:
     """Tensors and meta of one checkpoint, after checking every digest its meta recorded. Of a
-    site's checkpoint (DCP), the tensors of rank ``rank``."""
+    replica group's checkpoint (DCP), the tensors of rank ``rank``."""
     meta = _verified_meta(path)
     if meta.get(SHARDED):
         return load_rank_part(path, rank), meta
@@ -238,7 +238,7 @@ def load_checkpoint(path: Path, rank: int = 0) -> tuple[dict[str, torch.Tensor],
 
 def load_checkpoint_parts(path: Path) -> tuple[list[dict[str, torch.Tensor]], dict]:
     """Every rank's tensors of one checkpoint, in rank order, after checking every digest: a
-    site's checkpoint read whole, to be cut again for another number of ranks
+    replica group's checkpoint read whole, to be cut again for another number of ranks
     (:mod:`farlink.parallel.reshard`); one part for a checkpoint of a single process."""
     meta = _verified_meta(path)
     if not meta.get(SHARDED):
@@ -296,8 +296,8 @@ def load_rank_part(path: Path, rank: int) -> dict[str, torch.Tensor]:
                  for key, info in stored.items() if key.startswith(prefix)}
         if not state:
             raise CheckpointError(f"checkpoint {path} holds no part of rank {rank} (it was "
-                                  f"written by a site of fewer ranks); resume with the same "
-                                  f"--ranks-per-worker")
+                                  f"written by a replica group of fewer ranks); resume with the "
+                                  f"same --ranks-per-worker")
         with warnings.catch_warnings():  # DCP notes that it loads in one process: meant so
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
             dcp.load(state, storage_reader=reader, no_dist=True)
@@ -310,7 +310,7 @@ def load_rank_part(path: Path, rank: int) -> dict[str, torch.Tensor]:
 
 def save_sharded_checkpoint(root: Path, step: int, tensors: dict[str, torch.Tensor], meta: dict,
                             rank: int, group, keep: int = 2) -> Path:
-    """A collective of a site's ranks (``group``, rank ``rank`` of it): each writes its
+    """A collective of a replica group's ranks (``group``, rank ``rank`` of it): each writes its
     ``tensors`` into checkpoint ``step`` through DCP; rank 0 then adds ``meta`` with the SHA-256
     of every file and publishes it. Each rank's tensors are stored under its own prefix, since
     the ranks' algorithm states (a shard's outer momentum, residuals, RNG) differ."""
@@ -390,8 +390,8 @@ def _verified(path: Path, rejected: list[tuple[Path, str]], rank: int = 0) -> Re
 
 
 def load_newest_intact(root: Path, rank: int = 0) -> Restored:
-    """Load the newest checkpoint under ``root`` that verifies, newest first by step; each
-    newer one that fails is set aside and reported in :attr:`Restored.rejected`. Of a site's
+    """Load the newest checkpoint under ``root`` that verifies, newest first by step; each newer
+    one that fails is set aside and reported in :attr:`Restored.rejected`. Of a replica group's
     checkpoints, rank ``rank``'s part."""
     rejected: list[tuple[Path, str]] = []
     for path in _candidates(root):

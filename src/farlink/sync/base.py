@@ -82,8 +82,9 @@ class Capabilities:
     inner_optimizer: bool = True  # it steps an inner optimizer (DeMo replaces it)
     outer_optimizer: bool = False  # an outer optimizer can be injected (DiLoCo family)
     wire_codec: str | None = None  # the codec family it must send with (DeMo: dct_topk)
-    sharded: bool = False  # runs on a site's local shards (FSDP2): each rank owns the part of
-    #                        its state that matches its shard (elementwise, or per-shard chunks)
+    sharded: bool = False  # runs on a replica group's local shards (FSDP2): each rank owns the
+    #                        part of its state that matches its shard (elementwise, or per-shard
+    #                        chunks)
     stage_averaging: bool = False  # its rounds can average the peers of one pipeline stage
     #                                (farlink train --pipeline-stages): a round at the
     #                                trainer's call (``count_tokens``, ``sync``) on weights the
@@ -247,15 +248,16 @@ class SyncAlgorithm(ABC):
         self.names = [n for n, p in model.named_parameters() if p.requires_grad]
         self.sharded = part_of is not None or any(is_sharded(p) for p in self.module_params)
         if self.sharded and not self.capabilities.sharded:
-            raise ValueError(f"{self.name} cannot run on a sharded model (FSDP2 across a site's "
-                             "ranks): its update is not elementwise. Use diloco, local_sgd, "
-                             "streaming, sparseloco, ddp or demo, or one rank per replica")
-        #: what the algorithm synchronizes: this rank's shard of each parameter (a view sharing
-        #: its storage), or the slice ``part_of`` gives (a DDP site's rank syncs 1/K of each
+            raise ValueError(f"{self.name} cannot run on a sharded model (FSDP2 across a replica "
+                             "group's ranks): its update is not elementwise. Use diloco, "
+                             "local_sgd, streaming, sparseloco, ddp or demo, or one rank per "
+                             "replica")
+        #: what the algorithm synchronizes: this rank's shard of each parameter (a view sharing its
+        #: storage), or the slice ``part_of`` gives (a DDP replica group's rank syncs 1/K of each
         #: whole parameter), the parameter itself when the model is not sharded
         self.shard_of = part_of or local_shard
-        #: on a site of several ranks, a yes/no every rank must share although each reads it
-        #: from its own clock (a time-budgeted round's end): True on all ranks if on any
+        #: on a replica group of several ranks, a yes/no every rank must share although each reads
+        #: it from its own clock (a time-budgeted round's end): True on all ranks if on any
         self.agree = agree or (lambda flag: flag)  # one process is the whole replica
         self.params = [self.shard_of(p) for p in self.module_params]
         self.lr_schedule = inner_optimizer is None if lr_schedule is None else lr_schedule
@@ -454,8 +456,8 @@ class SyncAlgorithm(ABC):
 
     def import_state(self, state: TensorState) -> None:
         """Adopt a transferred state only if it hashes to the digest the sender attached and every
-        tensor has the shape this replica holds: a site heals rank r from rank r of another
-        site, so a peer whose shards are cut otherwise (another --ranks-per-worker or
+        tensor has the shape this replica holds: a replica group heals rank r from rank r of another
+        replica group, so a peer whose shards are cut otherwise (another --ranks-per-worker or
         --sharding) would hand over the wrong slice, or fail deep inside a copy."""
         state = verified(state)
         mine = {key: tuple(value.shape) for key, value in self.shared_state().items()}
@@ -467,7 +469,7 @@ class SyncAlgorithm(ABC):
                 f"a live peer's state does not fit this replica ({len(misfit)} tensors, e.g. "
                 f"{key}: {tuple(state[key].shape)} there, {mine[key]} here): every worker of a "
                 "run needs the same model, --ranks-per-worker and --sharding (rank r of each "
-                "site holds the same shard)")
+                "replica group holds the same shard)")
         self.load_shared_state(state)
 
     def state_dict(self) -> TensorState:
@@ -487,12 +489,11 @@ class SyncAlgorithm(ABC):
         self.inner_steps_done = int(state["counter.inner_steps"])
 
     def state_shapes(self) -> dict[str, tuple[int, ...]]:
-        """The shape of every tensor :meth:`state_dict` holds on this rank, and of those made
-        only later, under a prefix: ``inner.I.`` and ``outer.I.`` for the states of an
-        optimizer's parameter I (made at its first step), ``residual.NAME`` for a codec's
-        residual of NAME (made at the first round): what this rank would hold of each. A site
-        resumed with another number of ranks cuts its checkpoint to them
-        (:mod:`farlink.parallel.reshard`)."""
+        """The shape of every tensor :meth:`state_dict` holds on this rank, and of those made only
+        later, under a prefix: ``inner.I.`` and ``outer.I.`` for the states of an optimizer's
+        parameter I (made at its first step), ``residual.NAME`` for a codec's residual of NAME
+        (made at the first round): what this rank would hold of each. A replica group resumed with
+        another number of ranks cuts its checkpoint to them (:mod:`farlink.parallel.reshard`)."""
         from farlink.parallel.sharding import local_shard
 
         shapes = {key: tuple(value.shape) for key, value in self.state_dict().items()}

@@ -8,12 +8,12 @@ Knobs: only the shared ones (:class:`~farlink.sync.base.SyncOptions`); ``inner_s
 checkpoint and evaluation cadence. The optimizer is the caller's (default AdamW, betas 0.9/0.95),
 stepped on the averaged gradients. Capabilities: a round after every step, any backend.
 
-On a site of several ranks sharded with FSDP2, each rank's gradient after backward is its shard
-of the site's averaged gradient; rank r averages that shard with rank r of the other sites, and
-the inner step (elementwise, as AdamW's is) updates each shard from it: the whole replica steps on
-the gradient of every site's batch, as one process would. A DDP site (``--sharding ddp``) would
-average only a 1/K slice of each gradient per rank and need the slices shared before the inner
-step, every step; it is refused (use ``--sharding fsdp``).
+On a replica group of several ranks sharded with FSDP2, each rank's gradient after backward is its
+shard of the replica group's averaged gradient; rank r averages that shard with rank r of the other
+replica groups, and the inner step (elementwise, as AdamW's is) updates each shard from it: the
+whole replica steps on the gradient of every replica group's batch, as one process would. A DDP
+replica group (``--sharding ddp``) would average only a 1/K slice of each gradient per rank and
+need the slices shared before the inner step, every step; it is refused (use ``--sharding fsdp``).
 """
 
 from __future__ import annotations

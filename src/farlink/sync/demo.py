@@ -31,12 +31,12 @@ Where farlink differs from the reference, on purpose:
 - the wire may carry fp16 values (``--codec dct_topk:64:32:fp16``); the momentum then subtracts
   the fp16-rounded values, i.e. still exactly what peers decode.
 
-On a site of several ranks (FSDP2 inside) each rank runs all of the above on its own shard of
-each tensor, with the same rank of the other sites: the update is DeMo's, but of the shard. The
-DCT tiles of a shard match the whole tensor's only where the shard's rows are a multiple of the
-chunk (a 512-row embedding split in two: yes; a 64-row matrix split into 32-row shards, or a
-64-element norm weight: no, those are tiled by 32), so the sites stay identical to each other
-but differ from one-rank replicas in the coefficients chosen for those tensors, and in bytes.
+On a replica group of several ranks (FSDP2 inside) each rank runs all of the above on its own shard
+of each tensor, with the same rank of the other replica groups: the update is DeMo's, but of the
+shard. The DCT tiles of a shard match the whole tensor's only where the shard's rows are a multiple
+of the chunk (a 512-row embedding split in two: yes; a 64-row matrix split into 32-row shards, or a
+64-element norm weight: no, those are tiled by 32), so the replica groups stay identical to each
+other but differ from one-rank replicas in the coefficients chosen for those tensors, and in bytes.
 
 Knobs (:class:`DeMoOptions`): ``demo_beta``, ``demo_chunk``, ``demo_topk`` and ``demo_lr`` (the
 sign step's lr, warmed up and decayed like the inner lr). Capabilities: a round after every step;

@@ -1,6 +1,6 @@
 """A state's SHA-256, so a state handed from one peer to another (healing, a checkpoint moved
-between sites) is loaded only when its bytes are the ones the sender hashed. Its own module since
-the algorithms, the group mixing layer and the trust checks all hash states."""
+between replica groups) is loaded only when its bytes are the ones the sender hashed. Its own
+module since the algorithms, the group mixing layer and the trust checks all hash states."""
 
 from __future__ import annotations
 

@@ -44,13 +44,14 @@ byte counting apply to each tier as they do to flat DiLoCo.
 Transport: a worker holds two torchft Managers in one process, the island one (its island's own
 Lighthouse) and, for leaders, the global one (the main Lighthouse). Two Managers in a process do
 not interfere: each has its own replica id, TCPStore, manager server and process group on ports
-chosen by the OS (``tests/test_hierarchical_integration.py`` runs it). On a site of K ranks
-(``--ranks-per-worker``) each rank holds both Managers, the site being one replica group of K
-ranks on each Lighthouse (each tier with a store of its own, :mod:`farlink.train.tiers`); this
-algorithm then runs on the rank's shard (or DDP slice): rank r averages, sends across islands and
-hands off only its part, with rank r of the other sites, and every tier stays elementwise, so a
-site ends where one-rank workers end (``tests/test_site_hierarchical.py``). This module sees only
-the :class:`~farlink.comm.base.Collective`/:class:`~farlink.sync.exchange.Exchange` interfaces.
+chosen by the OS (``tests/test_hierarchical_integration.py`` runs it). On a replica group of K
+ranks (``--ranks-per-worker``) each rank holds both Managers, the replica group being one torchft
+replica group on each Lighthouse (each tier with a store of its own,
+:mod:`farlink.train.tiers`); this algorithm then runs on the rank's shard (or DDP slice): rank r
+averages, sends across islands and hands off only its part, with rank r of the other replica
+groups, and every tier stays elementwise, so a replica group ends where one-rank workers end
+(``tests/test_replica_group_hierarchical.py``). This module sees only the
+:class:`~farlink.comm.base.Collective`/:class:`~farlink.sync.exchange.Exchange` interfaces.
 
 Failures keep replicas consistent rather than maximise progress: everything a round received is
 staged and applied only when the island commits; a global round that does not commit leaves θ_g
@@ -131,7 +132,8 @@ class HierarchicalDiLoCo(DiLoCo):
     Options = HierarchicalOptions
     # in-process collectives too (threads as peers; their all-reduce is exact); the planner
     # has no model of it (its hand-off carries SGD's momentum)
-    # on sites of several ranks every tier is elementwise, so each rank runs it on its shard
+    # on replica groups of several ranks every tier is elementwise, so each rank runs it on its
+    # shard
     capabilities = Capabilities(time_budget=True, islands=True, sharded=True,
                                 backends=("torchft", "inprocess"), planned=False)
 

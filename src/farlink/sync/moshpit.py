@@ -29,10 +29,10 @@ TensorState = dict[str, torch.Tensor]
 
 
 class GroupMixing:
-    """Averages a committed state over the members of a round's group. Members gather each
-    other's state as bytes and average them in rank order, so every member computes the same
-    bits (hivemind's butterfly all-reduce does not). Only when their fingerprints differ: one
-    round trip of 8 bytes otherwise. ``agree`` makes the ranks of a site take one branch."""
+    """Averages a committed state over the members of a round's group. Members gather each other's
+    state as bytes and average them in rank order, so every member computes the same bits
+    (hivemind's butterfly all-reduce does not). Only when their fingerprints differ: one round trip
+    of 8 bytes otherwise. ``agree`` makes the ranks of a replica group take one branch."""
 
     def __init__(self, collective: Collective, agree: Callable[[bool], bool]) -> None:
         self.collective = collective
@@ -54,7 +54,7 @@ class GroupMixing:
         names = sorted(k for k, v in state.items() if v.is_floating_point())
         digest = state_digest({k: state[k] for k in names})[:8]
         digests = self.collective.all_gather_bytes(digest)
-        if not self.agree(len(set(digests)) > 1):  # a site's ranks take the same branch
+        if not self.agree(len(set(digests)) > 1):  # a replica group's ranks take the same branch
             return None
         flat = torch.cat([state[k].detach().float().reshape(-1).cpu() for k in names])
         payloads = self.collective.all_gather_bytes(flat.numpy().tobytes())

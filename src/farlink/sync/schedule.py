@@ -152,9 +152,9 @@ class StepSchedule(Schedule):
 
 
 class TimeBudget(Schedule):
-    """Rounds of ``round_seconds`` each, for devices of different speeds: every worker runs as
-    many inner steps as fit and ends at the step boundary nearest the deadline; the run lasts
-    ``steps // inner_steps`` periods. ``agree`` makes the ranks of a site (each reading its own
+    """Rounds of ``round_seconds`` each, for devices of different speeds: every worker runs as many
+    inner steps as fit and ends at the step boundary nearest the deadline; the run lasts ``steps //
+    inner_steps`` periods. ``agree`` makes the ranks of a replica group (each reading its own
     clock) take one decision: True on all of them if on any."""
 
     timed = True

@@ -84,7 +84,8 @@ class StreamingDiLoCo(DiLoCo):
         super().__init__(*args, **kwargs)
         cfg = self.cfg
         self.num_fragments = min(cfg.fragments, len(self.params))
-        # whole parameters' sizes (not this rank's shards): every rank of a site assigns alike
+        # whole parameters' sizes (not this rank's shards): every rank of a replica group
+        # assigns alike
         self.fragment_of = assign_fragments(
             self.names, [p.numel() for p in self.module_params], self.num_fragments
         )

@@ -50,15 +50,15 @@ def register(app: typer.Typer, bench_app: typer.Typer) -> None:
     ) -> None:
         """Start one worker that joins a running job through its Lighthouse (--lighthouse ADDR).
 
-        It downloads the current parameters and outer-optimizer state from a live peer during
-        its first quorum and contributes from the next round on. It writes only its own files
-        (its metrics, checkpoints, final model); a run dir that already holds a run's config
-        keeps it as it is, and its own run dir gets its config, tokenizer and model shape. An
-        index a live worker holds is refused (naming a free one); one an earlier worker left
-        files for is continued only with --resume (after a crash: the same command with --resume).
-        With --ranks-per-worker K (outside torchrun) it starts a site of K ranks on this machine,
-        each rank running this command; each heals its own shard from the same rank of a live
-        site.
+        It downloads the current parameters and outer-optimizer state from a live peer during its
+        first quorum and contributes from the next round on. It writes only its own files (its
+        metrics, checkpoints, final model); a run dir that already holds a run's config keeps it as
+        it is, and its own run dir gets its config, tokenizer and model shape. An index a live
+        worker holds is refused (naming a free one); one an earlier worker left files for is
+        continued only with --resume (after a crash: the same command with --resume). With
+        --ranks-per-worker K (outside torchrun) it starts a replica group of K ranks on this
+        machine, each rank running this command; each heals its own shard from the same rank of a
+        live replica group.
         """
         from farlink.loggers import require_sinks
         from farlink.robust.auth import run_secret
@@ -73,7 +73,8 @@ def register(app: typer.Typer, bench_app: typer.Typer) -> None:
             raise typer.Exit(2)
         try:
             check_writable(cfg.run_dir)
-            if os.environ.get("RANK", "0") == "0":  # a site's rank 0 takes the index lock for the whole site
+            # a replica group's rank 0 takes the index lock for the whole replica group
+            if os.environ.get("RANK", "0") == "0":
                 check_joinable(cfg.run_dir, index, cfg.resume)
             run_secret(cfg)  # a missing or exposed secret fails here, not in the first round
             require_sinks(cfg.log_to)  # --log-to's packages (farlink[metrics]), before joining
@@ -85,13 +86,14 @@ def register(app: typer.Typer, bench_app: typer.Typer) -> None:
         from farlink.worker import prepare_run_dir
 
         if cfg.ranks_per_worker > 1 and "WORLD_SIZE" not in os.environ:
-            # a site of K ranks on this machine: this same command, once per rank, by torchrun
-            from farlink.parallel.site_agent import run_as_site
+            # a replica group of K ranks on this machine: this same command, once per rank, by
+            # torchrun
+            from farlink.parallel.replica_group_agent import run_as_replica_group
 
-            raise typer.Exit(run_as_site(cfg.host, cfg.ranks_per_worker,
-                                         ["-m", "farlink.cli", *sys.argv[1:]]))
-        # a joiner's own run dir gets the run's files; under torchrun only the site's rank 0
-        # writes them
+            raise typer.Exit(run_as_replica_group(cfg.host, cfg.ranks_per_worker,
+                                                  ["-m", "farlink.cli", *sys.argv[1:]]))
+        # a joiner's own run dir gets the run's files; under torchrun only the replica group's
+        # rank 0 writes them
         prepare_run_dir(cfg, rank=int(os.environ.get("RANK", "0")))
         exit_process(run_worker(cfg, index, cfg.lighthouse, joining=True))
 

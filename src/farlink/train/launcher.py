@@ -59,11 +59,12 @@ def worker_command(run_dir: Path, index: int, lighthouse: str, resume: bool,
                    ranks: int = 1, host: str = "127.0.0.1") -> list[str]:
     """A worker's argv: the run dir holds its config; this invocation's own flags (resume,
     join, a stop point) ride along here. Never a secret: argv is visible to every local user.
-    A worker of several ranks is a site on this machine: torchrun starts its ranks, through
-    :mod:`farlink.parallel.site_agent` so that the site's store listens on ``host`` only."""
+    A worker of several ranks is a replica group on this machine: torchrun starts its ranks, through
+    :mod:`farlink.parallel.replica_group_agent` so that the replica group's store listens on
+    ``host`` only."""
     python = [sys.executable]
     if ranks > 1:
-        python += ["-m", "farlink.parallel.site_agent", "--host", host,
+        python += ["-m", "farlink.parallel.replica_group_agent", "--host", host,
                    f"--nproc-per-node={ranks}", "--max-restarts=0"]
     argv = [*python, "-m", "farlink.worker", str(run_dir), str(index),
             "--lighthouse", lighthouse]

@@ -29,12 +29,12 @@ RUN_FILES = ("config.json", "config.toml", "metrics", "checkpoints", "final", "s
 
 # A resumed run keeps these as saved: they define the model (model, vocab_size, seq_len), the
 # tokens each worker reads and their order (corpus, seed, batch_size, grad_accum, workers: the
-# shards and the batch of a step), and the layout and meaning of the checkpointed state
-# (algorithm, its period inner_steps and island_steps, streaming fragments, the codec's error
-# feedback, DeMo's DCT chunking). Anything else (steps, learning rates, timeouts, links,
-# evaluation, device, precision, the ranks of a site) may change between invocations: a site's
-# checkpoint is cut again for another --ranks-per-worker (farlink.parallel.reshard), but not
-# for another --sharding, whose ranks hold other tensors.
+# shards and the batch of a step), and the layout and meaning of the checkpointed state (algorithm,
+# its period inner_steps and island_steps, streaming fragments, the codec's error feedback, DeMo's
+# DCT chunking). Anything else (steps, learning rates, timeouts, links, evaluation, device,
+# precision, the ranks of a replica group) may change between invocations: a replica group's
+# checkpoint is cut again for another --ranks-per-worker (farlink.parallel.reshard), but not for
+# another --sharding, whose ranks hold other tensors.
 FIXED_ON_RESUME = ("model", "vocab_size", "seq_len", "corpus", "seed", "batch_size", "grad_accum",
                    "workers", "algorithm", "inner_steps", "island_steps", "fragments", "codec",
                    "demo_chunk", "demo_topk", "sharding", "pipeline_stages",

@@ -12,12 +12,12 @@ so the worker loop stays the same for flat and hierarchical runs:
   hand-off. Each level keeps its own :class:`~farlink.comm.base.CommStats` (a global round may
   run in a background thread); :meth:`Tiers.bytes_sent` is the worker's total.
 
-A worker that is a site of K ranks (:mod:`farlink.parallel.sharding`) is one replica group of K
-ranks on each level: rank r's island Manager pairs it with rank r of its island's other sites,
-its global Manager (leader sites) with rank r of the other leaders, so each rank moves only its
-own shard on both levels. The two levels' Managers of one rank get separate replica-group stores
-(:meth:`~farlink.parallel.sharding.Site.with_own_store`): a Manager publishes its server's
-address under fixed keys of its store.
+A worker that is a replica group of K ranks (:mod:`farlink.parallel.sharding`) is one torchft
+replica group on each level: rank r's island Manager pairs it with rank r of its island's other
+replica groups, its global Manager (leader replica groups) with rank r of the other leaders, so
+each rank moves only its own shard on both levels. The two levels' Managers of one rank get
+separate replica-group stores (:meth:`~farlink.parallel.sharding.ReplicaGroup.with_own_store`): a
+Manager publishes its server's address under fixed keys of its store.
 """
 
 from __future__ import annotations
@@ -53,26 +53,26 @@ def island_config(cfg: RunConfig) -> RunConfig:
 
 
 def build_tiers(cfg: RunConfig, index: int, lighthouse: str,
-                build_collective: Callable[..., Collective], site=None,  # noqa: ANN001
+                build_collective: Callable[..., Collective], replica_group=None,  # noqa: ANN001
                 host: str = "127.0.0.1") -> Tiers | None:
-    """The collectives of worker ``index``; None when the run has no network plan (a flat
-    run, or islands that a caller of :class:`farlink.Optimizer` formed itself). ``site``: the
-    worker's started :class:`~farlink.parallel.sharding.Site` when it has several ranks (every
-    rank calls this at the same point: the island level's store is a collective of the site);
-    ``host``: where rank 0 hosts that store."""
+    """The collectives of worker ``index``; None when the run has no network plan (a flat run, or
+    islands that a caller of :class:`farlink.Optimizer` formed itself). ``replica_group``: the
+    worker's started :class:`~farlink.parallel.sharding.ReplicaGroup` when it has several ranks
+    (every rank calls this at the same point: the island level's store is a collective of the
+    replica group); ``host``: where rank 0 hosts that store."""
     plan = NetworkPlan.load(cfg.run_dir)
     if plan is None:
         return None
     replica = f"w{index}"
     if not has_islands(cfg.algorithm):
-        flat = build_collective(cfg, replica, lighthouse, site=site, link=emulated_link(
-            plan.collective_link(list(range(cfg.workers)))))
+        flat = build_collective(cfg, replica, lighthouse, replica_group=replica_group,
+                                link=emulated_link(plan.collective_link(list(range(cfg.workers)))))
         return Tiers(flat, None, plan)
     k = plan.island_index(index)
     members = plan.islands[k]
     island, upper = two_levels(cfg, replica, plan.island_lighthouses[k],
                                lighthouse if plan.is_leader(index) else None,
-                               build_collective, site, host,
+                               build_collective, replica_group, host,
                                emulated_link(plan.collective_link(members)),
                                emulated_link(plan.collective_link(plan.leaders())))
     return Tiers(island, upper, plan)
@@ -80,19 +80,21 @@ def build_tiers(cfg: RunConfig, index: int, lighthouse: str,
 
 def two_levels(cfg: RunConfig, replica: str, island_lighthouse: str,
                global_lighthouse: str | None, build_collective: Callable[..., Collective],
-               site=None, host: str = "127.0.0.1",  # noqa: ANN001 - a Site
+               replica_group=None, host: str = "127.0.0.1",  # noqa: ANN001 - a ReplicaGroup
                island_link: LinkModel | None = None, upper_link: LinkModel | None = None,
                ) -> tuple[Collective, Collective | None]:
-    """The island collective and, for a leader (``global_lighthouse`` given), the global one.
-    On a site of several ranks the island level gets a store of its own and the global level
-    keeps the site's. ``island_link``/``upper_link``: each level's emulated link, if any."""
-    island_site = site.with_own_store(host) if site is not None else None
-    island = build_collective(island_config(cfg), replica, island_lighthouse, site=island_site,
-                              link=island_link)
+    """The island collective and, for a leader (``global_lighthouse`` given), the global one. On a
+    replica group of several ranks the island level gets a store of its own and the global level
+    keeps the replica group's. ``island_link``/``upper_link``: each level's emulated link, if
+    any."""
+    island_replica_group = replica_group.with_own_store(host) if replica_group is not None else None
+    island = build_collective(island_config(cfg), replica, island_lighthouse,
+                              replica_group=island_replica_group, link=island_link)
     upper = None
     if global_lighthouse is not None:
         try:
-            upper = build_collective(cfg, replica, global_lighthouse, site=site, link=upper_link)
+            upper = build_collective(cfg, replica, global_lighthouse, replica_group=replica_group,
+                                     link=upper_link)
         except BaseException:
             island.close()
             raise

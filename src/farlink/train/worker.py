@@ -58,7 +58,8 @@ def process_started_at() -> float:
 
 
 class SilentLog:
-    """The metrics log of a site's ranks other than 0: rank 0 writes the worker's records."""
+    """The metrics log of a replica group's ranks other than 0: rank 0 writes the worker's
+    records."""
 
     def write(self, kind: str, *, extra_scalars=None, **fields) -> None:
         pass
@@ -77,22 +78,23 @@ class Worker:
         from farlink.train.compute import resolve_device
 
         self.cfg, self.index = cfg, index
-        self.site = self._join_site(cfg, index)  # None: this process is the whole replica
-        self.device = (resolve_device(cfg.device, index) if self.site is None
-                       else self.site.device(cfg.device))
-        if self.site is not None:
+        # None: this process is the whole replica
+        self.replica_group = self._join_replica_group(cfg, index)
+        self.device = (resolve_device(cfg.device, index) if self.replica_group is None
+                       else self.replica_group.device(cfg.device))
+        if self.replica_group is not None:
             from farlink.compose import advertised_host
 
-            self.site.start(host=advertised_host(cfg), device=self.device)
+            self.replica_group.start(host=advertised_host(cfg), device=self.device)
         torch.set_num_threads(cfg.threads)
         torch.manual_seed(cfg.seed)
         self.data = prepare_data(cfg.corpus, cfg.vocab_size, cfg.cache_dir,
                                  tokenizer=cfg.given_tokenizer)
         self.model = build_model(cfg.model, self.data.vocab_size, cfg.seq_len).to(self.device)
-        if self.site is not None and cfg.sharding == "fsdp":
+        if self.replica_group is not None and cfg.sharding == "fsdp":
             from farlink.parallel.sharding import shard_model
 
-            shard_model(self.model)  # FSDP2 over the site's ranks: each holds 1/K of it
+            shard_model(self.model)  # FSDP2 over the replica group's ranks: each holds 1/K of it
         # with ddp every rank holds the whole replica; farlink.Optimizer averages the gradients
         self.sampler = ShardSampler(
             self.data.train, shard=index % cfg.workers, num_shards=cfg.workers,
@@ -113,12 +115,12 @@ class Worker:
         # score_data: with --score loss every peer's update is judged by the loss drop it
         # gives on batches of this corpus (the composition root builds the scorer)
         self.sync = Optimizer(self.model, None, config=cfg, index=index, lr_schedule=True,
-                              collective=collective, site=self.site, score_data=self.data,
-                              **join)
+                              collective=collective, replica_group=self.replica_group,
+                              score_data=self.data, **join)
         self.replica_id = self.sync.replica_id
         self.ckpt_dir = cfg.run_dir / "checkpoints" / self.replica_id
-        # a site's rank 0 reports for the replica: one metrics file per worker, as with K=1
-        self.reports = self.site is None or self.site.rank == 0
+        # a replica group's rank 0 reports for the replica: one metrics file per worker, as with K=1
+        self.reports = self.replica_group is None or self.replica_group.rank == 0
         self.metrics = (MetricsLog(cfg.run_dir / "metrics" / f"{self.replica_id}.jsonl",
                                    self._open_sinks()) if self.reports else SilentLog())
         self.joining = joining
@@ -154,37 +156,39 @@ class Worker:
                           group=run, config=self.cfg.model_dump(mode="json"))
 
     @staticmethod
-    def _join_site(cfg: RunConfig, index: int):
-        """This rank's place in its site when a worker is several ranks (torchrun's env)."""
+    def _join_replica_group(cfg: RunConfig, index: int):
+        """This rank's place in its replica group when a worker is several ranks (torchrun's
+        env)."""
         if cfg.ranks_per_worker == 1:
             return None
-        from farlink.parallel.sharding import Site
+        from farlink.parallel.sharding import ReplicaGroup
 
-        site = Site.from_env(replica_index=index)
-        if site.size != cfg.ranks_per_worker:
+        replica_group = ReplicaGroup.from_env(replica_index=index)
+        if replica_group.size != cfg.ranks_per_worker:
             raise SystemExit(f"ranks_per_worker={cfg.ranks_per_worker}, but this process is "
-                             f"one of WORLD_SIZE={site.size}: start each worker with torchrun "
-                             f"--nproc-per-node {cfg.ranks_per_worker}")
-        return site
+                             f"one of WORLD_SIZE={replica_group.size}: start each worker with "
+                             f"torchrun --nproc-per-node {cfg.ranks_per_worker}")
+        return replica_group
 
     def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """The worker's next batch; on a site, this rank's rows of it (every rank draws the
-        whole batch, so the site trains on exactly what one process would)."""
+        """The worker's next batch; on a replica group, this rank's rows of it (every rank draws the
+        whole batch, so the replica group trains on exactly what one process would)."""
         x, y = self.sampler.next_batch()
-        if self.site is None:
+        if self.replica_group is None:
             return x, y
-        share = len(x) // self.site.size
-        rows = slice(self.site.rank * share, (self.site.rank + 1) * share)
+        share = len(x) // self.replica_group.size
+        rows = slice(self.replica_group.rank * share, (self.replica_group.rank + 1) * share)
         return x[rows], y[rows]
 
     def fingerprint(self) -> str:
-        """The committed state's hash; on a site, over every rank's shard (all ranks call it)."""
+        """The committed state's hash; on a replica group, over every rank's shard (all ranks call
+        it)."""
         mine = self.sync.fingerprint()
-        if self.site is None:
+        if self.replica_group is None:
             return mine
         import hashlib
 
-        return hashlib.sha256("".join(self.site.gather(mine)).encode()).hexdigest()[:16]
+        return hashlib.sha256("".join(self.replica_group.gather(mine)).encode()).hexdigest()[:16]
 
     # --- checkpoints ---------------------------------------------------------------------------
     def _save(self) -> None:
@@ -200,7 +204,7 @@ class Worker:
     def ledger_name(self) -> str:
         """Each rank judges the updates of its own shard, so each keeps its own ledger:
         ``wI.json`` (rank 0, the whole replica when K=1), ``wI.rankR.json`` for rank R > 0."""
-        rank = 0 if self.site is None else self.site.rank
+        rank = 0 if self.replica_group is None else self.replica_group.rank
         return f"{self.replica_id}.json" if rank == 0 else f"{self.replica_id}.rank{rank}.json"
 
     def _resume(self) -> None:
@@ -263,7 +267,8 @@ class Worker:
         from farlink.data import evaluate
         from farlink.train.compute import autocast
 
-        if self.site is not None:  # a sharded forward is a collective of the site's ranks
+        # a sharded forward is a collective of the replica group's ranks
+        if self.replica_group is not None:
             self._evaluate_now(step)
             return
         if self.evaluations.running and not final:
@@ -295,8 +300,8 @@ class Worker:
         self.eval_s += time.perf_counter() - t0
 
     def _evaluate_now(self, step: int) -> None:
-        """Evaluate the live sharded model on every rank of the site, in the loop (a background
-        copy would need collectives of its own); rank 0 writes the record."""
+        """Evaluate the live sharded model on every rank of the replica group, in the loop (a
+        background copy would need collectives of its own); rank 0 writes the record."""
         from farlink.data import evaluate
         from farlink.train.compute import autocast
 
@@ -307,21 +312,21 @@ class Worker:
         self.metrics.write("eval", loss=round(loss, 5), ppl=round(math.exp(loss), 3),
                            eval_s=round(seconds, 3), worker=self.replica_id, step=step,
                            tokens=self.tokens, outer_step=self.sync.outer_step,
-                           bytes_sent=self.site_bytes_sent(), wall_s=round(self.wall(), 3))
+                           bytes_sent=self.replica_group_bytes_sent(), wall_s=round(self.wall(), 3))
         self.eval_s += seconds
 
-    def site_bytes_sent(self) -> int:
-        """Bytes this worker sent: on a site, every rank's (each sends its own shard)."""
+    def replica_group_bytes_sent(self) -> int:
+        """Bytes this worker sent: on a replica group, every rank's (each sends its own shard)."""
         sent = self.sync.bytes_sent()
-        return sent if self.site is None else self.site.total(sent)
+        return sent if self.replica_group is None else self.replica_group.total(sent)
 
-    def site_traffic(self) -> dict[str, int]:
-        """Bytes by level (hierarchical: inside the island, across islands): on a site, every
-        rank's, as :meth:`site_bytes_sent` (all ranks call it)."""
+    def replica_group_traffic(self) -> dict[str, int]:
+        """Bytes by level (hierarchical: inside the island, across islands): on a replica group,
+        every rank's, as :meth:`replica_group_bytes_sent` (all ranks call it)."""
         traffic = self.sync.traffic()
-        if self.site is None:
+        if self.replica_group is None:
             return traffic
-        return {level: self.site.total(sent) for level, sent in sorted(traffic.items())}
+        return {level: self.replica_group.total(sent) for level, sent in sorted(traffic.items())}
 
     # --- the loop ------------------------------------------------------------------------------
     def _at_boundary(self, step: int) -> None:
@@ -381,8 +386,9 @@ class Worker:
             loss_value, tokens = accumulate_gradients(
                 self.model, micro_batches(self.next_batch, cfg.grad_accum),
                 self.device, cfg.precision)
-            if self.site is not None:  # the site's batch: every rank's rows
-                loss_value, tokens = self.site.mean(loss_value), tokens * self.site.size
+            if self.replica_group is not None:  # the replica group's batch: every rank's rows
+                loss_value = self.replica_group.mean(loss_value)
+                tokens = tokens * self.replica_group.size
             if cfg.pace_seconds is not None:  # emulated device of a fixed speed
                 spare = slowdown * cfg.pace_seconds - (time.perf_counter() - t0)
                 if spare > 0:
@@ -425,8 +431,9 @@ class Worker:
                 self._at_boundary(step)
             stopped = interrupt.requested() or (cfg.stop_at_step is not None
                                                 and step >= cfg.stop_at_step)
-            if self.site is not None:  # a stop request reaches ranks apart: all stop together
-                stopped = self.site.agree_any(stopped)
+            # a stop request reaches ranks apart: all stop together
+            if self.replica_group is not None:
+                stopped = self.replica_group.agree_any(stopped)
         pending = self.sync.finish()
         if pending is not None and not stopped:
             self._save()
@@ -435,8 +442,8 @@ class Worker:
         model_sha256 = self._save_final_model() if finished else None
         self.checkpoint_s += time.perf_counter() - t0
         self._wait_for_background_work()  # a stop too waits for the write in flight
-        fingerprint, bytes_sent = self.fingerprint(), self.site_bytes_sent()
-        traffic = self.site_traffic()
+        fingerprint, bytes_sent = self.fingerprint(), self.replica_group_bytes_sent()
+        traffic = self.replica_group_traffic()
         self.metrics.write("end", worker=self.replica_id, finished=finished,
                            inner_steps=sync.inner_steps, tokens=self.tokens,
                            bytes_sent=bytes_sent,
@@ -461,7 +468,8 @@ class Worker:
         from safetensors.torch import save_model
 
         model = self.model
-        if self.site is not None:  # gather the shards (every rank); rank 0 writes the whole
+        # gather the shards (every rank); rank 0 writes the whole
+        if self.replica_group is not None:
             from farlink.model.build import build_model
             from farlink.parallel.sharding import full_state_dict
 
@@ -496,8 +504,8 @@ class Worker:
             log.exception("the last evaluation failed")
         self.sync.close()
         self.metrics.close()
-        if self.site is not None:
-            self.site.close()
+        if self.replica_group is not None:
+            self.replica_group.close()
 
 
 def run_worker(cfg: RunConfig, index: int, lighthouse: str, joining: bool = False,
@@ -519,8 +527,8 @@ def run_worker(cfg: RunConfig, index: int, lighthouse: str, joining: bool = Fals
 
     lock = None
     try:
-        # one live process per index; a site's rank 0 holds it for the site (a previous life
-        # of this worker, just killed, may still be exiting: wait a little for it)
+        # one live process per index; a replica group's rank 0 holds it for the replica group (a
+        # previous life of this worker, just killed, may still be exiting: wait a little for it)
         if cfg.ranks_per_worker == 1 or os.environ.get("RANK", "0") == "0":
             lock = IndexLock(cfg.run_dir, index, wait_s=10.0)
         worker = Worker(cfg, index, lighthouse, joining=joining, collective=collective,

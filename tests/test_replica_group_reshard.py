@@ -1,7 +1,8 @@
-"""A run checkpointed by sites of 2 ranks goes on with 1 rank per site, and back (resharding).
+"""A run checkpointed by replica groups of 2 ranks goes on with 1 rank per replica group, and back
+(resharding).
 
-The cutting rule on hand-made parts first (FSDP2's uneven ``chunk`` shards, a DDP site's
-``tensor_split`` slices, whole values, counters), then real runs: 2 sites of 2 ranks, FSDP2
+The cutting rule on hand-made parts first (FSDP2's uneven ``chunk`` shards, a DDP replica group's
+``tensor_split`` slices, whole values, counters), then real runs: 2 replica groups of 2 ranks, FSDP2
 or DDP inside (torchrun, Gloo), and a torchft Lighthouse, resumed with ``ranks_per_worker=1``
 and then again with 2. A finished run resumed writes its final model from the state it loaded,
 so the model files before and after each change of ranks are compared byte for byte.
@@ -49,8 +50,8 @@ def test_fsdp_shards_are_cut_again_for_another_rank_count(old, new):
 
 
 def test_ddp_slices_and_whole_replicas():
-    """A DDP site of 2: each rank holds the whole replica (``local``) and a flat 1/2 slice of
-    the global copy (``tensor_split``: 18 and 17 of 35). One rank holds the global copy in the
+    """A DDP replica group of 2: each rank holds the whole replica (``local``) and a flat 1/2 slice
+    of the global copy (``tensor_split``: 18 and 17 of 35). One rank holds the global copy in the
     parameter's shape; 3 ranks hold slices of 12, 12 and 11."""
     slices = torch.tensor_split(WHOLE.view(-1), 2)
     parts = [{"local.w": WHOLE.clone(), "global.w": s.clone()} for s in slices]
@@ -82,7 +83,7 @@ def final_models(run_dir: Path) -> list[bytes]:
     return [(run_dir / "final" / f"w{i}.safetensors").read_bytes() for i in range(2)]
 
 
-@pytest.mark.slow  # four runs of two sites: 3.5 min at load 30
+@pytest.mark.slow  # four runs of two replica groups: 3.5 min at load 30
 @pytest.mark.parametrize("sharding", ["fsdp", "ddp"])
 def test_a_run_resumes_with_another_rank_count_from_the_same_parameters(tmp_path, cache_dir,
                                                                        sharding):
@@ -103,10 +104,11 @@ def test_a_run_resumes_with_another_rank_count_from_the_same_parameters(tmp_path
             (cfg.run_dir / "logs" / f"w{i}.log").read_text()[-3000:] for i in range(2)]
         return run
 
-    # 2 -> 1: the finished run, loaded by one rank per site, is the same model bit for bit
+    # 2 -> 1: the finished run, loaded by one rank per replica group, is the same model bit for bit
     resume(ranks_per_worker=1)
     assert final_models(cfg.run_dir) == saved_by_two
-    # ... and trains on with one rank: 10 more steps, one more round, both sites on one model
+    # ... and trains on with one rank: 10 more steps, one more round, both replica groups on one
+    # model
     longer = resume(ranks_per_worker=1, steps=40)
     assert longer.summary["final_replicas"]["consistent"], longer.summary
     assert [s for s, _ in longer.summary["final_replicas"]["states"].values()] == [4, 4]
@@ -115,7 +117,7 @@ def test_a_run_resumes_with_another_rank_count_from_the_same_parameters(tmp_path
     newest = sorted((cfg.run_dir / "checkpoints" / "w0").glob("step-*"))[-1]
     assert newest.name == "step-0000040" and "site_ranks" not in json.loads(
         (newest / "meta.json").read_text())  # written by one rank
-    # 1 -> 2: back on two ranks per site, again the same model bit for bit
+    # 1 -> 2: back on two ranks per replica group, again the same model bit for bit
     resume(ranks_per_worker=2, steps=40)
     assert final_models(cfg.run_dir) == saved_by_one
     saved = json.loads((cfg.run_dir / "config.json").read_text())
@@ -124,7 +126,7 @@ def test_a_run_resumes_with_another_rank_count_from_the_same_parameters(tmp_path
 
 def test_a_peer_whose_shards_are_cut_otherwise_is_not_healed_from():
     """Healing pairs rank r with rank r: a state cut for another rank count (here half of each
-    tensor, as rank 0 of a 2-rank site holds it) is refused whole, naming the settings to
+    tensor, as rank 0 of a 2-rank replica group holds it) is refused whole, naming the settings to
     match, and nothing of it is loaded."""
     import farlink
     from farlink.sync.digest import StateTransferError

@@ -1,4 +1,5 @@
-"""What every rank of a run of two 2-rank sites must have recorded about its peers' updates."""
+"""What every rank of a run of two 2-rank replica groups must have recorded about its peers'
+updates."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ from pathlib import Path
 
 
 def assert_every_rank_accepted(run_dir: Path, updates: int) -> None:
-    """One ledger per rank (w0, w1 and their rank 1), each listing both sites, every update
+    """One ledger per rank (w0, w1 and their rank 1), each listing both replica groups, every update
     accepted and none rejected."""
     ledgers = sorted(p.name for p in (run_dir / "ledger").iterdir())
     assert ledgers == ["w0.json", "w0.rank1.json", "w1.json", "w1.rank1.json"]

@@ -1,11 +1,12 @@
-"""Sites of two ranks that arrive while a run is under way: a fresh one, and one whose rank was
-SIGKILLed, both healing from a live site.
+"""Replica groups of two ranks that arrive while a run is under way: a fresh one, and one whose
+rank was SIGKILLed, both healing from a live replica group.
 
-Real processes: a torchft Lighthouse and three sites, each a ``torchrun`` of 2 ranks sharding a
-GPT with FSDP2 (Gloo). Sites 0 and 1 train; after their first committed round site 2 starts
-with ``farlink join --ranks-per-worker 2`` (from the run's config), which starts the site's ranks
-itself: each of its ranks receives its own shard from the same rank of a live site
-through torchft's healing, then the site trains and contributes to every later round.
+Real processes: a torchft Lighthouse and three replica groups, each a ``torchrun`` of 2 ranks
+sharding a GPT with FSDP2 (Gloo). Replica groups 0 and 1 train; after their first committed round
+replica group 2 starts with ``farlink join --ranks-per-worker 2`` (from the run's config), which
+starts the replica group's ranks itself: each of its ranks receives its own shard from the same
+rank of a live replica group through torchft's healing, then the replica group trains and
+contributes to every later round.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import time
 from pathlib import Path
 
 import pytest
-from procfs import site_ranks
+from procfs import replica_group_ranks
 
 from farlink.bench.churn import committed_outer_steps
 from farlink.config import load_config
@@ -32,9 +33,9 @@ from farlink.train.metrics import read_metrics
 pytest.importorskip("torchft")
 
 
-@pytest.mark.slow  # three sites of two ranks: 47-60 s on an idle machine, 130 s at load 30
-def test_a_fresh_site_heals_its_shards_from_a_live_site_and_contributes(tmp_path: Path,
-                                                                        cache_dir: Path):
+@pytest.mark.slow  # three replica groups of two ranks: 47-60 s on an idle machine, 130 s at load 30
+def test_a_fresh_replica_group_heals_its_shards_from_a_live_one_and_contributes(tmp_path: Path,
+                                                                                cache_dir: Path):
     from farlink.data import prepare_data
 
     cfg = load_config(None, {
@@ -53,7 +54,7 @@ def test_a_fresh_site_heals_its_shards_from_a_live_site_and_contributes(tmp_path
         deadline = time.time() + 300
         while committed_outer_steps(cfg.run_dir) < 1:
             assert time.time() < deadline and all(p.poll() is None for p in procs), \
-                "the first two sites made no progress"
+                "the first two replica groups made no progress"
             time.sleep(0.5)
         with open(tmp_path / "join.log", "wb") as log:  # the command a person would type
             procs.append(subprocess.Popen(
@@ -72,14 +73,15 @@ def test_a_fresh_site_heals_its_shards_from_a_live_site_and_contributes(tmp_path
     assert [p.returncode for p in procs] == [0, 0, 0], logs
     records = read_metrics(cfg.run_dir / "metrics" / "w2.jsonl")
     join = next(r for r in records if r["kind"] == "join")
-    # it healed (both ranks: the fingerprint spans every rank's shard) at the live sites' step
+    # it healed (both ranks: the fingerprint spans every rank's shard) at the live replica groups'
+    # step
     assert join["committed"] and join["healed"] and 2 <= join["outer_step"] <= 10, join
     assert join["step"] == 10 * join["outer_step"]
     member = {r["outer_step"]: r["fingerprint"]
               for r in read_metrics(cfg.run_dir / "metrics" / "w0.jsonl")
               if r["kind"] == "sync" and r["committed"]}
     assert member[join["outer_step"]] == join["fingerprint"]
-    # then it trained and took part in every later round, all three sites on one model
+    # then it trained and took part in every later round, all three replica groups on one model
     syncs = [r for r in records if r["kind"] == "sync" and r["committed"]]
     assert syncs and all(r["world_size"] == 3 for r in syncs), syncs
     assert [r["outer_step"] for r in syncs] == list(range(join["outer_step"] + 1, 13))
@@ -87,8 +89,8 @@ def test_a_fresh_site_heals_its_shards_from_a_live_site_and_contributes(tmp_path
                 if r["kind"] == "end"][-1] for i in range(3)}
     assert len({e["fingerprint"] for e in ends.values()}) == 1, ends
     assert all(e["finished"] and e["outer_step"] == 12 for e in ends.values()), ends
-    # the newcomer's tokens count: every rank of the live sites weighed its shard of each later
-    # round by the newcomer's tokens (its own inner steps only, not the healed ones)
+    # the newcomer's tokens count: every rank of the live replica groups weighed its shard of each
+    # later round by the newcomer's tokens (its own inner steps only, not the healed ones)
     assert ends[2]["tokens"] == 8 * 64 * (120 - join["step"]), ends[2]
     for name in ("w0.json", "w0.rank1.json", "w1.json", "w1.rank1.json"):
         newcomer = json.loads((cfg.run_dir / "ledger" / name).read_text())["peers"]["w2"]
@@ -99,13 +101,15 @@ def test_a_fresh_site_heals_its_shards_from_a_live_site_and_contributes(tmp_path
     assert audit["consistent"] and not audit["missing_steps"], audit
 
 
-@pytest.mark.slow  # a site killed and restarted while the other trains 24 rounds: 4 min at load 30
-def test_a_site_whose_rank_is_sigkilled_restarts_from_its_checkpoint_and_heals(
+# a replica group killed and restarted while the other trains 24 rounds: 4 min at load 30
+@pytest.mark.slow
+def test_a_replica_group_whose_rank_is_sigkilled_restarts_from_its_checkpoint_and_heals(
         tmp_path: Path, cache_dir: Path):
-    """One rank of site 1 is SIGKILLed mid-run: torchrun ends the site, site 0 goes on alone
-    (min_replicas 1), and ``farlink join --resume --ranks-per-worker 2`` brings site 1 back: it
-    resumes from its own newest checkpoint, then heals each shard from site 0, which is ahead.
-    No committed round is lost and both sites end on one model."""
+    """One rank of replica group 1 is SIGKILLed mid-run: torchrun ends the replica group, replica
+    group 0 goes on alone (min_replicas 1), and ``farlink join --resume --ranks-per-worker 2``
+    brings replica group 1 back: it resumes from its own newest checkpoint, then heals each shard
+    from replica group 0, which is ahead. No committed round is lost and both replica groups end on
+    one model."""
     from farlink.data import prepare_data
 
     cfg = load_config(None, {
@@ -123,12 +127,12 @@ def test_a_site_whose_rank_is_sigkilled_restarts_from_its_checkpoint_and_heals(
         deadline = time.time() + 300
         while not (cfg.run_dir / "checkpoints" / "w1" / "step-0000020").is_dir():
             assert time.time() < deadline and all(p.poll() is None for p in procs), \
-                "the sites made no progress"
+                "the replica groups made no progress"
             time.sleep(0.2)
-        victims = site_ranks(procs[1].pid, b"farlink.worker")
+        victims = replica_group_ranks(procs[1].pid, b"farlink.worker")
         assert len(victims) == 2, victims
-        os.kill(max(victims), signal.SIGKILL)  # one rank of site 1, mid-run
-        assert procs[1].wait(timeout=60) != 0  # torchrun ended the whole site
+        os.kill(max(victims), signal.SIGKILL)  # one rank of replica group 1, mid-run
+        assert procs[1].wait(timeout=60) != 0  # torchrun ended the whole replica group
         with open(tmp_path / "rejoin.log", "wb") as log:
             procs.append(subprocess.Popen(
                 [sys.executable, "-m", "farlink.cli", "join", "--lighthouse", lighthouse.address,
@@ -145,15 +149,16 @@ def test_a_site_whose_rank_is_sigkilled_restarts_from_its_checkpoint_and_heals(
     assert [procs[0].returncode, procs[2].returncode] == [0, 0], logs
     survivor = read_metrics(cfg.run_dir / "metrics" / "w0.jsonl")
     restarted = read_metrics(cfg.run_dir / "metrics" / "w1.jsonl")
-    # the other site went on alone while site 1 was down
+    # the other replica group went on alone while replica group 1 was down
     alone = [r for r in survivor if r["kind"] == "sync" and r["committed"]
              and r["world_size"] == 1]
-    assert alone, "site 0 waited for the killed site instead of going on"
-    # site 1 resumed from its own checkpoint (every rank's part), not from the initial state
+    assert alone, "replica group 0 waited for the killed replica group instead of going on"
+    # replica group 1 resumed from its own checkpoint (every rank's part), not from the initial
+    # state
     resume = next(r for r in restarted if r["kind"] == "resume")
     assert resume["path"] is not None and resume["outer_step"] >= 2, resume
     assert not resume["fell_back"]
-    # ... then healed from site 0, ahead of it, and took part in every round after
+    # ... then healed from replica group 0, ahead of it, and took part in every round after
     join = next(r for r in restarted if r["kind"] == "join")
     assert join["committed"] and join["healed"] and join["outer_step"] > resume["outer_step"]
     held = {r["outer_step"]: r["fingerprint"] for r in survivor

@@ -1,12 +1,13 @@
-"""Hierarchical DiLoCo across sites of several ranks: the sites are real processes.
+"""Hierarchical DiLoCo across replica groups of several ranks: the replica groups are real
+processes.
 
-Three workers, each a ``torchrun`` site of 2 ranks (FSDP2 over Gloo on CPU), in the forced
-islands ``0,1|2``: an island Lighthouse per island and the main one for the leaders (sites 0 and
-2). Every rank holds an island Manager (its site is the replica group) and, on a leader site, a
-global one, so rank r exchanges only its own shard with rank r of the other sites on both tiers
-and receives its shard of the hand-off. The same run with one rank per worker (its workers as
-threads) is the reference.
-Slow ones: ``--overlap-global``, time-budgeted rounds, and a member site SIGKILLed mid-run.
+Three workers, each a ``torchrun`` replica group of 2 ranks (FSDP2 over Gloo on CPU), in the forced
+islands ``0,1|2``: an island Lighthouse per island and the main one for the leaders (replica groups
+0 and 2). Every rank holds an island Manager (its replica group is the torchft replica group) and,
+on a leader replica group, a global one, so rank r exchanges only its own shard with rank r of the
+other replica groups on both tiers and receives its shard of the hand-off. The same run with one
+rank per worker (its workers as threads) is the reference. Slow ones: ``--overlap-global``,
+time-budgeted rounds, and a member replica group SIGKILLed mid-run.
 """
 
 from __future__ import annotations
@@ -52,7 +53,7 @@ def end_records(run_dir: Path) -> dict[str, dict]:
 @pytest.fixture(scope="module")
 def one_rank_runs(tmp_path_factory, cache_dir):  # noqa: ANN001, ANN201
     """The reference: the same runs with one rank per worker (made once per overlap mode), its
-    workers as threads of this process (launch_in_threads; the sites are processes)."""
+    workers as threads of this process (launch_in_threads; the replica groups are processes)."""
     from farlink.config import load_config
     from farlink.testing.runs import launch_in_threads
 
@@ -74,41 +75,43 @@ def one_rank_runs(tmp_path_factory, cache_dir):  # noqa: ANN001, ANN201
 @pytest.mark.parametrize("sharding,overlap", [
     ("fsdp", False), pytest.param("ddp", False, marks=pytest.mark.slow),
     pytest.param("fsdp", True, marks=pytest.mark.slow)], ids=["fsdp", "ddp", "fsdp-overlapped"])
-def test_sites_of_two_ranks_in_islands_train_what_one_rank_sites_train(
+def test_replica_groups_of_two_ranks_in_islands_train_what_one_rank_replica_groups_train(
         tmp_path, cache_dir, one_rank_runs, sharding, overlap):
-    cfg2, sites = hier_run(tmp_path, cache_dir, "k2", ranks_per_worker=2, sharding=sharding,
-                           overlap_global=overlap)
-    assert sites.returncodes == [0, 0, 0]
-    s2, s1 = sites.summary, one_rank_runs(overlap)
+    cfg2, groups = hier_run(tmp_path, cache_dir, "k2", ranks_per_worker=2, sharding=sharding,
+                            overlap_global=overlap)
+    assert groups.returncodes == [0, 0, 0]
+    s2, s1 = groups.summary, one_rank_runs(overlap)
     assert s2["network"]["islands"] == [[0, 1], [2]] and s2["network"]["source"] == "forced"
-    # every site ends on the same state, shard by shard (the fingerprint covers every rank's)
+    # every replica group ends on the same state, shard by shard (the fingerprint covers every
+    # rank's)
     ends = end_records(cfg2.run_dir)
     assert len(ends) == 3, ends
     assert all(e["finished"] and e["outer_step"] == 2 for e in ends.values()), ends
     assert len({e["fingerprint"] for e in ends.values()}) == 1, ends
     assert s2["final_replicas"]["consistent"]
-    whole = finals(cfg2.run_dir)  # each gathered from its site's shards (fsdp), rank 0's (ddp)
+    # each gathered from its replica group's shards (fsdp), rank 0's (ddp)
+    whole = finals(cfg2.run_dir)
     assert len(whole) == 3
     assert all((f[k] == whole[0][k]).all() for f in whole[1:] for k in whole[0])
-    # the same model from the same global batches: the site changes reduction order only
+    # the same model from the same global batches: the replica group changes reduction order only
     # (ddp: rank 0's whole replica holds the slices rank 1 averaged in every island round)
     loss2, loss1 = s2["final_heldout_loss"], s1["final_heldout_loss"]
     assert abs(loss2 - loss1) <= 1e-4 * loss1, (loss2, loss1)
-    # only the leader sites crossed islands, each with what one unsharded leader sends
+    # only the leader replica groups crossed islands, each with what one unsharded leader sends
     per2, per1 = s2["per_worker"], s1["per_worker"]
     assert per2["w1"]["inter_bytes"] == 0 and per2["w1"]["intra_bytes"] > 0
     for leader in ("w0", "w2"):
         k2, k1 = per2[leader]["inter_bytes"], per1[leader]["inter_bytes"]
         assert k1 > 0 and abs(k2 - k1) <= 1e-3 * k1, (leader, k2, k1)
-    # and the island tier: a site's ranks together move what one unsharded member moves
+    # and the island tier: a replica group's ranks together move what one unsharded member moves
     k2, k1 = per2["w1"]["intra_bytes"], per1["w1"]["intra_bytes"]
     assert abs(k2 - k1) <= 1e-3 * k1, (k2, k1)
 
 
 @pytest.mark.slow
-def test_time_budgeted_islands_of_sites_end_on_one_model(tmp_path, cache_dir):
-    """Island and global rounds on deadlines: the ranks of each site settle every round's end
-    together (each reads its own clock), and the sites end on one model."""
+def test_time_budgeted_islands_of_replica_groups_end_on_one_model(tmp_path, cache_dir):
+    """Island and global rounds on deadlines: the ranks of each replica group settle every round's
+    end together (each reads its own clock), and the replica groups end on one model."""
     cfg, run = hier_run(tmp_path, cache_dir, "timed", ranks_per_worker=2, steps=30,
                         round_seconds=4.0, island_seconds=2.0)
     assert run.returncodes == [0, 0, 0]
@@ -122,18 +125,19 @@ def test_time_budgeted_islands_of_sites_end_on_one_model(tmp_path, cache_dir):
 
 
 @pytest.mark.slow
-def test_a_member_site_sigkilled_mid_run_leaves_the_others_on_one_model(tmp_path, cache_dir):
-    """One rank of the member site w1 is SIGKILLed after the first global round: torchrun ends
-    that site, its island's next quorum leaves it out (the leader site goes on alone in it), and
-    the two surviving sites (one per island) commit every later global round together and end
-    on one model: nothing committed is lost, no round is applied by one site and not the
-    other."""
+def test_a_member_replica_group_sigkilled_mid_run_leaves_the_others_on_one_model(
+        tmp_path, cache_dir):
+    """One rank of the member replica group w1 is SIGKILLed after the first global round: torchrun
+    ends that replica group, its island's next quorum leaves it out (the leader replica group goes
+    on alone in it), and the two surviving replica groups (one per island) commit every later
+    global round together and end on one model: nothing committed is lost, no round is applied by
+    one replica group and not the other."""
     import os
     import signal
     import threading
     import time
 
-    from procfs import site_ranks
+    from procfs import replica_group_ranks
 
     from farlink.bench.churn import committed_outer_steps
     from farlink.config import load_config
@@ -151,7 +155,7 @@ def test_a_member_site_sigkilled_mid_run_leaves_the_others_on_one_model(tmp_path
     while committed_outer_steps(cfg.run_dir) < 1:
         assert time.time() < deadline and launcher.is_alive(), "no global round committed"
         time.sleep(0.2)
-    victims = site_ranks(os.getpid(), b"farlink.worker", replica_group=1)
+    victims = replica_group_ranks(os.getpid(), b"farlink.worker", replica_group=1)
     assert len(victims) == 2, victims
     os.kill(max(victims), signal.SIGKILL)
     launcher.join(timeout=400)

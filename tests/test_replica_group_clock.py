@@ -1,9 +1,10 @@
-"""A time-budgeted round's end on a site of several ranks: each rank reads its own clock, but the
-site is one replica, so every rank must end the round at the same step (a rank that entered the
-round alone would wait in torchft's quorum while the others waited in the next step's all-reduce).
+"""A time-budgeted round's end on a replica group of several ranks: each rank reads its own clock,
+but the replica group is one replica, so every rank must end the round at the same step (a rank
+that entered the round alone would wait in torchft's quorum while the others waited in the next
+step's all-reduce).
 
-Two real processes, a Gloo group between them (the site), each a DiLoCo or hierarchical DiLoCo
-replica through :class:`farlink.Optimizer`; rank 0's clock is put past the round's deadline,
+Two real processes, a Gloo group between them (the replica group), each a DiLoCo or hierarchical
+DiLoCo replica through :class:`farlink.Optimizer`; rank 0's clock is put past the round's deadline,
 rank 1's is not.
 """
 
@@ -30,26 +31,26 @@ def rank_decides(rank: int, port: int, algorithm: str, answers) -> None:  # noqa
                       WORLD_SIZE="2", LOCAL_RANK=str(rank))
     import farlink
     from farlink.comm.inprocess import InProcessGroup
-    from farlink.parallel.sharding import Site
+    from farlink.parallel.sharding import ReplicaGroup
 
     torch.set_num_threads(1)
-    site = Site.from_env(replica_index=0).start()
+    replica_group = ReplicaGroup.from_env(replica_index=0).start()
     model = torch.nn.Linear(4, 4)
     options = {"island_seconds": 1.0} if algorithm == "hierarchical_diloco" else {}
     sync = farlink.Optimizer(model, algorithm=algorithm, backend="inprocess", steps=100,
                              round_seconds=1.0, collective=InProcessGroup(1).member(0),
-                             site=site, **options)
+                             replica_group=replica_group, **options)
     clock = sync.algorithm.clock  # the schedule whose deadline ends the round
     if rank == 0:  # this rank's clock says the round's time is long over
         clock.period_started -= 1000.0
         clock.clock_started -= 1000.0
     clock.steps_since_clock = 1
     answers.put((rank, sync.algorithm.round_due()))
-    site.close()
+    replica_group.close()
 
 
 @pytest.mark.parametrize("algorithm", ["diloco", "hierarchical_diloco"])
-def test_the_ranks_of_a_site_end_a_timed_round_together(algorithm: str) -> None:
+def test_the_ranks_of_a_replica_group_end_a_timed_round_together(algorithm: str) -> None:
     ctx = mp.get_context("spawn")
     answers, port = ctx.Queue(), free_port()
     ranks = [ctx.Process(target=rank_decides, args=(r, port, algorithm, answers))

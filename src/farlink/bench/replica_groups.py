@@ -1,12 +1,14 @@
-"""``farlink bench sites``: what a site of several ranks costs, against one rank and plain torch.
+"""``farlink bench replica-groups``: what a replica group of several ranks costs, against one rank
+and plain torch.
 
-Four measurements of the same model, batch and data, one site (one worker) each, so only what
-happens inside a site is timed: a plain PyTorch loop (one process), farlink with one rank, and
-farlink with ``--ranks-per-worker K`` under ``--sharding fsdp`` and ``--sharding ddp`` (K torchrun
-ranks). Every rank takes ``batch_size`` rows, so a site of K ranks trains a K times larger batch
-(weak scaling, as one adds GPUs to a node). Reported per configuration: tokens/s of the site and
-per rank (steady-state steps only, from the workers' metrics), per-rank throughput against one
-rank (the target: within 15%), and farlink's overhead against the plain loop (the target: <= 5%).
+Four measurements of the same model, batch and data, one replica group (one worker) each, so only
+what happens inside a replica group is timed: a plain PyTorch loop (one process), farlink with one
+rank, and farlink with ``--ranks-per-worker K`` under ``--sharding fsdp`` and ``--sharding ddp`` (K
+torchrun ranks). Every rank takes ``batch_size`` rows, so a replica group of K ranks trains a K
+times larger batch (weak scaling, as one adds GPUs to a node). Reported per configuration: tokens/s
+of the replica group and per rank (steady-state steps only, from the workers' metrics), per-rank
+throughput against one rank (the target: within 15%), and farlink's overhead against the plain loop
+(the target: <= 5%).
 
 Throughput on a shared machine is only as good as the cores it gets: the load average before and
 after each measurement is recorded next to it, and K ranks need K free cores to run in parallel.
@@ -26,7 +28,7 @@ from farlink.bench.overhead import PLAIN_LOOP, farlink_tokens_per_s
 from farlink.bench.report import pyplot, save_figure, write_json
 from farlink.bench.runner import set_aside_earlier_runs
 
-TARGET_PER_RANK = 0.15  # per-rank tokens/s of a K-rank site within 15% of one rank
+TARGET_PER_RANK = 0.15  # per-rank tokens/s of a K-rank replica group within 15% of one rank
 TARGET_OVERHEAD = 0.05  # farlink with one rank within 5% of a plain torch loop
 
 
@@ -38,7 +40,7 @@ def load_average() -> float:
 def measure(name: str, ranks: int, tokens_per_s) -> dict:  # noqa: ANN001 - a thunk
     before = load_average()
     rate = tokens_per_s()
-    return {"config": name, "ranks": ranks, "site_tokens_per_s": round(rate, 1),
+    return {"config": name, "ranks": ranks, "replica_group_tokens_per_s": round(rate, 1),
             "tokens_per_s_per_rank": round(rate / ranks, 1), "load_before": before,
             "load_after": load_average()}
 
@@ -84,8 +86,8 @@ def run(out: Path, steps: int, model: str, ranks: int, batch_size: int, repeats:
         for row in group:
             row["repeat"] = repeat
             row["per_rank_vs_one_rank"] = round(row["tokens_per_s_per_rank"] / one_rank, 3)
-        group[1]["overhead_vs_plain"] = round(1 - group[1]["site_tokens_per_s"]
-                                              / group[0]["site_tokens_per_s"], 3)
+        group[1]["overhead_vs_plain"] = round(1 - group[1]["replica_group_tokens_per_s"]
+                                              / group[0]["replica_group_tokens_per_s"], 3)
         rows += group
 
     def median_of(config: str, key: str) -> float:
@@ -101,8 +103,8 @@ def run(out: Path, steps: int, model: str, ranks: int, batch_size: int, repeats:
         "load_average_range": [min(r["load_before"] for r in rows),
                                max(r["load_after"] for r in rows)],
     }
-    write_json(out / "sites.json", "sites", rows, summary)
-    plot(out / "sites.png", rows)
+    write_json(out / "replica_groups.json", "replica_groups", rows, summary)
+    plot(out / "replica_groups.png", rows)
     return {"rows": rows, **summary}
 
 
@@ -115,6 +117,6 @@ def plot(path: Path, rows: list[dict]) -> Path:
         ax.annotate(f"load {r['load_before']:.1f}", (r["config"], r["tokens_per_s_per_rank"]),
                     ha="left", va="bottom", fontsize=7)
     ax.set_ylabel("tokens/s per rank")
-    ax.set_title(f"one site on CPU, every repeat ({time.strftime('%Y-%m-%d')})")
+    ax.set_title(f"one replica group on CPU, every repeat ({time.strftime('%Y-%m-%d')})")
     ax.tick_params(axis="x", labelsize=8)
     return save_figure(fig, path)

@@ -1,10 +1,11 @@
-"""Sites started by a standard launcher: ``torchrun -m farlink.worker`` with torchft's variables.
+"""Replica groups started by a standard launcher: ``torchrun -m farlink.worker`` with torchft's
+variables.
 
-Real processes: a torchft Lighthouse, and two sites, each a real ``torchrun`` of 2 ranks (site 0
-plain torchrun, site 1 through ``farlink.parallel.site_agent``, which binds its store) with
-its own run dir (as two nodes would have), told the Lighthouse and their replica group only
-through ``TORCHFT_LIGHTHOUSE`` and ``REPLICA_GROUP_ID``. The two-node recipe of
-docs/guides/gpus.md is this command.
+Real processes: a torchft Lighthouse, and two replica groups, each a real ``torchrun`` of 2 ranks
+(replica group 0 plain torchrun, replica group 1 through ``farlink.parallel.replica_group_agent``,
+which binds its store) with its own run dir (as two nodes would have), told the Lighthouse and
+their replica group only through ``TORCHFT_LIGHTHOUSE`` and ``REPLICA_GROUP_ID``. The two-node
+recipe of docs/guides/gpus.md is this command.
 """
 
 from __future__ import annotations
@@ -25,10 +26,11 @@ RUN_FLAGS = ["--model", "nano",
              "--eval-batches", "4"]
 
 
-def site_command(run_dir: Path, cache_dir: Path, *extra: str, bound: bool = False) -> list[str]:
-    """The recipe of docs/guides/gpus.md: plain torchrun, or (``bound``) farlink's site agent,
-    which is torchrun with the site's store on ``--host`` only."""
-    launcher = (["-m", "farlink.parallel.site_agent", "--host", "127.0.0.1"] if bound
+def replica_group_command(run_dir: Path, cache_dir: Path, *extra: str,
+                          bound: bool = False) -> list[str]:
+    """The recipe of docs/guides/gpus.md: plain torchrun, or (``bound``) farlink's replica group
+    agent, which is torchrun with the replica group's store on ``--host`` only."""
+    launcher = (["-m", "farlink.parallel.replica_group_agent", "--host", "127.0.0.1"] if bound
                 else ["-m", "torch.distributed.run", "--standalone"])
     return [sys.executable, *launcher, "--nproc-per-node", "2", "-m", "farlink.worker",
             "--run-dir", str(run_dir), "--cache-dir", str(cache_dir), *RUN_FLAGS, *extra]
@@ -39,33 +41,33 @@ def records(path: Path, kind: str) -> list[dict]:
     return [r for r in map(json.loads, lines) if r["kind"] == kind]
 
 
-def start_sites(tmp_path: Path, cache_dir: Path, lighthouse: str,
-                flags_of=lambda index: []) -> list[subprocess.Popen]:  # noqa: ANN001
-    sites = []
+def start_replica_groups(tmp_path: Path, cache_dir: Path, lighthouse: str,
+                         flags_of=lambda index: []) -> list[subprocess.Popen]:  # noqa: ANN001
+    groups = []
     for index in range(2):
         env = {**os.environ, "TORCHFT_LIGHTHOUSE": lighthouse, "REPLICA_GROUP_ID": str(index),
                "OMP_NUM_THREADS": "1"}
-        log = open(tmp_path / f"site{index}.log", "wb")
-        argv = site_command(tmp_path / f"site{index}", cache_dir, *flags_of(index),
-                            bound=index == 1)  # both launchers of the recipe
-        sites.append(subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT))
-    return sites
+        log = open(tmp_path / f"group{index}.log", "wb")
+        argv = replica_group_command(tmp_path / f"group{index}", cache_dir, *flags_of(index),
+                                     bound=index == 1)  # both launchers of the recipe
+        groups.append(subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT))
+    return groups
 
 
-def wait_all(tmp_path: Path, sites: list[subprocess.Popen], timeout: float = 300) -> None:
+def wait_all(tmp_path: Path, groups: list[subprocess.Popen], timeout: float = 300) -> None:
     try:
-        for index, proc in enumerate(sites):
+        for index, proc in enumerate(groups):
             code = proc.wait(timeout=timeout)
-            log = (tmp_path / f"site{index}.log").read_text()[-4000:]
-            assert code == 0, f"site {index} exited {code}:\n{log}"
+            log = (tmp_path / f"group{index}.log").read_text()[-4000:]
+            assert code == 0, f"replica group {index} exited {code}:\n{log}"
     finally:
-        for proc in sites:
+        for proc in groups:
             if proc.poll() is None:
                 proc.kill()
                 proc.wait()
 
 
-def test_two_torchrun_sites_train_one_model_from_torchft_variables(tmp_path, cache_dir):
+def test_two_torchrun_replica_groups_train_one_model_from_torchft_variables(tmp_path, cache_dir):
     from farlink.data import prepare_data
     from farlink.train.lighthouse import Lighthouse
 
@@ -73,20 +75,23 @@ def test_two_torchrun_sites_train_one_model_from_torchft_variables(tmp_path, cac
     lighthouse = Lighthouse(min_replicas=2, join_timeout=10, heartbeat_timeout=3,
                             log_path=tmp_path / "lighthouse.log").start()
     try:
-        wait_all(tmp_path, start_sites(tmp_path, cache_dir, lighthouse.address))
+        wait_all(tmp_path, start_replica_groups(tmp_path, cache_dir, lighthouse.address))
     finally:
         lighthouse.stop()
-    ends = [records(tmp_path / f"site{i}" / "metrics" / f"w{i}.jsonl", "end")[-1]
+    ends = [records(tmp_path / f"group{i}" / "metrics" / f"w{i}.jsonl", "end")[-1]
             for i in range(2)]
     assert all(e["finished"] and e["outer_step"] == 3 for e in ends), ends
-    assert all(e["widest_group"] == 2 for e in ends), ends  # every round averaged both sites
-    assert ends[0]["fingerprint"] == ends[1]["fingerprint"]  # one model, held by both sites
+    # every round averaged both replica groups
+    assert all(e["widest_group"] == 2 for e in ends), ends
+    # one model, held by both replica groups
+    assert ends[0]["fingerprint"] == ends[1]["fingerprint"]
     for index in range(2):
-        run = tmp_path / f"site{index}"
+        run = tmp_path / f"group{index}"
         saved = json.loads((run / "config.json").read_text())
         assert saved["ranks_per_worker"] == 2  # from WORLD_SIZE, not repeated as a flag
         assert saved["lighthouse"] == lighthouse.address  # from TORCHFT_LIGHTHOUSE
-        # one metrics file per site, one checkpoint per step (the ranks' parts), ledgers by rank
+        # one metrics file per replica group, one checkpoint per step (the ranks' parts), ledgers
+        # by rank
         assert [p.name for p in (run / "metrics").iterdir()] == [f"w{index}.jsonl"]
         assert (run / "checkpoints" / f"w{index}" / "step-0000030" / ".metadata").is_file()
         assert sorted(p.name for p in (run / "ledger").iterdir()) == \
@@ -95,17 +100,18 @@ def test_two_torchrun_sites_train_one_model_from_torchft_variables(tmp_path, cac
         assert (run / "final" / f"w{index}.safetensors").is_file()
 
 
-@pytest.mark.slow  # the torchrun sites above run by default; this adds keys and trimming
-def test_sites_signing_with_their_own_ed25519_keys_and_trimming(tmp_path, cache_dir):
-    """Each site signs with its own key (every rank of a site with the site's key); every rank
-    checks the other site's signature on its shard and aggregates with a trimmed mean."""
+@pytest.mark.slow  # the torchrun replica groups above run by default; this adds keys and trimming
+def test_replica_groups_signing_with_their_own_ed25519_keys_and_trimming(tmp_path, cache_dir):
+    """Each replica group signs with its own key (every rank of a replica group with the replica
+    group's key); every rank checks the other replica group's signature on its shard and aggregates
+    with a trimmed mean."""
     from farlink.data import prepare_data
     from farlink.robust.auth import make_authenticator
     from farlink.robust.keys import generate_keypair, load_allowed_keys
     from farlink.train.lighthouse import Lighthouse
 
     members = tmp_path / "members"
-    keys = [members / f"site{i}.key" for i in range(2)]
+    keys = [members / f"group{i}.key" for i in range(2)]
     for key in keys:
         generate_keypair(key)
     ids = sorted(load_allowed_keys(members))
@@ -118,23 +124,23 @@ def test_sites_signing_with_their_own_ed25519_keys_and_trimming(tmp_path, cache_
             return ["--steps", "20", "--auth", "ed25519", "--key-file", str(keys[index]),
                     "--allowed-keys", str(members), "--aggregator", "trimmed_mean"]
 
-        wait_all(tmp_path, start_sites(tmp_path, cache_dir, lighthouse.address, flags))
+        wait_all(tmp_path, start_replica_groups(tmp_path, cache_dir, lighthouse.address, flags))
     finally:
         lighthouse.stop()
-    ends = [records(tmp_path / f"site{i}" / "metrics" / f"w{i}.jsonl", "end")[-1]
+    ends = [records(tmp_path / f"group{i}" / "metrics" / f"w{i}.jsonl", "end")[-1]
             for i in range(2)]
     assert all(e["finished"] and e["outer_step"] == 2 for e in ends), ends
     assert ends[0]["fingerprint"] == ends[1]["fingerprint"]
     for index in range(2):
         for name in (f"w{index}.json", f"w{index}.rank1.json"):
-            ledger = tmp_path / f"site{index}" / "ledger" / name
+            ledger = tmp_path / f"group{index}" / "ledger" / name
             peers = json.loads(ledger.read_text())["peers"]
             assert sorted(peers) == ids, (name, peers)  # named by their keys
             assert all(p["updates_accepted"] == 2 and p["updates_rejected"] == 0
                        for p in peers.values()), (name, peers)
 
 
-def test_a_site_without_its_replica_group_is_told_what_to_set(tmp_path):
+def test_a_replica_group_without_its_variables_is_told_what_to_set(tmp_path):
     env = {k: v for k, v in os.environ.items()
            if k not in ("REPLICA_GROUP_ID", "TORCHFT_LIGHTHOUSE")}
     run = subprocess.run([sys.executable, "-m", "farlink.worker", "--run-dir",
@@ -164,7 +170,7 @@ def test_the_launchers_worker_takes_the_lighthouse_from_torchft_lighthouse(tmp_p
     assert "--lighthouse" not in given.stderr and "config.json" in given.stderr, given.stderr
 
 
-def test_only_a_sites_rank_0_writes_the_run_dirs_shared_files(tmp_path, cache_dir):
+def test_only_a_replica_groups_rank_0_writes_the_run_dirs_shared_files(tmp_path, cache_dir):
     from farlink.config import load_config
     from farlink.worker import prepare_run_dir
 

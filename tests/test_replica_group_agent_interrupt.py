@@ -1,6 +1,7 @@
-"""A Ctrl-C at a site started by ``run_as_site`` (``farlink join --ranks-per-worker K``) reaches
-its ranks too (one process group); they stop at their next step with their state written, and
-the command waits for that instead of killing their torchrun and printing a traceback."""
+"""A Ctrl-C at a replica group started by ``run_as_replica_group`` (``farlink join
+--ranks-per-worker K``) reaches its ranks too (one process group); they stop at their next step
+with their state written, and the command waits for that instead of killing their torchrun and
+printing a traceback."""
 
 from __future__ import annotations
 
@@ -28,12 +29,13 @@ RANK = textwrap.dedent("""
 """)
 
 
-def test_ctrl_c_at_a_site_waits_for_its_ranks_to_stop(tmp_path: Path) -> None:
+def test_ctrl_c_at_a_replica_group_waits_for_its_ranks_to_stop(tmp_path: Path) -> None:
     script = tmp_path / "rank.py"
     script.write_text(RANK)
     parent = subprocess.Popen(
-        [sys.executable, "-c", "import sys; from farlink.parallel.site_agent import run_as_site;"
-         f" sys.exit(run_as_site('127.0.0.1', 2, [{str(script)!r}, {str(tmp_path)!r}]))"],
+        [sys.executable, "-c", "import sys; "
+         "from farlink.parallel.replica_group_agent import run_as_replica_group;"
+         f" sys.exit(run_as_replica_group('127.0.0.1', 2, [{str(script)!r}, {str(tmp_path)!r}]))"],
         stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:
         deadline = time.monotonic() + 120
