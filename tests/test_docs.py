@@ -262,7 +262,7 @@ REVISED = {
     '`lighthouse=",".join(first.addresses)`.':
         "the others `peers=first.addresses` (hivemind's",
     'default test suite (`pytest -m slow` runs the multi-minute scenarios as well).':
-        "`pytest -m slow`\nruns them, and CI runs them after the default suite.",
+        "`pytest -m slow` runs them, and CI runs them after the default suite.",
     "python examples/fsdp_sites.py   # 2 sites x 2 ranks: FSDP2 inside each site, DiLoCo across":
         "python examples/fsdp_replica_groups.py # 2 replica groups x 2 ranks: FSDP2 inside each, "
         "DiLoCo across",

@@ -26,10 +26,10 @@ def rounds_committed(run_dir: Path) -> int:
                 for path in (run_dir / "metrics").glob("w*.jsonl")), default=0)
 
 
-# one process run by default (torchft, 1 rank); the hivemind run and the replica-group run go with the
-# slow scenarios: test_hivemind_peers_of_a_loopback_run_listen_on_loopback_only (the same
-# listeners built in this process) and test_a_replica_group_without_an_agent_hosts_its_store_on_master_addr
-# stand in for them
+# one process run by default (torchft, 1 rank); the hivemind run and the replica-group run go
+# with the slow scenarios: test_hivemind_peers_of_a_loopback_run_listen_on_loopback_only (the
+# same listeners built in this process) and
+# test_a_replica_group_without_an_agent_hosts_its_store_on_master_addr stand in for them
 @pytest.mark.parametrize(("backend", "ranks_per_worker"),
                          [("torchft", 1), pytest.param("hivemind", 1, marks=pytest.mark.slow),
                           pytest.param("torchft", 2, marks=pytest.mark.slow)])
