@@ -4,6 +4,7 @@ HTTP client gets nothing, and the checkpoint server itself listens on loopback o
 from __future__ import annotations
 
 import http.client
+import time
 import urllib.error
 import urllib.request
 from datetime import timedelta
@@ -50,6 +51,11 @@ def test_non_member_and_plain_http_get_nothing(source):
     # torchft's own client, pointed at the advertised address, never gets past the handshake
     with pytest.raises((urllib.error.URLError, http.client.HTTPException, OSError)):
         urllib.request.urlopen(f"{source.metadata()}7/full", timeout=5).read()
+    # the gate records a refusal in its own thread, which may finish after the client has seen
+    # its connection closed: wait for the second one (bounded), then count exactly
+    deadline = time.monotonic() + 10
+    while len(source._gate.refusals) < 2 and time.monotonic() < deadline:
+        time.sleep(0.01)
     assert source._gate.admitted == [] and len(source._gate.refusals) == 2
     host, _ = source._server.server_address[:2]
     assert host == "127.0.0.1"  # the server behind the gate takes no outside connection
