@@ -245,9 +245,13 @@ class LongChurn:
             self._spawn(i, restart=False)
         # heal kills cost two SIGKILLs (the restart they aim at needs a first kill)
         moments = [self.rng.choice(MOMENTS) for _ in range(kills)]
-        schedule = [("kill", m) for m in moments] + [("lighthouse", None)] * lighthouse_kills \
-            + [("corrupt", f) for f in (["flip", "truncate"] * corruptions)[:corruptions]]
+        schedule = [("kill", m) for m in moments]
         self.rng.shuffle(schedule)
+        # the Lighthouse kills and corruptions go in the schedule's first half: the schedule
+        # stops near the run's end, and a fault drawn last would never be injected
+        for fault in [("lighthouse", None)] * lighthouse_kills \
+                + [("corrupt", f) for f in (["flip", "truncate"] * corruptions)[:corruptions]]:
+            schedule.insert(self.rng.randint(0, len(schedule) // 2), fault)
         try:
             self._wait("first committed round", lambda: self.committed() >= 1, limit=600)
             for kind, arg in schedule:
