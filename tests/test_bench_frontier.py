@@ -40,6 +40,21 @@ def toy_families() -> list[Family]:
     return out
 
 
+def toy_base(cache_dir: Path, model: str = "nano") -> dict:
+    """The toy runs' settings: a few steps of tiny batches on a 300-token vocabulary."""
+    return {"model": model, "workers": WORKERS, "steps": STEPS, "batch_size": BATCH,
+            "seq_len": SEQ, "warmup_steps": 1, "eval_batches": 2, "vocab_size": 300,
+            "cache_dir": cache_dir}
+
+
+def recording(calls: list[str]):  # noqa: ANN201
+    """The bench's in-process trainer, noting each run's label in ``calls``."""
+    def train(label: str, values: dict, eval_points: int) -> dict:
+        calls.append(label)
+        return train_in_process(label, values, eval_points=eval_points)
+    return train
+
+
 def test_pareto_front_on_hand_made_points() -> None:
     points = [(100.0, 3.0),   # cheapest loss: on the front
               (10.0, 3.5),    # on the front
@@ -78,14 +93,8 @@ def test_targets_on_hand_made_rows() -> None:
 def test_frontier_toy_run_has_every_method_exact_bytes_and_the_sweep(
         tmp_path: Path, cache_dir: Path) -> None:
     calls: list[str] = []
-
-    def train(label: str, values: dict, eval_points: int) -> dict:
-        calls.append(label)
-        return train_in_process(label, values, eval_points=eval_points)
-
-    base = {"model": "nano", "workers": WORKERS, "steps": STEPS, "batch_size": BATCH,
-            "seq_len": SEQ, "warmup_steps": 1, "eval_batches": 2, "vocab_size": 300,
-            "cache_dir": cache_dir}
+    train = recording(calls)
+    base = toy_base(cache_dir)
     result = run(tmp_path, base, SWEEP_STEPS, H, family_list=toy_families(), train=train,
                  max_extensions=1)
     doc = json.loads((tmp_path / "frontier.json").read_text())
@@ -205,9 +214,7 @@ def test_seeds_and_time_to_loss_on_a_toy_run(tmp_path: Path, cache_dir: Path) ->
     Time-to-loss per profile: the measured compute per step and curve, the planner's link."""
     from farlink.bench.time_to_loss import steps_to_loss
 
-    base = {"model": "nano", "workers": WORKERS, "steps": STEPS, "batch_size": BATCH,
-            "seq_len": SEQ, "warmup_steps": 1, "eval_batches": 2, "vocab_size": 300,
-            "cache_dir": cache_dir}
+    base = toy_base(cache_dir)
     fams = [Family(f.name, f.base, f.grid[:1]) for f in toy_families()
             if f.name in ("ddp", "diloco")]
     run(tmp_path, base, SWEEP_STEPS, H, family_list=fams,
@@ -252,9 +259,7 @@ def test_longer_h_rows_send_fewer_bytes_per_token_at_the_swept_lrs(
     """``methods(longer_h=...)``: SparseLoCo and DiLoCo int4, Muon inside, at twice the bench's
     H: half the rounds at the same tokens, so half the bytes per token (SparseLoCo sends the
     same number of entries every round), at the lrs its family swept at the bench's H."""
-    base = {"model": "nano", "workers": WORKERS, "steps": STEPS, "batch_size": BATCH,
-            "seq_len": SEQ, "warmup_steps": 1, "eval_batches": 2, "vocab_size": 300,
-            "cache_dir": cache_dir}
+    base = toy_base(cache_dir)
     fams = [f for f in toy_families() if f.name == "sparseloco"]
     default = [m.label for m in methods()]
     after = default.index("sparseloco-muon-k64") + 1  # beside the rows of Muon inside at H
@@ -337,14 +342,8 @@ def test_given_lrs_train_at_another_preset_without_a_sweep(
     the model every row trains (``small``'s parameter count); a family naming several points is
     refused before anything trains."""
     calls: list[str] = []
-
-    def train(label: str, values: dict, eval_points: int) -> dict:
-        calls.append(label)
-        return train_in_process(label, values, eval_points=eval_points)
-
-    base = {"model": "small", "workers": WORKERS, "steps": STEPS, "batch_size": BATCH,
-            "seq_len": SEQ, "warmup_steps": 1, "eval_batches": 2, "vocab_size": 300,
-            "cache_dir": cache_dir}
+    train = recording(calls)
+    base = toy_base(cache_dir, model="small")
     fams = [Family("ddp", {"algorithm": "ddp"}, grid(lr=[3e-3])),
             Family("diloco", {"algorithm": "diloco", "inner_steps": H},
                    grid(lr=[1e-2], outer_lr=[0.3]))]

@@ -48,6 +48,35 @@ def tensorboard_scalars(directory: Path) -> dict[str, list[tuple[int, float]]]:
             for tag in acc.Tags()["scalars"]}
 
 
+def assert_tensorboard_equals_records(run: Path, worker: str) -> tuple[dict, dict]:
+    """A 2-worker TINY run's TensorBoard curves for ``worker`` equal its JSONL records;
+    returns its step records by step and its end record."""
+    records = read_metrics(run / "metrics" / f"{worker}.jsonl")
+    steps = {r["step"]: r for r in records if r["kind"] in ("step", "sync")}
+    syncs = [r for r in records if r["kind"] == "sync"]
+    end = next(r for r in records if r["kind"] == "end")
+    tb = tensorboard_scalars(run / "tensorboard" / worker)
+    assert [s for s, _ in tb["train/loss"]] == sorted(steps)
+    for step, value in tb["train/loss"]:
+        assert value == pytest.approx(steps[step]["loss"], rel=1e-6)
+    assert tb["train/tokens"][-1][1] == end["tokens"] == 4 * 4 * 64
+    assert tb["net/bytes_sent"][-1][1] == end["bytes_sent"] > 0
+    assert [v for _, v in tb["round/outer_step"]][-1] == end["outer_step"] == 2
+    assert [v for _, v in tb["peers/live"]] == [r["world_size"] for r in syncs] == [2, 2]
+    assert [v for _, v in tb["round/seconds"]] == pytest.approx([r["round_s"] for r in syncs])
+    assert all(0 < v <= 1 for _, v in tb["time/utilization"])
+    assert "round/quorum_s" in tb and "peers/rejected" in tb
+    return steps, end
+
+
+def assert_held_out_curve_equals_records(run: Path) -> list[dict]:
+    """w0's eval/loss curve equals its two eval records; returns them."""
+    evals = [r for r in read_metrics(run / "metrics" / "w0.jsonl") if r["kind"] == "eval"]
+    held_out = tensorboard_scalars(run / "tensorboard" / "w0")["eval/loss"]
+    assert held_out == [(r["step"], pytest.approx(r["loss"])) for r in evals] and len(evals) == 2
+    return evals
+
+
 # by default: test_a_runs_workers_log_their_records_to_tensorboard (the workers' sinks, as
 # threads) and test_the_library_reports_an_optimizers_figures_with_rejections_per_peer (W&B)
 @pytest.mark.slow
@@ -66,22 +95,7 @@ def test_farlink_train_logs_to_tensorboard_and_wandb(tmp_path: Path, cache_dir: 
     runs = {r.name: r for r in offline_runs(run / "wandb")}
     assert set(runs) == {"w0", "w1"}
     for worker in ("w0", "w1"):
-        records = read_metrics(run / "metrics" / f"{worker}.jsonl")
-        steps = {r["step"]: r for r in records if r["kind"] in ("step", "sync")}
-        syncs = [r for r in records if r["kind"] == "sync"]
-        end = next(r for r in records if r["kind"] == "end")
-        tb = tensorboard_scalars(run / "tensorboard" / worker)
-        assert [s for s, _ in tb["train/loss"]] == sorted(steps)
-        for step, value in tb["train/loss"]:
-            assert value == pytest.approx(steps[step]["loss"], rel=1e-6)
-        assert tb["train/tokens"][-1][1] == end["tokens"] == 4 * 4 * 64
-        assert tb["net/bytes_sent"][-1][1] == end["bytes_sent"] > 0
-        assert [v for _, v in tb["round/outer_step"]][-1] == end["outer_step"] == 2
-        assert [v for _, v in tb["peers/live"]] == [r["world_size"] for r in syncs] == [2, 2]
-        assert [v for _, v in tb["round/seconds"]] == pytest.approx(
-            [r["round_s"] for r in syncs])
-        assert all(0 < v <= 1 for _, v in tb["time/utilization"])
-        assert "round/quorum_s" in tb and "peers/rejected" in tb
+        steps, end = assert_tensorboard_equals_records(run, worker)
         wb = runs[worker]
         assert wb.group == run.name and wb.config["algorithm"] == "diloco"
         logged = [h for h in wb.history if "train/loss" in h]
@@ -89,9 +103,7 @@ def test_farlink_train_logs_to_tensorboard_and_wandb(tmp_path: Path, cache_dir: 
         assert [h["train/loss"] for h in logged] == pytest.approx(
             [steps[s]["loss"] for s in sorted(steps)])
         assert wb.history[-1]["net/bytes_sent"] == end["bytes_sent"]
-    evals = [r for r in read_metrics(run / "metrics" / "w0.jsonl") if r["kind"] == "eval"]
-    held_out = tensorboard_scalars(run / "tensorboard" / "w0")["eval/loss"]
-    assert held_out == [(r["step"], pytest.approx(r["loss"])) for r in evals] and len(evals) == 2
+    evals = assert_held_out_curve_equals_records(run)
     assert [(h["step"], h["eval/loss"]) for h in runs["w0"].history if "eval/loss" in h] == [
         (r["step"], r["loss"]) for r in evals]
 
@@ -108,25 +120,8 @@ def test_a_runs_workers_log_their_records_to_tensorboard(tmp_path: Path, cache_d
     assert launch_in_threads(cfg).returncodes == [0, 0]
     run = cfg.run_dir
     for worker in ("w0", "w1"):
-        records = read_metrics(run / "metrics" / f"{worker}.jsonl")
-        steps = {r["step"]: r for r in records if r["kind"] in ("step", "sync")}
-        syncs = [r for r in records if r["kind"] == "sync"]
-        end = next(r for r in records if r["kind"] == "end")
-        tb = tensorboard_scalars(run / "tensorboard" / worker)
-        assert [s for s, _ in tb["train/loss"]] == sorted(steps)
-        for step, value in tb["train/loss"]:
-            assert value == pytest.approx(steps[step]["loss"], rel=1e-6)
-        assert tb["train/tokens"][-1][1] == end["tokens"] == 4 * 4 * 64
-        assert tb["net/bytes_sent"][-1][1] == end["bytes_sent"] > 0
-        assert [v for _, v in tb["round/outer_step"]][-1] == end["outer_step"] == 2
-        assert [v for _, v in tb["peers/live"]] == [r["world_size"] for r in syncs] == [2, 2]
-        assert [v for _, v in tb["round/seconds"]] == pytest.approx(
-            [r["round_s"] for r in syncs])
-        assert all(0 < v <= 1 for _, v in tb["time/utilization"])
-        assert "round/quorum_s" in tb and "peers/rejected" in tb
-    evals = [r for r in read_metrics(run / "metrics" / "w0.jsonl") if r["kind"] == "eval"]
-    held_out = tensorboard_scalars(run / "tensorboard" / "w0")["eval/loss"]
-    assert held_out == [(r["step"], pytest.approx(r["loss"])) for r in evals] and len(evals) == 2
+        assert_tensorboard_equals_records(run, worker)
+    assert_held_out_curve_equals_records(run)
 
 
 _INIT = threading.Lock()
