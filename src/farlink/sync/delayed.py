@@ -160,9 +160,12 @@ class DelayedOuterStep:
         self.algo.schedule.pause(waited)
         outcome.committed = committed
         outcome.world_size = info.world_size if info else 1
-        if info is not None and info.world_size > 0:
-            self.members = info.world_size
+        self.members = self._members_after(info)
         return _Finished(committed, info, result, self._update)
+
+    def _members_after(self, info: RoundInfo | None) -> int:
+        """M once a round has landed: its quorum's size, or the last one if it had none."""
+        return info.world_size if info is not None and info.world_size > 0 else self.members
 
     def _apply_committed(self, finished: _Finished | None) -> bool:
         """θ^t = Opt(θ^(t-1), Δ^(t-1)) if that round committed; a failed one is carried."""
@@ -221,7 +224,7 @@ class DelayedOuterStep:
         """What a checkpoint keeps of the round to be applied at the phase's end: whether it
         committed, its average, what this worker sent (taken back if it failed), and M."""
         state: TensorState = {}
-        members = self.members
+        members = self._members_after(finished.info) if finished is not None else self.members
         if finished is not None:
             state["delayed.committed"] = torch.tensor(int(finished.committed
                                                           and finished.result is not None))
@@ -232,8 +235,6 @@ class DelayedOuterStep:
                               for n, t in finished.result.tensors.items()})
             state.update({f"delayed.sent.{n}": dense_of(t).clone()
                           for n, t in finished.update.items()})
-            if finished.info is not None and finished.info.world_size > 0:
-                members = finished.info.world_size  # as _wait counts it
         state["delayed.members"] = torch.tensor(members)
         return state
 
