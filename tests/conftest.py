@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import sys
@@ -27,17 +28,57 @@ def cache_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp_path_factory.mktemp("farlink-cache")
 
 
-def pytest_configure(config: pytest.Config) -> None:
-    config.addinivalue_line(
-        "markers", "torchft_threads: runs torchft (Managers, Gloo, an in-process Lighthouse) in "
-        "the test process; such tests run after all others")
+DURATIONS = Path(__file__).with_name("durations.json")
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption("--write-durations", action="store_true",
+                     help=f"record each test's seconds (setup, call, teardown) in {DURATIONS.name}, "
+                          "which orders the next runs longest first")
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Tests that ran torchft in this process run last: a process that did must not fork
     afterwards (hivemind's DHT forks its process, and the child crashes on what torchft's
-    threads left behind); the other tests keep their order."""
-    items.sort(key=lambda item: item.get_closest_marker("torchft_threads") is not None)
+    threads left behind).
+
+    Under ``-n`` (in each xdist worker, whose collection the scheduler follows) the longest
+    tests of each part go first (seconds recorded in durations.json; a test not there counts as
+    short), so the run does not end with one worker on a minute-long test while the others
+    idle. A run without ``-n`` keeps the files' order: the slow scenarios run serially before a
+    deadline, where short ones first get more of them done."""
+    parallel = hasattr(config, "workerinput")
+    seconds = json.loads(DURATIONS.read_text()) if parallel and DURATIONS.exists() else {}
+    items.sort(key=lambda item: (item.get_closest_marker("torchft_threads") is not None,
+                                 -seconds.get(item.nodeid, 0.0)))
+
+
+class DurationRecorder:
+    """``--write-durations``: each test's seconds (its phases added up), written once the run
+    ends. Registered only in the process that reports (xdist's controller sees every worker's
+    reports), never in a worker."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = {}
+
+    def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
+        self.seconds[report.nodeid] = self.seconds.get(report.nodeid, 0.0) + report.duration
+
+    def pytest_sessionfinish(self) -> None:
+        """Tests this run did not run keep their recorded seconds; tests under 2 s are left
+        out (they count as short anyway), which keeps the file small."""
+        known = json.loads(DURATIONS.read_text()) if DURATIONS.exists() else {}
+        known.update({k: round(v, 1) for k, v in self.seconds.items()})
+        longer = {k: v for k, v in sorted(known.items()) if v >= 2.0}
+        DURATIONS.write_text(json.dumps(longer, indent=0) + "\n")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line(
+        "markers", "torchft_threads: runs torchft (Managers, Gloo, an in-process Lighthouse) in "
+        "the test process; such tests run after all others")
+    if config.getoption("write_durations") and not hasattr(config, "workerinput"):
+        config.pluginmanager.register(DurationRecorder(), "farlink-durations")
 
 
 def pytest_runtest_setup(item: pytest.Item) -> None:
