@@ -30,14 +30,15 @@ JOIN_TIMEOUT = 1.0
 
 
 def _pause(lag: str, index: int, step: int) -> float:
-    """Seconds replica ``index`` spends on inner step ``step`` (from 1). ``slow``: replica 0
-    lags all run long (one phase of it, 1.6 s, is longer than the join timeout; the others
-    are done before its first round), so it heals in the run's last round; ``stall``: replica
-    0 stops for 1.5 s once, in step 10 (an evaluation), and keeps pace otherwise, so it is
-    left out of round 2 and heals in a later round, while the others still run."""
-    if lag == "slow":
-        return 0.4 if index == 0 else 0.02
-    return 0.1 + (1.5 if index == 0 and step == 10 else 0.0)
+    """Seconds replica ``index`` spends on inner step ``step`` (from 1). Replica 0 stops once,
+    as for an evaluation, longer than the join timeout, and keeps pace otherwise. ``early``: in
+    step 10, so it is left out of round 2 and heals in a later round while the others still
+    run; ``late``: in step 22, so it is left out of round 5 (launched at step 24) and reaches
+    the quorum of round 7, the run's last (launched at step 32 = 0.8 s after round 6, which
+    the others launch once round 5 is done without it, 1 s after its launch), and heals in it."""
+    if lag == "early":
+        return 0.1 + (1.5 if index == 0 and step == 10 else 0.0)
+    return 0.2 + (1.4 if index == 0 and step == 22 else 0.0)
 
 
 def _lagging_run(mode: str, name: str, lag: str) -> dict[int, dict]:
@@ -59,13 +60,14 @@ def _lagging_run(mode: str, name: str, lag: str) -> dict[int, dict]:
                            Exchange(coll, sender=f"r{index}", **wire(cls, cfg, "none")))
                 start_line.wait(60)
                 gen = torch.Generator().manual_seed(index + 1)
-                rounds = []  # (world size, healed) of each round this replica saw land
+                rounds = []  # (id, world size, healed) of each round this replica saw land
                 while not algo.finished():
                     x = torch.randn(8, 4, generator=gen)
                     (model(x) - x).pow(2).mean().backward()
                     time.sleep(_pause(lag, index, algo.inner_steps_done + 1))
                     if algo.step(16).synced and algo.last_round is not None:
-                        rounds.append((algo.last_round.world_size, algo.last_round.healed))
+                        rounds.append((algo.last_round.round_id, algo.last_round.world_size,
+                                       algo.last_round.healed))
                 algo.finish()
                 return {"fingerprint": algo.fingerprint(), "outer_step": algo.outer_step,
                         "inner_steps": algo.inner_steps_done, "rounds": rounds,
@@ -78,15 +80,18 @@ def _lagging_run(mode: str, name: str, lag: str) -> dict[int, dict]:
 
 
 @pytest.mark.parametrize(("mode", "name", "lag"),
-                         [("delayed", "diloco", "slow"), ("eager", "diloco", "slow"),
-                          ("delayed", "diloco", "stall"), ("eager", "diloco", "stall")])
+                         [("delayed", "diloco", "early"), ("eager", "diloco", "early"),
+                          ("delayed", "diloco", "late"), ("eager", "diloco", "late")])
 def test_a_lagging_worker_left_out_of_a_quorum_heals_into_the_one_committed_state(
         mode: str, name: str, lag: str) -> None:
     results = _lagging_run(mode, name, lag)
     # the scenario happened: the fast replicas committed rounds without the lagging one, and
     # it healed
-    assert any(size < REPLICAS for size, _ in results[1]["rounds"]), results[1]["rounds"]
-    assert any(healed for _, healed in results[0]["rounds"]), results[0]["rounds"]
+    assert any(size < REPLICAS for _, size, _ in results[1]["rounds"]), results[1]["rounds"]
+    healed_in = [round_id for round_id, _, healed in results[0]["rounds"] if healed]
+    assert healed_in, results[0]["rounds"]
+    if lag == "late":  # it healed in the run's last round: the others were done after it
+        assert healed_in == [STEPS // H - 1], results[0]["rounds"]
     first = results[0]
     for index, r in results.items():
         assert r["inner_steps"] == STEPS, (index, r["inner_steps"])
