@@ -81,7 +81,8 @@ def _lagging_run(mode: str, name: str, lag: str) -> dict[int, dict]:
 
 @pytest.mark.parametrize(("mode", "name", "lag"),
                          [("delayed", "diloco", "early"), ("eager", "diloco", "early"),
-                          ("delayed", "diloco", "late"), ("eager", "diloco", "late")])
+                          ("delayed", "diloco", "late"), ("eager", "diloco", "late"),
+                          ("delayed", "sparseloco", "early")])
 def test_a_lagging_worker_left_out_of_a_quorum_heals_into_the_one_committed_state(
         mode: str, name: str, lag: str) -> None:
     results = _lagging_run(mode, name, lag)
