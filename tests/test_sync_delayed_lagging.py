@@ -82,17 +82,20 @@ def _lagging_run(mode: str, name: str, lag: str) -> dict[int, dict]:
 @pytest.mark.parametrize(("mode", "name", "lag"),
                          [("delayed", "diloco", "early"), ("eager", "diloco", "early"),
                           ("delayed", "diloco", "late"), ("eager", "diloco", "late"),
-                          ("delayed", "sparseloco", "early")])
+                          ("delayed", "sparseloco", "early"),
+                          ("delayed", "streaming_diloco", "early"),
+                          ("delayed", "streaming_diloco", "late")])
 def test_a_lagging_worker_left_out_of_a_quorum_heals_into_the_one_committed_state(
         mode: str, name: str, lag: str) -> None:
     results = _lagging_run(mode, name, lag)
     # the scenario happened: the fast replicas committed rounds without the lagging one, and
     # it healed
     assert any(size < REPLICAS for _, size, _ in results[1]["rounds"]), results[1]["rounds"]
-    healed_in = [round_id for round_id, _, healed in results[0]["rounds"] if healed]
+    healed_in = {round_id for round_id, _, healed in results[0]["rounds"] if healed}
     assert healed_in, results[0]["rounds"]
-    if lag == "late":  # it healed in the run's last round: the others were done after it
-        assert healed_in == [STEPS // H - 1], results[0]["rounds"]
+    if lag == "late" and name != "streaming_diloco":
+        # it healed in the run's last round: the others were done after it
+        assert healed_in == {STEPS // H - 1}, results[0]["rounds"]
     first = results[0]
     for index, r in results.items():
         assert r["inner_steps"] == STEPS, (index, r["inner_steps"])
@@ -101,5 +104,6 @@ def test_a_lagging_worker_left_out_of_a_quorum_heals_into_the_one_committed_stat
         assert r["fingerprint"] == first["fingerprint"], index
         for a, b in zip(r["committed"], first["committed"]):
             assert torch.equal(a, b), index  # bit-identical committed parameters
-        for a, b in zip(r["params"], r["committed"]):
-            assert torch.equal(a, b), index  # every replica ends on the committed state
+        if name != "streaming_diloco":  # (it mixes the arriving fragments into its own)
+            for a, b in zip(r["params"], r["committed"]):
+                assert torch.equal(a, b), index  # every replica ends on the committed state
