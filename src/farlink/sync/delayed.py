@@ -31,11 +31,11 @@ to a phase after the others; past the Lighthouse's join timeout the quorum leave
 heals in a later round k. The state it heals from is a peer's with round k in flight: θ before
 round k, the outer step counter k and the inner step at which round k was launched
 (:meth:`committed_step`). At its next inner step the healed worker lands round k, loads that
-state (its phase so far, measured from its old state, is dropped) and stands where its peers stand at the
-end of the phase after round k's launch: it applies round k's average, moves its step counter
-to that phase's end and launches round k+1 with nothing of its own (zero weight), as they
-launch theirs; if the run ends before that phase does, it only applies round k. So it applies
-every round once, launches the rounds its peers launch, and ends on their committed θ.
+state (its phase so far, measured from its old state, is dropped) and stands where its peers
+stand at the end of the phase after round k's launch: it applies round k's average, moves its
+step counter to that phase's end and launches round k+1 with nothing of its own (zero weight),
+as they launch theirs; if the run ends before that phase does, it only applies round k. So it
+applies every round once, launches the rounds its peers launch, and ends on their committed θ.
 
 This module holds the pipeline; the algorithm says what a round sends (``round_update``), which
 dense tensor is this worker's share (``own_contribution``) and how a failed round is taken back
