@@ -26,6 +26,17 @@ replicas end on the committed θ. A round that fails is carried into the next on
 to the next round's, or its sparse values go back into SparseLoCo's error feedback), so no work
 is lost, as with a failed round of the blocking step.
 
+Nobody waits for a slow worker at a phase's end any more, so it may reach round r's quorum up
+to a phase after the others; past the Lighthouse's join timeout the quorum leaves it out and it
+heals in a later round k. The state it heals from is a peer's with round k in flight: θ before
+round k, the outer step counter k and the inner step at which round k was launched
+(:meth:`committed_step`). At its next inner step the healed worker lands round k, loads that
+state (its phase so far, measured from its old state, is dropped) and stands where its peers
+stand at the end of the phase after round k's launch: it applies round k's average, moves its
+step counter to that phase's end and launches round k+1 with nothing of its own (zero weight),
+as they launch theirs; if the run ends before that phase does, it only applies round k. So it
+applies every round once, launches the rounds its peers launch, and ends on their committed θ.
+
 This module holds the pipeline; the algorithm says what a round sends (``round_update``), which
 dense tensor is this worker's share (``own_contribution``) and how a failed round is taken back
 (``round_failed``). Time-budgeted rounds are refused with it (the schedule counts committed
@@ -38,7 +49,7 @@ import logging
 import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 import torch
@@ -76,6 +87,7 @@ class DelayedOuterStep:
         self._future: Future | None = None
         self._update: dict | None = None  # the in-flight round's update
         self._finished: _Finished | None = None  # waited for (a checkpoint), not yet applied
+        self._launched_at: int | None = None  # the inner step of the round in flight's launch
         self.members = 0  # M: participants of the last round seen
         if eager:
             self.params = [g.detach().clone() for g in algo.global_params]
@@ -91,17 +103,30 @@ class DelayedOuterStep:
     def in_flight(self) -> bool:
         return self._future is not None
 
+    def committed_step(self) -> int:
+        """The inner step the committed state stands at: the one at which the round in flight
+        was launched (the committed θ has every round before it applied; the training thread
+        has gone on since), or the current one when no round is in flight. A peer healing from
+        this replica places itself by it."""
+        if self._launched_at is not None:
+            return self._launched_at
+        return self.algo.inner_steps_done
+
     # --- the pipeline --------------------------------------------------------------------------
     def sync(self) -> StepOutcome:
-        """End of an inner phase: launch its round, apply the one launched a phase ago."""
+        """End of an inner phase: launch its round, apply the one launched a phase ago. Also
+        called as soon as that round healed this replica (mid-phase): it rejoins its peers."""
         algo = self.algo
-        update = algo.round_update()
-        weight = float(algo.tokens_since_sync)
-        algo.tokens_since_sync = 0
         outcome = StepOutcome(outer_step=algo.outer_step)
         finished = self._wait(outcome)
-        self._apply(finished, update)
-        self._launch(update, weight)
+        if algo.adopt_pending_heal():
+            self._rejoin(finished)
+        else:
+            update = algo.round_update()
+            weight = float(algo.tokens_since_sync)
+            algo.tokens_since_sync = 0
+            self._apply(finished, update)
+            self._launch(update, weight)
         outcome.synced = True
         outcome.outer_step = algo.outer_step
         return outcome
@@ -112,6 +137,8 @@ class DelayedOuterStep:
             return None
         outcome = StepOutcome(outer_step=self.algo.outer_step)
         finished = self._wait(outcome)
+        if self.algo.adopt_pending_heal():
+            finished = self._healed_in(finished)
         self._apply_committed(finished)
         if self.eager:
             self._restart_eager()
@@ -140,6 +167,7 @@ class DelayedOuterStep:
         if algo.before_round is not None:
             algo.before_round()
         self._update = update
+        self._launched_at = algo.inner_steps_done
         self._future = self._executor.submit(run)
 
     def _wait(self, outcome: StepOutcome) -> _Finished | None:
@@ -155,7 +183,7 @@ class DelayedOuterStep:
             self._future, float("inf"),
             lambda: f"the delayed round of outer step {self.algo.outer_step}", log)
         waited = time.perf_counter() - began
-        self._future = None
+        self._future = self._launched_at = None
         outcome.comm_seconds += waited
         self.algo.schedule.pause(waited)
         outcome.committed = committed
@@ -274,10 +302,37 @@ class DelayedOuterStep:
         self.opt = self.algo.make_outer_optimizer(self.params)
         self.own_prev = {}
 
-    def adopt(self) -> None:
-        """After healing: the eager copy restarts from the committed state just loaded. The
-        round in flight (the one that healed this replica) still lands at the phase's end, on
-        the loaded state, as it does on its peers'."""
-        self._finished = None
+    def _rejoin(self, finished: _Finished | None) -> None:
+        """This replica was healed in the round that just landed (k): stand where the peers
+        stand at the end of the phase after round k's launch. Round k's average is applied, the
+        phase starts from the committed θ, and round k+1 is launched with nothing of this
+        replica's in it (zero weight: its phase was measured from the old state), unless the
+        run ends before that phase does."""
+        algo = self.algo
+        log.warning("healed in round %d: its peers went on without this replica (it reached a "
+                    "round's quorum later than the Lighthouse's join timeout). With the outer "
+                    "step delayed a worker may lag its peers by up to a phase: a join timeout "
+                    "above the slowest worker's phase keeps it in", algo.outer_step)
+        self._apply_committed(self._healed_in(finished))
         if self.eager:
             self._restart_eager()
+        algo.reset_local_to(self.start)
+        steps = algo.schedule.steps
+        algo.inner_steps_done += algo.schedule.inner_steps
+        if steps is not None and algo.inner_steps_done > steps:  # round k was the run's last
+            algo.inner_steps_done = max(steps, algo.inner_steps_done - algo.schedule.inner_steps)
+            return
+        algo.tokens_since_sync = 0
+        self._launch({n: torch.zeros_like(p) for n, p in zip(algo.names, algo.params)}, 0.0)
+
+    def _healed_in(self, finished: _Finished | None) -> _Finished | None:
+        """The round that just landed healed this replica (the state it carried is loaded:
+        θ before that round, the counters where its sender launched it). That round sent
+        nothing of this replica's (its Δ belonged to the old state): a failure carries nothing
+        back. Its commit counts, as on the peers (loading the sender's counter took it back)."""
+        if finished is not None:
+            finished = replace(finished, update={n: torch.zeros_like(dense_of(t))
+                                                 for n, t in finished.update.items()})
+            if finished.committed and finished.info is not None:
+                self.algo.outer_step = finished.info.round_id + 1
+        return finished

@@ -162,7 +162,7 @@ class DiLoCo(SyncAlgorithm):
         self.inner_steps_done += 1
         self.clock.step_taken()
         self.tokens_since_sync += tokens
-        if not self.round_due():
+        if not self.round_due() and not self._healed_mid_phase():
             return StepOutcome(outer_step=self.outer_step)
         outcome = self.sync()
         self.round_ended()
@@ -185,7 +185,6 @@ class DiLoCo(SyncAlgorithm):
 
     def sync(self) -> StepOutcome:
         if self.delayed is not None:
-            self._adopt_pending_heal()
             return self.delayed.sync()
         return self.sync_now()
 
@@ -199,7 +198,6 @@ class DiLoCo(SyncAlgorithm):
     def finish(self) -> StepOutcome | None:
         if self.delayed is None:
             return None
-        self._adopt_pending_heal()
         return self.delayed.finish()
 
     # --- the delayed outer step's hooks (farlink.sync.delayed) ---------------------------------
@@ -234,12 +232,21 @@ class DiLoCo(SyncAlgorithm):
             for g, p in zip(start, self.params):
                 p.copy_(g)
 
-    def _adopt_pending_heal(self) -> None:
+    def _healed_mid_phase(self) -> bool:
+        """A delayed round healed this replica while its phase ran: the phase, measured from
+        the old state, is dropped now rather than at its end, so the replica rejoins its peers
+        at once instead of a phase late (farlink.sync.delayed)."""
+        return self.delayed is not None and self._pending_heal is not None
+
+    def adopt_pending_heal(self) -> bool:
+        """Load the state a delayed round healed this replica with, if one did (it arrived on
+        the round's thread); whether one did."""
         with self.state_lock:
             state, self._pending_heal = self._pending_heal, None
-        if state is not None:
-            self._load_shared_state(state)
-            self.delayed.adopt()
+        if state is None:
+            return False
+        self._load_shared_state(state)
+        return True
 
     def _pseudo_gradient(self, info: RoundInfo) -> dict[str, torch.Tensor]:
         return self.pseudo_gradient(self.params)
@@ -269,8 +276,10 @@ class DiLoCo(SyncAlgorithm):
     def _shared_state(self) -> TensorState:
         state = self.global_state()
         state["counter.outer_step"] = torch.tensor(self.outer_step)
-        # where the sender is in the schedule (lr, end of run): a healed peer adopts it
-        state["schedule.inner_steps"] = torch.tensor(self.inner_steps_done)
+        # where the sender is in the schedule (lr, end of run): a healed peer adopts it. With
+        # the outer step delayed, the committed state is that of the round in flight's launch
+        step = self.inner_steps_done if self.delayed is None else self.delayed.committed_step()
+        state["schedule.inner_steps"] = torch.tensor(step)
         return state
 
     def load_shared_state(self, state: TensorState) -> None:
@@ -292,6 +301,7 @@ class DiLoCo(SyncAlgorithm):
         self.inner_steps_done = int(state["schedule.inner_steps"])
         self.tokens_since_sync = 0
         self.rounds_skipped_since_commit = 0  # the sender's count includes the skipped rounds
+        self._carry = {}  # a failed delayed round's Δ belongs to the old state
 
     def state_dict(self) -> TensorState:
         """A consistent cut: with a delayed round in flight, it waits for that round."""

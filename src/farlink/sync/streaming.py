@@ -23,6 +23,7 @@ Knobs (:class:`StreamingOptions`): DiLoCo's, plus ``fragments`` (P), ``overlap_s
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -35,6 +36,8 @@ from farlink.comm.base import RoundInfo
 from farlink.sync.base import Capabilities, StepOutcome, TensorState
 from farlink.sync.diloco import DiLoCo, DiLoCoOptions
 from farlink.sync.exchange import ExchangeResult
+
+log = logging.getLogger(__name__)
 
 
 def assign_fragments(names: list[str], sizes: list[int], fragments: int) -> list[int]:
@@ -66,6 +69,8 @@ class _InFlight:
     fragment: int
     future: Future
     apply_at: int
+    launched: int = 0  # rounds launched by this replica, this one included
+    healed: bool = False  # this round healed this replica (its build saw it)
 
 
 class StreamingOptions(DiLoCoOptions):
@@ -108,6 +113,11 @@ class StreamingDiLoCo(DiLoCo):
         self.delay = cfg.inner_steps if cfg.outer_overlap == "delayed" else cfg.overlap_steps
         self._lock = threading.Lock()
         self._pending_heal: TensorState | None = None
+        #: several rounds in flight at once (a whole period each): a healed replica takes the
+        #: sender's place among them (:meth:`_rejoin`)
+        self._period_in_flight = self.delay >= cfg.inner_steps
+        #: heals adopted so far: a round launched before the last one belongs to the old state
+        self._heals_adopted = 0
 
     def members(self, fragment: int) -> list[int]:
         return [i for i, f in enumerate(self.fragment_of) if f == fragment]
@@ -128,13 +138,15 @@ class StreamingDiLoCo(DiLoCo):
         outcome = StepOutcome(outer_step=self.outer_step)
         t = self.inner_steps_done
         while self._queue and t >= self._queue[0].apply_at:
-            self._apply_oldest(outcome)
+            if not self._apply_oldest(outcome):
+                return outcome  # healed: it stands where the group launched that round
         for fragment in self.due(t):
             # tau too long for the schedule (a round still in flight when the next is due, or
             # this fragment's own with a delayed outer step): wait, stay correct
             while self._queue and (self.delay < self.cfg.inner_steps
                                    or any(r.fragment == fragment for r in self._queue)):
-                self._apply_oldest(outcome)
+                if not self._apply_oldest(outcome):
+                    return outcome
             self._launch(fragment, t)
             if self.delay == 0:  # tau = 0: no overlap, the update lands right now
                 self._apply_oldest(outcome)
@@ -174,25 +186,54 @@ class StreamingDiLoCo(DiLoCo):
         self.rounds_launched += 1
         self.launched_in_period += 1
 
+        inflight = _InFlight(fragment, Future(), step + self.delay, self.rounds_launched)
+        heals = self._heals_adopted
+
         def build(info: RoundInfo) -> dict[str, torch.Tensor]:
             if info.healed:
-                return {n: torch.zeros_like(t) for n, t in snapshot.items()}
+                inflight.healed = True
+                return self._nothing_for(fragment)
             return snapshot
 
         def run() -> tuple[bool, float, RoundInfo | None, ExchangeResult | None]:
+            if self._period_in_flight and (heals != self._heals_adopted
+                                           or self._pending_heal is not None):
+                # launched before a heal was adopted: its update and its place among the
+                # group's rounds are the old state's; it is dropped, not run (farlink.sync.delayed)
+                return False, 0.0, None, None
             results: list[ExchangeResult] = []
             committed, seconds, info = self.run_round(
                 build, lambda result, info: results.append(result), weight
             )
             return committed, seconds, info, results[0] if results else None
 
-        future = self._executor.submit(run)
-        self._queue.append(_InFlight(fragment, future, step + self.delay))
+        inflight.future = self._executor.submit(run)
+        self._queue.append(inflight)
 
-    def _apply_oldest(self, outcome: StepOutcome) -> None:
-        inflight = self._queue.pop(0)
+    def _nothing_for(self, fragment: int) -> dict[str, torch.Tensor]:
+        """A healed replica's update: zeros, for the fragment the group's round carries (with
+        rounds in flight for a period, the heal names it; this replica's own may be another)."""
+        with self._lock:
+            state = self._pending_heal
+        if state is not None and "schedule.fragment" in state:
+            fragment = int(state["schedule.fragment"])
+        return {self.names[i]: torch.zeros_like(self.global_params[i])
+                for i in self.members(fragment)}
+
+    def _apply_oldest(self, outcome: StepOutcome) -> bool:
+        """Wait for the oldest round in flight and apply it; False (nothing applied) when it
+        healed this replica under a delayed outer step: it rejoined the group instead."""
         start = time.perf_counter()
-        committed, _, info, result = inflight.future.result()
+        committed, _, info, result = self._queue[0].future.result()
+        if self._period_in_flight and self._apply_heal():
+            return False
+        with self.state_lock:  # a peer healing from this replica reads θ and the queue at once
+            inflight = self._queue.pop(0)
+            self._land(inflight, outcome, start, committed, info, result)
+        return True
+
+    def _land(self, inflight: _InFlight, outcome: StepOutcome, start: float, committed: bool,
+              info: RoundInfo | None, result: ExchangeResult | None) -> None:
         waited = time.perf_counter() - start
         outcome.comm_seconds += waited  # only the exposed wait
         self.schedule.pause(waited)
@@ -201,7 +242,8 @@ class StreamingDiLoCo(DiLoCo):
         outcome.world_size = info.world_size if info else 1
         if self.last_exchange is not None:
             outcome.rejected = len(self.last_exchange.rejected)
-        self._apply_heal(inflight.fragment)
+        if not self._period_in_flight:  # (else adopted before the round landed)
+            self._apply_heal(inflight.fragment)
         if committed and result is not None:
             self._apply_fragment(inflight.fragment, result)
             self.fragment_rounds[inflight.fragment] += 1
@@ -221,10 +263,39 @@ class StreamingDiLoCo(DiLoCo):
 
     # --- state ---------------------------------------------------------------------------------
     def shared_state(self) -> TensorState:
-        state = super().shared_state()
-        # where the sender is in the run's rounds (a time budget counts them): a healed peer
-        # adopts it
-        state["schedule.rounds_launched"] = torch.tensor(self.rounds_launched)
+        with self.state_lock:
+            state = super().shared_state()
+            # where the sender is in the run's rounds (a time budget counts them): a healed
+            # peer adopts it
+            state["schedule.rounds_launched"] = torch.tensor(self.rounds_launched)
+            if self._period_in_flight:
+                state.update(self._rounds_in_flight())
+        return state
+
+    def _rounds_in_flight(self) -> TensorState:
+        """With rounds in flight for a period, θ lacks the rounds that landed and wait for
+        their step, and the round being run (the one a peer heals in) is one of several: the
+        state names that round's fragment and launch (step, rounds launched), and carries the
+        landed rounds' averages, so the healed peer applies each where this replica does.
+        Under ``schedule.``: a replica's place in its rounds, not its committed fingerprint."""
+        queue = list(self._queue)
+        running = next((i for i, r in enumerate(queue) if not r.future.done()), None)
+        if running is None:
+            return {}
+        now = queue[running]
+        state = {"schedule.fragment": torch.tensor(now.fragment),
+                 "schedule.inner_steps": torch.tensor(now.apply_at - self.delay),
+                 "schedule.rounds_launched": torch.tensor(now.launched)}
+        for i, landed in enumerate(queue[:running]):
+            committed, _, _, result = landed.future.result()
+            key = f"schedule.landed.{i}"
+            state[f"{key}.fragment"] = torch.tensor(landed.fragment)
+            state[f"{key}.apply_at"] = torch.tensor(landed.apply_at)
+            state[f"{key}.committed"] = torch.tensor(int(committed and result is not None))
+            if committed and result is not None:
+                state[f"{key}.weight"] = torch.tensor(result.total_weight)
+                state.update({f"{key}.avg.{self.names[j]}": result.tensors[self.names[j]].clone()
+                              for j in self.members(landed.fragment)})
         return state
 
     def load_shared_state(self, state: TensorState) -> None:
@@ -235,17 +306,65 @@ class StreamingDiLoCo(DiLoCo):
             with self._lock:
                 self._pending_heal = state
 
-    def _apply_heal(self, fragment: int | None = None) -> None:
+    def _apply_heal(self, fragment: int | None = None) -> bool:
         """Adopt a state that arrived during the round of ``fragment`` (default: the one in
-        flight): the sender stood at that round of its period, as this replica does now."""
+        flight): the sender stood at that round of its period, as this replica does now.
+        Whether one was adopted."""
         with self._lock:
             state, self._pending_heal = self._pending_heal, None
-        if state is not None:
+        if state is None:
+            return False
+        if self._period_in_flight:
+            self._rejoin(state)
+            return True
+        self._adopt(state)
+        if fragment is None and self._queue:
+            fragment = self._queue[0].fragment
+        if fragment is not None:
+            self.launched_in_period = fragment + 1
+        return True
+
+    def _rejoin(self, state: TensorState) -> None:
+        """Healed with rounds in flight for a period (--outer-overlap delayed; the lagging
+        worker of farlink.sync.delayed): stand where the sender launched the round this
+        replica healed in. θ, the counters and that round's fragment and launch are the
+        sender's; the rounds that had landed there and wait for their step are applied at it,
+        and so is the healing round, as that fragment's; this replica's other rounds belong to
+        its old state and are dropped (those not yet run skip their round)."""
+        healing = next((r for r in self._queue if r.healed), None)
+        self._heals_adopted += 1
+        with self.state_lock:
             self._adopt(state)
-            if fragment is None and self._queue:
-                fragment = self._queue[0].fragment
-            if fragment is not None:
-                self.launched_in_period = fragment + 1
+        queue, i = [], 0
+        while f"schedule.landed.{i}.fragment" in state:
+            key, i = f"schedule.landed.{i}", i + 1
+            fragment = int(state[f"{key}.fragment"])
+            result = None
+            if int(state[f"{key}.committed"]):
+                result = ExchangeResult({self.names[j]: state[f"{key}.avg.{self.names[j]}"]
+                                         for j in self.members(fragment)},
+                                        float(state[f"{key}.weight"]))
+            landed: Future = Future()
+            landed.set_result((result is not None, 0.0, None, result))
+            queue.append(_InFlight(fragment, landed, int(state[f"{key}.apply_at"])))
+        if healing is not None and "schedule.fragment" in state:
+            healing.fragment = int(state["schedule.fragment"])
+            healing.apply_at = self.inner_steps_done + self.delay
+            queue.append(healing)
+            if healing.future.done():  # its commit counts (the sender's counter preceded it)
+                committed, _, info, _ = healing.future.result()
+                if committed and info is not None:
+                    self.outer_step = info.round_id + 1
+            self.launched_in_period = healing.fragment + 1
+        self._queue = queue
+        # as the sender's step that launched it ends: a fragment due at the period's end
+        # closes the period
+        self.period_ended = self.schedule.due(self.inner_steps_done)
+        if self.period_ended:
+            self.launched_in_period = 0
+            self.schedule.start_period()
+        log.warning("healed in round %d: its peers went on without this replica (it reached a "
+                    "round's quorum later than the Lighthouse's join timeout)", self.outer_step)
 
     def _adopt(self, state: TensorState) -> None:
         DiLoCo.load_shared_state(self, state)
