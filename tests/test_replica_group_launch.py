@@ -141,33 +141,42 @@ def test_replica_groups_signing_with_their_own_ed25519_keys_and_trimming(tmp_pat
 
 
 def test_a_replica_group_without_its_variables_is_told_what_to_set(tmp_path):
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("REPLICA_GROUP_ID", "TORCHFT_LIGHTHOUSE")}
-    run = subprocess.run([sys.executable, "-m", "farlink.worker", "--run-dir",
-                          str(tmp_path / "r")], env=env, capture_output=True, text=True,
-                         timeout=120)
-    assert run.returncode == 2 and "REPLICA_GROUP_ID" in run.stderr, run.stderr
-    run = subprocess.run([sys.executable, "-m", "farlink.worker", "--run-dir",
-                          str(tmp_path / "r")], env={**env, "REPLICA_GROUP_ID": "1"},
-                         capture_output=True, text=True, timeout=120)
-    assert run.returncode == 2 and "TORCHFT_LIGHTHOUSE" in run.stderr, run.stderr
-    run = subprocess.run([sys.executable, "-m", "farlink.worker", "--index", "0", "--run-dir",
-                          str(tmp_path / "r")], env={**env, "REPLICA_GROUP_ID": "1",
-                                                     "TORCHFT_LIGHTHOUSE": "http://h:1"},
-                         capture_output=True, text=True, timeout=120)
-    assert run.returncode == 2 and "--index 0 but REPLICA_GROUP_ID=1" in run.stderr, run.stderr
+    """The refusals are the command's messages: ``farlink worker`` (``python -m farlink.worker``
+    given flags only, the same command) runs in this process; the launched replica groups above
+    run the module itself."""
+    from typer.testing import CliRunner
+
+    from farlink.cli import app
+
+    unset = {"REPLICA_GROUP_ID": None, "TORCHFT_LIGHTHOUSE": None}
+    args = ["worker", "--run-dir", str(tmp_path / "r")]
+    run = CliRunner().invoke(app, args, env=unset)
+    assert run.exit_code == 2 and "REPLICA_GROUP_ID" in run.stderr, run.output
+    run = CliRunner().invoke(app, args, env={**unset, "REPLICA_GROUP_ID": "1"})
+    assert run.exit_code == 2 and "TORCHFT_LIGHTHOUSE" in run.stderr, run.output
+    run = CliRunner().invoke(app, ["worker", "--index", "0", *args[1:]],
+                             env={"REPLICA_GROUP_ID": "1", "TORCHFT_LIGHTHOUSE": "http://h:1"})
+    assert run.exit_code == 2 and "--index 0 but REPLICA_GROUP_ID=1" in run.stderr, run.output
     assert not (tmp_path / "r").exists()  # refused before anything was written
 
 
-def test_the_launchers_worker_takes_the_lighthouse_from_torchft_lighthouse(tmp_path):
-    argv = [sys.executable, "-m", "farlink.worker", str(tmp_path / "none"), "0"]
-    env = {k: v for k, v in os.environ.items() if k != "TORCHFT_LIGHTHOUSE"}
-    without = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=120)
-    assert without.returncode == 2 and "--lighthouse" in without.stderr, without.stderr
-    given = subprocess.run(argv, env={**env, "TORCHFT_LIGHTHOUSE": "http://127.0.0.1:1"},
-                           capture_output=True, text=True, timeout=120)
+def test_the_launchers_worker_takes_the_lighthouse_from_torchft_lighthouse(tmp_path, capsys,
+                                                                           monkeypatch):
+    """``python -m farlink.worker RUN_DIR INDEX`` (the launcher's form) as its ``main`` reads
+    it, in this process."""
+    from farlink.worker import main
+
+    argv = [str(tmp_path / "none"), "0"]
+    monkeypatch.delenv("TORCHFT_LIGHTHOUSE", raising=False)
+    with pytest.raises(SystemExit) as without:
+        main(argv)
+    err = capsys.readouterr().err
+    assert without.value.code == 2 and "--lighthouse" in err, err
+    monkeypatch.setenv("TORCHFT_LIGHTHOUSE", "http://127.0.0.1:1")
     # past the arguments: it went on to read the run dir's config (absent here)
-    assert "--lighthouse" not in given.stderr and "config.json" in given.stderr, given.stderr
+    with pytest.raises(FileNotFoundError, match="config.json"):
+        main(argv)
+    assert "--lighthouse" not in capsys.readouterr().err
 
 
 def test_only_a_replica_groups_rank_0_writes_the_run_dirs_shared_files(tmp_path, cache_dir):
