@@ -5,7 +5,9 @@ Real processes: a torchft Lighthouse, and two replica groups, each a real ``torc
 (replica group 0 plain torchrun, replica group 1 through ``farlink.parallel.replica_group_agent``,
 which binds its store) with its own run dir (as two nodes would have), told the Lighthouse and
 their replica group only through ``TORCHFT_LIGHTHOUSE`` and ``REPLICA_GROUP_ID``. The two-node
-recipe of docs/guides/gpus.md is this command.
+recipe of docs/guides/gpus.md is this command. The recipe runs once, with a run secret, int4 with
+error feedback and the median (the worker ``farlink train --ranks-per-worker 2`` starts, so its
+replica groups' trust is checked on the same run), and two tests read it.
 """
 
 from __future__ import annotations
@@ -42,11 +44,13 @@ def records(path: Path, kind: str) -> list[dict]:
 
 
 def start_replica_groups(tmp_path: Path, cache_dir: Path, lighthouse: str,
-                         flags_of=lambda index: []) -> list[subprocess.Popen]:  # noqa: ANN001
+                         flags_of=lambda index: [],  # noqa: ANN001
+                         env: dict[str, str] | None = None) -> list[subprocess.Popen]:
     groups = []
+    extra_env = env or {}
     for index in range(2):
         env = {**os.environ, "TORCHFT_LIGHTHOUSE": lighthouse, "REPLICA_GROUP_ID": str(index),
-               "OMP_NUM_THREADS": "1"}
+               "OMP_NUM_THREADS": "1", **extra_env}
         log = open(tmp_path / f"group{index}.log", "wb")
         argv = replica_group_command(tmp_path / f"group{index}", cache_dir, *flags_of(index),
                                      bound=index == 1)  # both launchers of the recipe
@@ -67,17 +71,36 @@ def wait_all(tmp_path: Path, groups: list[subprocess.Popen], timeout: float = 30
                 proc.wait()
 
 
-def test_two_torchrun_replica_groups_train_one_model_from_torchft_variables(tmp_path, cache_dir):
+#: each rank MACs, compresses and aggregates its own shard (the launcher's workers take the secret
+#: from the same variable)
+TRUST_FLAGS = ["--auth", "secret", "--codec", "int4+ef", "--aggregator", "median"]
+RUN_SECRET = "the-run-secret"
+
+
+@pytest.fixture(scope="module")
+def recipe_run(tmp_path_factory, cache_dir):  # noqa: ANN001, ANN201
+    """The recipe, run once: its directory (a run dir per replica group) and the Lighthouse's
+    address (gated by the run secret, as ``farlink train --auth secret`` gates its own)."""
     from farlink.data import prepare_data
+    from farlink.robust.auth import SECRET_ENV, make_authenticator
     from farlink.train.lighthouse import Lighthouse
 
+    tmp_path = tmp_path_factory.mktemp("recipe")
     prepare_data("kjv", 512, cache_dir)  # the tokenizer once, not by four ranks at a time
+    gate = make_authenticator("secret", secret=RUN_SECRET, peer_id="lighthouse-gate")
     lighthouse = Lighthouse(min_replicas=2, join_timeout=10, heartbeat_timeout=3,
-                            log_path=tmp_path / "lighthouse.log").start()
+                            log_path=tmp_path / "lighthouse.log", authenticator=gate).start()
     try:
-        wait_all(tmp_path, start_replica_groups(tmp_path, cache_dir, lighthouse.address))
+        wait_all(tmp_path, start_replica_groups(tmp_path, cache_dir, lighthouse.address,
+                                                lambda index: TRUST_FLAGS,
+                                                env={SECRET_ENV: RUN_SECRET}))
     finally:
         lighthouse.stop()
+    return tmp_path, lighthouse.address
+
+
+def test_two_torchrun_replica_groups_train_one_model_from_torchft_variables(recipe_run):
+    tmp_path, address = recipe_run
     ends = [records(tmp_path / f"group{i}" / "metrics" / f"w{i}.jsonl", "end")[-1]
             for i in range(2)]
     assert all(e["finished"] and e["outer_step"] == 3 for e in ends), ends
@@ -89,7 +112,7 @@ def test_two_torchrun_replica_groups_train_one_model_from_torchft_variables(tmp_
         run = tmp_path / f"group{index}"
         saved = json.loads((run / "config.json").read_text())
         assert saved["ranks_per_worker"] == 2  # from WORLD_SIZE, not repeated as a flag
-        assert saved["lighthouse"] == lighthouse.address  # from TORCHFT_LIGHTHOUSE
+        assert saved["lighthouse"] == address  # from TORCHFT_LIGHTHOUSE
         # one metrics file per replica group, one checkpoint per step (the ranks' parts), ledgers
         # by rank
         assert [p.name for p in (run / "metrics").iterdir()] == [f"w{index}.jsonl"]
@@ -98,6 +121,25 @@ def test_two_torchrun_replica_groups_train_one_model_from_torchft_variables(tmp_
             [f"w{index}.json", f"w{index}.rank1.json"]
         assert (run / "tokenizer.json").is_file()  # rank 0 wrote the run's shared files
         assert (run / "final" / f"w{index}.safetensors").is_file()
+
+
+def test_replica_groups_with_a_secret_a_lossy_codec_and_a_robust_aggregator(recipe_run):
+    """Each rank MACs, compresses (int4 with error feedback) and aggregates (median) its own shard;
+    the replica groups still end on one model, and every rank's ledger accepted every update."""
+    tmp_path, _ = recipe_run  # both replica groups exited 0 (the fixture checks)
+    ends = [records(tmp_path / f"group{i}" / "metrics" / f"w{i}.jsonl", "end")[-1]
+            for i in range(2)]
+    assert all(e["widest_group"] == 2 for e in ends), ends
+    assert ends[0]["fingerprint"] == ends[1]["fingerprint"], ends  # one model
+    for index in range(2):  # one ledger per rank, each listing both replica groups
+        saved = json.loads((tmp_path / f"group{index}" / "config.json").read_text())
+        assert (saved["auth"], saved["codec"], saved["aggregator"]) == \
+            ("secret", "int4+ef", "median"), saved
+        for name in (f"w{index}.json", f"w{index}.rank1.json"):
+            peers = json.loads((tmp_path / f"group{index}" / "ledger" / name).read_text())["peers"]
+            assert sorted(peers) == ["w0", "w1"], (name, peers)
+            assert all(p["updates_accepted"] == 3 and p["updates_rejected"] == 0
+                       for p in peers.values()), (name, peers)
 
 
 @pytest.mark.slow  # the torchrun replica groups above run by default; this adds keys and trimming
