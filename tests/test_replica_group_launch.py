@@ -45,12 +45,11 @@ def records(path: Path, kind: str) -> list[dict]:
 
 def start_replica_groups(tmp_path: Path, cache_dir: Path, lighthouse: str,
                          flags_of=lambda index: [],  # noqa: ANN001
-                         env: dict[str, str] | None = None) -> list[subprocess.Popen]:
+                         extra_env: dict[str, str] | None = None) -> list[subprocess.Popen]:
     groups = []
-    extra_env = env or {}
     for index in range(2):
         env = {**os.environ, "TORCHFT_LIGHTHOUSE": lighthouse, "REPLICA_GROUP_ID": str(index),
-               "OMP_NUM_THREADS": "1", **extra_env}
+               "OMP_NUM_THREADS": "1", **(extra_env or {})}
         log = open(tmp_path / f"group{index}.log", "wb")
         argv = replica_group_command(tmp_path / f"group{index}", cache_dir, *flags_of(index),
                                      bound=index == 1)  # both launchers of the recipe
@@ -93,7 +92,7 @@ def recipe_run(tmp_path_factory, cache_dir):  # noqa: ANN001, ANN201
     try:
         wait_all(tmp_path, start_replica_groups(tmp_path, cache_dir, lighthouse.address,
                                                 lambda index: TRUST_FLAGS,
-                                                env={SECRET_ENV: RUN_SECRET}))
+                                                extra_env={SECRET_ENV: RUN_SECRET}))
     finally:
         lighthouse.stop()
     return tmp_path, lighthouse.address
