@@ -198,7 +198,7 @@ def test_a_behind_replica_group_heals_rank_by_rank_and_ranks_reduce_with_their_c
 def test_a_replica_group_alone_times_out_on_every_rank():
     """Rank 0 finds no group to join (the other replica group never comes): every rank of the
     replica group raises RoundTimeout saying so, none waits for its rank 0 forever."""
-    by = run_replica_groups({"run": "alone", "committed": [0], "rounds": 1, "round_timeout": 4.0},
+    by = run_replica_groups({"run": "alone", "committed": [0], "rounds": 1, "round_timeout": 2.0},
                             n_groups=1)
     errors = [by[(0, rank)]["rounds"][0] for rank in range(2)]
     assert [e.get("error") for e in errors] == ["RoundTimeout", "RoundTimeout"], errors
