@@ -126,9 +126,10 @@ def test_bad_codec_specs(spec):
 
 def test_diloco_round_by_hand():
     # 1e9 params fp32 = 4 GB; 8 workers; 1 Gbit/s; 50 ms; 100 steps of 2 s. Gloo hops cost a
-    # round trip (14 x 100 ms); the quorum asks a Lighthouse half-way (50 ms round trip).
+    # round trip (14 x 100 ms); the quorum asks a Lighthouse half-way (50 ms round trip), then
+    # the members' heal announcements are gathered (two ring all-gathers: 14 x 100 ms).
     r = predict_round("diloco", 8, 2.0, 1e9, 0.05, n_params=1e9, inner_steps=100)
-    comm = 2 * 7 / 8 * 4e9 * 8 / 1e9 + 14 * 0.1 + 0.05
+    comm = 2 * 7 / 8 * 4e9 * 8 / 1e9 + 14 * 0.1 + 0.05 + 14 * 0.1
     assert r.compute_seconds == 200.0
     assert r.comm_seconds == pytest.approx(comm)
     assert r.round_seconds == pytest.approx(200.0 + comm)
@@ -142,9 +143,11 @@ def test_ddp_and_demo_sync_every_step():
     assert ddp.comm_seconds == pytest.approx(2 * 3 / 4 * 4e8 * 8 / 1e9)
     demo = predict_round("demo", 4, 1.0, 1e9, 0.01, n_params=1e8, codec="dct_topk")
     s = 1e8 * 32 / 4096 * 6
-    # all-gather of the 8-byte lengths, then of the payloads: 2 x 3 hops of one round trip
+    # all-gather of the 8-byte lengths, then of the payloads: 2 x 3 hops of one round trip;
+    # the heal announcements' gather after the quorum as many again
     assert demo.bytes_sent_per_round == pytest.approx(3 * s + 3 * 8)
-    assert demo.comm_seconds == pytest.approx((3 * s + 3 * 8) * 8 / 1e9 + 6 * 0.02 + 0.01)
+    assert demo.comm_seconds == pytest.approx((3 * s + 3 * 8) * 8 / 1e9 + 6 * 0.02 + 0.01
+                                              + 6 * 0.02)
     with pytest.raises(PlanInputError):
         predict_round("demo", 4, 1.0, 1e9, 0.0, n_params=1e8, codec="int8")
 
@@ -185,8 +188,10 @@ def test_hivemind_backend_has_fewer_latency_terms():
     ring = predict_round("diloco", 16, 1.0, 1e9, 0.1, n_params=1e6, inner_steps=10)
     bfly = predict_round("diloco", 16, 1.0, 1e9, 0.1, n_params=1e6, inner_steps=10,
                          backend="hivemind")
-    # 30 ring hops of a round trip plus the Lighthouse quorum, against 2 one-way phases
-    assert ring.comm_seconds - bfly.comm_seconds == pytest.approx(30 * 0.2 + 0.1 - 2 * 0.1)
+    # 30 ring hops of a round trip plus the Lighthouse quorum and the heal check's 30 more
+    # hops, against 2 one-way phases (hivemind runs no heal check)
+    assert ring.comm_seconds - bfly.comm_seconds == pytest.approx(
+        30 * 0.2 + 0.1 + 30 * 0.2 - 2 * 0.1)
 
 
 def test_dense_codecs_are_all_reduced_and_sparse_ones_gathered_as_farlink_runs_them():
@@ -240,15 +245,17 @@ def test_required_bandwidth_matches_closed_form_and_round_trips():
     sent = 2 * 13 / 14 * 10e9 * (1 + 2 / 64)
     # int8 goes by the compressed all-reduce: two all-to-alls (2 Gloo round trips each) and two
     # all-gathers of bytes (2 ring all-gathers of 13 round trips each): 4 + 4 x 13 = 56 hops of
-    # 0.2 s (the dense ring's 26 before), plus the quorum's 0.1 s
-    closed = 8 * sent / (compute * (1 / 0.95 - 1) - 56 * 0.2 - 0.1)
+    # 0.2 s (the dense ring's 26 before), plus the quorum's 0.1 s and the heal check's
+    # 2 x 13 hops
+    closed = 8 * sent / (compute * (1 / 0.95 - 1) - 56 * 0.2 - 0.1 - 26 * 0.2)
     assert b == pytest.approx(closed, rel=1e-6)
     assert predict_round(bandwidth_bps=b, **kw).utilization == pytest.approx(0.95, abs=1e-6)
 
 
 @pytest.mark.parametrize("algorithm", ["diloco", "streaming_diloco", "ddp"])
 def test_required_bandwidth_inverse_with_stragglers_and_churn(algorithm):
-    kw = {"algorithm": algorithm, "n_workers": 8, "step_seconds": 5.0, "latency_s": 0.01,
+    # 5 ms: DDP's 28 round trips a step (ring and heal check) leave 90% reachable
+    kw = {"algorithm": algorithm, "n_workers": 8, "step_seconds": 5.0, "latency_s": 0.005,
               "n_params": 1e8, "inner_steps": 100, "fragments": 4, "straggler_sigma": 0.01,
               "failures_per_hour": 0.01, "rejoin_seconds": 30.0}
     b = required_bandwidth(0.9, **kw)
@@ -557,6 +564,36 @@ def test_steady_rounds_by_hand(tmp_path):
 
 
 # --- the compressed all-reduce on a shared bottleneck -----------------------------------------
+
+
+def test_straggler_spread_of_a_fragmented_round_is_measured_between_its_syncs(tmp_path):
+    """A Streaming DiLoCo round holds several syncs, and each waits for the slowest worker since
+    the previous one. Two workers whose compute between syncs alternates (1 s and 3 s, then 3 s
+    and 1 s) spend the same 4 s per round: the per-round spread (0, once measured) hid the
+    waits, the per-sync spread (log 1/2 and log 3/2 around the mean of 2 s) prices them."""
+    from farlink.bench.rounds import steady_rounds
+
+    (tmp_path / "metrics").mkdir()
+    for worker, pattern in (("w0", (1.0, 3.0)), ("w1", (3.0, 1.0))):
+        lines, compute = [], 0.0
+        for sync in range(1, 9):  # H=4, two fragments: a sync every 2 steps, 4 rounds
+            compute += pattern[sync % 2]
+            lines.append(json.dumps({"kind": "sync", "step": 2 * sync, "compute_s": compute,
+                                     "comm_s": 0.5 * sync, "quorum_s": 0.0,
+                                     "network_s": 0.4 * sync, "rounds_s": 0.5 * sync}))
+        (tmp_path / "metrics" / f"{worker}.jsonl").write_text("\n".join(lines) + "\n")
+    whole_rounds = steady_rounds(tmp_path, steps_per_round=4)
+    per_sync = steady_rounds(tmp_path, steps_per_round=4, syncs_per_round=2)
+    assert whole_rounds.straggler_sigma == pytest.approx(0.0)
+    assert per_sync.straggler_sigma == pytest.approx(
+        (abs(math.log(1 / 2)) + abs(math.log(3 / 2))) / 2, rel=0.02)
+    assert per_sync.straggler_sigma > 0.5
+    # the prediction from it waits for the slowest worker at every sync
+    kw = {"n_params": 1e6, "inner_steps": 4, "fragments": 2, "overlap_steps": 0}
+    slow = predict_round("streaming_diloco", 2, 1.0, 1e9, 0.0,
+                         straggler_sigma=per_sync.straggler_sigma, **kw)
+    even = predict_round("streaming_diloco", 2, 1.0, 1e9, 0.0, **kw)
+    assert slow.round_seconds > even.round_seconds + 1.0
 
 
 def test_compressed_allreduce_prices_its_schedule_and_a_shared_link_splits_the_rate():

@@ -20,7 +20,8 @@ as a ring all-reduce sends, INTELLECT-1's int8 ring); sparse payloads (top-k, De
 are gathered, because their union does not shrink, so each worker sends its payload n-1 times.
 ``exchange="gather"`` models today's gathered path for any codec. Every sync on torchft first asks the Lighthouse for a quorum
 (one round trip to it, ``coordinator_rtt_s``; by default the one-way path latency, i.e. a
-Lighthouse half-way between workers), and ``local_seconds`` adds the worker's own per-sync work
+Lighthouse half-way between workers) and then gathers every member's heal announcement (step and
+state fingerprint: :func:`farlink.plan.network.heal_check`, ``2 (n-1)`` Gloo hops), and ``local_seconds`` adds the worker's own per-sync work
 (encoding, decoding, validation, outer step), which a run measures and which is small on GPUs.
 Per algorithm, as farlink runs it:
 
@@ -57,6 +58,7 @@ from farlink.plan.network import (
     allgather_bytes,
     allreduce,
     compressed_allreduce,
+    heal_check,
     tcp_throughput_bps,
 )
 from farlink.plan.payload import codec_cost
@@ -200,6 +202,8 @@ def predict_round(
     quorum = 0.0
     if backend == "torchft" and n_workers > 1:
         quorum = hop_latency if coordinator_rtt_s is None else coordinator_rtt_s
+        # the heal check after the quorum: every member's announcement, gathered (2(n-1) hops)
+        quorum += heal_check(backend, n_workers, hop_latency).seconds
 
     def one_sync(size: float) -> tuple[float, float]:
         """Seconds and bytes sent of one blocking sync of ``size`` payload bytes."""
