@@ -17,7 +17,9 @@ farlink's exchange: dense codecs (fp32, fp16, bf16, int8, int4) are all-reduced,
 on the wire and the others by the compressed all-reduce (:mod:`farlink.sync.allreduce`: encoded
 shards to their owners and the re-encoded aggregates back, ``2 (n-1)/n`` payloads per worker
 as a ring all-reduce sends, INTELLECT-1's int8 ring); sparse payloads (top-k, DeMo, SparseLoCo)
-are gathered, because their union does not shrink, so each worker sends its payload n-1 times.
+are gathered, because their union does not shrink, so each worker sends its payload n-1 times,
+and then the digests of what it received (a second, small all-gather that checks no member sent
+different bytes to different members).
 ``exchange="gather"`` models today's gathered path for any codec. Every sync on torchft first asks the Lighthouse for a quorum
 (one round trip to it, ``coordinator_rtt_s``; by default the one-way path latency, i.e. a
 Lighthouse half-way between workers) and then gathers every member's heal announcement (step and
@@ -55,9 +57,9 @@ from dataclasses import asdict, dataclass, field
 
 from farlink.plan.network import (
     BACKENDS,
-    allgather_bytes,
     allreduce,
     compressed_allreduce,
+    gathered_exchange,
     heal_check,
     tcp_throughput_bps,
 )
@@ -214,7 +216,7 @@ def predict_round(
             c = compressed_allreduce(backend, size, n_workers, bandwidth, hop_latency,
                                      partial_gathers)
         else:
-            move = allgather_bytes if gathered else allreduce
+            move = gathered_exchange if gathered else allreduce
             c = move(backend, size, n_workers, bandwidth, hop_latency)
         return quorum + c.seconds + local_seconds, c.bytes_sent
 
