@@ -65,6 +65,8 @@ def test_a_method_the_planner_cannot_price_is_measured_and_marked_not_planned(
     assert result["predicted"][1]["round_seconds"] > 0
     assert result["errors"]["metrics"]["round_seconds"]["n"] == 1
     assert diloco_measured["round_seconds"] == pytest.approx(1.0)
+    # the comparison names each run by its label (its report and plot once showed 0, 1, ...)
+    assert [r["name"] for r in result["errors"]["runs"]] == ["tiered", "diloco"]
 
 
 def test_demo_and_sparseloco_are_priced_with_the_codec_their_run_sent_with(

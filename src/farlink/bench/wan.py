@@ -135,7 +135,8 @@ def run(out: Path, profile: str, steps: int, inner_steps: int, workers: int, fra
 
     write_validation_report(validation["measured"], validation["predicted"], out,
                             ("round_seconds", "utilization"),
-                            stem=f"planner_validation-{link.name}")
+                            stem=f"planner_validation-{link.name}",
+                            inputs={k: validation[k] for k in ("measured", "predicted", "method")})
     write_json(out / f"wan-{link.name}.json", "wan",
                [{k: v for k, v in r.items() if k != "per_worker"} for r in rows],
                {"profile": link.name, "emulation": described, "emulation_mode": mode,
@@ -169,12 +170,12 @@ def validate_planner(rows: list[dict], link: LinkProfile, runs_dir: Path) -> dic
         try:
             steady = steady_rounds(runs_dir / r["label"], steps_per_round, syncs)
         except ValueError as exc:
-            measured.append({"label": r["label"], "skipped": str(exc)})
-            predicted.append({"label": r["label"]})
+            measured.append({"name": r["label"], "label": r["label"], "skipped": str(exc)})
+            predicted.append({"name": r["label"], "label": r["label"]})
             continue
-        measured.append({"label": r["label"], **steady.to_dict()})
+        measured.append({"name": r["label"], "label": r["label"], **steady.to_dict()})
         if not caps.planned:
-            predicted.append({"label": r["label"], "not_planned":
+            predicted.append({"name": r["label"], "label": r["label"], "not_planned":
                               f"the planner has no model of {r['algorithm']}'s exchange"})
             continue
         codec = r.get("wire_spec", r["codec"]).removesuffix("+ef")  # DeMo's, SparseLoCo's own
@@ -187,9 +188,10 @@ def validate_planner(rows: list[dict], link: LinkProfile, runs_dir: Path) -> dic
                 overlap_steps=r.get("overlap_steps"), straggler_sigma=steady.straggler_sigma,
                 local_seconds=steady.local_seconds, outer_overlap=r.get("outer_overlap", "none"))
         except PlanInputError as exc:
-            predicted.append({"label": r["label"], "not_planned": str(exc)})
+            predicted.append({"name": r["label"], "label": r["label"], "not_planned": str(exc)})
             continue
-        predicted.append({"label": r["label"], "round_seconds": pred.round_seconds,
+        predicted.append({"name": r["label"], "label": r["label"],
+                          "round_seconds": pred.round_seconds,
                           "utilization": pred.utilization,
                           "comm_seconds": pred.comm_seconds})
     result = compare(measured, predicted, ("round_seconds", "utilization"))
