@@ -4,6 +4,7 @@ rounds and is marked "not planned" instead of failing the benchmark."""
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
 import pytest
@@ -135,3 +136,17 @@ def test_a_round_sent_in_the_background_is_counted_between_sync_records(tmp_path
     (metrics / "w0.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
     assert peak_round_bytes(tmp_path) == 0  # as a blocking round's record is read
     assert peak_round_bytes(tmp_path, in_background=True) == 1000
+
+
+def test_a_reused_run_reports_the_load_it_was_measured_under(tmp_path: Path) -> None:
+    """``--reuse`` reads a finished run back; the load average it reports is the one recorded
+    when the run trained (the machine is shared), not the load while it is read back."""
+    from farlink.bench.wan import run_load
+
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "summary.json").write_text("{}")
+    trained = run_load(run_dir, started=0.0, load_start=[7.0, 6.0, 5.0])
+    assert trained["start"] == [7.0, 6.0, 5.0] and len(trained["end"]) == 3
+    reused = run_load(run_dir, started=time.time() + 60, load_start=[1.0, 1.0, 1.0])
+    assert reused == trained
