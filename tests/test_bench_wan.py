@@ -4,6 +4,7 @@ rounds and is marked "not planned" instead of failing the benchmark."""
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
 import pytest
@@ -65,6 +66,8 @@ def test_a_method_the_planner_cannot_price_is_measured_and_marked_not_planned(
     assert result["predicted"][1]["round_seconds"] > 0
     assert result["errors"]["metrics"]["round_seconds"]["n"] == 1
     assert diloco_measured["round_seconds"] == pytest.approx(1.0)
+    # the comparison names each run by its label (its report and plot once showed 0, 1, ...)
+    assert [r["name"] for r in result["errors"]["runs"]] == ["tiered", "diloco"]
 
 
 def test_demo_and_sparseloco_are_priced_with_the_codec_their_run_sent_with(
@@ -133,3 +136,17 @@ def test_a_round_sent_in_the_background_is_counted_between_sync_records(tmp_path
     (metrics / "w0.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
     assert peak_round_bytes(tmp_path) == 0  # as a blocking round's record is read
     assert peak_round_bytes(tmp_path, in_background=True) == 1000
+
+
+def test_a_reused_run_reports_the_load_it_was_measured_under(tmp_path: Path) -> None:
+    """``--reuse`` reads a finished run back; the load average it reports is the one recorded
+    when the run trained (the machine is shared), not the load while it is read back."""
+    from farlink.bench.wan import run_load
+
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "summary.json").write_text("{}")
+    trained = run_load(run_dir, started=0.0, load_start=[7.0, 6.0, 5.0])
+    assert trained["start"] == [7.0, 6.0, 5.0] and len(trained["end"]) == 3
+    reused = run_load(run_dir, started=time.time() + 60, load_start=[1.0, 1.0, 1.0])
+    assert reused == trained

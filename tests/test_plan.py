@@ -126,9 +126,10 @@ def test_bad_codec_specs(spec):
 
 def test_diloco_round_by_hand():
     # 1e9 params fp32 = 4 GB; 8 workers; 1 Gbit/s; 50 ms; 100 steps of 2 s. Gloo hops cost a
-    # round trip (14 x 100 ms); the quorum asks a Lighthouse half-way (50 ms round trip).
+    # round trip (14 x 100 ms); the quorum asks a Lighthouse half-way (50 ms round trip), then
+    # the members' heal announcements are gathered (two ring all-gathers: 14 x 100 ms).
     r = predict_round("diloco", 8, 2.0, 1e9, 0.05, n_params=1e9, inner_steps=100)
-    comm = 2 * 7 / 8 * 4e9 * 8 / 1e9 + 14 * 0.1 + 0.05
+    comm = 2 * 7 / 8 * 4e9 * 8 / 1e9 + 14 * 0.1 + 0.05 + 14 * 0.1
     assert r.compute_seconds == 200.0
     assert r.comm_seconds == pytest.approx(comm)
     assert r.round_seconds == pytest.approx(200.0 + comm)
@@ -142,9 +143,13 @@ def test_ddp_and_demo_sync_every_step():
     assert ddp.comm_seconds == pytest.approx(2 * 3 / 4 * 4e8 * 8 / 1e9)
     demo = predict_round("demo", 4, 1.0, 1e9, 0.01, n_params=1e8, codec="dct_topk")
     s = 1e8 * 32 / 4096 * 6
-    # all-gather of the 8-byte lengths, then of the payloads: 2 x 3 hops of one round trip
-    assert demo.bytes_sent_per_round == pytest.approx(3 * s + 3 * 8)
-    assert demo.comm_seconds == pytest.approx((3 * s + 3 * 8) * 8 / 1e9 + 6 * 0.02 + 0.01)
+    # all-gather of the 8-byte lengths, then of the payloads: 2 x 3 hops of one round trip;
+    # then of the 4 received slots' 8-byte digests (lengths, digests): 6 hops more; the heal
+    # announcements' gather after the quorum as many again
+    digests = 3 * 8 + 3 * 4 * 8
+    assert demo.bytes_sent_per_round == pytest.approx(3 * s + 3 * 8 + digests)
+    assert demo.comm_seconds == pytest.approx((3 * s + 3 * 8 + digests) * 8 / 1e9 + 6 * 0.02
+                                              + 6 * 0.02 + 0.01 + 6 * 0.02)
     with pytest.raises(PlanInputError):
         predict_round("demo", 4, 1.0, 1e9, 0.0, n_params=1e8, codec="int8")
 
@@ -185,20 +190,24 @@ def test_hivemind_backend_has_fewer_latency_terms():
     ring = predict_round("diloco", 16, 1.0, 1e9, 0.1, n_params=1e6, inner_steps=10)
     bfly = predict_round("diloco", 16, 1.0, 1e9, 0.1, n_params=1e6, inner_steps=10,
                          backend="hivemind")
-    # 30 ring hops of a round trip plus the Lighthouse quorum, against 2 one-way phases
-    assert ring.comm_seconds - bfly.comm_seconds == pytest.approx(30 * 0.2 + 0.1 - 2 * 0.1)
+    # 30 ring hops of a round trip plus the Lighthouse quorum and the heal check's 30 more
+    # hops, against 2 one-way phases (hivemind runs no heal check)
+    assert ring.comm_seconds - bfly.comm_seconds == pytest.approx(
+        30 * 0.2 + 0.1 + 30 * 0.2 - 2 * 0.1)
 
 
 def test_dense_codecs_are_all_reduced_and_sparse_ones_gathered_as_farlink_runs_them():
     # int8 payload P: gathered, each of 4 workers sends 3 P (plus 3 lengths); all-reduced
     # (farlink's compressed all-reduce, the default for dense codecs), 2 * 3/4 P. With 14
     # workers gathering int8 costs more bytes than all-reducing fp32; all-reducing it, about a
-    # quarter (INTELLECT-1's int8 ring).
+    # quarter (INTELLECT-1's int8 ring). A gather is followed by one of the received slots'
+    # digests (4 x 8 bytes, after their lengths), which checks for equivocation.
+    digests = 3 * 8 + 3 * 4 * 8
     p = 1e6 * (1 + 2 / 64)
     gathered = predict_round("diloco", 4, 1.0, 1e9, 0.0, n_params=1e6, codec="int8",
                              exchange="gather")
     reduced = predict_round("diloco", 4, 1.0, 1e9, 0.0, n_params=1e6, codec="int8")
-    assert gathered.bytes_sent_per_round == pytest.approx(3 * p + 3 * 8)
+    assert gathered.bytes_sent_per_round == pytest.approx(3 * p + 3 * 8 + digests)
     assert reduced.bytes_sent_per_round == pytest.approx(1.5 * p)
     int8_14 = predict_round("diloco", 14, 1.0, 1e9, 0.0, n_params=1e6, codec="int8",
                             exchange="gather")
@@ -211,10 +220,10 @@ def test_dense_codecs_are_all_reduced_and_sparse_ones_gathered_as_farlink_runs_t
     # indices of 64 entries per 4096)
     topk = predict_round("diloco", 4, 1.0, 1e9, 0.0, n_params=1e6, codec="topk")
     topk_bytes = 1e6 * 0.01 * (4 + 1 + 0.99**128)  # fp32 values, varint gaps
-    assert topk.bytes_sent_per_round == pytest.approx(3 * topk_bytes + 3 * 8)
+    assert topk.bytes_sent_per_round == pytest.approx(3 * topk_bytes + 3 * 8 + digests)
     sparse = predict_round("sparseloco", 4, 1.0, 1e9, 0.0, n_params=4096e3,
                            codec="sparseloco")
-    assert sparse.bytes_sent_per_round == pytest.approx(3 * 1000 * 64 * 14 / 8 + 3 * 8)
+    assert sparse.bytes_sent_per_round == pytest.approx(3 * 1000 * 64 * 14 / 8 + 3 * 8 + digests)
     with pytest.raises(PlanInputError, match="exchange"):
         predict_round("diloco", 4, 1.0, 1e9, 0.0, n_params=1e6, exchange="magic")
 
@@ -229,6 +238,39 @@ def test_local_seconds_and_coordinator_round_trip_add_to_every_sync():
     assert alone.round_seconds == pytest.approx(1.0)  # a lone worker asks no quorum
 
 
+def test_every_torchft_sync_pays_the_heal_checks_round_trips():
+    """After each quorum the torchft backend gathers every member's heal announcement (step and
+    state fingerprint): two ring all-gathers, 2 (n-1) Gloo hops of a round trip each. A 4-worker
+    cross-region DDP run (40 ms) measured 0.76 s of quorum per step where the planner, without
+    it, priced 0.04 s plus stragglers. hivemind and in-process emulation run no such check."""
+    from farlink.plan.network import heal_check
+
+    assert heal_check("torchft", 4, 0.04).seconds == pytest.approx(6 * 0.08)
+    assert heal_check("torchft", 4, 0.04).bytes_sent == 0.0  # outside the round's byte count
+    assert heal_check("torchft", 1, 0.04).seconds == 0.0
+    assert heal_check("hivemind", 4, 0.04).seconds == heal_check("inprocess", 4, 0.04).seconds == 0.0
+    ddp = predict_round("ddp", 4, 0.6, 150e6, 0.04, n_params=1e6)
+    ring = 2 * 3 / 4 * 4e6 * 8 / 150e6 + 6 * 0.08
+    assert ddp.comm_seconds == pytest.approx(ring + 0.04 + 6 * 0.08)
+    assert ddp.bytes_sent_per_round == pytest.approx(2 * 3 / 4 * 4e6)
+
+
+def test_a_gathered_exchange_also_gathers_the_digests_of_what_each_member_received():
+    """farlink's gathered exchange checks for equivocation: after the messages, every member's
+    digests of the slots it received are all-gathered and compared. That second gather's hops
+    (2 (n-1) round trips on torchft) are what DeMo's every-step exchange measured beyond the
+    first gather: 1.10 s per step where one gather priced 0.49 s (4 workers, 40 ms)."""
+    from farlink.plan.network import SLOT_DIGEST_BYTES, allgather_bytes, gathered_exchange
+    from farlink.robust.equivocation import SLOT_DIGEST
+
+    assert SLOT_DIGEST_BYTES == SLOT_DIGEST
+    one = allgather_bytes("torchft", 67392, 4, 150e6, 0.04)
+    both = gathered_exchange("torchft", 67392, 4, 150e6, 0.04)
+    assert both.seconds - one.seconds == pytest.approx(6 * 0.08 + (3 * 8 + 3 * 32) * 8 / 150e6)
+    assert both.bytes_sent - one.bytes_sent == pytest.approx(3 * 8 + 3 * 32)
+    assert gathered_exchange("torchft", 67392, 1, 150e6, 0.04).seconds == 0.0
+
+
 # --- required bandwidth ----------------------------------------------------------------------
 
 
@@ -240,15 +282,17 @@ def test_required_bandwidth_matches_closed_form_and_round_trips():
     sent = 2 * 13 / 14 * 10e9 * (1 + 2 / 64)
     # int8 goes by the compressed all-reduce: two all-to-alls (2 Gloo round trips each) and two
     # all-gathers of bytes (2 ring all-gathers of 13 round trips each): 4 + 4 x 13 = 56 hops of
-    # 0.2 s (the dense ring's 26 before), plus the quorum's 0.1 s
-    closed = 8 * sent / (compute * (1 / 0.95 - 1) - 56 * 0.2 - 0.1)
+    # 0.2 s (the dense ring's 26 before), plus the quorum's 0.1 s and the heal check's
+    # 2 x 13 hops
+    closed = 8 * sent / (compute * (1 / 0.95 - 1) - 56 * 0.2 - 0.1 - 26 * 0.2)
     assert b == pytest.approx(closed, rel=1e-6)
     assert predict_round(bandwidth_bps=b, **kw).utilization == pytest.approx(0.95, abs=1e-6)
 
 
 @pytest.mark.parametrize("algorithm", ["diloco", "streaming_diloco", "ddp"])
 def test_required_bandwidth_inverse_with_stragglers_and_churn(algorithm):
-    kw = {"algorithm": algorithm, "n_workers": 8, "step_seconds": 5.0, "latency_s": 0.01,
+    # 5 ms: DDP's 28 round trips a step (ring and heal check) leave 90% reachable
+    kw = {"algorithm": algorithm, "n_workers": 8, "step_seconds": 5.0, "latency_s": 0.005,
               "n_params": 1e8, "inner_steps": 100, "fragments": 4, "straggler_sigma": 0.01,
               "failures_per_hour": 0.01, "rejoin_seconds": 30.0}
     b = required_bandwidth(0.9, **kw)
@@ -557,6 +601,36 @@ def test_steady_rounds_by_hand(tmp_path):
 
 
 # --- the compressed all-reduce on a shared bottleneck -----------------------------------------
+
+
+def test_straggler_spread_of_a_fragmented_round_is_measured_between_its_syncs(tmp_path):
+    """A Streaming DiLoCo round holds several syncs, and each waits for the slowest worker since
+    the previous one. Two workers whose compute between syncs alternates (1 s and 3 s, then 3 s
+    and 1 s) spend the same 4 s per round: the per-round spread (0, once measured) hid the
+    waits, the per-sync spread (log 1/2 and log 3/2 around the mean of 2 s) prices them."""
+    from farlink.bench.rounds import steady_rounds
+
+    (tmp_path / "metrics").mkdir()
+    for worker, pattern in (("w0", (1.0, 3.0)), ("w1", (3.0, 1.0))):
+        lines, compute = [], 0.0
+        for sync in range(1, 9):  # H=4, two fragments: a sync every 2 steps, 4 rounds
+            compute += pattern[sync % 2]
+            lines.append(json.dumps({"kind": "sync", "step": 2 * sync, "compute_s": compute,
+                                     "comm_s": 0.5 * sync, "quorum_s": 0.0,
+                                     "network_s": 0.4 * sync, "rounds_s": 0.5 * sync}))
+        (tmp_path / "metrics" / f"{worker}.jsonl").write_text("\n".join(lines) + "\n")
+    whole_rounds = steady_rounds(tmp_path, steps_per_round=4)
+    per_sync = steady_rounds(tmp_path, steps_per_round=4, syncs_per_round=2)
+    assert whole_rounds.straggler_sigma == pytest.approx(0.0)
+    assert per_sync.straggler_sigma == pytest.approx(
+        (abs(math.log(1 / 2)) + abs(math.log(3 / 2))) / 2, rel=0.02)
+    assert per_sync.straggler_sigma > 0.5
+    # the prediction from it waits for the slowest worker at every sync
+    kw = {"n_params": 1e6, "inner_steps": 4, "fragments": 2, "overlap_steps": 0}
+    slow = predict_round("streaming_diloco", 2, 1.0, 1e9, 0.0,
+                         straggler_sigma=per_sync.straggler_sigma, **kw)
+    even = predict_round("streaming_diloco", 2, 1.0, 1e9, 0.0, **kw)
+    assert slow.round_seconds > even.round_seconds + 1.0
 
 
 def test_compressed_allreduce_prices_its_schedule_and_a_shared_link_splits_the_rate():

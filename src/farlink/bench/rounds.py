@@ -3,7 +3,8 @@
 The planner predicts a round of a long run; a benchmark run is short, and its first round also
 pays one-off costs (process-group setup: TCP and Gloo connections over the emulated WAN, several
 round trips each). So the comparison uses the rounds after the first one: time, compute share,
-the worker's own per-sync work, and how unevenly the workers computed (straggler spread). Every
+the worker's own per-sync work, and how unevenly the workers computed between syncs (straggler
+spread: per round, or per fragment's sync where a round holds several). Every
 figure here is a difference of cumulative counters the workers log, so evaluation and
 checkpoint time (logged apart) never enters: ``utilization`` is the planner's round utilization,
 compute / (compute + blocked in rounds). A run's utilization over all its wall-clock is
@@ -42,6 +43,18 @@ def _records(path: Path) -> list[dict]:
     return [r for r in read_metrics(path) if r["kind"] in ("step", "sync") and "compute_s" in r]
 
 
+def sync_points(records: list[dict], steps_per_round: int, syncs_per_round: int) -> dict:
+    """Cumulative compute at each of a worker's syncs after the first round, where a round
+    holds several (Streaming DiLoCo's fragments); empty otherwise. A sync waits for the slowest
+    worker since the last sync, so the straggler spread that prices those waits is that of the
+    compute between syncs (a few steps: wider than a whole round's, whose sum averages it out);
+    the model's straggler factor applies per synchronization."""
+    if syncs_per_round <= 1:
+        return {}
+    return {r["step"]: r["compute_s"] for r in records
+            if r["kind"] == "sync" and r["step"] >= steps_per_round}
+
+
 def steady_rounds(run_dir: Path, steps_per_round: int, syncs_per_round: int = 1) -> SteadyRounds:
     """Rounds of ``steps_per_round`` inner steps (``syncs_per_round`` collectives each) after the
     first, averaged over the run's workers. Raises ValueError when the logs hold fewer than two
@@ -75,7 +88,8 @@ def steady_rounds(run_dir: Path, steps_per_round: int, syncs_per_round: int = 1)
             "network_seconds": split["network_s"] / syncs,
             "first_round_extra_seconds": first / (a["step"] / steps_per_round) - later,
         })
-        boundaries.append({s: ends[s]["compute_s"] for s in after_first})
+        boundaries.append(sync_points(records, steps_per_round, syncs_per_round)
+                          or {s: ends[s]["compute_s"] for s in after_first})
     common = sorted(set.intersection(*(set(b) for b in boundaries)))
     deviations = []
     for s0, s1 in zip(common, common[1:]):

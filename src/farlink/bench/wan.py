@@ -14,6 +14,7 @@ per token, wall-clock, held-out loss, and the peak bytes a single round put on t
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 from farlink.bench.report import plot_curves, write_json
@@ -36,6 +37,22 @@ def peak_round_bytes(run_dir: Path, in_background: bool = False) -> int:
         if r["kind"] == "sync" or not in_background:
             previous = r["bytes_sent"]
     return peak
+
+
+def run_load(run_dir: Path, started: float, load_start: list[float]) -> dict:
+    """The machine's load average at the start and end of the run in ``run_dir`` (the machine
+    may be shared, so its timings are read beside the load). Kept in the run's directory when the
+    run trains now (its summary is newer than ``started``), so ``--reuse`` reports the load the
+    run was measured under, not the load while it is read back."""
+    import json
+    import os
+
+    path = run_dir / "bench_load.json"
+    summary = run_dir / "summary.json"
+    if not path.is_file() or (summary.is_file() and summary.stat().st_mtime >= started):
+        path.write_text(json.dumps({"start": load_start,
+                                    "end": [round(x, 2) for x in os.getloadavg()]}))
+    return json.loads(path.read_text())
 
 
 def variants(inner_steps: int, fragments: int,
@@ -102,6 +119,7 @@ def run(out: Path, profile: str, steps: int, inner_steps: int, workers: int, fra
             continue
         run_label = f"{link.name}-{label}"
         load_start = [round(x, 2) for x in os.getloadavg()]  # the machine may be shared
+        started = time.time()
         if mode == "netns":
             from farlink.emulate import Topology
 
@@ -110,8 +128,7 @@ def run(out: Path, profile: str, steps: int, inner_steps: int, workers: int, fra
         else:
             row = run_variant(run_label, base, out, reuse=reuse, **overrides)
         row["profile"] = link.name
-        row["load_average_1_5_15_min"] = {"start": load_start,
-                                          "end": [round(x, 2) for x in os.getloadavg()]}
+        row["load_average_1_5_15_min"] = run_load(out / "runs" / run_label, started, load_start)
         row["outer_overlap"] = overrides.get("outer_overlap", "none")
         row["peak_round_bytes"] = peak_round_bytes(out / "runs" / run_label,
                                                    "outer_overlap" in overrides)
@@ -135,7 +152,8 @@ def run(out: Path, profile: str, steps: int, inner_steps: int, workers: int, fra
 
     write_validation_report(validation["measured"], validation["predicted"], out,
                             ("round_seconds", "utilization"),
-                            stem=f"planner_validation-{link.name}")
+                            stem=f"planner_validation-{link.name}",
+                            inputs={k: validation[k] for k in ("measured", "predicted", "method")})
     write_json(out / f"wan-{link.name}.json", "wan",
                [{k: v for k, v in r.items() if k != "per_worker"} for r in rows],
                {"profile": link.name, "emulation": described, "emulation_mode": mode,
@@ -169,12 +187,14 @@ def validate_planner(rows: list[dict], link: LinkProfile, runs_dir: Path) -> dic
         try:
             steady = steady_rounds(runs_dir / r["label"], steps_per_round, syncs)
         except ValueError as exc:
-            measured.append({"label": r["label"], "skipped": str(exc)})
-            predicted.append({"label": r["label"]})
+            measured.append({"name": r["label"], "label": r["label"], "skipped": str(exc)})
+            predicted.append({"name": r["label"], "label": r["label"]})
             continue
-        measured.append({"label": r["label"], **steady.to_dict()})
+        measured.append({"name": r["label"], "label": r["label"], **steady.to_dict(),
+                         **({"load_average_1_5_15_min": r["load_average_1_5_15_min"]}
+                            if "load_average_1_5_15_min" in r else {})})
         if not caps.planned:
-            predicted.append({"label": r["label"], "not_planned":
+            predicted.append({"name": r["label"], "label": r["label"], "not_planned":
                               f"the planner has no model of {r['algorithm']}'s exchange"})
             continue
         codec = r.get("wire_spec", r["codec"]).removesuffix("+ef")  # DeMo's, SparseLoCo's own
@@ -187,9 +207,10 @@ def validate_planner(rows: list[dict], link: LinkProfile, runs_dir: Path) -> dic
                 overlap_steps=r.get("overlap_steps"), straggler_sigma=steady.straggler_sigma,
                 local_seconds=steady.local_seconds, outer_overlap=r.get("outer_overlap", "none"))
         except PlanInputError as exc:
-            predicted.append({"label": r["label"], "not_planned": str(exc)})
+            predicted.append({"name": r["label"], "label": r["label"], "not_planned": str(exc)})
             continue
-        predicted.append({"label": r["label"], "round_seconds": pred.round_seconds,
+        predicted.append({"name": r["label"], "label": r["label"],
+                          "round_seconds": pred.round_seconds,
                           "utilization": pred.utilization,
                           "comm_seconds": pred.comm_seconds})
     result = compare(measured, predicted, ("round_seconds", "utilization"))

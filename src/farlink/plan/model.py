@@ -17,10 +17,13 @@ farlink's exchange: dense codecs (fp32, fp16, bf16, int8, int4) are all-reduced,
 on the wire and the others by the compressed all-reduce (:mod:`farlink.sync.allreduce`: encoded
 shards to their owners and the re-encoded aggregates back, ``2 (n-1)/n`` payloads per worker
 as a ring all-reduce sends, INTELLECT-1's int8 ring); sparse payloads (top-k, DeMo, SparseLoCo)
-are gathered, because their union does not shrink, so each worker sends its payload n-1 times.
+are gathered, because their union does not shrink, so each worker sends its payload n-1 times,
+and then the digests of what it received (a second, small all-gather that checks no member sent
+different bytes to different members).
 ``exchange="gather"`` models today's gathered path for any codec. Every sync on torchft first asks the Lighthouse for a quorum
 (one round trip to it, ``coordinator_rtt_s``; by default the one-way path latency, i.e. a
-Lighthouse half-way between workers), and ``local_seconds`` adds the worker's own per-sync work
+Lighthouse half-way between workers) and then gathers every member's heal announcement (step and
+state fingerprint: :func:`farlink.plan.network.heal_check`, ``2 (n-1)`` Gloo hops), and ``local_seconds`` adds the worker's own per-sync work
 (encoding, decoding, validation, outer step), which a run measures and which is small on GPUs.
 Per algorithm, as farlink runs it:
 
@@ -54,9 +57,10 @@ from dataclasses import asdict, dataclass, field
 
 from farlink.plan.network import (
     BACKENDS,
-    allgather_bytes,
     allreduce,
     compressed_allreduce,
+    gathered_exchange,
+    heal_check,
     tcp_throughput_bps,
 )
 from farlink.plan.payload import codec_cost
@@ -200,6 +204,8 @@ def predict_round(
     quorum = 0.0
     if backend == "torchft" and n_workers > 1:
         quorum = hop_latency if coordinator_rtt_s is None else coordinator_rtt_s
+        # the heal check after the quorum: every member's announcement, gathered (2(n-1) hops)
+        quorum += heal_check(backend, n_workers, hop_latency).seconds
 
     def one_sync(size: float) -> tuple[float, float]:
         """Seconds and bytes sent of one blocking sync of ``size`` payload bytes."""
@@ -210,7 +216,7 @@ def predict_round(
             c = compressed_allreduce(backend, size, n_workers, bandwidth, hop_latency,
                                      partial_gathers)
         else:
-            move = allgather_bytes if gathered else allreduce
+            move = gathered_exchange if gathered else allreduce
             c = move(backend, size, n_workers, bandwidth, hop_latency)
         return quorum + c.seconds + local_seconds, c.bytes_sent
 

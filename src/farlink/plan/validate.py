@@ -83,8 +83,11 @@ def compare(measured: list[dict], predicted: list[dict],
 
 def write_validation_report(measured: list[dict], predicted: list[dict], out_dir: str | Path,
                             metrics: tuple[str, ...] | None = None,
-                            stem: str = "planner_validation") -> dict[str, Path]:
-    """:func:`compare` as ``<stem>.json`` and a predicted-vs-measured scatter ``<stem>.png``."""
+                            stem: str = "planner_validation",
+                            inputs: dict | None = None) -> dict[str, Path]:
+    """:func:`compare` as ``<stem>.json`` and a predicted-vs-measured scatter ``<stem>.png``.
+    ``inputs`` (e.g. the measured runs and predictions as fed to the planner) are kept in the
+    JSON beside the comparison, so a later model can re-predict the same runs from it."""
     from farlink.bench.report import pyplot
 
     plt = pyplot()
@@ -93,7 +96,7 @@ def write_validation_report(measured: list[dict], predicted: list[dict], out_dir
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     json_path = out / f"{stem}.json"
-    json_path.write_text(json.dumps(result, indent=2))
+    json_path.write_text(json.dumps(result | ({"inputs": inputs} if inputs else {}), indent=2))
 
     keys = [k for k, s in result["metrics"].items() if s["n"] > 0]
     fig, axes = plt.subplots(1, max(len(keys), 1), figsize=(4 * max(len(keys), 1), 4),
