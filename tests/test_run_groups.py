@@ -17,7 +17,7 @@ from farlink.train.metrics import read_metrics
 
 BASE = {"model": "nano",
         "vocab_size": 512, "seq_len": 64, "batch_size": 4, "eval_batches": 2, "workers": 2,
-        "steps": 15, "inner_steps": 5, "warmup_steps": 5, "backend": "hivemind"}
+        "steps": 30, "inner_steps": 10, "warmup_steps": 5, "backend": "hivemind"}
 
 
 def farlink_train(run_dir: Path, cache_dir: Path,
