@@ -10,17 +10,14 @@ and carry on.
 
 from __future__ import annotations
 
-import json
-import os
 import socket
 import struct
-import subprocess
-import sys
 import threading
 from pathlib import Path
 
 import pytest
 import torch
+from forked import start_child
 
 from farlink.codecs.envelope import pack, unpack
 from farlink.robust.auth import AuthError, Ed25519Auth, SharedSecretAuth, make_authenticator
@@ -51,8 +48,9 @@ def recv_frame(sock: socket.socket) -> bytes:
     return _exactly(sock, n)
 
 
-def peer_main(port: int, config: dict) -> None:
-    """One peer process: join, then each round send a signed update and check everyone's."""
+def peer_main(report_to, port: int, config: dict) -> None:
+    """One peer process: join, then each round send a signed update and check everyone's; its
+    report goes to ``report_to`` (a pipe's sending end)."""
     torch.set_num_threads(1)
     auth = make_authenticator(config["kind"], config.get("secret"),
                               Path(config["key"]) if config.get("key") else None,
@@ -94,7 +92,7 @@ def peer_main(port: int, config: dict) -> None:
         report["rounds"].append({"round": round_id, "senders": sorted(senders),
                                  "values": sorted(values)})
     sock.close()
-    print(json.dumps(report))
+    report_to.send(("report", report))
 
 
 class Hub:
@@ -177,18 +175,19 @@ class Hub:
             conn.close()
 
 
-def _spawn(port: int, config: dict) -> subprocess.Popen:
-    code = (f"import sys; sys.path.insert(0, {str(Path(__file__).parent)!r}); "
-            f"import test_robust_auth_tcp as t, json; t.peer_main({port}, json.loads(sys.argv[1]))")
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    return subprocess.Popen([sys.executable, "-c", code, json.dumps(config)],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+def _spawn(port: int, config: dict) -> tuple:
+    """A peer process (forked with torch already imported: the subject is the process boundary
+    and the socket, not an interpreter's start)."""
+    return start_child(peer_main, port, config)
 
 
-def _report(proc: subprocess.Popen) -> dict:
-    out, err = proc.communicate(timeout=TIMEOUT * 2)
-    assert proc.returncode == 0, err[-2000:]
-    return json.loads(out.strip().splitlines()[-1])
+def _report(peer: tuple) -> dict:
+    proc, reports = peer
+    assert reports.poll(TIMEOUT * 2), "the peer said nothing"
+    kind, report = reports.recv()
+    proc.join(TIMEOUT)
+    assert kind == "report" and proc.exitcode == 0, report
+    return report
 
 
 @pytest.mark.parametrize("kind", ["secret", "ed25519"])
@@ -212,22 +211,28 @@ def test_members_exchange_and_impostor_is_refused(kind, tmp_path):
     hub = Hub(hub_auth, n_members=2)
     hub.expected_refusals = 2
     runner = threading.Thread(target=hub.run, args=(ROUNDS,), daemon=True)
+    procs: list[tuple] = []
     try:
-        procs = [_spawn(hub.port, c) for c in honest]
+        procs += [_spawn(hub.port, c) for c in honest]
         runner.start()
         assert hub.round0_done.wait(TIMEOUT * 2), "the members never finished round 0"
         intruder = _spawn(hub.port, impostor)
+        procs.append(intruder)
         raw = socket.create_connection(("127.0.0.1", hub.port), timeout=TIMEOUT)
         recv_frame(raw)  # the challenge; answer with an update instead of a proof
         send_frame(raw, pack("mallory", 1, 1e9, {}, {}, {}))
         assert recv_frame(raw).startswith(b"REFUSED")
         raw.close()
         bad = _report(intruder)
-        reports = [_report(p) for p in procs]
+        reports = [_report(p) for p in procs[:2]]
         runner.join(TIMEOUT)
         assert not runner.is_alive()
     finally:
         hub.close()
+        for proc, _ in procs:
+            if proc.is_alive():  # a failed test: no peer outlives it
+                proc.kill()
+                proc.join()
 
     assert not bad["admitted"] and bad["answer"].startswith("REFUSED")
     assert ("wrong run secret" if kind == "secret" else "unknown key") in bad["answer"]

@@ -8,56 +8,54 @@ import concurrent.futures
 import logging
 import os
 import signal
-import subprocess
 import sys
 import threading
 import time
 
 import pytest
+from forked import start_child
 
 from farlink import interrupt
 
-# a lone peer of a run whose rounds need two: it waits up to round_timeout (10 min) for a group
-LONELY_PEER = """
-import sys
-from farlink import interrupt
-from farlink.comm.hivemind_backend import HivemindCollective
 
-interrupt.install(raise_now=False)  # as a training worker: the handler only sets the flag
-coll = HivemindCollective("lonely", [], min_group_size=2, matchmaking_time=1.0,
-                          request_timeout=0.5, round_timeout=600.0)
-print("waiting", flush=True)
-try:
-    coll.begin_round()
-    print("formed a group", flush=True)
-except KeyboardInterrupt as exc:
-    print(f"stopped: {exc}", flush=True)
-    sys.exit(130)
-finally:
-    coll.close()
-"""
+def lonely_peer(say) -> None:
+    """A lone peer of a run whose rounds need two: it waits up to round_timeout (10 min) for a
+    group. It says "waiting" once it looks, then how its wait ended."""
+    from farlink.comm.hivemind_backend import HivemindCollective
+
+    interrupt.install(raise_now=False)  # as a training worker: the handler only sets the flag
+    coll = HivemindCollective("lonely", [], min_group_size=2, matchmaking_time=1.0,
+                              request_timeout=0.5, round_timeout=600.0)
+    say.send("waiting")
+    try:
+        coll.begin_round()
+        say.send("formed a group")
+    except KeyboardInterrupt as exc:
+        say.send(f"stopped: {exc}")
+        sys.exit(130)
+    finally:
+        coll.close()
 
 
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
 def test_a_peer_waiting_for_a_group_leaves_promptly_on_a_stop_request(sig) -> None:
-    proc = subprocess.Popen([sys.executable, "-c", LONELY_PEER], stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
+    # a real process and a real signal; forked with torch and hivemind already imported
+    proc, said = start_child(lonely_peer)
     try:
-        for line in proc.stdout:  # hivemind logs on the same stream
-            if line.strip() == "waiting":
-                break
+        assert said.poll(120) and said.recv() == "waiting"
         time.sleep(1.5)  # inside its matchmaking (windows of 1 s)
         sent = time.monotonic()
-        proc.send_signal(sig)
-        out, _ = proc.communicate(timeout=30)
+        os.kill(proc.pid, sig)
+        proc.join(30)
         took = time.monotonic() - sent
+        out = said.recv() if said.poll(1) else "(nothing)"
     finally:
-        if proc.poll() is None:
+        if proc.is_alive():
             proc.kill()
-            proc.wait()
+            proc.join()
     assert "stopped: interrupted while waiting for a group of >= 2 peers for run 'lonely'" \
         in out, out
-    assert proc.returncode == 130, out
+    assert proc.exitcode == 130, out
     assert took < 10.0, f"took {took:.1f} s to leave after {sig.name}"
 
 
