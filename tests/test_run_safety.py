@@ -439,12 +439,16 @@ def test_a_run_that_cannot_work_is_refused_before_anything_starts(
     assert not run.exists()  # no config written, no Lighthouse log, no worker log
 
 
-def test_a_failing_worker_shows_the_end_of_its_log(tmp_path: Path, cache_dir: Path) -> None:
+def test_a_failing_worker_shows_the_end_of_its_log(tmp_path: Path, cache_dir: Path,
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
     """A worker that dies after the launcher's checks (here: a log level it cannot parse) has
-    its error on the console, not only an exit code and a log path."""
+    its error on the console, not only an exit code and a log path. The workers are processes
+    (a worker's exit code and log are the subject); the CLI that launches them runs in this
+    process (typer's runner: the same command, its console and exit code)."""
     run = tmp_path / "run"
-    code, out = farlink("train", *tiny_flags(), "--run-dir", str(run), "--cache-dir",
-                        str(cache_dir), env={"FARLINK_LOG": "NOT-A-LEVEL"})
+    monkeypatch.setenv("FARLINK_LOG", "NOT-A-LEVEL")  # what the worker processes inherit
+    code, out = farlink_here("train", *tiny_flags(), "--run-dir", str(run), "--cache-dir",
+                             str(cache_dir))
     assert code == 1, out
     last = (run / "logs" / "w0.log").read_text().strip().splitlines()[-1]
     assert "NOT-A-LEVEL" in last and last in out, out
