@@ -190,27 +190,34 @@ def _records(run: Path, worker: str, kind: str) -> list[dict]:
 def test_report_after_a_crash_lists_every_worker_that_trained(tmp_path: Path,
                                                               cache_dir: Path) -> None:
     """Both workers are SIGKILLed mid-run (no end record): the report still lists each, as
-    "did not finish", with the step and tokens of its last record."""
+    "did not finish", with the step and tokens of its last record. The workers are processes
+    started as ``farlink train`` starts them (its ``spawn_worker``), against a Lighthouse this
+    test runs, so that SIGKILL is real; the report is the CLI's."""
+    from farlink.data import prepare_data
+    from farlink.train.launcher import _stop_all, spawn_worker
+    from farlink.train.lighthouse import Lighthouse
+
     run = tmp_path / "run"
-    launcher = subprocess.Popen(
-        [sys.executable, "-m", "farlink.cli", "train",
-         *tiny_flags(steps=2000, log_every=1, checkpoint_every=1000), "--run-dir", str(run),
-         "--cache-dir", str(cache_dir)],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    cfg = load_config(None, {**TINY, "steps": 2000, "log_every": 1, "checkpoint_every": 1000,
+                             "run_dir": run, "cache_dir": cache_dir})
+    write_run_config(cfg)
+    prepare_data(cfg.corpus, cfg.vocab_size, cfg.cache_dir)
+    lighthouse = Lighthouse(min_replicas=cfg.min_replicas, join_timeout=cfg.join_timeout).start()
+    workers = [spawn_worker(cfg, i, lighthouse.address, resume=False) for i in range(2)]
     try:
         deadline = time.monotonic() + 240
         while not all((run / "metrics" / f"w{i}.jsonl").is_file()
                       and len(_records(run, f"w{i}", "step")) >= 3 for i in range(2)):
-            assert launcher.poll() is None, f"the run ended early ({launcher.returncode})"
+            assert all(w.poll() is None for w in workers), "a worker ended early"
             assert time.monotonic() < deadline, "the workers never trained"
             time.sleep(0.3)
         for i in range(2):
             os.kill(_records(run, f"w{i}", "start")[-1]["pid"], signal.SIGKILL)
-        launcher.wait(timeout=120)
+        for worker in workers:
+            assert worker.wait(timeout=120) == -signal.SIGKILL
     finally:
-        if launcher.poll() is None:
-            launcher.kill()
-            launcher.wait()
+        _stop_all(workers)
+        lighthouse.stop()
     assert not _records(run, "w0", "end") and not _records(run, "w1", "end")
 
     code, out = farlink_here("report", str(run))
