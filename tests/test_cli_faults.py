@@ -116,15 +116,20 @@ def _can_mount_read_only() -> bool:
     return probe.returncode == 0
 
 
-# the CLI's app run once per invocation, in one interpreter (typer's runner, as farlink_here):
-# each invocation's exit code and output, as JSON
+# the CLI's app run once per invocation, in one interpreter (typer's runner, as farlink_here),
+# each invocation with its own path bind-mounted read-only for its duration: each invocation's
+# exit code and output, as JSON
 _CLI_INVOCATIONS = """
-import json, sys
+import json, subprocess, sys
 from typer.testing import CliRunner
 from farlink.cli import app
 answers = []
-for args in json.loads(sys.argv[1]):
-    result = CliRunner().invoke(app, args, env={"COLUMNS": "200"})
+for read_only, args in json.loads(sys.argv[1]):
+    subprocess.run(["mount", "--bind", "-o", "ro", read_only, read_only], check=True)
+    try:
+        result = CliRunner().invoke(app, args, env={"COLUMNS": "200"})
+    finally:
+        subprocess.run(["umount", read_only], check=True)
     out = result.output
     if result.exception is not None and not isinstance(result.exception, SystemExit):
         out += f"Traceback: {result.exception!r}"  # what a user would have seen
@@ -133,13 +138,12 @@ print(json.dumps(answers))
 """
 
 
-def farlink_read_only(read_only: Path, *invocations: list[str]) -> list[tuple[int, str]]:
-    """The CLI in a mount namespace of its own where ``read_only`` is a read-only mount (as
-    for root a chmod does not stop writes); the namespace ends with the process. Each of
-    ``invocations`` is one command line, run in turn in that one process."""
-    script = 'mount --bind -o ro "$0" "$0" && exec "$@"'
-    proc = subprocess.run(["unshare", "-m", "sh", "-c", script, str(read_only), sys.executable,
-                           "-c", _CLI_INVOCATIONS, json.dumps([list(i) for i in invocations])],
+def farlink_read_only(*invocations: tuple[Path, list[str]]) -> list[tuple[int, str]]:
+    """The CLI in a mount namespace of its own (as for root a chmod does not stop writes); the
+    namespace ends with the process. Each of ``invocations`` is a path and one command line,
+    run in turn in that one process while that path is a read-only mount."""
+    proc = subprocess.run(["unshare", "-m", sys.executable, "-c", _CLI_INVOCATIONS,
+                           json.dumps([[str(path), list(args)] for path, args in invocations])],
                           env={**os.environ, "COLUMNS": "200"}, stdout=subprocess.PIPE,
                           stderr=subprocess.PIPE, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-2000:]
@@ -151,34 +155,34 @@ def test_a_read_only_run_dir_is_refused_naming_it(tmp_path: Path) -> None:
     mine = tmp_path / "mine"
     mine.mkdir()
     (mine / "notes.txt").write_text("the user's own notes")
+    run = mine / "run"  # a saved run in it, for --resume and --overwrite
+    write_run_config(load_config(None, {**TINY, "run_dir": run}))
     before = snapshot(mine)
-    # a new run dir inside it, the read-only dir itself, and a joiner's run dir inside it
     answers = farlink_read_only(
-        mine, ["train", *tiny_flags(), "--run-dir", str(mine / "run")],
-        ["train", *tiny_flags(), "--run-dir", str(mine)],
-        ["join", "--lighthouse", "http://127.0.0.1:9", "--index", "0", "--run-dir",
-         str(mine / "run")])
+        # a new run dir inside the read-only dir, the read-only dir itself, a joiner's run dir
+        # inside it
+        (mine, ["train", *tiny_flags(), "--run-dir", str(mine / "new")]),
+        (mine, ["train", *tiny_flags(), "--run-dir", str(mine)]),
+        (mine, ["join", "--lighthouse", "http://127.0.0.1:9", "--index", "0", "--run-dir",
+                str(mine / "new")]),
+        # the saved run read-only: --resume; its parent read-only: --overwrite (which moves
+        # the run aside in the parent)
+        (run, ["train", *tiny_flags(), "--resume", "--run-dir", str(run)]),
+        (mine, ["train", *tiny_flags(), "--overwrite", "--run-dir", str(run)]))
     for code, out in answers[:2]:
         assert code == 2
         assert_one_line_error(out, str(mine), "read-only", "--run-dir")
     code, out = answers[2]
     assert code == 2
     assert_one_line_error(out, str(mine), "read-only")
-    assert snapshot(mine) == before
-
-    # a saved run: --resume, and --overwrite (which moves it aside in the read-only parent)
-    run = mine / "run"
-    write_run_config(load_config(None, {**TINY, "run_dir": run}))
-    before = snapshot(mine)
-    [(code, out)] = farlink_read_only(run, ["train", *tiny_flags(), "--resume", "--run-dir",
-                                            str(run)])
+    code, out = answers[3]
     assert code == 2
     assert_one_line_error(out, str(run), "read-only")
-    [(code, out)] = farlink_read_only(mine, ["train", *tiny_flags(), "--overwrite", "--run-dir",
-                                             str(run)])
+    code, out = answers[4]
     assert code == 2
     assert_one_line_error(out, str(mine), "read-only")
     assert snapshot(mine) == before
+    assert not (mine / "new").exists()
 
 
 # --- farlink report after a crash ----------------------------------------------------------
@@ -190,27 +194,34 @@ def _records(run: Path, worker: str, kind: str) -> list[dict]:
 def test_report_after_a_crash_lists_every_worker_that_trained(tmp_path: Path,
                                                               cache_dir: Path) -> None:
     """Both workers are SIGKILLed mid-run (no end record): the report still lists each, as
-    "did not finish", with the step and tokens of its last record."""
+    "did not finish", with the step and tokens of its last record. The workers are processes
+    started as ``farlink train`` starts them (its ``spawn_worker``), against a Lighthouse this
+    test runs, so that SIGKILL is real; the report is the CLI's."""
+    from farlink.data import prepare_data
+    from farlink.train.launcher import _stop_all, spawn_worker
+    from farlink.train.lighthouse import Lighthouse
+
     run = tmp_path / "run"
-    launcher = subprocess.Popen(
-        [sys.executable, "-m", "farlink.cli", "train",
-         *tiny_flags(steps=2000, log_every=1, checkpoint_every=1000), "--run-dir", str(run),
-         "--cache-dir", str(cache_dir)],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    cfg = load_config(None, {**TINY, "steps": 2000, "log_every": 1, "checkpoint_every": 1000,
+                             "run_dir": run, "cache_dir": cache_dir})
+    write_run_config(cfg)
+    prepare_data(cfg.corpus, cfg.vocab_size, cfg.cache_dir)
+    lighthouse = Lighthouse(min_replicas=cfg.min_replicas, join_timeout=cfg.join_timeout).start()
+    workers = [spawn_worker(cfg, i, lighthouse.address, resume=False) for i in range(2)]
     try:
         deadline = time.monotonic() + 240
         while not all((run / "metrics" / f"w{i}.jsonl").is_file()
                       and len(_records(run, f"w{i}", "step")) >= 3 for i in range(2)):
-            assert launcher.poll() is None, f"the run ended early ({launcher.returncode})"
+            assert all(w.poll() is None for w in workers), "a worker ended early"
             assert time.monotonic() < deadline, "the workers never trained"
             time.sleep(0.3)
         for i in range(2):
             os.kill(_records(run, f"w{i}", "start")[-1]["pid"], signal.SIGKILL)
-        launcher.wait(timeout=120)
+        for worker in workers:
+            assert worker.wait(timeout=120) == -signal.SIGKILL
     finally:
-        if launcher.poll() is None:
-            launcher.kill()
-            launcher.wait()
+        _stop_all(workers)
+        lighthouse.stop()
     assert not _records(run, "w0", "end") and not _records(run, "w1", "end")
 
     code, out = farlink_here("report", str(run))

@@ -18,7 +18,7 @@ from farlink.train.metrics import read_metrics
 
 BASE = {"model": "nano",
         "vocab_size": 512, "seq_len": 64, "batch_size": 4, "eval_batches": 2, "workers": 2,
-        "steps": 400, "inner_steps": 10, "warmup_steps": 5, "join_timeout": 10}
+        "steps": 400, "inner_steps": 2, "warmup_steps": 1, "join_timeout": 10}
 
 
 def rounds_committed(run_dir: Path) -> int:

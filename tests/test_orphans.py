@@ -1,6 +1,8 @@
 """`farlink train` killed with SIGKILL (a closed terminal, the OOM killer) runs no cleanup: its
 workers and its Lighthouse must notice on their own and stop within seconds, keeping their
-checkpoints, and `farlink train --resume` then finishes the run."""
+checkpoints, and `farlink train --resume` then finishes the run. The killed run is processes (they
+are the subject); the torchft resume is the CLI in the test process with its workers as threads
+(its subject is what the killed run left on disk)."""
 
 from __future__ import annotations
 
@@ -17,9 +19,11 @@ from procfs import alive, command_line, descendants
 from farlink.state.checkpoint import latest_checkpoint
 from farlink.train.metrics import read_metrics
 
+from test_run_safety import farlink_train_in_threads
+
 BASE = {"model": "nano",
         "vocab_size": 512, "seq_len": 64, "batch_size": 4, "eval_batches": 2, "workers": 2,
-        "steps": 80, "inner_steps": 10, "warmup_steps": 5, "join_timeout": 10}
+        "steps": 40, "inner_steps": 10, "warmup_steps": 5, "join_timeout": 10}
 GONE_WITHIN_S = 20.0
 
 
@@ -28,10 +32,11 @@ def farlink_train(*args: str, **popen: object) -> subprocess.Popen:
                              "train", *args], **popen)
 
 
-@pytest.mark.parametrize("backend", ["torchft", pytest.param("hivemind", marks=pytest.mark.slow)])
-def test_sigkilled_launcher_leaves_no_process_and_resume_finishes(tmp_path: Path,
-                                                                 cache_dir: Path,
-                                                                 backend: str) -> None:
+# the torchft resume runs torchft in this process: after every test that forks (see conftest)
+@pytest.mark.parametrize("backend", [pytest.param("torchft", marks=pytest.mark.torchft_threads),
+                                     pytest.param("hivemind", marks=pytest.mark.slow)])
+def test_sigkilled_launcher_leaves_no_process_and_resume_finishes(
+        tmp_path: Path, cache_dir: Path, backend: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """torchft: the workers and the Lighthouse; hivemind: the workers, their DHT processes and
     p2p daemons, and the bootstrap peer the launcher forked (with its p2pd)."""
     run_dir = tmp_path / "run"
@@ -64,10 +69,14 @@ def test_sigkilled_launcher_leaves_no_process_and_resume_finishes(tmp_path: Path
     for w in ("w0", "w1"):  # they stopped because the launcher was gone, and said so
         assert "farlink train (pid" in (run_dir / "logs" / f"{w}.log").read_text()
 
-    resumed = farlink_train("--resume", *dirs, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
-    out, _ = resumed.communicate(timeout=400)
-    assert resumed.returncode == 0, out
+    if backend == "torchft":  # workers as threads (launch_in_threads runs torchft runs only)
+        code, out = farlink_train_in_threads(monkeypatch, "--resume", *dirs)
+    else:
+        resumed = farlink_train("--resume", *dirs, stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, text=True)
+        out, _ = resumed.communicate(timeout=400)
+        code = resumed.returncode
+    assert code == 0, out
     for w in ("w0", "w1"):
         records = read_metrics(run_dir / "metrics" / f"{w}.jsonl")
         resume = [r for r in records if r["kind"] == "resume"]

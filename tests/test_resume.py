@@ -23,7 +23,7 @@ from farlink.train.metrics import read_metrics
 pytestmark = pytest.mark.torchft_threads
 
 BASE = {"model": "nano", "vocab_size": 512, "seq_len": 64, "batch_size": 4, "eval_batches": 2, "workers": 2,
-        "steps": 40, "inner_steps": 10, "warmup_steps": 5, "join_timeout": 10,
+        "steps": 12, "inner_steps": 3, "warmup_steps": 2, "join_timeout": 10,
         # every round holds both workers, so the two runs follow one schedule even when one
         # worker starts late on a busy machine (an elastic round of one would differ)
         "min_replicas": 2}
@@ -35,12 +35,12 @@ def test_resumed_run_matches_uninterrupted_run_bit_for_bit(tmp_path: Path,
     assert launch_in_threads(straight).returncodes == [0, 0]
 
     cut = load_config(None, {**BASE, "run_dir": tmp_path / "b", "cache_dir": cache_dir,
-                             "stop_at_step": 20})
+                             "stop_at_step": 6})
     first = launch_in_threads(cut)
     assert first.returncodes == [0, 0]
     assert not (cut.run_dir / "final").exists()  # it really stopped early
     _, meta = load_checkpoint(latest_checkpoint(cut.run_dir / "checkpoints" / "w0"))
-    assert meta["inner_steps"] == 20 and meta["outer_step"] == 2
+    assert meta["inner_steps"] == 6 and meta["outer_step"] == 2
 
     resumed = load_config(None, {**BASE, "run_dir": tmp_path / "b", "cache_dir": cache_dir,
                                  "resume": True})

@@ -56,6 +56,18 @@ def farlink_here(*args: str) -> tuple[int, str]:
     return result.exit_code, result.output
 
 
+def farlink_train_in_threads(monkeypatch: pytest.MonkeyPatch, *args: str) -> tuple[int, str]:
+    """``farlink train ARGS`` through the CLI in this process (typer's runner, as
+    :func:`farlink_here`): its flags, its config (``--resume`` reading the saved run's), its run
+    dir planning and messages and exit code are the CLI's; the run's workers are threads
+    (:func:`launch_in_threads`, torchft's real Lighthouse in this process) instead of worker
+    processes. For tests whose subject is the run dir the CLI chooses and leaves, not its
+    processes (a test using it is marked ``torchft_threads``)."""
+    monkeypatch.setattr("farlink.train.launcher.launch",
+                        lambda cfg, **_: launch_in_threads(cfg))
+    return farlink_here("train", *args)
+
+
 def snapshot(root: Path) -> dict[str, str]:
     """Every file under ``root`` and the digest of its bytes."""
     return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
@@ -71,7 +83,9 @@ def end_record(run_dir: Path, worker: str = "w0") -> dict:
 
 @pytest.mark.torchft_threads
 def test_fresh_run_in_a_used_run_dir_is_refused_and_overwrite_moves_it_aside(
-        tmp_path: Path, cache_dir: Path) -> None:
+        tmp_path: Path, cache_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The refusals and the ``--overwrite`` run go through the CLI in this process; the
+    overwriting run's workers are threads (the subject is what happens to the run dirs)."""
     run = tmp_path / "run"
     made = launch_in_threads(load_config(None, {**TINY, "run_dir": run, "cache_dir": cache_dir}))
     assert made.returncodes == [0, 0]
@@ -91,8 +105,8 @@ def test_fresh_run_in_a_used_run_dir_is_refused_and_overwrite_moves_it_aside(
     assert snapshot(run) == before
 
     # --overwrite: a fresh run here, the old one kept whole next to it
-    code, out = farlink("train", *tiny_flags(), "--run-dir", str(run), "--cache-dir",
-                        str(cache_dir), "--overwrite")
+    code, out = farlink_train_in_threads(monkeypatch, *tiny_flags(), "--run-dir", str(run),
+                                         "--cache-dir", str(cache_dir), "--overwrite")
     assert code == 0, out
     [old] = tmp_path.glob("run.old-*")
     assert snapshot(old) == before
@@ -106,7 +120,8 @@ def test_default_run_dir_is_a_new_dir_per_run_and_resume_follows_latest(
     runs/latest names the newest, and `--resume` alone continues it. A stop point belongs to
     its invocation: the resume runs to the end instead of stopping again. The two fresh runs
     are the launcher's run dir planning with workers as threads (a config with no run dir, as
-    the CLI builds it without --run-dir); the resume is the CLI's."""
+    the CLI builds it without --run-dir); the resume is the CLI's (in this process, its workers
+    as threads: the subject is which run dir it continues, not its processes)."""
     monkeypatch.chdir(tmp_path)
     made = launch_in_threads(load_config(None, {**TINY, "cache_dir": cache_dir}))
     assert made.returncodes == [0, 0]
@@ -124,7 +139,7 @@ def test_default_run_dir_is_a_new_dir_per_run_and_resume_follows_latest(
     assert end_record(second)["inner_steps"] == 2 and not (second / "final").exists()
     assert "stop_at_step" not in (second / "config.toml").read_text()
 
-    code, out = farlink("train", "--resume", cwd=tmp_path)
+    code, out = farlink_train_in_threads(monkeypatch, "--resume")  # in tmp_path
     assert code == 0, out
     for worker in ("w0", "w1"):
         end = end_record(second, worker)
@@ -424,12 +439,16 @@ def test_a_run_that_cannot_work_is_refused_before_anything_starts(
     assert not run.exists()  # no config written, no Lighthouse log, no worker log
 
 
-def test_a_failing_worker_shows_the_end_of_its_log(tmp_path: Path, cache_dir: Path) -> None:
+def test_a_failing_worker_shows_the_end_of_its_log(tmp_path: Path, cache_dir: Path,
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
     """A worker that dies after the launcher's checks (here: a log level it cannot parse) has
-    its error on the console, not only an exit code and a log path."""
+    its error on the console, not only an exit code and a log path. The workers are processes
+    (a worker's exit code and log are the subject); the CLI that launches them runs in this
+    process (typer's runner: the same command, its console and exit code)."""
     run = tmp_path / "run"
-    code, out = farlink("train", *tiny_flags(), "--run-dir", str(run), "--cache-dir",
-                        str(cache_dir), env={"FARLINK_LOG": "NOT-A-LEVEL"})
+    monkeypatch.setenv("FARLINK_LOG", "NOT-A-LEVEL")  # what the worker processes inherit
+    code, out = farlink_here("train", *tiny_flags(), "--run-dir", str(run), "--cache-dir",
+                             str(cache_dir))
     assert code == 1, out
     last = (run / "logs" / "w0.log").read_text().strip().splitlines()[-1]
     assert "NOT-A-LEVEL" in last and last in out, out

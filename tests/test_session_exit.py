@@ -35,7 +35,10 @@ def test_leaves_a_process_group_waiting():
 def test_a_session_leaving_a_process_group_waiting_exits_with_its_own_status(
         tmp_path: Path, outcome: str, status: int) -> None:
     (tmp_path / "test_leaky.py").write_text(LEAKY_TEST.replace("OUTCOME", outcome))
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parent)}
+    # the session loads this suite's conftest (whose exit is the subject) and none of the
+    # installed pytest plugins, whose imports would be most of its start
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parent),
+           "PYTEST_DISABLE_PLUGIN_AUTOLOAD": "1"}
     done = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "conftest", "-p", "no:cacheprovider",
          "test_leaky.py"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
