@@ -1,8 +1,9 @@
 """Hugging Face models in and out: real ``transformers`` models, real runs.
 
-A real 2-worker run of farlink's GPT through the CLI is shared by the tests of export, generate
-and report; a ``LlamaForCausalLM`` from ``hf:DIR`` with a given tokenizer trains in a 2-worker
-run whose workers are threads.
+A real 2-worker run of farlink's GPT through the CLI (worker processes and a Lighthouse process:
+the torchft backend's end-to-end run) is shared by the tests of export, generate and report; a
+``LlamaForCausalLM`` from ``hf:DIR`` with a given tokenizer trains in a 2-worker run whose
+workers are threads.
 """
 
 from __future__ import annotations
@@ -35,15 +36,8 @@ RUN_FLAGS = ["--workers", "2", "--steps", "20", "--inner-steps", "10", "--vocab-
              "--min-replicas", "2"]  # every round has both: a slow starter cannot train alone
 
 
-def farlink(*args: str, cwd: Path, timeout: float = 400) -> subprocess.CompletedProcess:
-    """The real CLI in a fresh process (workers inherit PYTHONPATH, so this checkout runs)."""
-    return subprocess.run([sys.executable, "-m", "farlink.cli", *args], cwd=cwd,
-                          capture_output=True, text=True, timeout=timeout,
-                          env={**os.environ, "COLUMNS": "200"})
-
-
 def cli(*args: str):  # noqa: ANN201
-    """The CLI in this process, for the commands that only read a run directory."""
+    """The CLI in this process."""
     from farlink.cli import app
 
     return CliRunner().invoke(app, list(args))
@@ -62,10 +56,16 @@ def workdir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def gpt_run(workdir: Path, cache_dir: Path) -> Path:
-    """farlink's GPT, 2 workers, DiLoCo; started with a run dir relative to ``workdir``."""
-    done = farlink("train", *RUN_FLAGS, "--run-dir", "runs/gpt", "--cache-dir", str(cache_dir),
-                   cwd=workdir)
-    assert done.returncode == 0, done.stderr[-3000:]
+    """farlink's GPT, 2 workers, DiLoCo; started with a run dir relative to ``workdir``.
+    ``farlink train`` runs in this process (typer's runner), as ``python -m farlink.cli`` would
+    run it: its launcher starts the Lighthouse and the two workers as processes."""
+    here = Path.cwd()
+    os.chdir(workdir)
+    try:
+        done = cli("train", *RUN_FLAGS, "--run-dir", "runs/gpt", "--cache-dir", str(cache_dir))
+    finally:
+        os.chdir(here)
+    assert done.exit_code == 0, done.output[-3000:]
     return workdir / "runs" / "gpt"
 
 
