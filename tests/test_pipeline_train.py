@@ -157,12 +157,13 @@ def _train(run_dir: Path, cache_dir: Path, *flags: str) -> subprocess.CompletedP
     return subprocess.run(argv, capture_output=True, text=True, timeout=300)
 
 
-@pytest.fixture
-def stage_peers_in_threads(monkeypatch: pytest.MonkeyPatch) -> None:
-    """``farlink train``'s stage peers served on threads of this process instead of processes:
-    each is what ``python -m farlink.parallel.stage_server`` builds (the same seed's stage, its
-    AdamW, its checkpoint dir, the run's token) behind the same server. For runs whose subject
-    is the run's files, checkpoints and resume; the kill test below keeps processes."""
+def serve_stage_peers_in_threads(monkeypatch: pytest.MonkeyPatch,
+                                 stages: frozenset[int] | None = None) -> None:
+    """``farlink train``'s stage peers of ``stages`` (all: None) served on threads of this
+    process instead of processes: each is what ``python -m farlink.parallel.stage_server``
+    builds (the same seed's stage, its AdamW, its checkpoint dir, the run's token) behind the
+    same server; the other stages' peers stay processes."""
+    from farlink.parallel import peers as process_peers
     from farlink.parallel.stage_auth import driver_auth
     from farlink.parallel.stage_server import StageServer
     from farlink.train import pipeline_run
@@ -170,23 +171,27 @@ def stage_peers_in_threads(monkeypatch: pytest.MonkeyPatch) -> None:
     building = threading.Lock()  # build_stage seeds the process's RNG: one stage at a time
     servers: dict[str, StageServer] = {}
 
-    def start(config: GPTConfig, stage: int, stages: int, *, seed: int, lr: float,
-              weight_decay: float, slowdown: float, host: str, token: str,
-              checkpoint_dir: Path, **_process_options: object) -> StagePeer:
+    def start(config: GPTConfig, stage: int, stages_of_run: int, **options: object) -> StagePeer:
+        if stages is not None and stage not in stages:
+            return process_peers.start_stage_peer(config, stage, stages_of_run, **options)
         with building:
-            worker = StageWorker(build_stage(config, seed, stage, stages), lr, weight_decay,
-                                 slowdown, checkpoint_dir)
-        server = StageServer(worker, host, auth=driver_auth(token))
+            worker = StageWorker(build_stage(config, options["seed"], stage, stages_of_run),
+                                 options["lr"], options["weight_decay"], options["slowdown"],
+                                 options["checkpoint_dir"])
+        server = StageServer(worker, options["host"], auth=driver_auth(options["token"]))
         server.on_shutdown = server.stop
         threading.Thread(target=server.serve_forever, daemon=True).start()
-        peer = StagePeer(stage, f"{host}:{server.port}", process=None)
+        peer = StagePeer(stage, f"{options['host']}:{server.port}", process=None)
         servers[peer.address] = server
         return peer
 
     def stop(peers: list[list[StagePeer]]) -> None:
         for row in peers:
             for peer in row:
-                servers.pop(peer.address).stop()
+                if peer.address in servers:
+                    servers.pop(peer.address).stop()
+        process_peers.stop_pipeline([[peer for peer in row if peer.process is not None]
+                                     for row in peers])
 
     monkeypatch.setattr(pipeline_run, "start_stage_peer", start)
     monkeypatch.setattr(pipeline_run, "stop_pipeline", stop)
@@ -204,10 +209,11 @@ def _train_here(run_dir: Path, cache_dir: Path, *flags: str):  # noqa: ANN202
 
 
 def test_farlink_train_pipeline_stages_learns_checkpoints_each_peer_and_resumes(
-        tmp_path: Path, cache_dir: Path, stage_peers_in_threads: None) -> None:
+        tmp_path: Path, cache_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """2 stages x 2 peers on loopback: 8 steps with DiLoCo within a stage every 4, stopped
     after step 4 and resumed; held-out loss drops, every peer checkpointed itself. The stage
-    peers are threads (the kill test below runs the CLI with stage peer processes)."""
+    peers are threads (the kill test below runs stage peer processes)."""
+    serve_stage_peers_in_threads(monkeypatch)
     run_dir = tmp_path / "run"
     flags = ["--pipeline-stages", "2", "--workers", "4", "--steps", "8", "--inner-steps", "4",
              "--vocab-size", "512", "--seq-len", "32", "--batch-size", "4",
@@ -244,20 +250,22 @@ def test_farlink_train_pipeline_stages_learns_checkpoints_each_peer_and_resumes(
 
 
 def test_a_stage_peer_killed_mid_run_is_routed_around_and_the_run_finishes(
-        tmp_path: Path, cache_dir: Path) -> None:
+        tmp_path: Path, cache_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """SIGKILL of one last-stage peer of `farlink train --pipeline-stages 2 --workers 4` once
     step 2 is logged: its micro-batches go to the stage's other peer, the stage's outer rounds
     go on with the survivor, and the run ends with its model and a held-out loss below the
     initial one. Whether a step or a stage's outer round meets the dead peer first depends on
     when the kill lands (a step re-routes, a round drops it from the router);
     ``tests/test_pipeline.py`` pins the re-routing of a step at a known point. The command runs
-    in this process (typer's runner), its stage peers are processes: one of them is killed."""
+    in this process (typer's runner); stage 1's peers are processes (one of them is killed),
+    stage 0's are served on threads."""
     import os
     import signal
     import time
 
     from procfs import descendants
 
+    serve_stage_peers_in_threads(monkeypatch, stages=frozenset({0}))
     run_dir = tmp_path / "run"
     metrics = run_dir / "metrics" / "pipeline.jsonl"
     run_ended = threading.Event()
