@@ -1,7 +1,7 @@
 """Whole runs on localhost with their workers as threads (``farlink.testing``) against torchft's
-real Lighthouse and Gloo, on the smallest model. The torchft backend's end-to-end run with a
-Lighthouse process and worker processes is test_hf.py's ``gpt_run`` (``farlink train`` through
-the CLI, which its export, generate and report tests read)."""
+real Lighthouse and Gloo, on the smallest model. A run of worker processes and a Lighthouse
+process through the CLI, to its end: test_orphans.py::
+test_sigkilled_launcher_leaves_no_process_and_resume_finishes[torchft] (its ``--resume`` run)."""
 
 from __future__ import annotations
 
@@ -41,8 +41,8 @@ def audit_fingerprint(run_dir: Path) -> str:
 
 def test_diloco_three_workers_agree_and_learn(tmp_path: Path, cache_dir: Path) -> None:
     """Workers as threads: a worker process's setup (imports, model, data) was most of this
-    run's cost; the process path is test_hf.py's ``gpt_run`` (a ``farlink train`` of two worker
-    processes and a Lighthouse process, exit code 0)."""
+    run's cost. The process path (worker processes, the Lighthouse binary, exit codes 0):
+    test_orphans.py::test_sigkilled_launcher_leaves_no_process_and_resume_finishes[torchft]."""
     cfg = small_config(tmp_path, cache_dir, workers=3, steps=30, inner_steps=10, lr=3e-3,
                        model="nano")
     result = launch_in_threads(cfg)
