@@ -24,9 +24,9 @@ from farlink.train.metrics import read_metrics
 # torchft runs in this process: after every test that forks (see conftest)
 pytestmark = pytest.mark.torchft_threads
 
-RUN = {"vocab_size": 512, "seq_len": 64, "batch_size": 4, "warmup_steps": 5, "workers": 2,
-       "steps": 80, "inner_steps": 20, "eval_every": 2, "eval_batches": 128, "log_every": 1,
-       "join_timeout": 10, "min_replicas": 2}
+RUN = {"model": "nano", "vocab_size": 512, "seq_len": 64, "batch_size": 4, "warmup_steps": 5,
+       "workers": 2, "steps": 40, "inner_steps": 10, "eval_every": 2, "eval_batches": 64,
+       "log_every": 1, "join_timeout": 10, "min_replicas": 2}
 
 
 @pytest.fixture(scope="module")
@@ -60,29 +60,29 @@ def test_peers_do_not_wait_for_rank_zero_evaluating(run) -> None:  # noqa: ANN00
     cfg, _ = run
     w0, w1 = records(cfg, "w0"), records(cfg, "w1")
     evals = {r["step"]: r for r in w0 if r["kind"] == "eval"}
-    assert sorted(evals) == [40, 80], evals  # every other boundary, and the final one
+    assert sorted(evals) == [20, 40], evals  # every other boundary, and the final one
     assert not [r for r in w1 if r["kind"] == "eval"]
 
-    # rank 0's loop went on training while the evaluation of step 40 ran: step records of
+    # rank 0's loop went on training while the evaluation of step 20 ran: step records of
     # later steps were written before the evaluation's record
-    boundary = next(r for r in w0 if r["kind"] == "sync" and r["step"] == 40)
+    boundary = next(r for r in w0 if r["kind"] == "sync" and r["step"] == 20)
     during = [r["step"] for r in w0 if r["kind"] in ("step", "sync")
-              and boundary["time"] <= r["time"] < evals[40]["time"] and r["step"] > 40]
-    assert len(during) >= 2, (during, evals[40])
+              and boundary["time"] <= r["time"] < evals[20]["time"] and r["step"] > 20]
+    assert len(during) >= 2, (during, evals[20])
 
     # the evaluation, at one thread, takes several training steps' time: synchronously, the peer
     # would wait that long at the next round. It waits about as long at the round after the
-    # evaluation (step 60) as at the round after a boundary without one (step 40).
+    # evaluation (step 30) as at the round after a boundary without one (step 20).
     loss, eval_seconds = synchronous_heldout(cfg)
     waits = {r["step"]: r["round_s"] for r in w1 if r["kind"] == "sync"}
     # the premise, on any machine's speed: one evaluation costs several of w1's training steps
     step_times = [b["compute_s"] - a["compute_s"] for a, b in zip(w1, w1[1:])
                   if a["kind"] == b["kind"] == "step"]
     assert eval_seconds > 3 * statistics.median(step_times), (eval_seconds, step_times)
-    assert waits[60] < waits[40] + 0.5 * eval_seconds, (waits, eval_seconds)
+    assert waits[30] < waits[20] + 0.5 * eval_seconds, (waits, eval_seconds)
 
     # what the background evaluation measured is the loss of the parameters at its step
-    assert evals[80]["loss"] == pytest.approx(loss, abs=2e-5)
+    assert evals[40]["loss"] == pytest.approx(loss, abs=2e-5)
 
 
 def test_utilization_counts_evaluation_and_checkpoints(run) -> None:  # noqa: ANN001

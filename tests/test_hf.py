@@ -1,8 +1,10 @@
 """Hugging Face models in and out: real ``transformers`` models, real runs.
 
-A real 2-worker run of farlink's GPT through the CLI is shared by the tests of export, generate
-and report; a ``LlamaForCausalLM`` from ``hf:DIR`` with a given tokenizer trains in a 2-worker
-run whose workers are threads.
+A real 2-worker run of farlink's GPT (its workers threads against torchft's real Lighthouse and
+Gloo) is shared by the tests of export, generate and report; a ``LlamaForCausalLM`` from
+``hf:DIR`` with a given tokenizer trains in a 2-worker run whose workers are threads too. A
+``farlink train`` of worker processes and a Lighthouse process, run to its end through the CLI:
+test_orphans.py::test_sigkilled_launcher_leaves_no_process_and_resume_finishes[torchft].
 """
 
 from __future__ import annotations
@@ -29,21 +31,17 @@ from farlink.model.hf import CausalLM, to_llama
 from farlink.train.export import export_hf
 from farlink.train.generate import sample
 
+# torchft runs in this process (both runs' workers): after every test that forks (see conftest)
+pytestmark = pytest.mark.torchft_threads
+
 RUN_FLAGS = ["--workers", "2", "--steps", "20", "--inner-steps", "10", "--vocab-size", "512",
              "--seq-len", "64", "--batch-size", "4", "--eval-batches", "2", "--warmup-steps",
              "2", "--join-timeout", "10", "--heartbeat-timeout", "3",
              "--min-replicas", "2"]  # every round has both: a slow starter cannot train alone
 
 
-def farlink(*args: str, cwd: Path, timeout: float = 400) -> subprocess.CompletedProcess:
-    """The real CLI in a fresh process (workers inherit PYTHONPATH, so this checkout runs)."""
-    return subprocess.run([sys.executable, "-m", "farlink.cli", *args], cwd=cwd,
-                          capture_output=True, text=True, timeout=timeout,
-                          env={**os.environ, "COLUMNS": "200"})
-
-
 def cli(*args: str):  # noqa: ANN201
-    """The CLI in this process, for the commands that only read a run directory."""
+    """The CLI in this process."""
     from farlink.cli import app
 
     return CliRunner().invoke(app, list(args))
@@ -62,11 +60,23 @@ def workdir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def gpt_run(workdir: Path, cache_dir: Path) -> Path:
-    """farlink's GPT, 2 workers, DiLoCo; started with a run dir relative to ``workdir``."""
-    done = farlink("train", *RUN_FLAGS, "--run-dir", "runs/gpt", "--cache-dir", str(cache_dir),
-                   cwd=workdir)
-    assert done.returncode == 0, done.stderr[-3000:]
+    """farlink's GPT, 2 workers, DiLoCo, with ``RUN_FLAGS`` and its workers as threads; started
+    with a run dir relative to ``workdir``."""
+    from farlink.testing.runs import launch_in_threads
+
+    here = Path.cwd()
+    os.chdir(workdir)
+    try:
+        cfg = load_config(None, {**run_values(), "run_dir": "runs/gpt", "cache_dir": cache_dir})
+        assert launch_in_threads(cfg).returncodes == [0, 0]
+    finally:
+        os.chdir(here)
     return workdir / "runs" / "gpt"
+
+
+def run_values() -> dict:
+    """``RUN_FLAGS`` as config values."""
+    return dict(zip((f.lstrip("-").replace("-", "_") for f in RUN_FLAGS[::2]), RUN_FLAGS[1::2]))
 
 
 def train_hf_run(tmp_path: Path, cache_dir: Path) -> tuple[Path, Path]:
@@ -76,7 +86,7 @@ def train_hf_run(tmp_path: Path, cache_dir: Path) -> tuple[Path, Path]:
     from farlink.testing.runs import launch_in_threads
 
     tiny_llama_config().save_pretrained(tmp_path / "llama")
-    flags = dict(zip((f.lstrip("-").replace("-", "_") for f in RUN_FLAGS[::2]), RUN_FLAGS[1::2]))
+    flags = run_values()
     gpt = load_config(None, {**flags, "cache_dir": cache_dir})
     given = tmp_path / "tokenizer.json"
     given.write_text(prepare_data(gpt.corpus, gpt.vocab_size, cache_dir).tokenizer.to_str())
@@ -218,10 +228,8 @@ def test_sample_top_k_one_is_greedy() -> None:
 
 # --- in: hf:DIR and --tokenizer -----------------------------------------------------------------
 
-@pytest.mark.torchft_threads
 def test_hf_model_trains_in_workers(tmp_path: Path, cache_dir: Path) -> None:
-    """An hf:DIR model through the launcher's path (workers as threads; farlink's GPT run above
-    is the CLI's end-to-end run)."""
+    """An hf:DIR model through the launcher's path (workers as threads)."""
     hf_run, given = train_hf_run(tmp_path, cache_dir)
     summary = json.loads((hf_run / "summary.json").read_text())
     assert summary["returncodes"] == [0, 0]

@@ -7,6 +7,7 @@ import hashlib
 import json
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -15,6 +16,7 @@ import torch
 from farlink.config import RunConfig
 from farlink.model import GPTConfig
 from farlink.parallel import wire
+from farlink.parallel.peers import StagePeer
 from farlink.parallel.stage_server import StageWorker
 from farlink.parallel.stage_sync import StageAveraging
 from farlink.parallel.stages import build_stage
@@ -155,25 +157,78 @@ def _train(run_dir: Path, cache_dir: Path, *flags: str) -> subprocess.CompletedP
     return subprocess.run(argv, capture_output=True, text=True, timeout=300)
 
 
+def serve_stage_peers_in_threads(monkeypatch: pytest.MonkeyPatch,
+                                 stages: frozenset[int] | None = None) -> None:
+    """``farlink train``'s stage peers of ``stages`` (all: None) served on threads of this
+    process instead of processes: each is what ``python -m farlink.parallel.stage_server``
+    builds (the same seed's stage, its AdamW, its checkpoint dir, the run's token) behind the
+    same server; the other stages' peers stay processes."""
+    from farlink.parallel import peers as process_peers
+    from farlink.parallel.stage_auth import driver_auth
+    from farlink.parallel.stage_server import StageServer
+    from farlink.train import pipeline_run
+
+    building = threading.Lock()  # build_stage seeds the process's RNG: one stage at a time
+    servers: dict[str, StageServer] = {}
+
+    def start(config: GPTConfig, stage: int, stages_of_run: int, **options: object) -> StagePeer:
+        if stages is not None and stage not in stages:
+            return process_peers.start_stage_peer(config, stage, stages_of_run, **options)
+        with building:
+            worker = StageWorker(build_stage(config, options["seed"], stage, stages_of_run),
+                                 options["lr"], options["weight_decay"], options["slowdown"],
+                                 options["checkpoint_dir"])
+        server = StageServer(worker, options["host"], auth=driver_auth(options["token"]))
+        server.on_shutdown = server.stop
+        threading.Thread(target=server.serve_forever, daemon=True).start()
+        peer = StagePeer(stage, f"{options['host']}:{server.port}", process=None)
+        servers[peer.address] = server
+        return peer
+
+    def stop(peers: list[list[StagePeer]]) -> None:
+        for row in peers:
+            for peer in row:
+                if peer.address in servers:
+                    servers.pop(peer.address).stop()
+        process_peers.stop_pipeline([[peer for peer in row if peer.process is not None]
+                                     for row in peers])
+
+    monkeypatch.setattr(pipeline_run, "start_stage_peer", start)
+    monkeypatch.setattr(pipeline_run, "stop_pipeline", stop)
+
+
+def _train_here(run_dir: Path, cache_dir: Path, *flags: str):  # noqa: ANN202
+    """``farlink train`` in this process (typer's runner): the CLI's flags, --resume's reading
+    of the run's config.toml, the console's lines."""
+    from typer.testing import CliRunner
+
+    from farlink.cli import app
+
+    return CliRunner().invoke(app, ["train", "--run-dir", str(run_dir), "--cache-dir",
+                                    str(cache_dir), *flags])
+
+
 def test_farlink_train_pipeline_stages_learns_checkpoints_each_peer_and_resumes(
-        tmp_path: Path, cache_dir: Path) -> None:
+        tmp_path: Path, cache_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """2 stages x 2 peers on loopback: 8 steps with DiLoCo within a stage every 4, stopped
-    after step 4 and resumed; held-out loss drops, every peer checkpointed itself."""
+    after step 4 and resumed; held-out loss drops, every peer checkpointed itself. The stage
+    peers are threads (the kill test below runs stage peer processes)."""
+    serve_stage_peers_in_threads(monkeypatch)
     run_dir = tmp_path / "run"
     flags = ["--pipeline-stages", "2", "--workers", "4", "--steps", "8", "--inner-steps", "4",
              "--vocab-size", "512", "--seq-len", "32", "--batch-size", "4",
              "--pipeline-micro-batches", "2", "--eval-batches", "2", "--warmup-steps", "2",
              "--lr", "1e-2", "--log-every", "1", "--stage-peer-timeout", "60"]
-    first = _train(run_dir, cache_dir, *flags, "--stop-at-step", "4")
-    assert first.returncode == 0, first.stderr[-2000:]
+    first = _train_here(run_dir, cache_dir, *flags, "--stop-at-step", "4")
+    assert first.exit_code == 0, first.output[-2000:]
     assert "continue with `farlink train --resume" in " ".join(first.stderr.split())
     for peer in ("s0p0", "s0p1", "s1p0", "s1p1"):
         _, meta = load_checkpoint(checkpoint_path(run_dir / "checkpoints" / peer, 4))
         assert meta["stage"] == int(peer[1])
     assert not (run_dir / "model.safetensors").exists()  # it really stopped early
 
-    second = _train(run_dir, cache_dir, "--resume")
-    assert second.returncode == 0, second.stderr[-2000:]
+    second = _train_here(run_dir, cache_dir, "--resume")
+    assert second.exit_code == 0, second.output[-2000:]
     records = read_metrics(run_dir / "metrics" / "pipeline.jsonl")
     steps = [r["step"] for r in records if r["kind"] == "step"]
     assert steps == [1, 2, 3, 4, 5, 6, 7, 8]  # nothing redone, nothing skipped
@@ -195,38 +250,53 @@ def test_farlink_train_pipeline_stages_learns_checkpoints_each_peer_and_resumes(
 
 
 def test_a_stage_peer_killed_mid_run_is_routed_around_and_the_run_finishes(
-        tmp_path: Path, cache_dir: Path) -> None:
+        tmp_path: Path, cache_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """SIGKILL of one last-stage peer of `farlink train --pipeline-stages 2 --workers 4` once
     step 2 is logged: its micro-batches go to the stage's other peer, the stage's outer rounds
     go on with the survivor, and the run ends with its model and a held-out loss below the
     initial one. Whether a step or a stage's outer round meets the dead peer first depends on
     when the kill lands (a step re-routes, a round drops it from the router);
-    ``tests/test_pipeline.py`` pins the re-routing of a step at a known point."""
+    ``tests/test_pipeline.py`` pins the re-routing of a step at a known point. The command runs
+    in this process (typer's runner); stage 1's peers are processes (one of them is killed),
+    stage 0's are served on threads."""
     import os
     import signal
     import time
 
     from procfs import descendants
 
+    serve_stage_peers_in_threads(monkeypatch, stages=frozenset({0}))
     run_dir = tmp_path / "run"
-    process = subprocess.Popen(
-        [sys.executable, "-m", "farlink.cli", "train", "--run-dir", str(run_dir),
-         "--cache-dir", str(cache_dir), "--pipeline-stages", "2", "--workers", "4",
-         "--steps", "8", "--inner-steps", "4", "--vocab-size", "512", "--seq-len", "32",
-         "--batch-size", "4", "--pipeline-micro-batches", "2", "--eval-batches", "2",
-         "--warmup-steps", "2", "--lr", "1e-2", "--log-every", "1"],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     metrics = run_dir / "metrics" / "pipeline.jsonl"
-    deadline = time.monotonic() + 240
-    while not any(r.get("step", 0) >= 2 and r["kind"] == "step" for r in read_metrics(metrics)):
-        assert process.poll() is None and time.monotonic() < deadline, process.stderr.read()
-        time.sleep(0.2)
-    victims = [pid for pid in descendants(process.pid)
-               if b"--stage\x001\x00" in Path(f"/proc/{pid}/cmdline").read_bytes()]
-    assert len(victims) == 2, victims  # the two peers of stage 1
-    os.kill(victims[0], signal.SIGKILL)
-    _, err = process.communicate(timeout=240)
-    assert process.returncode == 0, err[-2000:]
+    run_ended = threading.Event()
+    killed: list[list[int]] = []
+
+    def kill_a_peer_of_stage_one_after_step_two() -> None:
+        deadline = time.monotonic() + 240
+        while not any(r.get("step", 0) >= 2 and r["kind"] == "step"
+                      for r in read_metrics(metrics)):
+            if run_ended.is_set() or time.monotonic() > deadline:
+                return
+            time.sleep(0.2)
+        victims = [pid for pid in descendants(os.getpid())
+                   if b"--stage\x001\x00" in Path(f"/proc/{pid}/cmdline").read_bytes()]
+        killed.append(victims)
+        if len(victims) == 2:  # the two peers of stage 1
+            os.kill(victims[0], signal.SIGKILL)
+
+    killer = threading.Thread(target=kill_a_peer_of_stage_one_after_step_two, daemon=True)
+    killer.start()
+    try:
+        result = _train_here(run_dir, cache_dir, "--pipeline-stages", "2", "--workers", "4",
+                             "--steps", "8", "--inner-steps", "4", "--vocab-size", "512",
+                             "--seq-len", "32", "--batch-size", "4", "--pipeline-micro-batches",
+                             "2", "--eval-batches", "2", "--warmup-steps", "2", "--lr", "1e-2",
+                             "--log-every", "1")
+    finally:
+        run_ended.set()
+        killer.join(timeout=30)
+    assert result.exit_code == 0, result.output[-2000:]
+    assert [len(victims) for victims in killed] == [2], killed  # one of stage 1's two peers
     records = read_metrics(metrics)
     assert [r["step"] for r in records if r["kind"] == "step"] == list(range(1, 9))
     assert [r["live_peers"] for r in records if r["kind"] == "sync"][-1] == [2, 1]

@@ -3,7 +3,9 @@ verified.
 
 Two real processes in a Gloo group write two steps, each from a background thread while the
 training thread keeps running collectives of its own on the default group; the published
-directories are then read back, checked and damaged from this process, as a resume would.
+directories are then read back, checked and damaged from this process, as a resume would. The
+same two processes then fill a small disk (where one can be mounted): a process's start is most
+of such a scenario's cost.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import json
 import multiprocessing
 import os
 import threading
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -35,7 +38,7 @@ def replica_group_meta(step: int) -> dict:
     return {"tokens": step * 8, "algorithm": "diloco", "site_ranks": 2, "bytes_sent": 0}
 
 
-def _rank(rank: int, port: int, root: str) -> None:
+def _rank(rank: int, port: int, root: str, small_disk: str | None, queue) -> None:  # noqa: ANN001
     import torch.distributed as dist
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
@@ -51,25 +54,64 @@ def _rank(rank: int, port: int, root: str) -> None:
             assert total.tolist() == [2.0] * 4
         writer.join()
     dist.barrier()
+    if small_disk is not None:
+        _rank_on_a_small_disk(rank, small_disk, queue)  # leaves the process
     dist.destroy_process_group()
 
 
-@pytest.fixture(scope="module")
-def written(tmp_path_factory) -> Path:
-    import socket
+def _mount_small_disk(disk: Path) -> str | None:
+    """A 12 MB tmpfs at ``disk``: room for one step of ``_rank_on_a_small_disk`` but not two.
+    None when mounted; else why not (the full-disk test skips, saying it)."""
+    import shutil
+    import subprocess
 
-    root = tmp_path_factory.mktemp("replica_group") / "w0"
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    spawn = multiprocessing.get_context("spawn")
-    procs = [spawn.Process(target=_rank, args=(r, port, str(root))) for r in range(2)]
-    for proc in procs:
-        proc.start()
-    for proc in procs:
-        proc.join(timeout=120)
-    assert [p.exitcode for p in procs] == [0, 0]
-    return root
+    if os.geteuid() != 0 or shutil.which("mount") is None:
+        return "a real full disk needs a tmpfs mount, which needs root"
+    disk.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=12m", "tmpfs", str(disk)],
+                             capture_output=True, text=True)
+    if mounted.returncode != 0:
+        return f"cannot mount a tmpfs here: {mounted.stderr.strip()}"
+    return None
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory) -> Iterator[dict]:
+    """Two ranks (spawned processes) that write two steps under ``root``, then, where a small
+    disk could be mounted, fill it under ``small_root``; their exit codes and what each saw on
+    the small disk (``outcomes``), or why there was none (``no_disk``)."""
+    import socket
+    import subprocess
+
+    base = tmp_path_factory.mktemp("replica_group")
+    disk = base / "disk"
+    no_disk = _mount_small_disk(disk)
+    small_root = None if no_disk else disk / "w0"
+    try:
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+        spawn = multiprocessing.get_context("spawn")
+        queue = spawn.Queue()
+        procs = [spawn.Process(target=_rank, args=(
+            r, port, str(base / "w0"), None if small_root is None else str(small_root), queue))
+            for r in range(2)]
+        for proc in procs:
+            proc.start()
+        outcomes = dict(queue.get(timeout=120) for _ in procs) if small_root else None
+        for proc in procs:
+            proc.join(timeout=120)
+        yield {"root": base / "w0", "exitcodes": [p.exitcode for p in procs],
+               "small_root": small_root, "outcomes": outcomes, "no_disk": no_disk}
+    finally:
+        if small_root is not None:
+            subprocess.run(["umount", str(disk)], capture_output=True)
+
+
+@pytest.fixture(scope="module")
+def written(ranks: dict) -> Path:
+    assert ranks["exitcodes"] == [0, 0]
+    return ranks["root"]
 
 
 def test_each_step_is_one_directory_whose_every_file_has_a_digest(written):
@@ -129,13 +171,11 @@ def test_a_replica_whose_state_the_parts_do_not_fit_is_told_which_to_resume_with
     sync.close()
 
 
-def _rank_on_a_small_disk(rank: int, port: int, root: str, queue) -> None:  # noqa: ANN001
+def _rank_on_a_small_disk(rank: int, root: str, queue) -> None:  # noqa: ANN001
     import torch.distributed as dist
 
     from farlink.state.checkpoint import DiskFull
 
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=2)
     big = {"global.w": torch.full((1_000_000,), float(rank))}  # 4 MB per rank and step
     outcomes = []
     for step in (10, 20):
@@ -154,46 +194,21 @@ def _rank_on_a_small_disk(rank: int, port: int, root: str, queue) -> None:  # no
     os._exit(0)  # as a replica group's rank leaves (farlink.worker.exit_process): no teardown
 
 
-def test_a_full_disk_stops_every_rank_and_keeps_the_previous_step(tmp_path):
+def test_a_full_disk_stops_every_rank_and_keeps_the_previous_step(ranks: dict) -> None:
     """Room for one step (8 MB) but not two: both ranks raise DiskFull, naming the directory,
     the partial write is removed, and the step before stays the newest and loads."""
-    import shutil
-    import socket
-    import subprocess
-
-    if os.geteuid() != 0 or shutil.which("mount") is None:
-        pytest.skip("a real full disk needs a tmpfs mount, which needs root")
-    disk = tmp_path / "disk"
-    disk.mkdir()
-    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=12m", "tmpfs", str(disk)],
-                             capture_output=True, text=True)
-    if mounted.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.strip()}")
-    try:
-        with socket.socket() as sock:
-            sock.bind(("127.0.0.1", 0))
-            port = sock.getsockname()[1]
-        spawn = multiprocessing.get_context("spawn")
-        queue = spawn.Queue()
-        root = disk / "w0"
-        procs = [spawn.Process(target=_rank_on_a_small_disk, args=(r, port, str(root), queue))
-                 for r in range(2)]
-        for proc in procs:
-            proc.start()
-        outcomes = dict(queue.get(timeout=120) for _ in procs)
-        for proc in procs:
-            proc.join(timeout=60)
-        assert [p.exitcode for p in procs] == [0, 0]
-        for rank in (0, 1):
-            assert outcomes[rank][0] == "saved"
-            assert outcomes[rank][1].startswith(f"disk full: disk full writing checkpoint under "
-                                                f"{root}"), outcomes
-        assert sorted(p.name for p in root.iterdir()) == ["LATEST", "step-0000010"]
-        assert (root / "LATEST").read_text() == "step-0000010"
-        tensors, _ = load_checkpoint(root / "step-0000010", rank=1)
-        assert torch.equal(tensors["global.w"], torch.ones(1_000_000))
-    finally:
-        subprocess.run(["umount", str(disk)], capture_output=True)
+    if ranks["no_disk"]:
+        pytest.skip(ranks["no_disk"])
+    root, outcomes = ranks["small_root"], ranks["outcomes"]
+    assert ranks["exitcodes"] == [0, 0]
+    for rank in (0, 1):
+        assert outcomes[rank][0] == "saved"
+        assert outcomes[rank][1].startswith(f"disk full: disk full writing checkpoint under "
+                                            f"{root}"), outcomes
+    assert sorted(p.name for p in root.iterdir()) == ["LATEST", "step-0000010"]
+    assert (root / "LATEST").read_text() == "step-0000010"
+    tensors, _ = load_checkpoint(root / "step-0000010", rank=1)
+    assert torch.equal(tensors["global.w"], torch.ones(1_000_000))
 
 
 def test_a_replica_group_beside_per_rank_checkpoints_of_the_earlier_layout_refuses_to_start_over(

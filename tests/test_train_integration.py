@@ -1,7 +1,7 @@
-"""Whole runs on localhost: one with a Lighthouse and worker processes (the torchft backend's
-end-to-end run), the others with their workers as threads (``farlink.testing``) against
-torchft's real Lighthouse and Gloo, on the smallest model where the assertion is about
-agreement or time, not about learning."""
+"""Whole runs on localhost with their workers as threads (``farlink.testing``) against torchft's
+real Lighthouse and Gloo, on the smallest model. A run of worker processes and a Lighthouse
+process through the CLI, to its end: test_orphans.py::
+test_sigkilled_launcher_leaves_no_process_and_resume_finishes[torchft] (its ``--resume`` run)."""
 
 from __future__ import annotations
 
@@ -14,7 +14,6 @@ from typer.testing import CliRunner
 from farlink.config import ConfigError, load_config
 from farlink.testing.runs import launch_in_threads
 from farlink.train.audit import audit_run
-from farlink.train.launcher import launch
 from farlink.train.metrics import read_metrics
 
 # torchft runs in this process: after every test that forks (see conftest)
@@ -41,8 +40,12 @@ def audit_fingerprint(run_dir: Path) -> str:
 
 
 def test_diloco_three_workers_agree_and_learn(tmp_path: Path, cache_dir: Path) -> None:
-    cfg = small_config(tmp_path, cache_dir, workers=3, steps=60, inner_steps=20, lr=3e-3)
-    result = launch(cfg, show_progress=False)
+    """Workers as threads: a worker process's setup (imports, model, data) was most of this
+    run's cost. The process path (worker processes, the Lighthouse binary, exit codes 0):
+    test_orphans.py::test_sigkilled_launcher_leaves_no_process_and_resume_finishes[torchft]."""
+    cfg = small_config(tmp_path, cache_dir, workers=3, steps=30, inner_steps=10, lr=3e-3,
+                       model="nano")
+    result = launch_in_threads(cfg)
     assert result.returncodes == [0, 0, 0]
     models = final_params(cfg.run_dir)
     assert len(models) == 3
@@ -54,7 +57,8 @@ def test_diloco_three_workers_agree_and_learn(tmp_path: Path, cache_dir: Path) -
     assert audit["consistent"] and audit["outer_steps"] == 3
     first_losses = [r["loss"] for r in read_metrics(cfg.run_dir / "metrics" / "w0.jsonl")
                     if r["kind"] in ("step", "sync")][:1]
-    assert result.summary["final_heldout_loss"] < first_losses[0] - 0.5
+    assert result.summary["final_heldout_loss"] < first_losses[0] - 0.5, (
+        result.summary["final_heldout_loss"], first_losses)
     assert (cfg.run_dir / "model.safetensors").is_file()
     assert (cfg.run_dir / "config.toml").is_file()
     ended = result.summary["final_replicas"]

@@ -1,13 +1,11 @@
-"""Trust with real workers (threads of this process behind a real gated Lighthouse; processes
-for `farlink join` and hivemind): a peer holding the wrong run secret (or a key the run never
+"""Trust with real workers (threads of this process behind a real gated Lighthouse; `farlink
+join` through typer's runner in this process; processes for hivemind): a peer holding the wrong run secret (or a key the run never
 listed) is refused at the Lighthouse gate and never enters a round, and a peer sending NaN/huge
 updates is rejected by the honest peers, who keep agreeing and learning."""
 
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -102,9 +100,16 @@ def test_wrong_secret_peer_is_refused_at_the_gate(tmp_path: Path, cache_dir: Pat
     assert summarize(cfg)["evals"][-1]["loss"] < 6.0
 
 
+@pytest.mark.torchft_threads  # the joiner's worker starts in this process
 def test_unlisted_key_is_refused_by_farlink_join(tmp_path: Path, cache_dir: Path) -> None:
     """ed25519: a joiner whose key is valid but not in the run's --allowed-keys gets a clear
-    error and a non-zero exit from `farlink join`, within a bounded time."""
+    error and a non-zero exit from `farlink join`, within a bounded time. The command runs in
+    this process (typer's runner): its message and exit code are the subject, not a process."""
+    import signal
+
+    from typer.testing import CliRunner
+
+    from farlink.cli import app
     from farlink.data import prepare_data
 
     members = tmp_path / "members"
@@ -120,17 +125,20 @@ def test_unlisted_key_is_refused_by_farlink_join(tmp_path: Path, cache_dir: Path
                                   "run_dir": tmp_path / "mallory", "cache_dir": cache_dir})
     write_run_config(impostor)
     lighthouse = gated_lighthouse(run_cfg, tmp_path / "lighthouse.log")
+    # a worker sets its own Ctrl-C handling (stop between steps): this process's is kept
+    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
         start = time.monotonic()
-        proc = subprocess.run(
-            [sys.executable, "-m", "farlink.cli", "join", "--lighthouse", lighthouse.address,
-             "--config", str(impostor.run_dir / "config.toml"), "--index", "3"],
-            check=False, capture_output=True, text=True, timeout=120)
+        proc = CliRunner().invoke(
+            app, ["join", "--lighthouse", lighthouse.address,
+                  "--config", str(impostor.run_dir / "config.toml"), "--index", "3"])
         elapsed = time.monotonic() - start
     finally:
+        for sig, handler in handlers.items():
+            signal.signal(sig, handler)
         refusals = lighthouse.gate.refusals if lighthouse.gate else []
         lighthouse.stop()
-    assert proc.returncode != 0, proc.stdout + proc.stderr
+    assert proc.exit_code != 0, proc.output
     assert "not a member of this run" in proc.stderr and "--allowed-keys" in proc.stderr
     assert elapsed < 60
     assert len(refusals) == 1 and "unknown key" in refusals[0][1]
