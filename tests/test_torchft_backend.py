@@ -1,6 +1,7 @@
 """The torchft collective: torchft's real Lighthouse (served in-process) and replicas as threads
 over real Gloo (``farlink.testing``); the Lighthouse binary and worker processes are covered by
-the end-to-end run in test_train_integration."""
+the ``farlink train`` runs of processes in test_orphans.py (the run whose launcher is SIGKILLed),
+test_resume.py (Ctrl-C) and test_listeners.py."""
 
 from __future__ import annotations
 
