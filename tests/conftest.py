@@ -45,7 +45,11 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     Under ``-n`` (in each xdist worker, whose collection the scheduler follows) the longest
     tests of each part go first (seconds recorded in durations.json; a test not there counts as
     short), so the run does not end with one worker on a minute-long test while the others
-    idle. A run without ``-n`` keeps the files' order: the slow scenarios run serially before a
+    idle. The scheduler hands out two tests at a time (``--maxschedchunk 2`` in the default
+    options): its default first hands each worker a quarter of its share in one consecutive
+    block, which would give one worker all the longest tests. Each worker still takes tests in
+    this order, so the torchft tests stay last on every worker (work stealing would break that:
+    a worker that ran them could take another worker's forking tests). A run without ``-n`` keeps the files' order: the slow scenarios run serially before a
     deadline, where short ones first get more of them done."""
     parallel = hasattr(config, "workerinput")
     seconds = json.loads(DURATIONS.read_text()) if parallel and DURATIONS.exists() else {}
