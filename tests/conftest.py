@@ -85,6 +85,7 @@ def pytest_configure(config: pytest.Config) -> None:
         config.pluginmanager.register(DurationRecorder(), "farlink-durations")
 
 
+@pytest.hookimpl(optionalhook=True)  # xdist's hook: a session without xdist loads this file too
 def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
     """``-n auto``: one worker more than the cores. Many tests spend part of their time waiting
     (a timeout that is their subject, a peer's start, a round over loopback), so with one worker
