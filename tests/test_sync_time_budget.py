@@ -21,7 +21,8 @@ from farlink.sync.exchange import Exchange
 from farlink.sync.schedule import StepSchedule, TimeBudget
 
 TARGET = torch.randn(8, 8, generator=torch.Generator().manual_seed(7)) / 3
-PACE = (0.004, 0.004, 0.02)  # seconds per step: the third replica is 5x slower
+PACE = (0.002, 0.002, 0.05)  # seconds slept per step: the third replica is slower by 0.048 s a
+# step, which keeps it the slowest however much the load slows every step's own compute
 OPTIONS = {"streaming_diloco": {"fragments": 2, "overlap_steps": 1},
            "sparseloco": {"sparseloco_chunk": 16, "sparseloco_topk": 8}}
 
