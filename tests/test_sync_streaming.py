@@ -11,6 +11,7 @@ from torch import nn
 from farlink.codecs import make_compressor
 from farlink.comm.inprocess import InProcessGroup, LinkModel
 from farlink.config import RunConfig
+from farlink.robust.heal import state_fingerprint
 from farlink.sync.exchange import Exchange
 from farlink.sync.streaming import StreamingDiLoCo, assign_fragments, fragment_shift
 
@@ -130,3 +131,32 @@ def test_tau_zero_applies_the_outer_update_in_the_step_it_is_launched() -> None:
     for rank, after in enumerate(_hand_run(1, alpha, 3)):  # tau = 1: one step later
         torch.testing.assert_close(after[1], local[rank])
         torch.testing.assert_close(after[2], alpha * local[rank] + (1 - alpha) * theta1)
+
+
+def test_with_rounds_in_flight_for_a_period_the_served_state_has_every_landed_round() -> None:
+    # --outer-overlap delayed: rounds land and wait for their step, while later rounds run. A
+    # peer healing in a round fetches this replica's state some time after the fingerprint
+    # announced at the quorum; the training thread may have applied landed rounds meanwhile.
+    # Both must be one state: θ with every landed round applied, however many were applied.
+    cfg = RunConfig(algorithm="streaming_diloco", inner_steps=4, fragments=4, steps=16,
+                    warmup_steps=0, outer_overlap="delayed")
+
+    def member(rank: int, coll):  # noqa: ANN001, ANN202
+        model = Blocks()
+        algo = StreamingDiLoCo(model, cfg, coll, Exchange(coll, make_compressor("none"),
+                                                          sender=f"p{rank}"))
+        gen = torch.Generator().manual_seed(1)
+        for _ in range(6):  # rounds of 4 fragments launched, none landed at its step yet
+            x = torch.randn(16, 8, generator=gen)
+            (model(x) - x).pow(2).mean().backward()
+            algo.step(16)
+        for r in algo._queue:
+            r.future.result()  # landed, waiting for their step
+        served = algo.shared_state()
+        algo.finish()  # the training thread applies them
+        return served, algo.shared_state()
+
+    served, applied = InProcessGroup(1).run(member, timeout=60)[0]
+    assert state_fingerprint(served) == state_fingerprint(applied)
+    for name, tensor in applied.items():
+        assert torch.equal(served[name], tensor), name
