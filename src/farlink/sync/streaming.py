@@ -26,6 +26,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections import Counter
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -33,6 +34,7 @@ import torch
 from pydantic import Field
 
 from farlink.comm.base import RoundInfo
+from farlink.comm.errors import CommError
 from farlink.sync.base import Capabilities, StepOutcome, TensorState, load_optimizer_state
 from farlink.sync.diloco import DiLoCo, DiLoCoOptions
 from farlink.sync.exchange import ExchangeResult
@@ -194,6 +196,11 @@ class StreamingDiLoCo(DiLoCo):
         def build(info: RoundInfo) -> dict[str, torch.Tensor]:
             if info.healed:
                 inflight.healed = True
+            if self._period_in_flight and info.world_size > 1:
+                agreed = self._round_fragment(inflight.fragment, info)
+                if agreed != inflight.fragment:
+                    return self._nothing_for(agreed)
+            if info.healed:
                 return self._nothing_for(inflight.fragment)
             return snapshot
 
@@ -215,6 +222,30 @@ class StreamingDiLoCo(DiLoCo):
 
         inflight.future = self._executor.submit(run)
         self._queue.append(inflight)
+
+    def _round_fragment(self, fragment: int, info: RoundInfo) -> int:
+        """The fragment this round carries, as its members agree (``fragment``: this
+        replica's). With rounds in flight for a period, a member left out of a round that then
+        failed on the others meets their next fragment's round at the same round id; summing
+        one fragment with another would abort in Gloo (other sizes) or mix unlike tensors. So
+        the members compare fragments first: if they differ, every member fails the round (all
+        see the same list), sends zeros of the fragment most members hold (ties: the lowest),
+        so no collective meets tensors of another size, and a member that held another one
+        steps its committed round back by one: the round's retry, or the next round, heals it
+        from a member at the group's round, whose state names that fragment."""
+        held = [int(raw) for raw in self.collective.all_gather_bytes(str(fragment).encode())
+                if raw]
+        if len(set(held)) <= 1:
+            return fragment
+        counts = Counter(held)
+        agreed = min(counts, key=lambda f: (-counts[f], f))
+        self.collective.fail_round(CommError(
+            f"round {info.round_id}: its members hold the rounds of fragments {held} (a member "
+            f"left out of a failed round meets the next one); the round fails and the members "
+            f"not at fragment {agreed} heal from the others"))
+        if fragment != agreed:
+            self.collective.load_committed_step(max(0, info.round_id - 1))
+        return agreed
 
     def _nothing_for(self, fragment: int) -> dict[str, torch.Tensor]:
         """A healed replica's update: zeros, for the fragment the group's round carries (with
