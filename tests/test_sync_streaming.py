@@ -9,8 +9,10 @@ import torch
 from torch import nn
 
 from farlink.codecs import make_compressor
+from farlink.comm.base import RoundInfo
 from farlink.comm.inprocess import InProcessGroup, LinkModel
 from farlink.config import RunConfig
+from farlink.robust.heal import state_fingerprint
 from farlink.sync.exchange import Exchange
 from farlink.sync.streaming import StreamingDiLoCo, assign_fragments, fragment_shift
 
@@ -130,3 +132,78 @@ def test_tau_zero_applies_the_outer_update_in_the_step_it_is_launched() -> None:
     for rank, after in enumerate(_hand_run(1, alpha, 3)):  # tau = 1: one step later
         torch.testing.assert_close(after[1], local[rank])
         torch.testing.assert_close(after[2], alpha * local[rank] + (1 - alpha) * theta1)
+
+
+def test_with_rounds_in_flight_for_a_period_the_served_state_has_every_landed_round() -> None:
+    # --outer-overlap delayed: rounds land and wait for their step, while later rounds run. A
+    # peer healing in a round fetches this replica's state some time after the fingerprint
+    # announced at the quorum; the training thread may have applied landed rounds meanwhile.
+    # Both must be one state: θ with every landed round applied, however many were applied.
+    cfg = RunConfig(algorithm="streaming_diloco", inner_steps=4, fragments=4, steps=16,
+                    warmup_steps=0, outer_overlap="delayed")
+
+    def member(rank: int, coll):  # noqa: ANN001, ANN202
+        model = Blocks()
+        algo = StreamingDiLoCo(model, cfg, coll, Exchange(coll, make_compressor("none"),
+                                                          sender=f"p{rank}"))
+        gen = torch.Generator().manual_seed(1)
+        for _ in range(6):  # rounds of 4 fragments launched, none landed at its step yet
+            x = torch.randn(16, 8, generator=gen)
+            (model(x) - x).pow(2).mean().backward()
+            algo.step(16)
+        for r in algo._queue:
+            r.future.result()  # landed, waiting for their step
+        served = algo.shared_state()
+        algo.finish()  # the training thread applies them
+        return served, algo.shared_state()
+
+    served, applied = InProcessGroup(1).run(member, timeout=60)[0]
+    assert state_fingerprint(served) == state_fingerprint(applied)
+    for name, tensor in applied.items():
+        assert torch.equal(served[name], tensor), name
+
+
+def test_a_member_at_another_fragment_of_the_same_round_fails_it_cleanly_and_heals() -> None:
+    # --outer-overlap delayed: a member left out of a round that then failed on the others
+    # meets their next fragment's round under the same round id. Here member 2 skips
+    # fragment 0 in the second period, so its round of fragment 1 meets the others' round of
+    # fragment 0. Summing them would fail in the collective (other sizes); the members
+    # compare fragments first, fail that round everywhere, and member 2 heals in its retry.
+    cfg = RunConfig(algorithm="streaming_diloco", inner_steps=4, fragments=4, steps=16,
+                    warmup_steps=0, outer_overlap="delayed")
+    init_lock = threading.Lock()
+
+    def member(rank: int, coll):  # noqa: ANN001, ANN202
+        with init_lock:
+            model = Blocks()
+        algo = StreamingDiLoCo(model, cfg, coll, Exchange(coll, make_compressor("none"),
+                                                          sender=f"p{rank}"))
+        rounds = []
+        begin_round = coll.begin_round
+
+        def recorded(*args, **kwargs) -> RoundInfo:
+            info = begin_round(*args, **kwargs)
+            rounds.append((info.round_id, info.healed))
+            return info
+
+        coll.begin_round = recorded
+        gen = torch.Generator().manual_seed(rank + 1)
+        while not algo.finished():
+            x = torch.randn(16, 8, generator=gen)
+            (model(x) - x).pow(2).mean().backward()
+            algo.step(16)
+            if rank == 2 and algo.inner_steps_done == 4:
+                algo.launched_in_period = 1  # fragment 0 is skipped in the next period
+        algo.finish()
+        return (algo.fingerprint(), algo.outer_step, algo.inner_steps_done, rounds,
+                coll.stats.failed_rounds, [g.clone() for g in algo.global_params])
+
+    results = InProcessGroup(3).run(member, timeout=60)
+    fingerprint, outer_step, _, _, _, committed = results[0]
+    assert [healed for _, healed in results[2][3]].count(True) == 1, results[2][3]
+    assert (4, True) in results[2][3], results[2][3]  # healed in the failed round's retry
+    for rank, (fp, step, inner, _, failed, params) in enumerate(results):
+        assert failed == 1, (rank, failed)
+        assert (fp, step, inner) == (fingerprint, outer_step, 16), rank
+        for a, b in zip(params, committed):
+            assert torch.equal(a, b), rank

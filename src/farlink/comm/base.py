@@ -38,6 +38,10 @@ class RoundInfo:
     #: commits nothing, and goes on with its local update
     skipped: bool = False
     peers: list[str] = field(default_factory=list)  # participant ids, in rank order
+    #: the ``round_tag`` of every participant that holds the group's round (those behind it
+    #: heal), where the backend carries them in its quorum (torchft, in-process); None where it
+    #: does not. An algorithm whose rounds differ in what they carry checks them agree
+    tags: list[str | None] | None = None
 
 
 @dataclass
@@ -96,6 +100,10 @@ class Collective(ABC):
     exact_all_reduce: bool = True
     #: how long ``begin_round`` waits for a quorum (s) unless the call says otherwise
     quorum_timeout: float = 120.0
+    #: what this member's next round carries (Streaming DiLoCo: its fragment), set by the
+    #: algorithm before the round; a backend that gathers announcements at the quorum adds it
+    #: to them at no cost and hands them back in ``RoundInfo.tags``
+    round_tag: str | None = None
     #: a round's group may be smaller than the swarm (hivemind's Moshpit groups): members of
     #: different groups then hold different states at one round number, and an algorithm that
     #: runs in such groups averages its committed state within each group

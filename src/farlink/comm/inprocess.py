@@ -145,7 +145,8 @@ class InProcessCollective(Collective):
     def begin_round(self, final: bool = False, *, joining: bool = False,
                     timeout: float | None = None) -> RoundInfo:
         # one group that every member meets (final is moot), without timeouts or fingerprints
-        steps = self.group.exchange(self.rank, self.committed_rounds)
+        held = self.group.exchange(self.rank, (self.committed_rounds, self.round_tag))
+        steps = [None if h is None else h[0] for h in held]
         healed = False
         leader = max((r for r in range(self.group.size) if steps[r] is not None),
                      key=lambda r: steps[r])
@@ -156,7 +157,8 @@ class InProcessCollective(Collective):
             self._set_state(states[leader])
             self.committed_rounds = steps[leader]
             healed = True
-        return RoundInfo(self.committed_rounds, self.rank, self.group.size, healed)
+        tags = [h[1] for h in held if h is not None and h[0] == steps[leader]]
+        return RoundInfo(self.committed_rounds, self.rank, self.group.size, healed, tags=tags)
 
     @property
     def emulated_link(self) -> LinkModel | None:

@@ -74,8 +74,8 @@ def _is_tensor_state(state: object) -> bool:
 
 def _parse_announcement(raw: bytes) -> tuple:
     """(pre-quorum step, fingerprint, replica id, checkpoint address, (step, fingerprint) of the
-    state torchft fetched or None) from a participant's announcement; a malformed one holds no
-    round (-1) and offers nothing."""
+    state torchft fetched or None, round tag or None) from a participant's announcement; a
+    malformed one holds no round (-1) and offers nothing."""
     try:
         a = msgpack.unpackb(raw)
         fetched = a[4]
@@ -84,10 +84,11 @@ def _parse_announcement(raw: bytes) -> tuple:
             fetched = None
         address = a[3] if isinstance(a[3], str) and a[3].startswith(("http://", "https://")) \
             else None
+        tag = str(a[5])[:80] if len(a) > 5 and a[5] is not None else None
         return (int(a[0]), a[1] if isinstance(a[1], str) else None, str(a[2])[:80], address,
-                tuple(fetched) if fetched else None)
+                tuple(fetched) if fetched else None, tag)
     except Exception:  # noqa: BLE001 - a malformed announcement holds no round
-        return (-1, None, "?", None, None)
+        return (-1, None, "?", None, None, None)
 
 
 class QuorumUnavailable(RuntimeError):
@@ -203,6 +204,7 @@ class TorchftCollective(Collective):
         self.round_timeout = round_timeout
         self._transport = transport  # torchft's checkpoint transport, also for catching up
         self._healed = False
+        self._round_tags: list[str | None] | None = None  # the group's, this round
         self._stash: dict | None = None  # a state torchft fetched, until it is checked
         self._fingerprint: tuple[int, str] | None = None  # (step, fingerprint) of our state
         self._last_commit_at: float | None = None  # for plausibility (farlink.robust.heal)
@@ -274,6 +276,7 @@ class TorchftCollective(Collective):
                                             or self._fingerprint[0] != step):
             self._fingerprint = (step, state_fingerprint(self._get_state()))
         self._stash = None
+        self._round_tags = None
         self._start_quorum()
         self._check_heal(step, batches)
         rank = self.manager.participating_rank()
@@ -282,6 +285,7 @@ class TorchftCollective(Collective):
             rank=rank if rank is not None else 0,
             world_size=max(1, self.manager.num_participants()),
             healed=self._healed,
+            tags=self._round_tags,
         )
 
     def _check_heal(self, step: int, batches: int) -> None:
@@ -294,11 +298,12 @@ class TorchftCollective(Collective):
             fetched = [target, state_fingerprint(stash)]
         mine = [step, self._fingerprint[1] if self._fingerprint and not self._joining else None,
                 self.replica_id,
-                self._transport.metadata(), fetched]
+                self._transport.metadata(), fetched, self.round_tag]
         gathered = self._gather_quiet(msgpack.packb(mine))
         announced = [_parse_announcement(raw) for raw in gathered]
         plan = plan_heal([a[0] for a in announced], [a[1] for a in announced],
                          list(range(len(announced))))
+        self._round_tags = [a[5] for a in announced if a[0] == plan.round_id]
         catch_up = None
         if self.manager.errored() is None and len(announced) == self.manager.num_participants():
             catch_up = plan_catch_up([a[0] for a in announced], [a[1] for a in announced],

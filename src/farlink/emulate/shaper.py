@@ -103,6 +103,14 @@ class ShapedCollective(Collective):
     def quorum_timeout(self) -> float:
         return self.inner.quorum_timeout
 
+    @property
+    def round_tag(self) -> str | None:  # the backend carries it in its quorum
+        return self.inner.round_tag
+
+    @round_tag.setter
+    def round_tag(self, tag: str | None) -> None:
+        self.inner.round_tag = tag
+
 
     def load_committed_step(self, step: int) -> None:
         self.inner.load_committed_step(step)

@@ -26,6 +26,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections import Counter
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -33,7 +34,8 @@ import torch
 from pydantic import Field
 
 from farlink.comm.base import RoundInfo
-from farlink.sync.base import Capabilities, StepOutcome, TensorState
+from farlink.comm.errors import CommError
+from farlink.sync.base import Capabilities, StepOutcome, TensorState, load_optimizer_state
 from farlink.sync.diloco import DiLoCo, DiLoCoOptions
 from farlink.sync.exchange import ExchangeResult
 
@@ -118,6 +120,8 @@ class StreamingDiLoCo(DiLoCo):
         self._period_in_flight = self.delay >= cfg.inner_steps
         #: heals adopted so far: a round launched before the last one belongs to the old state
         self._heals_adopted = 0
+        #: the round the communication thread runs now (a heal arriving in it marks it)
+        self._running: _InFlight | None = None
 
     def members(self, fragment: int) -> list[int]:
         return [i for i, f in enumerate(self.fragment_of) if f == fragment]
@@ -192,7 +196,14 @@ class StreamingDiLoCo(DiLoCo):
         def build(info: RoundInfo) -> dict[str, torch.Tensor]:
             if info.healed:
                 inflight.healed = True
-                return self._nothing_for(fragment)
+            if self._period_in_flight:  # a retry announces the fragment it now carries
+                self.collective.round_tag = str(inflight.fragment)
+            if self._period_in_flight and info.world_size > 1:
+                agreed = self._round_fragment(inflight.fragment, info)
+                if agreed != inflight.fragment:
+                    return self._nothing_for(agreed)
+            if info.healed:
+                return self._nothing_for(inflight.fragment)
             return snapshot
 
         def run() -> tuple[bool, float, RoundInfo | None, ExchangeResult | None]:
@@ -202,21 +213,50 @@ class StreamingDiLoCo(DiLoCo):
                 # group's rounds are the old state's; it is dropped, not run (farlink.sync.delayed)
                 return False, 0.0, None, None
             results: list[ExchangeResult] = []
-            committed, seconds, info = self.run_round(
-                build, lambda result, info: results.append(result), weight
-            )
+            self._running = inflight
+            if self._period_in_flight:  # what the quorum compares (:meth:`_round_fragment`)
+                self.collective.round_tag = str(inflight.fragment)
+            try:
+                committed, seconds, info = self.run_round(
+                    build, lambda result, info: results.append(result), weight
+                )
+            finally:
+                self._running = None
+                self.collective.round_tag = None
             return committed, seconds, info, results[0] if results else None
 
         inflight.future = self._executor.submit(run)
         self._queue.append(inflight)
 
+    def _round_fragment(self, fragment: int, info: RoundInfo) -> int:
+        """The fragment this round carries, as its members agree (``fragment``: this
+        replica's). With rounds in flight for a period, a member left out of a round that then
+        failed on the others meets their next fragment's round at the same round id; summing
+        one fragment with another would abort in Gloo (other sizes) or mix unlike tensors. So
+        the members compare fragments first: if they differ, every member fails the round (all
+        see the same list), sends zeros of the fragment most members hold (ties: the lowest),
+        so no collective meets tensors of another size, and a member that held another one
+        steps its committed round back by one: the round's retry, or the next round, heals it
+        from a member at the group's round, whose state names that fragment. The fragments
+        travel in the quorum's own announcements (``round_tag``, ``RoundInfo.tags``: no extra
+        round trip); a backend that does not carry them (hivemind) is not checked."""
+        held = [int(tag) for tag in info.tags or [] if tag is not None]
+        if len(set(held)) <= 1:
+            return fragment
+        counts = Counter(held)
+        agreed = min(counts, key=lambda f: (-counts[f], f))
+        self.collective.fail_round(CommError(
+            f"round {info.round_id}: its members hold the rounds of fragments {held} (a member "
+            f"left out of a failed round meets the next one); the round fails and the members "
+            f"not at fragment {agreed} heal from the others"))
+        if fragment != agreed:
+            self.collective.load_committed_step(max(0, info.round_id - 1))
+        return agreed
+
     def _nothing_for(self, fragment: int) -> dict[str, torch.Tensor]:
         """A healed replica's update: zeros, for the fragment the group's round carries (with
-        rounds in flight for a period, the heal names it; this replica's own may be another)."""
-        with self._lock:
-            state = self._pending_heal
-        if state is not None and "schedule.fragment" in state:
-            fragment = int(state["schedule.fragment"])
+        rounds in flight for a period, the heal named it: :meth:`load_shared_state` put it in
+        the round, since this replica's own may be another)."""
         return {self.names[i]: torch.zeros_like(self.global_params[i])
                 for i in self.members(fragment)}
 
@@ -252,14 +292,20 @@ class StreamingDiLoCo(DiLoCo):
     def _apply_fragment(self, fragment: int, result: ExchangeResult) -> None:
         idx = self.members(fragment)
         alpha = self.cfg.mix_alpha
-        if result.total_weight > 0:
-            for i in idx:
-                self.global_params[i].grad = result.tensors[self.names[i]].to(torch.float32)
-            self.outer_opt.step()  # params without a grad (other fragments) are skipped
-            self.outer_opt.zero_grad(set_to_none=True)
+        self._outer_step_of(fragment, result, self.global_params, self.outer_opt)
         with torch.no_grad():
             for i in idx:
                 self.params[i].mul_(alpha).add_(self.global_params[i], alpha=1 - alpha)
+
+    def _outer_step_of(self, fragment: int, result: ExchangeResult, params: list[torch.Tensor],
+                       opt: torch.optim.Optimizer) -> None:
+        """The outer step of ``fragment`` with its round's average, on ``params`` (θ or a copy)."""
+        if result.total_weight <= 0:
+            return
+        for i in self.members(fragment):
+            params[i].grad = result.tensors[self.names[i]].to(torch.float32)
+        opt.step()  # params without a grad (other fragments) are skipped
+        opt.zero_grad(set_to_none=True)
 
     # --- state ---------------------------------------------------------------------------------
     def shared_state(self) -> TensorState:
@@ -269,42 +315,53 @@ class StreamingDiLoCo(DiLoCo):
             # peer adopts it
             state["schedule.rounds_launched"] = torch.tensor(self.rounds_launched)
             if self._period_in_flight:
-                state.update(self._rounds_in_flight())
+                state.update(self._rounds_in_flight(state))
         return state
 
-    def _rounds_in_flight(self) -> TensorState:
+    def _rounds_in_flight(self, state: TensorState) -> TensorState:
         """With rounds in flight for a period, θ lacks the rounds that landed and wait for
-        their step, and the round being run (the one a peer heals in) is one of several: the
-        state names that round's fragment and launch (step, rounds launched), and carries the
-        landed rounds' averages, so the healed peer applies each where this replica does.
-        Under ``schedule.``: a replica's place in its rounds, not its committed fingerprint."""
+        their step (the training thread applies each at its step, concurrently with the round
+        being run), and that round (the one a peer heals in) is one of several. The committed
+        state of round k is θ with every round before k applied, whatever this replica's
+        training thread has applied so far: the landed rounds are applied here, to copies, so
+        every member at round k announces one fingerprint and serves the state it announced
+        (torchft fetches it later in the round, after more may have been applied). Under
+        ``schedule.``: the running round's fragment and launch (step, rounds launched), where
+        the healed peer takes its place among the rounds in flight."""
         queue = list(self._queue)
-        running = next((i for i, r in enumerate(queue) if not r.future.done()), None)
-        if running is None:
-            return {}
+        running = next((i for i, r in enumerate(queue) if not r.future.done()), len(queue))
+        landed = [(r.fragment, r.future.result()) for r in queue[:running]]
+        landed = [(fragment, result) for fragment, (committed, _, _, result) in landed
+                  if committed and result is not None]
+        if landed:
+            params = [state[f"global.{n}"] for n in self.names]  # copies already
+            opt = self.make_outer_optimizer(params)
+            load_optimizer_state(opt, state, "outer")
+            for fragment, result in landed:
+                self._outer_step_of(fragment, result, params, opt)
+            state.update(self.global_state(params, opt))
+        if running == len(queue):
+            return state
         now = queue[running]
-        state = {"schedule.fragment": torch.tensor(now.fragment),
-                 "schedule.inner_steps": torch.tensor(now.apply_at - self.delay),
-                 "schedule.rounds_launched": torch.tensor(now.launched)}
-        for i, landed in enumerate(queue[:running]):
-            committed, _, _, result = landed.future.result()
-            key = f"schedule.landed.{i}"
-            state[f"{key}.fragment"] = torch.tensor(landed.fragment)
-            state[f"{key}.apply_at"] = torch.tensor(landed.apply_at)
-            state[f"{key}.committed"] = torch.tensor(int(committed and result is not None))
-            if committed and result is not None:
-                state[f"{key}.weight"] = torch.tensor(result.total_weight)
-                state.update({f"{key}.avg.{self.names[j]}": result.tensors[self.names[j]].clone()
-                              for j in self.members(landed.fragment)})
-        return state
+        return {**state, "schedule.fragment": torch.tensor(now.fragment),
+                "schedule.inner_steps": torch.tensor(now.apply_at - self.delay),
+                "schedule.rounds_launched": torch.tensor(now.launched)}
 
     def load_shared_state(self, state: TensorState) -> None:
         """Healing may arrive on the communication thread: defer it to the training thread."""
         if threading.current_thread() is threading.main_thread():
             self._adopt(state)
-        else:
-            with self._lock:
-                self._pending_heal = state
+            return
+        with self._lock:
+            running = self._running
+            if self._period_in_flight and running is not None:
+                # the round this replica heals in is the group's round of the fragment the
+                # sender names: marked before the training thread can see the heal, so its
+                # build sends zeros of that fragment and the rejoin finds it (farlink's heal
+                # arrives between quorum and build, on this thread)
+                running.healed = True
+                running.fragment = int(state.get("schedule.fragment", running.fragment))
+            self._pending_heal = state
 
     def _apply_heal(self, fragment: int | None = None) -> bool:
         """Adopt a state that arrived during the round of ``fragment`` (default: the one in
@@ -327,28 +384,17 @@ class StreamingDiLoCo(DiLoCo):
     def _rejoin(self, state: TensorState) -> None:
         """Healed with rounds in flight for a period (--outer-overlap delayed; the lagging
         worker of farlink.sync.delayed): stand where the sender launched the round this
-        replica healed in. θ, the counters and that round's fragment and launch are the
-        sender's; the rounds that had landed there and wait for their step are applied at it,
-        and so is the healing round, as that fragment's; this replica's other rounds belong to
-        its old state and are dropped (those not yet run skip their round)."""
+        replica healed in. θ (with the rounds that had landed there already applied:
+        :meth:`_rounds_in_flight`), the counters and that round's fragment and launch are the
+        sender's; the healing round is applied at the sender's step, as that fragment's; this
+        replica's other rounds belong to its old state and are dropped (those not yet run skip
+        their round)."""
         healing = next((r for r in self._queue if r.healed), None)
         self._heals_adopted += 1
         with self.state_lock:
             self._adopt(state)
-        queue, i = [], 0
-        while f"schedule.landed.{i}.fragment" in state:
-            key, i = f"schedule.landed.{i}", i + 1
-            fragment = int(state[f"{key}.fragment"])
-            result = None
-            if int(state[f"{key}.committed"]):
-                result = ExchangeResult({self.names[j]: state[f"{key}.avg.{self.names[j]}"]
-                                         for j in self.members(fragment)},
-                                        float(state[f"{key}.weight"]))
-            landed: Future = Future()
-            landed.set_result((result is not None, 0.0, None, result))
-            queue.append(_InFlight(fragment, landed, int(state[f"{key}.apply_at"])))
+        queue = []
         if healing is not None and "schedule.fragment" in state:
-            healing.fragment = int(state["schedule.fragment"])
             healing.apply_at = self.inner_steps_done + self.delay
             queue.append(healing)
             if healing.future.done():  # its commit counts (the sender's counter preceded it)
