@@ -38,9 +38,9 @@ class RoundInfo:
     #: commits nothing, and goes on with its local update
     skipped: bool = False
     peers: list[str] = field(default_factory=list)  # participant ids, in rank order
-    #: the ``round_tag`` of every participant that holds the group's round (those behind it
-    #: heal), where the backend carries them in its quorum (torchft, in-process); None where it
-    #: does not. An algorithm whose rounds differ in what they carry checks them agree
+    #: the ``tag`` (``begin_round``) of every participant that holds the group's round (those
+    #: behind it heal), where the backend carries them in its quorum (torchft, in-process); None
+    #: where it does not. An algorithm whose rounds differ in what they carry checks them agree
     tags: list[str | None] | None = None
 
 
@@ -100,10 +100,6 @@ class Collective(ABC):
     exact_all_reduce: bool = True
     #: how long ``begin_round`` waits for a quorum (s) unless the call says otherwise
     quorum_timeout: float = 120.0
-    #: what this member's next round carries (Streaming DiLoCo: its fragment), set by the
-    #: algorithm before the round; a backend that gathers announcements at the quorum adds it
-    #: to them at no cost and hands them back in ``RoundInfo.tags``
-    round_tag: str | None = None
     #: a round's group may be smaller than the swarm (hivemind's Moshpit groups): members of
     #: different groups then hold different states at one round number, and an algorithm that
     #: runs in such groups averages its committed state within each group
@@ -143,7 +139,7 @@ class Collective(ABC):
 
     @abstractmethod
     def begin_round(self, final: bool = False, *, joining: bool = False,
-                    timeout: float | None = None) -> RoundInfo:
+                    timeout: float | None = None, tag: str | None = None) -> RoundInfo:
         """Agree on the participants of the next round; heal this worker if it is behind.
         ``final``: the run's last round; a backend whose groups are smaller than the swarm
         (hivemind's Moshpit groups) forms it with every live peer, so the run ends on one
@@ -154,7 +150,10 @@ class Collective(ABC):
         run at round 0 do count, so a member claiming a far round cannot outvote them.
         ``timeout``: this round's wait for a quorum (default :attr:`quorum_timeout`); a
         newcomer waits for the members' next round, however long their rounds are.
-        Both are arguments of the round, not state set on the collective, so a wrapper passes
+        ``tag``: what this member's round carries (Streaming DiLoCo: its fragment); a backend
+        that gathers announcements at the quorum (torchft, in-process) adds it to them at no
+        cost and hands the members' tags back in ``RoundInfo.tags``; others ignore it.
+        These are arguments of the round, not state set on the collective, so a wrapper passes
         them on and nothing has to be restored after the round."""
 
     def expect_round(self, in_seconds: float, final: bool = False) -> None:

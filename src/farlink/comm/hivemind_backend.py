@@ -490,7 +490,7 @@ class HivemindCollective(Collective):
         return self.final_group_size is not None  # Moshpit groups (--group-size)
 
     def begin_round(self, final: bool = False, *, joining: bool = False,
-                    timeout: float | None = None) -> RoundInfo:
+                    timeout: float | None = None, tag: str | None = None) -> RoundInfo:
         start = time.perf_counter()
         group = self.find_group(final, joining=joining, timeout=timeout)
         info = self.enter_group(self.alone()) if group is None else self.enter_group(group)

@@ -120,7 +120,7 @@ class HivemindReplicaGroupCollective(Collective):
             self.peer.expect_round(in_seconds, final)
 
     def begin_round(self, final: bool = False, *, joining: bool = False,
-                    timeout: float | None = None) -> RoundInfo:
+                    timeout: float | None = None, tag: str | None = None) -> RoundInfo:
         start = time.perf_counter()
         found: list[Any] = [None]
         failure = None

@@ -143,9 +143,9 @@ class InProcessCollective(Collective):
         self.failure: Exception | None = None  # why this member failed the current round
 
     def begin_round(self, final: bool = False, *, joining: bool = False,
-                    timeout: float | None = None) -> RoundInfo:
+                    timeout: float | None = None, tag: str | None = None) -> RoundInfo:
         # one group that every member meets (final is moot), without timeouts or fingerprints
-        held = self.group.exchange(self.rank, (self.committed_rounds, self.round_tag))
+        held = self.group.exchange(self.rank, (self.committed_rounds, tag))
         steps = [None if h is None else h[0] for h in held]
         healed = False
         leader = max((r for r in range(self.group.size) if steps[r] is not None),
@@ -295,12 +295,12 @@ class DrivenMember(Collective):
         self._round_collective: InProcessCollective | None = None
 
     def begin_round(self, final: bool = False, *, joining: bool = False,
-                    timeout: float | None = None) -> RoundInfo:
+                    timeout: float | None = None, tag: str | None = None) -> RoundInfo:
         current = self._round_collective = self.group.collective_of(self.id)
         current.stats = self.stats  # the bytes this member sends, whichever round it was in
         current.committed_rounds = self.committed_rounds
         current.register_state(self._get_state, self._set_state)
-        info = current.begin_round(final)
+        info = current.begin_round(final, tag=tag)
         self.committed_rounds = current.committed_rounds
         return info
 

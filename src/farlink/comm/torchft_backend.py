@@ -264,7 +264,8 @@ class TorchftCollective(Collective):
 
     # --- rounds --------------------------------------------------------------------------------
     def begin_round(self, final: bool = False, *, joining: bool = False,
-                    timeout: float | None = None) -> RoundInfo:  # one quorum: final is moot
+                    timeout: float | None = None,
+                    tag: str | None = None) -> RoundInfo:  # one quorum: final is moot
         self._joining = joining
         self._quorum_wait = self.quorum_timeout if timeout is None else timeout
         self._adapt_timeout()
@@ -278,7 +279,7 @@ class TorchftCollective(Collective):
         self._stash = None
         self._round_tags = None
         self._start_quorum()
-        self._check_heal(step, batches)
+        self._check_heal(step, batches, tag)
         rank = self.manager.participating_rank()
         return RoundInfo(
             round_id=self.manager.current_step(),
@@ -288,7 +289,7 @@ class TorchftCollective(Collective):
             tags=self._round_tags,
         )
 
-    def _check_heal(self, step: int, batches: int) -> None:
+    def _check_heal(self, step: int, batches: int, tag: str | None = None) -> None:
         """Adopt what torchft fetched only if the participants' announcements back it (see the
         module docstring); otherwise keep this replica's state and step, and name the source."""
         stash, self._stash = self._stash, None
@@ -298,7 +299,7 @@ class TorchftCollective(Collective):
             fetched = [target, state_fingerprint(stash)]
         mine = [step, self._fingerprint[1] if self._fingerprint and not self._joining else None,
                 self.replica_id,
-                self._transport.metadata(), fetched, self.round_tag]
+                self._transport.metadata(), fetched, tag]
         gathered = self._gather_quiet(msgpack.packb(mine))
         announced = [_parse_announcement(raw) for raw in gathered]
         plan = plan_heal([a[0] for a in announced], [a[1] for a in announced],

@@ -103,21 +103,13 @@ class ShapedCollective(Collective):
     def quorum_timeout(self) -> float:
         return self.inner.quorum_timeout
 
-    @property
-    def round_tag(self) -> str | None:  # the backend carries it in its quorum
-        return self.inner.round_tag
-
-    @round_tag.setter
-    def round_tag(self, tag: str | None) -> None:
-        self.inner.round_tag = tag
-
 
     def load_committed_step(self, step: int) -> None:
         self.inner.load_committed_step(step)
 
     def begin_round(self, final: bool = False, *, joining: bool = False,
-                    timeout: float | None = None) -> RoundInfo:
-        info = self.inner.begin_round(final, joining=joining, timeout=timeout)
+                    timeout: float | None = None, tag: str | None = None) -> RoundInfo:
+        info = self.inner.begin_round(final, joining=joining, timeout=timeout, tag=tag)
         self._world = info.world_size
         return info
 

@@ -567,11 +567,14 @@ class SyncAlgorithm(ABC):
         optimizer.zero_grad(set_to_none=True)
 
     def run_round(
-        self, build: callable, apply: callable, weight: float, before: bool = True
+        self, build: callable, apply: callable, weight: float, before: bool = True,
+        tag: Callable[[], str | None] | None = None,
     ) -> tuple[bool, float, RoundInfo | None]:
         """One fault-tolerant round: quorum, exchange, commit; retried after a failure.
         ``before`` false: the caller already ran ``before_round`` (a delayed round does, in the
-        training thread, before its own thread starts).
+        training thread, before its own thread starts). ``tag()``: what this try of the round
+        carries, announced in its quorum (``Collective.begin_round``); asked at every try, since
+        a heal may change it between tries.
 
         ``build(info)`` returns the named tensors to send (called after the quorum, so a worker
         healed in this quorum sends its freshly loaded state's update); ``apply(result, info)`` runs
@@ -589,7 +592,8 @@ class SyncAlgorithm(ABC):
         for attempt in range(self.cfg.round_retries + 1):
             asked = time.perf_counter()
             info = self.collective.begin_round(final=final, joining=self._joining_round,
-                                               timeout=self._newcomer_wait)
+                                               timeout=self._newcomer_wait,
+                                               tag=tag() if tag is not None else None)
             self.quorum_seconds += time.perf_counter() - asked
             self.last_round = info
             if info.skipped:  # no group for this worker this round: nothing to average

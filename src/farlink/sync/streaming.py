@@ -196,8 +196,6 @@ class StreamingDiLoCo(DiLoCo):
         def build(info: RoundInfo) -> dict[str, torch.Tensor]:
             if info.healed:
                 inflight.healed = True
-            if self._period_in_flight:  # a retry announces the fragment it now carries
-                self.collective.round_tag = str(inflight.fragment)
             if self._period_in_flight and info.world_size > 1:
                 agreed = self._round_fragment(inflight.fragment, info)
                 if agreed != inflight.fragment:
@@ -214,15 +212,15 @@ class StreamingDiLoCo(DiLoCo):
                 return False, 0.0, None, None
             results: list[ExchangeResult] = []
             self._running = inflight
-            if self._period_in_flight:  # what the quorum compares (:meth:`_round_fragment`)
-                self.collective.round_tag = str(inflight.fragment)
+            # what each try's quorum compares (:meth:`_round_fragment`): the fragment the round
+            # carries then (a heal between tries may have named the group's)
+            tag = (lambda: str(inflight.fragment)) if self._period_in_flight else None
             try:
                 committed, seconds, info = self.run_round(
-                    build, lambda result, info: results.append(result), weight
+                    build, lambda result, info: results.append(result), weight, tag=tag
                 )
             finally:
                 self._running = None
-                self.collective.round_tag = None
             return committed, seconds, info, results[0] if results else None
 
         inflight.future = self._executor.submit(run)
@@ -238,7 +236,7 @@ class StreamingDiLoCo(DiLoCo):
         so no collective meets tensors of another size, and a member that held another one
         steps its committed round back by one: the round's retry, or the next round, heals it
         from a member at the group's round, whose state names that fragment. The fragments
-        travel in the quorum's own announcements (``round_tag``, ``RoundInfo.tags``: no extra
+        travel in the quorum's own announcements (``begin_round(tag=...)``, ``RoundInfo.tags``: no extra
         round trip); a backend that does not carry them (hivemind) is not checked."""
         held = [int(tag) for tag in info.tags or [] if tag is not None]
         if len(set(held)) <= 1:
