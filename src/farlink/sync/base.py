@@ -29,7 +29,7 @@ import math
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import ClassVar, Literal
 
 import torch
@@ -576,6 +576,8 @@ class SyncAlgorithm(ABC):
         ``build(info)`` returns the named tensors to send (called after the quorum, so a worker
         healed in this quorum sends its freshly loaded state's update); ``apply(result, info)`` runs
         only when every participant committed. Returns (committed, seconds blocked, round info).
+        A worker healed in one try of the round counts as healed in its retries too (its
+        ``info.healed`` stays set): it sends with zero weight, and ``build`` sees the heal.
         """
         if before and self.before_round is not None:
             self.before_round()
@@ -583,7 +585,7 @@ class SyncAlgorithm(ABC):
         if self._round_ended is not None:
             self._round_gap = start - self._round_ended
         network_before = self.collective.stats.comm_seconds
-        info, committed = None, False
+        info, committed, healed = None, False, False
         # the run's last round: a backend of small groups forms it with every live peer
         final = self.last_round_due()
         for attempt in range(self.cfg.round_retries + 1):
@@ -591,6 +593,11 @@ class SyncAlgorithm(ABC):
             info = self.collective.begin_round(final=final, joining=self._joining_round,
                                                timeout=self._newcomer_wait)
             self.quorum_seconds += time.perf_counter() - asked
+            # healed in an earlier try of this round: the retry's quorum finds it up to date,
+            # but what it would send and its weight still belong to its state before the heal
+            healed = healed or info.healed
+            if healed and not info.healed:
+                info = replace(info, healed=True)
             self.last_round = info
             if info.skipped:  # no group for this worker this round: nothing to average
                 self.collective.commit()  # closes the round; it commits nothing
