@@ -44,7 +44,7 @@ def _pause(lag: str, index: int, step: int) -> float:
     if lag == "early":
         return 0.1 + (1.5 if index == 0 and step == 10 else 0.0)
     if lag == "last":
-        return 0.2 + (2.0 if index == 0 and step == 30 else 0.0)
+        return 0.1 + (2.0 if index == 0 and step == 30 else 0.0)
     return 0.2 + (1.4 if index == 0 and step == 22 else 0.0)
 
 
