@@ -9,11 +9,12 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from farlink.config import load_config
-from farlink.train.launcher import export_model, final_replicas, summarize
+from farlink.train.launcher import ended_apart_report, export_model, final_replicas, summarize
 
 
 def _write_worker(run_dir: Path, worker: str, evals: list[tuple[int, float, float]],
-                  outer_step: int, fingerprint: str | None) -> None:
+                  outer_step: int, fingerprint: str | None,
+                  last_group: int | None = None) -> None:
     records = [{"kind": "eval", "time": t, "worker": worker, "step": step, "tokens": step * 10,
                 "loss": loss, "ppl": 2.0 ** loss, "outer_step": outer_step, "bytes_sent": 0,
                 "wall_s": t} for step, loss, t in evals]
@@ -21,6 +22,8 @@ def _write_worker(run_dir: Path, worker: str, evals: list[tuple[int, float, floa
            "tokens": 1000, "bytes_sent": 10, "compute_s": 1.0, "comm_s": 1.0, "wall_s": 3.0}
     if fingerprint is not None:
         end |= {"outer_step": outer_step, "fingerprint": fingerprint}
+    if last_group is not None:
+        end["last_group"] = last_group
     (run_dir / "metrics").mkdir(parents=True, exist_ok=True)
     lines = [json.dumps(r) for r in [*records, end]]
     (run_dir / "metrics" / f"{worker}.jsonl").write_text("\n".join(lines) + "\n")
@@ -33,10 +36,14 @@ def test_straggler_ending_alone_does_not_become_the_result(tmp_path: Path) -> No
     cfg = load_config(None, {"run_dir": tmp_path / "run", "workers": 3})
     # w0 and w1 committed round 5 together; w2 missed it and later committed its own round 5
     # alone, with a worse model, and evaluated it last
-    _write_worker(cfg.run_dir, "w0", [(100, 5.18, 237.0)], 5, "aaaa")
-    _write_worker(cfg.run_dir, "w1", [(100, 5.18, 236.0)], 5, "aaaa")
-    _write_worker(cfg.run_dir, "w2", [(100, 5.27, 266.0)], 5, "bbbb")
+    _write_worker(cfg.run_dir, "w0", [(100, 5.18, 237.0)], 5, "aaaa", last_group=2)
+    _write_worker(cfg.run_dir, "w1", [(100, 5.18, 236.0)], 5, "aaaa", last_group=2)
+    _write_worker(cfg.run_dir, "w2", [(100, 5.27, 266.0)], 5, "bbbb", last_group=1)
     summary = summarize(cfg)
+    # the report names the worker apart, its state and its last round's group
+    report = ended_apart_report(summary["final_replicas"])
+    assert "w2 (outer step 5, state bbbb, its last round in a group of 1)" in report
+    assert "w0 (" not in report and report.endswith("that of w0, w1")
     assert summary["final_heldout_loss"] == 5.18
     assert summary["final_replicas"]["holders"] == ["w0", "w1"]
     assert summary["final_replicas"]["consistent"] is False
@@ -57,5 +64,6 @@ def test_consistent_run_reports_the_last_evaluation(tmp_path: Path) -> None:
     _write_worker(cfg.run_dir, "w1", [(25, 6.1, 11.0), (50, 5.1, 21.0)], 2, "cc")
     summary = summarize(cfg)
     assert summary["final_replicas"] == {"holders": ["w0", "w1"], "consistent": True,
-                                         "states": {"w0": [2, "cc"], "w1": [2, "cc"]}}
+                                         "states": {"w0": [2, "cc"], "w1": [2, "cc"]},
+                                         "last_groups": {"w0": None, "w1": None}}
     assert summary["final_heldout_loss"] == 5.0  # the furthest-trained worker's last evaluation

@@ -21,6 +21,7 @@ from farlink.config import RunConfig
 from farlink.sync import algorithm_class
 from farlink.sync.exchange import Exchange
 from farlink.testing import in_threads, lighthouse_server
+from farlink.train.launcher import ended_apart_report, final_replicas
 
 # torchft runs in this process: after every test that forks (see conftest)
 pytestmark = pytest.mark.torchft_threads
@@ -38,10 +39,14 @@ def _pause(lag: str, index: int, step: int) -> float:
     run; ``late``: in step 22, so it is left out of round 5 (launched at step 24) and reaches
     the quorum of round 7, the run's last (launched at step 32 = 0.8 s after round 6, which
     the others launch once round 5 is done without it, 1 s after its launch), and heals in it
-    (Streaming DiLoCo: in a round of the last periods). On a busy machine the others can be
-    slow as well: the stall then lasts until they formed a quorum without replica 0."""
+    (Streaming DiLoCo: in a round of the last periods). ``last``: in step 30, so it reaches
+    the quorum of round 7, the run's last, 2 s after the others, who commit it and finish
+    without it. On a busy machine the others can be slow as well: the stall then lasts until
+    they formed a quorum without replica 0."""
     if lag == "early":
         return 0.1 + (1.5 if index == 0 and step == 10 else 0.0)
+    if lag == "last":
+        return 0.1 + (2.0 if index == 0 and step == 30 else 0.0)
     return 0.2 + (1.4 if index == 0 and step == 22 else 0.0)
 
 
@@ -89,6 +94,7 @@ def _lagging_run(mode: str, name: str, lag: str) -> dict[int, dict]:
                 algo.finish()
                 return {"fingerprint": algo.fingerprint(), "outer_step": algo.outer_step,
                         "inner_steps": algo.inner_steps_done, "rounds": rounds,
+                        "last_group": algo.last_group, "ended_apart": algo.ended_apart(),
                         "committed": [g.clone() for g in algo.global_params],
                         "params": [p.detach().clone() for p in algo.params]}
             finally:
@@ -124,3 +130,27 @@ def test_a_lagging_worker_left_out_of_a_quorum_heals_into_the_one_committed_stat
         if name != "streaming_diloco":  # (it mixes the arriving fragments into its own)
             for a, b in zip(r["params"], r["committed"]):
                 assert torch.equal(a, b), index  # every replica ends on the committed state
+
+
+def test_a_worker_left_out_of_the_last_round_ends_apart_and_it_is_reported() -> None:
+    """No peer is left to heal it from: it commits the last round alone, and ends on a state of
+    its own (the documented bound: the join timeout). Each replica says so at its end, and the
+    run's report names it with the group of its last round."""
+    results = _lagging_run("delayed", "diloco", "last")
+    straggler, peers = results[0], [results[1], results[2]]
+    assert peers[0]["fingerprint"] == peers[1]["fingerprint"]
+    assert straggler["fingerprint"] != peers[0]["fingerprint"]  # the scenario happened
+    assert straggler["outer_step"] == peers[0]["outer_step"] == STEPS // H
+    assert straggler["last_group"] == 1 and "committed it alone" in straggler["ended_apart"]
+    for peer in peers:  # they know someone was left out of the last round
+        assert peer["last_group"] == REPLICAS - 1
+        assert f"with {REPLICAS - 1} of the {REPLICAS} replicas" in peer["ended_apart"]
+    # the end records as the workers write them, read by the launcher's summary
+    ends = {f"w{i}": {"outer_step": r["outer_step"], "fingerprint": r["fingerprint"],
+                      "last_group": r["last_group"]} for i, r in results.items()}
+    holders, consistent = final_replicas(ends)
+    assert holders == ["w1", "w2"] and not consistent
+    report = ended_apart_report({"holders": holders, "states": {
+        w: [e["outer_step"], e["fingerprint"]] for w, e in ends.items()},
+        "last_groups": {w: e["last_group"] for w, e in ends.items()}})
+    assert "w0 (outer step 8" in report and "group of 1)" in report and "w1, w2" in report

@@ -299,8 +299,13 @@ class Optimizer(torch.optim.Optimizer):
         return outcome
 
     def finish(self) -> StepOutcome | None:
-        """After the last step: land a round still in flight (streaming)."""
-        return self.algorithm.finish()
+        """After the last step: land a round still in flight (streaming). A run whose last
+        round left a replica out is logged (:meth:`SyncAlgorithm.ended_apart`)."""
+        outcome = self.algorithm.finish()
+        apart = self.algorithm.ended_apart()
+        if apart is not None:
+            log.warning("replicas may have ended on different states: %s", apart)
+        return outcome
 
     @property
     def finished(self) -> bool:

@@ -29,7 +29,7 @@ import math
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import ClassVar, Literal
 
 import torch
@@ -286,6 +286,10 @@ class SyncAlgorithm(ABC):
         self.inner_steps_done = 0
         self.outer_step = 0
         self.last_round: RoundInfo | None = None
+        #: the most replicas of a round this replica committed, and those of the last one it
+        #: committed: a run's last round with fewer left some replica out (:meth:`ended_apart`)
+        self.widest_group = 0
+        self.last_group: int | None = None
         #: rounds in which no group formed for this worker in time (see RoundInfo.skipped)
         self.skipped_rounds = 0
         #: of those, the ones since this replica last committed: a schedule that counts rounds
@@ -416,6 +420,27 @@ class SyncAlgorithm(ABC):
     def finish(self) -> StepOutcome | None:
         """Flush work still in flight (streaming); default: nothing pending."""
         return None
+
+    def ended_apart(self) -> str | None:
+        """Why the replicas may have ended on different states, once the run is over: its last
+        round committed in a smaller group than the widest this replica committed in. A replica
+        left out of the last round (it reached the round after the others had finished) finds
+        no peer left to heal from and commits its round alone, or with other late ones; nothing
+        at the end of a run brings it the state the others committed. None when the last round
+        had every replica this one had rounds with (or the run is not over)."""
+        if not self.finished() or self.last_group is None \
+                or self.last_group >= self.widest_group:
+            return None
+        if self.last_group == 1:
+            who = ("this replica committed it alone: its peers had likely finished before it "
+                   "reached the round, and it ends on a state of its own, not theirs")
+        else:
+            who = ("a replica left out of it (one that reached it after the others had "
+                   "finished) ends on a state of its own")
+        return (f"the run's last round (outer step {self.outer_step}) committed with "
+                f"{self.last_group} of the {self.widest_group} replicas of this replica's "
+                f"widest round: {who}. A join timeout (--join-timeout) above the slowest "
+                "replica's lag keeps every replica in the last round")
 
     # --- state ---------------------------------------------------------------------------------
     @abstractmethod
@@ -579,6 +604,8 @@ class SyncAlgorithm(ABC):
         ``build(info)`` returns the named tensors to send (called after the quorum, so a worker
         healed in this quorum sends its freshly loaded state's update); ``apply(result, info)`` runs
         only when every participant committed. Returns (committed, seconds blocked, round info).
+        A worker healed in one try of the round counts as healed in its retries too (its
+        ``info.healed`` stays set): it sends with zero weight, and ``build`` sees the heal.
         """
         if before and self.before_round is not None:
             self.before_round()
@@ -586,7 +613,7 @@ class SyncAlgorithm(ABC):
         if self._round_ended is not None:
             self._round_gap = start - self._round_ended
         network_before = self.collective.stats.comm_seconds
-        info, committed = None, False
+        info, committed, healed = None, False, False
         # the run's last round: a backend of small groups forms it with every live peer
         final = self.last_round_due()
         for attempt in range(self.cfg.round_retries + 1):
@@ -595,6 +622,11 @@ class SyncAlgorithm(ABC):
                                                timeout=self._newcomer_wait,
                                                tag=tag() if tag is not None else None)
             self.quorum_seconds += time.perf_counter() - asked
+            # healed in an earlier try of this round: the retry's quorum finds it up to date,
+            # but what it would send and its weight still belong to its state before the heal
+            healed = healed or info.healed
+            if healed and not info.healed:
+                info = replace(info, healed=True)
             self.last_round = info
             if info.skipped:  # no group for this worker this round: nothing to average
                 self.collective.commit()  # closes the round; it commits nothing
@@ -615,6 +647,8 @@ class SyncAlgorithm(ABC):
             if ok:
                 apply(result, info)
                 self.outer_step = info.round_id + 1
+                self.widest_group = max(self.widest_group, info.world_size)
+                self.last_group = info.world_size
                 self.rounds_skipped_since_commit = 0
                 self._newcomer_wait = None  # in: the usual wait from now on
                 committed = True

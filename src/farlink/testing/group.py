@@ -114,15 +114,21 @@ class HealingMember(InProcessCollective):
         self.failure = None
         return super().begin_round(final, **round_options)
 
+    def _lost(self) -> bool:
+        """A member of this round was lost: its exchanges cannot meet any more. Any other
+        failure (one a test injects through ``fail_round``) fails the round at its commit,
+        and the member still takes part in the round's exchanges, as its peers wait for it."""
+        return isinstance(self.failure, MemberLost)
+
     def all_reduce_sum(self, tensors: list) -> None:
-        if self.failure is None:
+        if not self._lost():
             try:
                 super().all_reduce_sum(tensors)
             except MemberLost as exc:
                 self.failure = exc
 
     def all_gather_bytes(self, payload: bytes) -> list[bytes]:
-        if self.failure is None:
+        if not self._lost():
             try:
                 return super().all_gather_bytes(payload)
             except MemberLost as exc:
@@ -130,7 +136,7 @@ class HealingMember(InProcessCollective):
         return [payload] * self.group.size
 
     def commit(self) -> bool:
-        if self.failure is not None:
+        if self._lost():  # the others cannot meet it either: each fails the round on its own
             self.failure = None
             self.stats.failed_rounds += 1
             return False

@@ -116,6 +116,22 @@ def final_replicas(ends: dict[str, dict]) -> tuple[list[str], bool]:
     return states[best], len(states) == 1
 
 
+def ended_apart_report(ended: dict) -> str:
+    """The workers that ended on another state than the run's result (``summary.json``'s
+    ``final_replicas``), each with the group of the last round it committed."""
+    apart = []
+    for worker, (step, fingerprint) in sorted(ended["states"].items()):
+        if worker in ended["holders"]:
+            continue
+        group = ended.get("last_groups", {}).get(worker)
+        last = f", its last round in a group of {group}" if group is not None else ""
+        apart.append(f"{worker} (outer step {step}, state {str(fingerprint)[:12]}{last})")
+    return ("workers ended on different states (a straggler that missed the run's last round "
+            "finds no peer left to heal from and commits its own): "
+            f"{'; '.join(apart)}. The run's result is the state most hold, that of "
+            f"{', '.join(ended['holders'])}")
+
+
 def result_evals(evals: list[dict], holders: list[str] | None) -> list[dict]:
     """The evaluations of the state the run ended on, not of a straggler's lone last round
     (evaluations or summaries that predate ``final_replicas`` are all kept)."""
@@ -165,7 +181,8 @@ def summarize(cfg: RunConfig) -> dict:
         "widest_group": max(groups, default=None),
         "final_replicas": {"holders": holders, "consistent": consistent,
                            "states": {w: [e.get("outer_step"), e.get("fingerprint")]
-                                      for w, e in last.items()}},
+                                      for w, e in last.items()},
+                           "last_groups": {w: e.get("last_group") for w, e in last.items()}},
         "per_worker": per_worker,
         "evals": [{k: r[k] for k in ("worker", "step", "tokens", "loss", "bytes_sent", "wall_s")}
                   for r in evals],
@@ -459,9 +476,7 @@ def launch(cfg: RunConfig, show_progress: bool = True,
         console.print(f"[red]error: {problem}[/]")
     _report_skipped_rounds(summary["per_worker"], cfg.group_size)
     if not summary["final_replicas"]["consistent"] and not interrupted:
-        console.print("[yellow]workers ended on different states (a straggler that missed the "
-                      "last round commits its own); the run's result is the state most hold, "
-                      f"that of {', '.join(summary['final_replicas']['holders'])}: "
+        console.print(f"[yellow]{ended_apart_report(summary['final_replicas'])}: "
                       f"{cfg.run_dir / 'model.safetensors'}[/]")
     if interrupted:
         console.print(f"checkpoints kept under {cfg.run_dir / 'checkpoints'}; continue with "

@@ -456,6 +456,9 @@ class Worker:
                            skipped_rounds=sync.skipped_rounds,
                            pace_overruns=self.pace_overruns, outer_step=sync.outer_step,
                            widest_group=self.widest_group,
+                           # the group of the last round it committed: smaller than the widest
+                           # one, some replica was left out of the run's end (ended_apart)
+                           last_group=sync.algorithm.last_group,
                            fingerprint=fingerprint, model_sha256=model_sha256,
                            **traffic)
         return 0 if finished or stopped else 1
