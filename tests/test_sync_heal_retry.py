@@ -14,7 +14,9 @@ import pytest
 import torch
 from torch import nn
 
-from farlink.compose import wire
+from farlink.codecs import make_compressor
+from farlink.comm.inprocess import InProcessGroup
+from farlink.compose import build_handoff, wire
 from farlink.config import RunConfig
 from farlink.sync import algorithm_class
 from farlink.sync.exchange import Exchange
@@ -30,17 +32,27 @@ TOKENS = {0: 300, 1: 100, 2: 200}
 LEFT_OUT, HEALING = 1, 2  # the round replica 2 misses, the round it heals in
 
 
-def _algo(collective, mode: str):  # noqa: ANN001, ANN202
+def _algo(collective, mode: str, name: str, leader: bool):  # noqa: ANN001, ANN202
     model = nn.Linear(2, 1, bias=False)
     with torch.no_grad():
         model.weight.copy_(torch.tensor([[1.0, 2.0]]))
-    cfg = RunConfig(algorithm="diloco", steps=100, warmup_steps=0, outer_overlap=mode)
-    cls = algorithm_class("diloco")
+    if name == "hierarchical_diloco":  # one island; its global rounds far off (every 100th)
+        cfg = RunConfig(algorithm=name, steps=1000, warmup_steps=0, inner_steps=100,
+                        island_steps=1)
+    else:
+        cfg = RunConfig(algorithm=name, steps=100, warmup_steps=0, outer_overlap=mode)
+    cls = algorithm_class(name)
     exchange = Exchange(collective, sender=f"r{id(collective)}", **wire(cls, cfg, "none"))
-    return cls(model, cfg, collective, exchange)
+    if name != "hierarchical_diloco":
+        return cls(model, cfg, collective, exchange)
+    upper = InProcessGroup(1).member(0) if leader else None  # the leaders' group: one island
+    return cls(model, cfg, collective, exchange,
+               global_exchange=None if upper is None else Exchange(upper, make_compressor("none"),
+                                                                 sender="g0"),
+               **build_handoff(cls, exchange))
 
 
-def _run(mode: str) -> tuple[dict, Faults]:
+def _run(mode: str, name: str = "diloco") -> tuple[dict, Faults]:
     group = HealingGroup(3, timeout=30)
     # replicas 0 and 1 begin round HEALING as their third round (counted from 0: 2); the
     # exchange fails on replica 0 there, so the round commits nowhere and is retried
@@ -53,7 +65,7 @@ def _run(mode: str) -> tuple[dict, Faults]:
             algo.state_dict()  # a consistent cut: it waits for the round in flight
 
     def member(m: int, coll) -> dict:  # noqa: ANN001
-        algo = _algo(FaultyCollective(coll, faults, m), mode)
+        algo = _algo(FaultyCollective(coll, faults, m), mode, name, leader=m == 0)
         out: dict = {"deltas": {}}
 
         def phase(t: int) -> None:
@@ -61,7 +73,8 @@ def _run(mode: str) -> tuple[dict, Faults]:
             with torch.no_grad():
                 algo.params[0].copy_(torch.tensor([LOCAL[m][t]]))
             algo.tokens_since_sync = TOKENS[m]
-            assert algo.sync().synced
+            outcome = algo.sync()  # (an island round is no global sync)
+            assert outcome.synced or name == "hierarchical_diloco"
 
         for t in range(len(LOCAL[m])):
             if m == 2 and t == LEFT_OUT:
@@ -79,7 +92,8 @@ def _run(mode: str) -> tuple[dict, Faults]:
                 out["healing_round"] = algo.last_exchange
         algo.finish()
         out.update(committed=algo.global_params[0].clone(), final=algo.params[0].detach().clone(),
-                   fingerprint=algo.fingerprint(), outer_step=algo.outer_step)
+                   fingerprint=algo.fingerprint(), outer_step=algo.outer_step,
+                   island=[a.clone() for a in getattr(algo, "anchor", [])])
         return out
 
     return in_threads(member, {m: group.member(m) for m in range(3)}, timeout=60), faults
@@ -104,3 +118,22 @@ def test_a_retried_healing_round_averages_only_its_other_members(mode: str) -> N
         assert r["outer_step"] == first["outer_step"] == len(LOCAL[0]), (m, r["outer_step"])
         assert torch.equal(r["committed"], first["committed"]), m
         assert torch.equal(r["final"], first["committed"]), m
+
+
+def test_a_retried_healing_island_round_averages_only_its_other_members() -> None:
+    """The same for Hierarchical DiLoCo's island round (its own retry loop): one island of the
+    three replicas, whose leader's global rounds are far off; the island round that heals
+    replica 2 fails once and is retried. (Its heal also zeroes the tokens it weighs with, so
+    this held before its loop used :func:`farlink.sync.base.healed_in_any_try` too.)"""
+    results, faults = _run("none", "hierarchical_diloco")
+    assert (0, HEALING, "exchange") in faults.fired
+    want_weight = float(TOKENS[0] + TOKENS[1])
+    want = (results[0]["deltas"][HEALING] * TOKENS[0]
+            + results[1]["deltas"][HEALING] * TOKENS[1]) / want_weight
+    for m, r in results.items():
+        got = r["healing_round"]
+        assert got.total_weight == want_weight, (m, got.total_weight)
+        assert torch.allclose(got.tensors["weight"], want, atol=1e-6), (m, got.tensors)
+    for m, r in results.items():  # one island state on every replica
+        assert torch.equal(r["island"][0], results[0]["island"][0]), m
+        assert torch.equal(r["final"], results[0]["final"]), m

@@ -200,6 +200,17 @@ def nesterov(lr: float, momentum: float) -> OuterOptimizerFactory:
     return make
 
 
+def healed_in_any_try(info: RoundInfo, healed: bool) -> tuple[RoundInfo, bool]:
+    """A try of a round, as the retry loop must see it: a worker healed in an earlier try of
+    the round (``healed``) counts as healed in this one too. The retry's quorum finds it up to
+    date and would not say so, but what it would send and its weight still belong to its state
+    before the heal: it sends nothing of its own, with zero weight. Returns the try's info and
+    whether the round healed this worker so far."""
+    if healed and not info.healed:
+        return replace(info, healed=True), True
+    return info, info.healed
+
+
 class SyncAlgorithm(ABC):
     """One outer algorithm. ``options`` is the algorithm's ``Options`` (a ``RunConfig`` is one);
     ``inner_optimizer`` is the caller's optimizer over the model's parameters, or None for
@@ -622,11 +633,7 @@ class SyncAlgorithm(ABC):
                                                timeout=self._newcomer_wait,
                                                tag=tag() if tag is not None else None)
             self.quorum_seconds += time.perf_counter() - asked
-            # healed in an earlier try of this round: the retry's quorum finds it up to date,
-            # but what it would send and its weight still belong to its state before the heal
-            healed = healed or info.healed
-            if healed and not info.healed:
-                info = replace(info, healed=True)
+            info, healed = healed_in_any_try(info, healed)
             self.last_round = info
             if info.skipped:  # no group for this worker this round: nothing to average
                 self.collective.commit()  # closes the round; it commits nothing

@@ -74,6 +74,7 @@ from farlink.sync.base import (
     Capabilities,
     StepOutcome,
     TensorState,
+    healed_in_any_try,
     load_optimizer_state,
     optimizer_state,
 )
@@ -247,9 +248,10 @@ class HierarchicalDiLoCo(DiLoCo):
             self.before_round()
         start = time.perf_counter()
         sync_outcome: GlobalOutcome | None = None  # the leader's synchronous round, run once
-        staged, committed = None, False
+        staged, committed, healed = None, False, False
         for attempt in range(self.cfg.round_retries + 1):
             info = self.collective.begin_round(timeout=self._newcomer_wait)
+            info, healed = healed_in_any_try(info, healed)
             self.last_round = info
             is_global = self._global_due()
             synchronous = is_global and (not self.overlap or self._last_global())
@@ -363,9 +365,11 @@ class HierarchicalDiLoCo(DiLoCo):
         before = collective.stats.bytes_sent
         outcome: GlobalOutcome = (False, 1, step)
         self._active_global = (params, opt)
+        healed = False
         try:
             for attempt in range(self.cfg.round_retries + 1):
                 info = collective.begin_round()  # a leader behind the others heals here
+                info, healed = healed_in_any_try(info, healed)
                 self._global_info = info
                 tensors = self.pseudo_gradient(island_params, start=params)
                 result = exchange.average(tensors, 0.0 if info.healed else weight, info.round_id)
