@@ -56,6 +56,7 @@ CAPS = detect_capabilities()
 
 @pytest.mark.netns
 @pytest.mark.slow  # two training runs of two worker processes each
+@pytest.mark.serial  # shaped links in namespaces: alone on the machine
 @pytest.mark.skipif(not CAPS.full, reason=f"namespace emulation unavailable: {CAPS.reason}")
 def test_one_variant_in_namespaces_counts_the_all_reduce_on_the_wire(tmp_path: Path) -> None:
     """int8+ef among 2 worker processes behind a 20 Mbit/s shared bottleneck: what farlink

@@ -69,6 +69,7 @@ GLOO_WORKER = textwrap.dedent("""
 
 
 @pytest.mark.slow  # two torch imports and a Gloo rendezvous over 80 ms RTT: ~40 s on 2 cores
+@pytest.mark.serial  # times the all-reduce over shaped links: alone on the machine
 @pytest.mark.netns
 @netns_only
 def test_gloo_all_reduce_over_the_emulated_wan() -> None:
@@ -132,6 +133,7 @@ def test_cli_measure() -> None:
 
 
 @pytest.mark.slow  # two workers + Lighthouse through the delayer: ~30 s on 2 idle cores
+@pytest.mark.serial  # the user-space delayer keeps its timing only on a machine otherwise idle
 @pytest.mark.netns
 @netns_only
 def test_training_run_inside_namespaces(tmp_path, cache_dir) -> None:

@@ -47,7 +47,7 @@ def namespaces_with(prefix: str) -> list[str]:
 @pytest.mark.parametrize("profile", [
     scaled("cross-region", 50),
     # the same assertions on a longer RTT and lower rate: cross-region's run stands in by default
-    pytest.param(scaled("intercontinental", 30), marks=pytest.mark.slow),
+    pytest.param(scaled("intercontinental", 30), marks=[pytest.mark.slow, pytest.mark.serial]),
 ], ids=lambda p: p.name)
 def test_measured_link_matches_profile(profile: LinkProfile) -> None:
     before = host_state()
@@ -64,6 +64,7 @@ def test_measured_link_matches_profile(profile: LinkProfile) -> None:
 
 
 @pytest.mark.slow  # per-link shaping; the measured-link test covers the emulator by default
+@pytest.mark.serial  # measured rates and RTTs: alone on the machine
 def test_heterogeneous_links() -> None:
     """A home-like worker (20 up / 80 down, 60 ms) and a cross-region one (50, 40 ms): the path
     delay is the mean, the rate the sender's upload or the receiver's download, whichever is
@@ -176,6 +177,7 @@ def test_refuses_namespaces_it_did_not_create(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow  # three timed transfers; the measured-link test covers the emulator by default
+@pytest.mark.serial  # measured rates: alone on the machine
 def test_shared_bottleneck_is_split_between_concurrent_senders() -> None:
     """Four workers on 50 Mbit/s links behind one 20 Mbit/s shared bottleneck: one sender alone
     gets the whole shared rate, two sending at once (to different receivers, so no worker's own

@@ -20,6 +20,7 @@ pytestmark = [
     # and the NAT case of nat_in_between in test_hivemind_cli::test_a_nat_is_seen_when_...
     pytest.mark.slow,
     pytest.mark.netns,
+    pytest.mark.serial,  # its links are shaped by user-space delayers: alone on the machine
     pytest.mark.skipif(not CAPS.full, reason=f"namespace emulation unavailable: {CAPS.reason}"),
 ]
 

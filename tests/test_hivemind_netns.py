@@ -25,6 +25,7 @@ FLAGS = ("--vocab-size", "512", "--seq-len", "32", "--batch-size", "4", "--eval-
 pytestmark = [
     pytest.mark.slow,  # three p2p daemons and two trainers over 60 ms links, on 2 cores
     pytest.mark.netns,
+    pytest.mark.serial,  # shaped 60 ms links (user-space delayers): alone on the machine
     pytest.mark.skipif(not CAPS.full, reason=f"namespace emulation unavailable: {CAPS.reason}"),
 ]
 

@@ -26,6 +26,7 @@ TRAINER = 4  # namespaces 0-3 hold the stage peers (s0p0, s0p1, s1p0, s1p1)
 
 @pytest.mark.netns
 @pytest.mark.slow
+@pytest.mark.serial  # step seconds over shaped home links: alone on the machine
 @netns_only
 def test_two_stages_of_two_peers_train_over_home_links(cache_dir: Path) -> None:
     vocab = prepare_data("kjv", 512, cache_dir).vocab_size  # the trainer reads this cache

@@ -27,6 +27,7 @@ CAPS = detect_capabilities()
 pytestmark = [
     pytest.mark.netns,
     pytest.mark.slow,
+    pytest.mark.serial,  # home links shaped by user-space delayers: alone on the machine
     pytest.mark.skipif(not CAPS.full, reason=f"namespace emulation unavailable: {CAPS.reason}"),
 ]
 SRC = str(Path(__file__).resolve().parents[1] / "src")
