@@ -182,8 +182,9 @@ def test_a_newcomer_heals_from_a_live_replica_through_the_api(tmp_path: Path) ->
     assert j0 == j1 and f0 == f1 and o0 == o1 == 4
     # the newcomer's rounds say what they are; nothing was set on its collective and restored
     asked = recorded[0].asked
-    assert asked[0] == {"joining": True, "timeout": JOIN_QUORUM_TIMEOUT}
-    assert asked[1:] == [{"joining": False, "timeout": None}] and recorded[0].quorum_timeout == 120
+    assert asked[0] == {"joining": True, "timeout": JOIN_QUORUM_TIMEOUT, "tag": None}
+    assert asked[1:] == [{"joining": False, "timeout": None, "tag": None}]
+    assert recorded[0].quorum_timeout == 120
 
 
 class RoundArguments(FaultyCollective):
