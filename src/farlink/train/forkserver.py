@@ -1,6 +1,6 @@
 """Local workers forked from a process that has already imported torch, torchft and farlink.
 
-A worker started as ``python -u -m farlink.worker ...`` spends 1-4 CPU-seconds importing before
+A worker started as ``python -m farlink.worker ...`` spends 1-4 CPU-seconds importing before
 it does any work; ``farlink train`` with 4 workers pays that 4 times over, on the cores the
 workers are about to train on. Instead the launcher starts one fork server (the standard
 library's ``multiprocessing`` "forkserver": a fresh interpreter that only imports
@@ -14,6 +14,9 @@ reaches the launcher only), stdout and stderr appended to its log, the launcher'
 plus the worker's entries, the launcher's working directory, and ``farlink.worker`` in its
 command line (``ps``, ``pgrep -f farlink.worker``). The launcher holds a :class:`ForkedWorker`,
 which answers as a ``Popen`` does (a negative return code names the signal that killed it).
+One difference: what a library reads from the environment when it is imported comes from the
+launcher's environment when the fork server started (numpy's OpenBLAS sizes its thread pool from
+``OMP_NUM_THREADS`` then); torch's threads are the worker's own (it sets them from its config).
 
 The fork server ends when the launcher does: it exits when its pipe from the launcher closes,
 SIGKILL included; workers already started watch the launcher themselves (:mod:`farlink.lifeline`).
