@@ -5,9 +5,9 @@ it does any work; ``farlink train`` with 4 workers pays that 4 times over, on th
 workers are about to train on. Instead the launcher starts one fork server (the standard
 library's ``multiprocessing`` "forkserver": a fresh interpreter that only imports
 :mod:`farlink.train.worker_imports`, so no CUDA, no OpenMP thread pool and no process group
-exists in it) and each worker is a fork of it that calls :func:`farlink.worker.main` with the
-argv it would have had. In a process that launches several runs (a benchmark, a test session)
-the one fork server serves them all.
+exists in it) and each worker is a fork of it that runs ``farlink.worker`` with the argv it
+would have had (``runpy``, as ``python -m`` runs it). In a process that launches several runs (a
+benchmark, a test session) the one fork server serves them all.
 
 What a started worker sees is what ``subprocess.Popen`` gave it: its own session (Ctrl-C
 reaches the launcher only), stdout and stderr appended to its log, the launcher's environment
@@ -29,6 +29,7 @@ import atexit
 import ctypes
 import multiprocessing
 import os
+import runpy
 import signal
 import subprocess
 import sys
@@ -113,13 +114,11 @@ def _run_worker(command: list[str], env: dict[str, str], log: str) -> None:
     os.close(out)
     os.environ.clear()
     os.environ.update(env)
-    import farlink.worker
-
-    args = command[command.index("farlink.worker") + 1:]
-    sys.argv = [farlink.worker.__file__, *args]
+    module = command.index("-m") + 1  # as ``python -m MODULE ARGS`` runs it
+    sys.argv = [command[module], *command[module + 1:]]  # run_module puts the file first
     _set_command_line(command)
     try:
-        farlink.worker.main(args)
+        runpy.run_module(command[module], run_name="__main__", alter_sys=True)
     finally:
         atexit._run_exitfuncs()
 
