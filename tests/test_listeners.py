@@ -53,8 +53,11 @@ def test_loopback_run_binds_no_public_interface(tmp_path: Path, cache_dir: Path,
         pids = descendants(launcher.pid) | {launcher.pid}
         sockets = listening(pids)
         names = {pid: command_line(pid) for pid in pids}
+        # a worker's own processes (a DHT process, torchrun's ranks) carry its command line;
+        # a worker is forked from the launcher's fork server or started by the launcher
         workers = {p: descendants(p) | {p} for p in descendants(launcher.pid)
-                   if "farlink.worker" in names[p] and parent(p) == launcher.pid}
+                   if "farlink.worker" in names[p]
+                   and "farlink.worker" not in names.get(parent(p), "")}
     finally:
         launcher.terminate()
         launcher.wait(timeout=60)

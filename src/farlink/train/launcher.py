@@ -31,7 +31,9 @@ from farlink.config import ConfigError, RunConfig
 from farlink.loggers import require_sinks
 from farlink.robust.auth import SECRET_ENV, run_authenticator, run_secret
 from farlink.state.checkpoint import EXIT_DISK_FULL, is_disk_full
+from farlink.train import forkserver
 from farlink.train.console import console as console  # where callers find it
+from farlink.train.forkserver import ForkedWorker
 from farlink.train.lighthouse import Lighthouse
 from farlink.train.metrics import read_metrics
 from farlink.train.result import RunResult as RunResult  # where callers find it
@@ -75,9 +77,11 @@ def worker_command(run_dir: Path, index: int, lighthouse: str, resume: bool,
 
 def spawn_worker(cfg: RunConfig, index: int, lighthouse: str, resume: bool,
                  extra_env: dict[str, str] | None = None, join: bool = False,
-                 network: Topology | None = None) -> subprocess.Popen:
+                 network: Topology | None = None) -> subprocess.Popen | ForkedWorker:
     """Start worker ``index``; with ``network``, inside its namespace of the emulated WAN (its
-    environment then names the veth Gloo must bind and the address peers reach it at)."""
+    environment then names the veth Gloo must bind and the address peers reach it at). A plain
+    local worker of one rank is forked from the preloaded fork server (see
+    :mod:`farlink.train.forkserver`), unless ``FARLINK_WORKER_START=spawn``."""
     logs = cfg.run_dir / "logs"
     logs.mkdir(parents=True, exist_ok=True)
     # the worker stops by itself if this process dies without stopping it (see lifeline)
@@ -95,6 +99,9 @@ def spawn_worker(cfg: RunConfig, index: int, lighthouse: str, resume: bool,
     if network is not None:
         return network.spawn(index, argv, {**network.worker_env(index), **env}, stdout=out,
                              stderr=subprocess.STDOUT, start_new_session=True)
+    if cfg.ranks_per_worker == 1 and forkserver.worker_start() == "forkserver":
+        out.close()  # the forked worker opens its log itself
+        return forkserver.start_worker(argv, {**os.environ, **env}, logs / f"w{index}.log")
     return subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT,
                             env={**os.environ, **env}, start_new_session=True)
 
@@ -284,6 +291,7 @@ def check_launch(cfg: RunConfig, network: Topology | None = None) -> None:
     try:  # what does not run in started processes (farlink.matrix), then the trust's files
         matrix.check(cfg, ["train"] + (["namespaces"] if network is not None else []))
         run_authenticator(cfg, "w0")  # a member's authenticator loads its keys and secret
+        forkserver.worker_start()  # FARLINK_WORKER_START names a way to start workers
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
     require_sinks(cfg.log_to)  # --log-to's packages (farlink[metrics]), before any process
