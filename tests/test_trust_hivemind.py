@@ -174,3 +174,32 @@ def test_a_member_that_sends_different_updates_is_named_and_nothing_commits(grou
         assert "equivocation" in str(group[name].last_failure)
         # ... and it counts toward excluding it: a member that keeps equivocating is left out
         assert group[name].strikes.count.get(str(bad.peer_id)) == 1
+
+
+def test_a_senders_payloads_for_other_slots_do_not_take_the_place_of_its_own() -> None:
+    """Payloads that arrive before this peer knows the round's group wait until it does. A
+    member that pushed payloads for other members' slots first, then its own, must still get
+    its own filed (its forgeries are refused when filed): the early mailbox once kept one payload
+    per sender, the first, so the forger's own was dropped and every honest member waited for
+    it until the round was discarded (seen under load in the round above)."""
+    from hivemind.p2p import PeerID
+
+    from farlink.comm.hivemind_backend import EARLY_CLAIMS, _Group, _Mailbox
+
+    peers = [PeerID(bytes([0, 34, i]) + bytes(31)) for i in range(3)]
+    me = object.__new__(HivemindCollective)  # only its mailbox: no daemon
+    me._group, me._mailbox = None, _Mailbox()
+    key = b"round-7/g1"
+    forger = peers[0]
+    assert me._deliver(key, forger, 1, b"forged for 1") is None  # held until the group is known
+    assert me._deliver(key, forger, 2, b"forged for 2") is None
+    assert me._deliver(key, forger, 0, b"its own") is None
+    group = _Group(group_id=b"round-7", peers=peers, client=[False] * 3, bandwidth=[1.0] * 3,
+                   committed=[7] * 3, me=2, round_id=7)
+    me._adopt_early(group)
+    assert me._mailbox.slots[key] == {0: b"its own"}  # the forgeries refused, its own filed
+    # a bound on what one sender may leave before the group is known
+    other = b"round-8/g1"
+    for claim in range(EARLY_CLAIMS):
+        assert me._deliver(other, forger, claim, b"x") is None
+    assert "more than" in me._deliver(other, forger, EARLY_CLAIMS, b"x")

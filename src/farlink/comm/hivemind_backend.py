@@ -250,14 +250,21 @@ def slice_of(data: bytes, part: int, parts: int) -> bytes:
     return data[len(data) * part // parts: len(data) * (part + 1) // parts]
 
 
+#: payloads one sender may leave for one collective before this peer knows its group (one per
+#: slot it claims; an honest member sends one): a bound on what a stranger's pushes can hold
+EARLY_CLAIMS = 8
+
+
 class _Mailbox:
     """Payloads received for a collective, keyed by (collective key, sender rank)."""
 
     def __init__(self) -> None:
         self.slots: dict[bytes, dict[int, bytes]] = {}
-        #: payloads that arrived before this peer entered their group, by key and sender (its
-        #: rank is known once the group is): key -> sender -> (the rank it claimed, payload)
-        self.early: dict[bytes, dict[PeerID, tuple[int | None, bytes]]] = {}
+        #: payloads that arrived before this peer entered their group, by key, sender and the
+        #: rank it claimed (its real rank is known once the group is): key -> (sender, claimed
+        #: rank) -> payload. One per claimed slot, not one per sender: a sender's payloads for
+        #: others' slots (refused when filed) must not take the place of its own
+        self.early: dict[bytes, dict[tuple[PeerID, int | None], bytes]] = {}
         self.changed = asyncio.Event()
 
     def put(self, key: bytes, rank: int, data: bytes) -> None:
@@ -1296,7 +1303,10 @@ class HivemindCollective(Collective):
         waits in :attr:`_Mailbox.early` and is filed when the group is known."""
         group = self._group
         if group is None or not key.startswith(group.group_id):
-            self._mailbox.early.setdefault(key, {}).setdefault(sender, (claimed, data))
+            held = self._mailbox.early.setdefault(key, {})
+            if sum(s == sender for s, _ in held) >= EARLY_CLAIMS:
+                return f"{sender} pushed more than {EARLY_CLAIMS} payloads for one collective"
+            held.setdefault((sender, claimed), data)
             return None
         return self._file(group, key, sender, claimed, data)
 
@@ -1318,7 +1328,7 @@ class HivemindCollective(Collective):
     def _adopt_early(self, group: _Group) -> None:
         """File the payloads of ``group`` that arrived before this peer entered it."""
         for key in [k for k in self._mailbox.early if k.startswith(group.group_id)]:
-            for sender, (claimed, data) in self._mailbox.early.pop(key).items():
+            for (sender, claimed), data in self._mailbox.early.pop(key).items():
                 error = self._file(group, key, sender, claimed, data)
                 if error is not None:
                     log.warning("refused a payload: %s; it is ignored and the slot keeps what "
