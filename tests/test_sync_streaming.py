@@ -207,3 +207,17 @@ def test_a_member_at_another_fragment_of_the_same_round_fails_it_cleanly_and_hea
         assert (fp, step, inner) == (fingerprint, outer_step, 16), rank
         for a, b in zip(params, committed):
             assert torch.equal(a, b), rank
+
+
+def test_a_members_tag_that_names_no_fragment_is_left_out_of_the_comparison() -> None:
+    """A tag is a peer's word: one that is not a fragment of this run (garbage, out of range)
+    neither raises in the round's thread nor fails the round; the members that name real
+    fragments are compared."""
+    cfg = RunConfig(algorithm="streaming_diloco", inner_steps=4, fragments=4, steps=16,
+                    warmup_steps=0, outer_overlap="delayed")
+    coll = InProcessGroup(1).member(0)
+    algo = StreamingDiLoCo(Blocks(), cfg, coll, Exchange(coll, make_compressor("none"),
+                                                         sender="w0"))
+    for tags in (["0", "x9", None], ["0", "99", "0"], ["0", "-1", ""]):
+        info = RoundInfo(round_id=3, rank=0, world_size=3, healed=False, tags=tags)
+        assert algo._round_fragment(0, info) == 0, tags

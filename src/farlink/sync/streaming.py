@@ -238,7 +238,7 @@ class StreamingDiLoCo(DiLoCo):
         from a member at the group's round, whose state names that fragment. The fragments
         travel in the quorum's own announcements (``begin_round(tag=...)``, ``RoundInfo.tags``: no extra
         round trip); a backend that does not carry them (hivemind) is not checked."""
-        held = [int(tag) for tag in info.tags or [] if tag is not None]
+        held = [f for f in map(self._fragment_named, info.tags or []) if f is not None]
         if len(set(held)) <= 1:
             return fragment
         counts = Counter(held)
@@ -250,6 +250,14 @@ class StreamingDiLoCo(DiLoCo):
         if fragment != agreed:
             self.collective.load_committed_step(max(0, info.round_id - 1))
         return agreed
+
+    def _fragment_named(self, tag: str | None) -> int | None:
+        """The fragment a member's tag names; None for no tag or one that names no fragment of
+        this run (a peer's announcement is its word: garbage is left out of the comparison, never
+        raised in the round's thread nor turned into zeros of a fragment that does not exist)."""
+        if tag is None or not tag.isdigit() or int(tag) >= len(self.shifts):
+            return None
+        return int(tag)
 
     def _nothing_for(self, fragment: int) -> dict[str, torch.Tensor]:
         """A healed replica's update: zeros, for the fragment the group's round carries (with
