@@ -126,6 +126,17 @@ def replica_group_worker(args: argparse.Namespace) -> dict:
     return result
 
 
+def leave(code: int) -> None:
+    """End this rank without the interpreter's teardown, once its result is printed and every
+    object is closed. Gloo's worker threads release a collective's tensors a moment after the
+    caller's wait returns; if the interpreter is finalizing then, the thread that takes the GIL
+    back to free them is unwound by force and the process aborts (``terminate called without an
+    active exception``, SIGABRT): a finished rank would fail its replica group."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
 def replica_group_command(args: argparse.Namespace, index: int) -> list[str]:
     """How this machine starts one replica group: torchrun for several ranks (through farlink's
     replica_group_agent, whose store listens on loopback, not on every interface), python for
@@ -157,7 +168,7 @@ def main() -> int:
         result = replica_group_worker(args)
         if result["rank"] == 0:
             print(json.dumps(result), flush=True)
-        return 0
+        leave(0)
     args.min_replicas = args.min_replicas or args.replica_groups
     from farlink.train.lighthouse import Lighthouse
 

@@ -64,7 +64,7 @@ def test_a_replica_group_whose_rank_is_sigkilled_restarts_and_rejoins(tmp_path):
     try:
         # wait until replica group 1 has committed and checkpointed two rounds (both ranks' parts)
         deadline = time.time() + 240
-        marker = workdir / "site1" / "step-0000020"
+        marker = workdir / "group1" / "step-0000020"
         while not marker.is_dir():
             assert proc.poll() is None and time.time() < deadline, proc.communicate()
             time.sleep(0.2)
