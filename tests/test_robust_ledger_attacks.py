@@ -88,6 +88,25 @@ def test_ledger_counts_tokens_and_reasons(tmp_path):
     assert "nonfinite x2" in text and "norm x1" in text and "p3" in text
 
 
+def test_a_peer_scored_in_a_round_that_did_not_commit_is_saved(tmp_path):
+    """A loss-scored round records each judged peer's score as it is rated, but credits its
+    update only once the round commits (``Exchange.settle``): a peer scored in a round that
+    failed has a score and no round yet. The ledger still saves and loads (a volunteer's
+    checkpoint holds it; it failed with ``KeyError`` and the volunteer died)."""
+    ledger = ContributionLedger()
+    ledger.record_score("w0", 0.12, 0.23)
+    ledger.record_rejected("w1", 0, 10.0, "score: discounted")
+    path = tmp_path / "ledger.json"
+    ledger.save(path)
+    again = ContributionLedger.load(path)
+    assert again.to_dict() == ledger.to_dict()
+    scored = again.get("w0")
+    assert (scored.score, scored.rating, scored.rounds, scored.updates_accepted) == (
+        0.12, 0.23, 0, 0)
+    again.record_accepted("w0", 1, 5.0)  # its first committed round counts as its first
+    assert (again.get("w0").rounds, again.get("w0").first_round) == (1, 1)
+
+
 def test_ledger_rejects_bad_files_and_values(tmp_path):
     with pytest.raises(ValueError, match="cannot read"):
         ContributionLedger.load(tmp_path / "missing.json")

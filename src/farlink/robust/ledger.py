@@ -85,8 +85,11 @@ class ContributionLedger:
                 rec.marks[kind] = rec.marks.get(kind, 0) + 1
 
     def record_score(self, peer: str, score: float, rating: float) -> None:
-        """A loss-scored round's judgement of ``peer``: its score and its rating after it."""
+        """A loss-scored round's judgement of ``peer``: its score and its rating after it. It is
+        recorded as the round rates, before the round commits, so a peer may have a score and
+        no round yet (its update is credited at the commit, if there is one)."""
         with self._lock:
+            self._seen.setdefault(peer, set())
             rec = self._peers.setdefault(peer, PeerRecord())
             rec.score, rec.rating = float(score), float(rating)
 
