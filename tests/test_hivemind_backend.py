@@ -242,19 +242,23 @@ def test_sigkilled_peer_is_dropped(swarm: Swarm) -> None:
     for k in range(3):
         swarm.start(k, dict(run="b", rounds=30, min_group=2))
     swarm.wait(lambda: len(swarm.rounds[2]) >= 2, 120, "two rounds before the kill")
+    before_kill = len(swarm.rounds[0])
     swarm.kill(2)
 
     def two_peer_rounds() -> int:
-        reps = [r for r in swarm.rounds[0] if r["ok"] and r["world"] == 2]
-        return len(reps[1:])  # the first may have begun before the kill
+        # peer 2 may have joined after peers 0 and 1 made 2-peer rounds of their own: only the
+        # rounds after the kill count, and the first may have begun before it
+        reps = [r for r in swarm.rounds[0][before_kill:] if r["ok"] and r["world"] == 2]
+        return len(reps[1:])
 
     swarm.wait(lambda: two_peer_rounds() >= 2, 240, "survivors' 2-peer rounds")
     swarm.stop.set()
     swarm.wait(lambda: swarm.done == {0, 1}, 120, "survivors finish")
+    last_with_2 = max(r["round_id"] for r in swarm.rounds[2])
     after = {
         rid: reps
         for rid, reps in committed_by_round(swarm, [0, 1]).items()
-        if all(r["world"] == 2 for r in reps)
+        if rid > last_with_2 and all(r["world"] == 2 for r in reps)
     }
     assert len(after) >= 2, f"survivors committed too few 2-peer rounds: {swarm.rounds}"
     for reports in after.values():
