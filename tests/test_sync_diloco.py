@@ -77,6 +77,31 @@ def test_a_joiner_from_its_own_checkpoint_moves_to_the_rounds_end() -> None:
     torch.testing.assert_close(p0, p1)
 
 
+def test_after_a_round_everyone_gave_up_joiners_and_those_they_heal_keep_the_schedule() -> None:
+    """A round every member gave up moves the inner steps a round past the outer steps (seen
+    in the long churn: inner 60 at outer 5). Rank 0 restarts from its checkpoint at inner 2h,
+    up to date (outer 1), and joins the round rank 1 reaches at inner 3h; rank 2, behind (outer
+    0), heals in that round from rank 0. All three must then stand at 3h: one round behind, a
+    worker finishes a round after the others and the run ends on two states (before: rank 0
+    at 2h, from its outer steps, and rank 2 at 2h, rank 0's place when the round began)."""
+    h = 5
+
+    def member(rank: int, collective):  # noqa: ANN001, ANN202
+        algo = make_algo("diloco", collective, inner_steps=h)
+        if rank < 2:  # both committed round 1; rank 0 restarted after the given-up round
+            collective.committed_rounds, algo.outer_step = 1, 1
+        algo.inner_steps_done, algo.tokens_since_sync = {0: (2 * h, 0), 1: (3 * h, 100),
+                                                          2: (h, 100)}[rank]
+        outcome = algo.join() if rank == 0 else algo.sync()
+        assert outcome.committed
+        return algo.outer_step, algo.inner_steps_done, algo.last_round.healed
+
+    results = run_members(3, member)
+    assert [steps for _, steps, _ in results] == [3 * h, 3 * h, 3 * h], results
+    assert [outer for outer, _, _ in results] == [2, 2, 2]
+    assert [healed for _, _, healed in results] == [False, False, True]
+
+
 def test_local_sgd_is_plain_token_weighted_averaging() -> None:
     local = {0: [0.0, 1.0], 1: [1.0, 0.0]}
 

@@ -173,8 +173,8 @@ class DiLoCo(SyncAlgorithm):
         outcome = self.sync_now()
         self.round_ended()
         if outcome.committed:
-            self.inner_steps_done = self.schedule.step_after_join(self.inner_steps_done,
-                                                                  self.outer_step)
+            healed = self.last_round is not None and self.last_round.healed
+            self.inner_steps_done = self.schedule.step_after_join(self.inner_steps_done, healed)
         return outcome
 
     def count_tokens(self, tokens: int) -> None:
@@ -279,6 +279,8 @@ class DiLoCo(SyncAlgorithm):
         # where the sender is in the schedule (lr, end of run): a healed peer adopts it. With
         # the outer step delayed, the committed state is that of the round in flight's launch
         step = self.inner_steps_done if self.delayed is None else self.delayed.committed_step()
+        if self._joining_round:  # serving in its join round: its place is that round's end
+            step = self.schedule.step_after_join(step, healed=False)
         state["schedule.inner_steps"] = torch.tensor(step)
         return state
 

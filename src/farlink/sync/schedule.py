@@ -102,8 +102,9 @@ class Schedule(ABC):
         """Whether the period ending now is the run's last (``periods`` done before it)."""
 
     @abstractmethod
-    def step_after_join(self, step: int, rounds: int) -> int:
-        """Where a replica that joined in a committed round stands in the run, in inner steps."""
+    def step_after_join(self, step: int, healed: bool) -> int:
+        """Where a replica that joined in a committed round stands in the run, in inner steps:
+        ``step`` is where it stood when the round began (a healed one: its source's place)."""
 
     @abstractmethod
     def lr_step(self, step: int, rounds: float) -> int:
@@ -137,12 +138,14 @@ class StepSchedule(Schedule):
     def last_period(self, step: int, periods: int) -> bool:
         return step + self.inner_steps > self.steps
 
-    def step_after_join(self, step: int, rounds: int) -> int:
+    def step_after_join(self, step: int, healed: bool) -> int:
         # A peer restarted from its own checkpoint is not healed when the others wait in the
-        # same round; it still skips that round's inner steps, so its schedule must move to the
-        # round's end, or it finishes one round after everyone else and waits for a quorum
-        # that never comes.
-        return max(step, rounds * self.inner_steps)
+        # same round (its checkpoint holds their last commit); it skips that round's inner
+        # steps, so its schedule moves by one round, or it finishes one round after everyone
+        # else. Counted from its own step, not from its outer steps: after a round every member
+        # gave up, the members stand a round further than their outer steps say. A healed
+        # peer took its source's place, which is already the round's end.
+        return step if healed else step + self.inner_steps
 
     def lr_step(self, step: int, rounds: float) -> int:
         return step
@@ -193,7 +196,7 @@ class TimeBudget(Schedule):
     def last_period(self, step: int, periods: int) -> bool:
         return periods + 1 >= self.total_periods
 
-    def step_after_join(self, step: int, rounds: int) -> int:
+    def step_after_join(self, step: int, healed: bool) -> int:
         return step  # a time budget counts rounds, not steps
 
     def lr_step(self, step: int, rounds: float) -> int:
