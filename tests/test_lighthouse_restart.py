@@ -8,6 +8,7 @@ from __future__ import annotations
 import queue as queues
 import threading
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -141,3 +142,32 @@ def test_no_quorum_message_tells_a_down_lighthouse_from_missing_peers() -> None:
     assert "is up, but fewer than min_replicas=2 peers" in str(up.value)
     assert "restart" not in str(up.value).lower()
     assert "does not answer" in str(down.value) and "restart it" in str(down.value)
+
+
+def test_a_lighthouse_whose_port_another_process_took_is_not_taken_for_started(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The port picked for a Lighthouse can be taken by another process before the Lighthouse
+    binds it (seen under -n: the Lighthouse died with "Address already in use" while ``start``
+    had connected to the other process and returned, and every quorum then failed). A port it
+    picked is picked again; a port the caller named is refused, saying so."""
+    import socket
+
+    from farlink.train import lighthouse as module
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        picks = iter([port])
+        real = module.free_port
+        monkeypatch.setattr(module, "free_port", lambda host="127.0.0.1": next(picks, None)
+                            or real(host))
+        picked = Lighthouse(log_path=tmp_path / "picked.log").start()
+        try:
+            time.sleep(1.0)  # the Lighthouse it started would have died on the taken port by now
+            assert picked.port != port and picked.proc.poll() is None
+        finally:
+            picked.stop()
+        named = Lighthouse(port=port, log_path=tmp_path / "named.log")
+        with pytest.raises(RuntimeError, match="in use by another process"):
+            named.start()

@@ -11,6 +11,7 @@ membership reach it, so a non-member never enters a quorum or learns the members
 
 from __future__ import annotations
 
+import os
 import shutil
 import socket
 import subprocess
@@ -32,6 +33,40 @@ def free_port(host: str = "127.0.0.1") -> int:
         return sock.getsockname()[1]
 
 
+def port_free(host: str, port: int) -> bool:
+    """Whether ``port`` can be bound on ``host`` now."""
+    with socket.socket() as sock:
+        try:
+            sock.bind((host, port))
+        except OSError:
+            return False
+    return True
+
+
+def listening(pid: int, port: int) -> bool:
+    """Whether process ``pid`` itself holds a TCP socket listening on ``port``: a connection
+    that succeeds may reach another process that took the port first. Off Linux (no /proc),
+    any listener on the port counts."""
+    try:
+        mine = {os.readlink(f"/proc/{pid}/fd/{fd}") for fd in os.listdir(f"/proc/{pid}/fd")}
+    except OSError:
+        if not Path("/proc/net/tcp").exists():
+            return not port_free("127.0.0.1", port)
+        return False  # gone, or not started yet
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            rows = Path(table).read_text().splitlines()[1:]
+        except OSError:
+            continue
+        for row in rows:
+            fields = row.split()
+            if (len(fields) > 9 and fields[3] == "0A"  # LISTEN
+                    and int(fields[1].rsplit(":", 1)[1], 16) == port
+                    and f"socket:[{fields[9]}]" in mine):
+                return True
+    return False
+
+
 class Lighthouse:
     def __init__(
         self,
@@ -44,6 +79,9 @@ class Lighthouse:
         authenticator: Authenticator | None = None,
     ) -> None:
         self.host, self.port = host, port or free_port(host)
+        # a port picked here may be taken by another process before the Lighthouse binds it:
+        # then start() picks another one (a port the caller named is refused instead)
+        self._port_picked = port is None or authenticator is not None
         self.authenticator = authenticator
         self.gate: Gate | None = None
         # behind a gate the Lighthouse listens on loopback only; the gate takes the address
@@ -70,21 +108,31 @@ class Lighthouse:
             "--quorum_tick_ms", "20",
         ]
         out = open(self.log_path, "ab") if self.log_path else subprocess.DEVNULL
-        # tied to this process: a launcher killed with SIGKILL takes its Lighthouse along
-        self.proc = popen_tied(argv, stdout=out, stderr=subprocess.STDOUT)
         deadline = time.time() + wait
-        while time.time() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(
-                    f"Lighthouse exited with code {self.proc.returncode} at {self.address} "
-                    f"(port in use? see {self.log_path})"
-                )
-            try:
-                with socket.create_connection((self.bind_host, self.bind_port), timeout=0.5):
+        for attempt in range(3):
+            # tied to this process: a launcher killed with SIGKILL takes its Lighthouse along
+            self.proc = popen_tied(argv, stdout=out, stderr=subprocess.STDOUT)
+            while time.time() < deadline and self.proc.poll() is None:
+                if listening(self.proc.pid, self.bind_port):
                     return self._start_gate()
-            except OSError:
                 time.sleep(0.1)
+            if self.proc.poll() is None:
+                break
+            taken = not port_free(self.bind_host, self.bind_port)
+            if not (taken and self._port_picked and attempt < 2):
+                raise RuntimeError(
+                    f"Lighthouse exited with code {self.proc.returncode} at {self.address}"
+                    f"{' (its port is in use by another process)' if taken else ''}; see "
+                    f"{self.log_path or 'its output'}")
+            self._repick_port()  # another process took the port picked for it: pick again
+            argv[2] = f"{self.bind_host}:{self.bind_port}"
+        self.stop(kill=True)
         raise RuntimeError(f"Lighthouse did not listen on {self.address} within {wait:.0f}s")
+
+    def _repick_port(self) -> None:
+        self.bind_port = free_port(self.bind_host)
+        if self.authenticator is None:
+            self.port = self.bind_port
 
     def _start_gate(self) -> Lighthouse:
         if self.authenticator is None:
