@@ -11,7 +11,6 @@ membership reach it, so a non-member never enters a quorum or learns the members
 
 from __future__ import annotations
 
-import os
 import shutil
 import socket
 import subprocess
@@ -21,6 +20,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from farlink.lifeline import popen_tied
+from farlink.listeners import listening
 
 if TYPE_CHECKING:
     from farlink.robust.auth import Authenticator
@@ -43,28 +43,13 @@ def port_free(host: str, port: int) -> bool:
     return True
 
 
-def listening(pid: int, port: int) -> bool:
-    """Whether process ``pid`` itself holds a TCP socket listening on ``port``: a connection
-    that succeeds may reach another process that took the port first. Off Linux (no /proc),
-    any listener on the port counts."""
-    try:
-        mine = {os.readlink(f"/proc/{pid}/fd/{fd}") for fd in os.listdir(f"/proc/{pid}/fd")}
-    except OSError:
-        if not Path("/proc/net/tcp").exists():
-            return not port_free("127.0.0.1", port)
-        return False  # gone, or not started yet
-    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
-        try:
-            rows = Path(table).read_text().splitlines()[1:]
-        except OSError:
-            continue
-        for row in rows:
-            fields = row.split()
-            if (len(fields) > 9 and fields[3] == "0A"  # LISTEN
-                    and int(fields[1].rsplit(":", 1)[1], 16) == port
-                    and f"socket:[{fields[9]}]" in mine):
-                return True
-    return False
+def listens(pid: int, port: int) -> bool:
+    """Whether process ``pid`` itself listens on ``port`` (a connection that succeeds may reach
+    another process that took the port first). Without /proc (not Linux), any listener
+    counts."""
+    if not Path("/proc/net/tcp").exists():
+        return not port_free("127.0.0.1", port)
+    return any(held == port for _, _, held in listening({pid}))
 
 
 class Lighthouse:
@@ -113,7 +98,7 @@ class Lighthouse:
             # tied to this process: a launcher killed with SIGKILL takes its Lighthouse along
             self.proc = popen_tied(argv, stdout=out, stderr=subprocess.STDOUT)
             while time.time() < deadline and self.proc.poll() is None:
-                if listening(self.proc.pid, self.bind_port):
+                if listens(self.proc.pid, self.bind_port):
                     return self._start_gate()
                 time.sleep(0.1)
             if self.proc.poll() is None:
